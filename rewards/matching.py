@@ -1,0 +1,112 @@
+"""Batched step matching on padded similarity tensors (SPEC sections 3, 4 and 11).
+
+Everything here works on a whole batch at once: ``sim`` is ``[B, N, M]`` (predicted
+steps x reference steps, cosine similarities), ``valid`` marks the real (unpadded)
+entries. No Python loop runs over examples or pairs; the loops that remain run over
+matching rounds or matrix rows, so their length is bounded by the step counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Integer "infinity" for rank tensors; larger than any flattened N*M index.
+_BIG = torch.iinfo(torch.int64).max
+
+
+def greedy_match(sim: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Greedy 1:1 assignment of SPEC section 3, batched; returns a bool ``[B, N, M]`` mask.
+
+    Paper order: pairs with ``sim >= threshold`` in descending similarity, ties by lower
+    prediction index then lower reference index, accepted when both steps are still free.
+    Rather than walking that order pair by pair, each round accepts every pair that comes
+    first (in that order) among all free pairs of its own row and its own column. Such a
+    "locally dominant" pair is exactly one the sequential greedy would accept, so the
+    result is identical, and a round usually settles most rows at once.
+    """
+    B, N, M = sim.shape
+    matched = torch.zeros_like(valid)
+    if N == 0 or M == 0:
+        return matched
+    candidate = valid & (sim >= threshold)
+    # Rank = position in the paper's processing order. A stable descending sort of the
+    # row-major flattening puts ties in (lower j, then lower k) order.
+    flat = sim.masked_fill(~candidate, float("-inf")).reshape(B, N * M)
+    order = torch.sort(flat, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(N * M, device=sim.device).expand(B, -1))
+    rank = rank.reshape(B, N, M).masked_fill(~candidate, _BIG)
+
+    free_row = torch.ones(B, N, 1, dtype=torch.bool, device=sim.device)
+    free_col = torch.ones(B, 1, M, dtype=torch.bool, device=sim.device)
+    while True:
+        live = candidate & free_row & free_col
+        if not bool(live.any()):
+            return matched
+        r = rank.masked_fill(~live, _BIG)
+        dominant = live & (r == r.amin(dim=2, keepdim=True)) & (r == r.amin(dim=1, keepdim=True))
+        matched |= dominant
+        free_row &= ~dominant.any(dim=2, keepdim=True)
+        free_col &= ~dominant.any(dim=1, keepdim=True)
+
+
+def monotonic_dp(weights: torch.Tensor) -> torch.Tensor:
+    """Order-preserving DP table (StepSTEM Eq. 4) for a batch of ``[B, R, C]`` weights.
+
+    ``dp[i][j] = max(dp[i-1][j], dp[i][j-1], dp[i-1][j-1] + w[i-1][j-1])``. For one row
+    the ``dp[i][j-1]`` term is a running maximum, so each row is one ``cummax``.
+    Returns the ``[B, R+1, C+1]`` table.
+    """
+    B, R, C = weights.shape
+    dp = weights.new_zeros(B, R + 1, C + 1)
+    for i in range(1, R + 1):
+        prev = dp[:, i - 1]
+        best = prev.clone()
+        best[:, 1:] = torch.maximum(prev[:, 1:], prev[:, :-1] + weights[:, i - 1])
+        dp[:, i] = torch.cummax(best, dim=1).values
+    return dp
+
+
+def dp_match(sim: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Order-preserving 1:1 matching: the monotone alignment maximising summed similarity.
+
+    Similarities below the threshold count as 0 (SPEC section 11) and a zero-weight cell
+    is never a match. Backtracking from the bottom-right corner (padding has weight 0,
+    so it never changes the optimum) prefers a diagonal step whenever it is optimal,
+    then moving up a prediction, then left a reference. Returns a bool ``[B, N, M]`` mask.
+    """
+    B, N, M = sim.shape
+    matched = torch.zeros_like(valid)
+    if N == 0 or M == 0:
+        return matched
+    w = torch.where(valid & (sim >= threshold), sim, torch.zeros_like(sim))
+    dp = monotonic_dp(w)
+    batch = torch.arange(B, device=sim.device)
+    i = torch.full((B,), N, dtype=torch.long, device=sim.device)
+    j = torch.full((B,), M, dtype=torch.long, device=sim.device)
+    for _ in range(N + M):
+        active = (i > 0) & (j > 0)
+        if not bool(active.any()):
+            break
+        ii, jj = (i - 1).clamp(min=0), (j - 1).clamp(min=0)
+        here = dp[batch, i, j]
+        cell = w[batch, ii, jj]
+        diag = active & (cell > 0) & (here == dp[batch, ii, jj] + cell)
+        up = active & ~diag & (here == dp[batch, ii, j])
+        left = active & ~diag & ~up
+        matched[batch[diag], ii[diag], jj[diag]] = True
+        i = i - (diag | up).long()
+        j = j - (diag | left).long()
+    return matched
+
+
+def longest_chain(matched: torch.Tensor) -> torch.Tensor:
+    """LIS of SPEC section 4 for a batch of 1:1 match masks, as ``[B]`` int64.
+
+    Reading prediction indices in reference order and taking the longest strictly
+    increasing subsequence is the same as the longest chain of matched cells that
+    increases in both coordinates: the monotone DP on the 0/1 mask, exact in integers.
+    """
+    if matched.shape[1] == 0 or matched.shape[2] == 0:
+        return torch.zeros(matched.shape[0], dtype=torch.long, device=matched.device)
+    return monotonic_dp(matched.long())[:, -1, -1]
