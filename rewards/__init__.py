@@ -1,5 +1,52 @@
-"""Step-level rewards: the Match-F1 scorer and the reward modules TRL calls."""
+"""Step-level rewards for GRPO: the Match-F1 scorer and the reward modules TRL calls.
 
+``get_reward_funcs(name, **params)`` returns TRL reward functions, one per named,
+objective-tagged component; their unweighted sum is the reward.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from rewards.answer_only import AnswerOnlyReward, FormatReward
+from rewards.base import RewardModule
+from rewards.composite import CompositeReward
+from rewards.cpr import CPRReward, cpr_reward
 from rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
 
-__all__ = ["MatchF1Scorer", "StepScores", "PACKAGED_MINILM", "PAPER_ENCODER"]
+REWARDS: dict[str, type[RewardModule]] = {
+    "format": FormatReward,
+    "answer_only": AnswerOnlyReward,
+    "composite": CompositeReward,
+    "cpr": CPRReward,
+}
+
+
+def reward_params(name: str) -> set[str]:
+    """Every keyword a reward module accepts (its own plus the shared scorer/guard ones)."""
+    cls = REWARDS[name]
+    own = set(inspect.signature(cls.__init__).parameters) - {"self", "common"}
+    shared = set(inspect.signature(RewardModule.__init__).parameters) - {"self"}
+    return own | shared
+
+
+def build_reward(name: str, **params) -> RewardModule:
+    if name not in REWARDS:
+        raise ValueError(f"reward {name!r} is unknown: allowed values are {', '.join(REWARDS)}")
+    unknown = sorted(set(params) - reward_params(name))
+    if unknown:
+        raise ValueError(f"reward {name!r} got unknown parameter(s) {', '.join(unknown)}; "
+                         f"allowed: {', '.join(sorted(reward_params(name)))}")
+    return REWARDS[name](**params)
+
+
+def get_reward_funcs(name: str, **params) -> list[Callable]:
+    """TRL-compatible reward functions for the named reward (see module docstring)."""
+    return build_reward(name, **params).reward_funcs()
+
+
+__all__ = [
+    "REWARDS", "RewardModule", "build_reward", "get_reward_funcs", "reward_params", "cpr_reward",
+    "MatchF1Scorer", "StepScores", "PACKAGED_MINILM", "PAPER_ENCODER",
+]

@@ -1,0 +1,212 @@
+"""Answer correctness C (SPEC section 5): type-adapted comparison of two answers.
+
+Ground-truth answers are numbers, option letters, yes/no, words or phrases, and the
+policy writes them in many surface forms ("$12", "12 sheep", "(B) 12", "Yes."). The
+checks run in this order, and the first that applies decides:
+
+1. Option letters, when the truth is a single letter or ``choices`` are given:
+   "B", "(B)", "B.", "B)", "option B", "the answer is B", "(B) 12" all read B, and with
+   ``choices`` an option's text stands for its letter (both ways).
+2. yes/no/true/false, when the truth is one of them (yes == true, no == false).
+3. Numbers, when the truth holds exactly one number: the prediction must hold exactly
+   one number too, equal within max(rel_tol * max(|a|, |b|), abs_tol). Currency signs,
+   units, thousands separators, unicode minus and fractions ("1/2") are understood.
+   Percentages: when exactly one side is a percentage, "50%" matches both 50 and 0.5;
+   when both are, the numbers before "%" are compared. A text with several numbers is
+   ambiguous and only matches by normalised text.
+4. Normalised exact match (NFKC, case, straight quotes, punctuation, articles, spaces).
+5. An optional judge ``(predicted, truth) -> bool`` for free-form answers only: it is
+   never asked about numbers, letters or yes/no, so it cannot overrule those checks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+Judge = Callable[[str, str], bool]
+_default_judge: Judge | None = None
+
+
+def set_default_judge(fn: Judge | None) -> None:
+    """Install (or, with None, remove) the judge used by calls that pass no ``judge``."""
+    global _default_judge
+    _default_judge = fn
+
+
+# --- normalisation helpers ---------------------------------------------------------
+
+_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'",
+                         "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"',
+                         "\u2212": "-", "\u2012": "-", "\u2013": "-", "\ufe63": "-",
+                         "\u2044": "/"})  # also unicode minus/dashes and the fraction slash
+_ARTICLES = {"a", "an", "the"}
+_DIGIT_PUNCT = re.compile(r"(?<=\d)[^\w\s](?=\d)")
+
+
+def _text(value: str | int | float | None) -> str:
+    """The answer as stripped NFKC text (bools read yes/no); None, NaN, inf and other types read ''."""
+    if isinstance(value, str):
+        return unicodedata.normalize("NFKC", value).translate(_QUOTES).strip()
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return str(value)
+    return ""
+
+
+def _normalize(text: str) -> str:
+    """Lowercase, drop punctuation and articles, collapse whitespace (SQuAD-style).
+
+    Punctuation between two digits becomes a space instead, so "1-2" never reads "12".
+    """
+    text = _DIGIT_PUNCT.sub(" ", text.lower())
+    text = "".join(ch for ch in text if not unicodedata.category(ch).startswith("P"))
+    return " ".join(w for w in text.split() if w not in _ARTICLES)
+
+
+def _yes_no(text: str) -> bool | None:
+    norm = _normalize(text)
+    return True if norm in ("yes", "true") else False if norm in ("no", "false") else None
+
+
+# --- numbers -----------------------------------------------------------------------
+
+class _Num(NamedTuple):
+    value: float
+    percent: bool
+
+
+_CUR = r"(?:[$€£¥₹]\s*)?"
+_NUMBER = re.compile(
+    r"(?<![\w.])" + _CUR + r"([-+])?\s*" + _CUR
+    + r"(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?!\d)"  # 1,234.5 | 12.5 | .5
+    + r"(?:\s*/\s*(\d+(?:\.\d+)?))?"                                 # fraction 1/2
+    + r"(?:[eE]([-+]?\d+))?"                                         # exponent 1e5
+    + r"(\s*(?:%|percent\b|per\s+cent\b))?", re.IGNORECASE)
+
+
+def _numbers(text: str, limit: int = 2) -> list[_Num]:
+    """Up to ``limit`` numbers found in the text (enough to tell none / one / several)."""
+    found = []
+    for m in _NUMBER.finditer(text):
+        sign, body, denom, exp, pct = m.groups()
+        value = float(body.replace(",", ""))
+        if denom is not None:
+            value = value / float(denom) if float(denom) else math.nan
+        if exp:
+            value *= float("1e" + exp)  # overflows to inf (then rejected), never raises
+        if sign == "-":
+            value = -value
+        found.append(_Num(value if math.isfinite(value) else math.nan, bool(pct)))
+        if len(found) >= limit:
+            break
+    return found
+
+
+def _one_number(text: str) -> _Num | None:
+    nums = _numbers(text)
+    return nums[0] if len(nums) == 1 and math.isfinite(nums[0].value) else None
+
+
+def _close(a: float, b: float, rel_tol: float, abs_tol: float) -> bool:
+    return abs(a - b) <= max(rel_tol * max(abs(a), abs(b)), abs_tol)
+
+
+def _numbers_match(p: _Num, t: _Num, rel_tol: float, abs_tol: float) -> bool:
+    """Compare with tolerance; a lone percentage may be read as its number or its fraction."""
+    if p.percent == t.percent:
+        return _close(p.value, t.value, rel_tol, abs_tol)
+    pct, other = (p, t) if p.percent else (t, p)
+    return any(_close(v, other.value, rel_tol, abs_tol) for v in (pct.value, pct.value / 100))
+
+
+# --- option letters ----------------------------------------------------------------
+
+_BARE_LETTER = re.compile(r"^\(?([A-Za-z])\)?[.:)]?$")
+_PHRASE_LETTER = re.compile(r"^(?:the\s+)?(?:correct\s+|final\s+)?(?:answer|option|choice)"
+                            r"(?:\s+is)?\s*:?\s*\(?([A-Za-z])\)?[.:)]?$", re.IGNORECASE)
+_PREFIX_LETTER = re.compile(r"^(?:\(([A-Za-z])\)\s*|([A-Z])[.)]\s+)\S")
+
+
+def _bare_letter(text: str) -> str | None:
+    m = _BARE_LETTER.match(text)
+    return m.group(1).upper() if m else None
+
+
+def _read_letter(text: str) -> str | None:
+    """The option letter a prediction names: "B", "(B)", "option B", "(B) 12", ..."""
+    for pattern in (_BARE_LETTER, _PHRASE_LETTER, _PREFIX_LETTER):
+        m = pattern.match(text)
+        if m:
+            return next(g for g in m.groups() if g).upper()
+    return None
+
+
+def _choice_letter(text: str, choices: Sequence[str]) -> str | None:
+    """The letter of the option whose text this is: exact normalised text, else a unique number."""
+    norm = _normalize(text)
+    opts = [_text(c) if isinstance(c, (str, int, float)) else "" for c in choices]
+    for i, opt in enumerate(opts[:26]):
+        if norm and _normalize(opt) == norm:
+            return chr(ord("A") + i)
+    num = _one_number(text)
+    if num is None:
+        return None
+    hits = [i for i, opt in enumerate(opts[:26])
+            if (o := _one_number(opt)) is not None and _numbers_match(num, o, 0.0, 1e-9)]
+    return chr(ord("A") + hits[0]) if len(hits) == 1 else None
+
+
+# --- the comparison ----------------------------------------------------------------
+
+def answers_match(
+    predicted: str | int | float | None,
+    truth: str | int | float | None,
+    choices: Sequence[str] | None = None,
+    *,
+    rel_tol: float = 1e-2,
+    abs_tol: float = 1e-6,
+    judge: Judge | None = None,
+) -> bool:
+    """True when ``predicted`` gives the answer ``truth`` (see the module docstring).
+
+    An empty or missing answer on either side never matches. ``judge`` (or the default
+    installed with ``set_default_judge``) is consulted only for free-form answers that
+    did not match exactly; its exceptions propagate to the caller.
+    """
+    pred, gold = _text(predicted), _text(truth)
+    if not pred or not gold:
+        return False
+    choices = list(choices) if choices else None
+
+    gold_letter = _bare_letter(gold)
+    if gold_letter is None and choices:
+        gold_letter = _choice_letter(gold, choices)
+    if gold_letter is not None:
+        pred_letter = _read_letter(pred) or (_choice_letter(pred, choices) if choices else None)
+        if pred_letter is not None or _bare_letter(gold):
+            return pred_letter == gold_letter
+
+    gold_yn, pred_yn = _yes_no(gold), _yes_no(pred)
+    if gold_yn is not None:
+        return pred_yn == gold_yn
+
+    gold_num, pred_nums = _one_number(gold), _numbers(pred)
+    if gold_num is not None:
+        if len(pred_nums) == 1 and math.isfinite(pred_nums[0].value):
+            return _numbers_match(pred_nums[0], gold_num, rel_tol, abs_tol)
+        if not pred_nums:
+            return False
+
+    norm_pred, norm_gold = _normalize(pred), _normalize(gold)
+    if norm_pred and norm_pred == norm_gold:
+        return True
+
+    free_form = (gold_letter is None and gold_num is None and pred_yn is None
+                 and _bare_letter(pred) is None and _one_number(pred) is None)
+    judge = judge if judge is not None else _default_judge
+    return bool(free_form and judge is not None and judge(pred, gold))

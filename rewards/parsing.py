@@ -1,0 +1,160 @@
+"""Parse a policy completion into reasoning steps and an answer (SPEC section 2).
+
+The policy must answer with one JSON object
+``{"reasoning_steps": ["...", "..."], "answer": "..."}``. ``parse_completion`` reports
+whether a completion follows that format exactly (the format indicator F) and, even when
+it does not, extracts steps and answer leniently so they can still be scored. It runs
+on every sampled completion inside the reward, so it must never raise on any input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+# Bounds on the lenient scan, so a huge junk completion costs linear time at most.
+MAX_SCAN_CHARS = 200_000
+MAX_SCAN_STARTS = 20
+
+# At most one surrounding fence: ``` or ```json, the body is everything up to the last ```.
+_FENCE = re.compile(r"\A```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```\Z", re.DOTALL | re.IGNORECASE)
+_DECODER = json.JSONDecoder()
+
+
+def _reject_constant(name: str) -> Any:
+    """json hook: NaN / Infinity are not JSON, so they fail the strict format check."""
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+_STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """What a completion says: its steps (stripped, non-empty), its answer, and F."""
+
+    steps: list[str] = field(default_factory=list)
+    answer: str | None = None
+    format_ok: bool = False
+
+
+def _is_number(value: Any) -> bool:
+    """True for JSON numbers; bool is an int subclass in Python but not a number here."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _content_text(content: Any) -> str:
+    """Text of one message's content: a str, or a list of parts like {"type": "text", "text": ...}."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+        return "".join(parts)
+    return ""
+
+
+def _completion_text(completion: Any) -> str:
+    """The assistant text of a completion: plain str, bytes, or TRL's list of message dicts.
+
+    In the conversational form the assistant messages are joined (messages without a role
+    count too); anything else is junk and reads as empty text.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (bytes, bytearray)):
+        return bytes(completion).decode("utf-8", errors="replace")
+    if isinstance(completion, dict):
+        completion = [completion]
+    if isinstance(completion, (list, tuple)):
+        messages = [m for m in completion if isinstance(m, dict)]
+        return "\n".join(_content_text(m.get("content")) for m in messages
+                         if m.get("role", "assistant") == "assistant")
+    return ""
+
+
+def _clean_steps(steps: list[Any]) -> list[str]:
+    """String (or number) items, stripped, empty ones dropped."""
+    out = []
+    for step in steps:
+        if _is_number(step):
+            step = str(step)
+        if isinstance(step, str) and step.strip():
+            out.append(step.strip())
+    return out
+
+
+def _clean_answer(answer: Any) -> str | None:
+    """A str answer stripped (empty -> None); a finite number as its str (12 -> "12")."""
+    if isinstance(answer, str):
+        return answer.strip() or None
+    if _is_number(answer) and math.isfinite(answer):
+        return str(answer)
+    return None
+
+
+def _from_object(obj: dict) -> tuple[list[str], str | None]:
+    steps = obj.get("reasoning_steps")
+    return (_clean_steps(steps) if isinstance(steps, list) else []), _clean_answer(obj.get("answer"))
+
+
+def _strict(text: str) -> dict | None:
+    """The object if the text is exactly the required JSON (optionally in one fence), else None."""
+    fenced = _FENCE.match(text)
+    body = fenced.group(1) if fenced else text
+    try:
+        obj = _STRICT_DECODER.decode(body.strip())
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    steps, answer = obj.get("reasoning_steps"), obj.get("answer")
+    if not (isinstance(steps, list) and all(isinstance(s, str) for s in steps)):
+        return None
+    if not (isinstance(answer, str) or _is_number(answer)):
+        return None
+    return obj
+
+
+def _first_object(text: str) -> dict | None:
+    """The first JSON object that decodes from one of the first few '{' positions."""
+    text = text[:MAX_SCAN_CHARS]
+    start = text.find("{")
+    for _ in range(MAX_SCAN_STARTS):
+        if start < 0:
+            return None
+        try:
+            obj, _end = _DECODER.raw_decode(text, start)
+        except (ValueError, RecursionError):
+            obj = None
+        if isinstance(obj, dict):
+            return obj
+        start = text.find("{", start + 1)
+    return None
+
+
+def parse_completion(completion: Any) -> ParsedOutput:
+    """Steps, answer and format indicator of one completion; never raises.
+
+    ``format_ok`` is the strict check of SPEC section 2; steps and answer come from the
+    first JSON object in the text when the format is wrong, and are empty/None without one.
+    """
+    try:
+        text = _completion_text(completion).strip()
+        obj = _strict(text)
+        format_ok = obj is not None
+        if obj is None:
+            obj = _first_object(text)
+        if obj is None:
+            return ParsedOutput([], None, False)
+        steps, answer = _from_object(obj)
+        return ParsedOutput(steps, answer, format_ok)
+    except Exception:  # noqa: BLE001 - a reward input must never crash training
+        return ParsedOutput([], None, False)

@@ -1,0 +1,188 @@
+"""Score predicted reasoning steps against reference chains (Match F1, SPEC sections 1, 3, 4).
+
+    python -m rewards.score --predictions preds.jsonl --data data.jsonl --out report.json
+
+Prediction rows: ``{"id", "reasoning_steps": [...], "answer"}``; data rows follow SPEC
+section 1 (``reference_sets``, when present, compete with ``reference_steps``: best chain
+wins). Only steps are scored here, not answers. Examples without a prediction and
+predictions for unknown ids are listed in the report and printed as warnings; they are
+not scored. Malformed input (or an encoder that cannot load) exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from rewards.match_f1 import PACKAGED_MINILM, EncoderLoadError, MatchF1Scorer
+
+METRICS = ("precision", "recall", "f1", "lis_ratio", "ordered_f1")
+MAX_ERRORS = 20
+
+
+def _is_str_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(s, str) for s in x)
+
+
+def _check_pred(row: dict) -> str | None:
+    if not _is_str_list(row.get("reasoning_steps")):
+        return "'reasoning_steps' must be a list of strings"
+    if "answer" not in row:
+        return "missing field 'answer'"
+    if row["answer"] is not None and (isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float))):
+        return "'answer' must be a string, a number or null"
+    return None
+
+
+def _check_data(row: dict) -> str | None:
+    for key in ("question", "answer", "reference_steps"):
+        if key not in row:
+            return f"missing field {key!r}"
+    if not isinstance(row["question"], str):
+        return "'question' must be a string"
+    if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)):
+        return "'answer' must be a string or a number"
+    if not _is_str_list(row["reference_steps"]):
+        return "'reference_steps' must be a list of strings"
+    sets = row.get("reference_sets")
+    if sets is not None and not (isinstance(sets, list) and all(_is_str_list(c) for c in sets)):
+        return "'reference_sets' must be a list of lists of strings"
+    if not isinstance(row.get("source", ""), str):
+        return "'source' must be a string"
+    return None
+
+
+def read_jsonl(path: Path, check, errors: list[str]) -> dict[str, dict]:
+    """Rows keyed by ``str(id)`` in file order; problems are appended to ``errors``."""
+    rows: dict[str, dict] = {}
+    first_line: dict[str, int] = {}
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                errors.append(f"{path}:{n}: invalid JSON ({err.msg} at column {err.colno})")
+                continue
+            if not isinstance(row, dict):
+                errors.append(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+                continue
+            rid = row.get("id")
+            if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)):
+                errors.append(f"{path}:{n}: missing field 'id' (a string or integer)" if rid is None
+                              else f"{path}:{n}: 'id' must be a string or integer")
+                continue
+            problem = check(row)
+            if problem:
+                errors.append(f"{path}:{n}: id {rid!r}: {problem}")
+            elif str(rid) in first_line:
+                errors.append(f"{path}:{n}: duplicate id {rid!r} (first on line {first_line[str(rid)]})")
+            else:
+                first_line[str(rid)] = n
+                rows[str(rid)] = row
+    return rows
+
+
+def _summary(examples: list[dict]) -> dict:
+    n = len(examples)
+    out = {k: (sum(e[k] for e in examples) / n if n else None) for k in METRICS}
+    out["mean_pred_steps"] = sum(e["n_pred"] for e in examples) / n if n else None
+    out["mean_ref_steps"] = sum(e["n_ref"] for e in examples) / n if n else None
+    out["n"] = n
+    return out
+
+
+def format_table(rows: dict[str, dict]) -> str:
+    head = ["subset", "precision", "recall", "match_f1", "lis_ratio", "ordered_f1", "pred_steps", "n"]
+    keys = (*METRICS, "mean_pred_steps")
+    body = [[name] + ["-" if m[k] is None else f"{m[k]:.3f}" for k in keys] + [str(m["n"])]
+            for name, m in rows.items()]
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rewards.score", description=__doc__.split("\n\n")[0])
+    p.add_argument("--predictions", required=True, type=Path)
+    p.add_argument("--data", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path, help="report.json to write")
+    p.add_argument("--encoder", default=PACKAGED_MINILM)
+    p.add_argument("--threshold", type=float, default=0.35)
+    p.add_argument("--alpha", type=float, default=0.3)
+    p.add_argument("--matcher", choices=("greedy", "dp"), default="greedy")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    return p
+
+
+def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
+    """CLI entry point. ``scorer`` (tests, notebooks) lends its already loaded encoder."""
+    args = build_parser().parse_args(argv)
+    errors: list[str] = []
+    for path in (args.predictions, args.data):
+        if not path.is_file():
+            errors.append(f"{path}: file not found")
+    if not errors:
+        preds = read_jsonl(args.predictions, _check_pred, errors)
+        data = read_jsonl(args.data, _check_data, errors)
+    if errors:
+        for e in errors[:MAX_ERRORS]:
+            print(f"error: {e}", file=sys.stderr)
+        if len(errors) > MAX_ERRORS:
+            print(f"error: ... and {len(errors) - MAX_ERRORS} more problem(s)", file=sys.stderr)
+        print(f"error: {len(errors)} malformed row(s); nothing scored", file=sys.stderr)
+        return 2
+    missing = [i for i in data if i not in preds]
+    unknown = [i for i in preds if i not in data]
+    if missing:
+        print(f"warning: {len(missing)} example(s) in {args.data} have no prediction (not scored): "
+              f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}", file=sys.stderr)
+    if unknown:
+        print(f"warning: {len(unknown)} prediction(s) in {args.predictions} have ids not in the data "
+              f"(ignored): {', '.join(unknown[:10])}{' ...' if len(unknown) > 10 else ''}", file=sys.stderr)
+    lent = scorer is not None
+    try:
+        scorer = MatchF1Scorer(scorer.model if lent else args.encoder, threshold=args.threshold,
+                               alpha=args.alpha, device=args.device, matcher=args.matcher)
+    except (EncoderLoadError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    ids = [i for i in data if i in preds]
+    chains = [[data[i]["reference_steps"], *(data[i].get("reference_sets") or [])] for i in ids]
+    s = scorer.score([preds[i]["reasoning_steps"] for i in ids], chains)
+    examples = []
+    for b, i in enumerate(ids):
+        ex = {"id": data[i]["id"], "source": data[i].get("source")}
+        ex.update({k: getattr(s, k)[b].item() for k in (*METRICS, "n_pred", "n_ref", "n_matched")})
+        ex.update(best_reference=s.best_reference[b].item(), pairs=s.pairs[b].tolist())
+        examples.append(ex)
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for ex in examples:
+        by_source[ex["source"] or "(no source)"].append(ex)
+    rows = {"all": _summary(examples)}
+    if any(ex["source"] for ex in examples):
+        rows.update({src: _summary(exs) for src, exs in sorted(by_source.items())})
+    print(format_table(rows))
+    report = {
+        "overall": rows["all"],
+        "per_source": {k: v for k, v in rows.items() if k != "all"},
+        "examples": examples,
+        "missing_predictions": missing,
+        "unknown_predictions": unknown,
+        "settings": {"predictions": str(args.predictions), "data": str(args.data),
+                     "encoder": args.encoder, "encoder_preloaded": lent,
+                     "threshold": args.threshold, "alpha": args.alpha, "matcher": args.matcher,
+                     "device": str(scorer.device)},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.out} ({len(examples)} scored, {len(missing)} missing, {len(unknown)} unknown)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Answer correctness C (SPEC section 5): a table of surface forms that must and must not match."""
+
+from __future__ import annotations
+
+import pytest
+
+from rewards import answers
+from rewards.answers import answers_match, set_default_judge
+
+CHOICES = ["10 apples", "12 apples", "14 apples", "Paris"]
+
+# (predicted, truth, choices, expected)
+CASES = [
+    # plain numbers, units, currency
+    ("12", "12", None, True),
+    ("12.0", "12", None, True),
+    ("12 sheep", "12", None, True),
+    ("$12", "12", None, True),
+    ("12", "$12.00", None, True),
+    ("€12", "12", None, True),
+    ("12 km", "12", None, True),
+    ("12km", "12", None, True),
+    ("The answer is 12.", "12", None, True),
+    (12, "12", None, True),
+    ("12", 12.0, None, True),
+    (12, 12, None, True),
+    ("12", "120", None, False),
+    ("120", "12", None, False),
+    ("12", "13", None, False),
+    ("12", "1.2", None, False),
+    ("twelve", "12", None, False),
+    ("no number here", "12", None, False),
+    # negatives
+    ("-3", "-3", None, True),
+    ("\u22123", "-3", None, True),  # unicode minus
+    ("-3", -3, None, True),
+    ("-$12", "-12", None, True),
+    ("3", "-3", None, False),
+    ("-3", "3", None, False),
+    # thousands separators
+    ("1,234", "1234", None, True),
+    ("1234", "1,234", None, True),
+    ("$1,234.50", "1234.5", None, True),
+    ("1,234,567", "1234567", None, True),
+    ("1,2345", "12345", None, False),
+    ("1-2", "12", None, False),
+    # decimals vs fractions
+    ("1/2", "0.5", None, True),
+    ("0.5", "1/2", None, True),
+    (".5", "0.5", None, True),
+    ("\u00bd", "0.5", None, True),  # vulgar fraction one half
+    ("3/4", 0.75, None, True),
+    ("1/2", "2", None, False),
+    ("1/3", "0.3", None, False),
+    ("1/0", "0", None, False),
+    # tolerance (default relative 1e-2)
+    ("3.14159", "3.14", None, True),
+    ("0.333", "1/3", None, True),
+    ("0", "0.0000001", None, True),
+    ("1e3", "1000", None, True),
+    ("100", "102", None, False),
+    # percentages: "50%" matches 50 and 0.5; two percentages compare the numbers before "%"
+    ("50%", "50", None, True),
+    ("50%", "0.5", None, True),
+    ("0.5", "50%", None, True),
+    ("50", "50%", None, True),
+    ("50 percent", "0.5", None, True),
+    ("50%", "50%", None, True),
+    ("0.5%", "50%", None, False),
+    ("5%", "50", None, False),
+    # several numbers: ambiguous, only normalised exact match
+    ("3 apples and 4 pears", "3", None, False),
+    ("3 apples and 4 pears", "3 apples and 4 pears.", None, True),
+    ("3 apples and 4 pears", "3 apples and 5 pears", None, False),
+    ("between 10 and 20", "10", None, False),
+    # option letters
+    ("B", "B", None, True),
+    ("(B)", "B", None, True),
+    ("B.", "B", None, True),
+    ("B)", "B", None, True),
+    ("b", "B", None, True),
+    ("option B", "B", None, True),
+    ("Option (B)", "B", None, True),
+    ("the answer is B", "B", None, True),
+    ("The correct answer is (B).", "B", None, True),
+    ("Answer: B", "B", None, True),
+    ("(B) 12", "B", None, True),
+    ("B) 12 apples", "B", None, True),
+    ("B", "(B)", None, True),
+    ("A", "B", None, False),
+    ("(A) 12", "B", None, False),
+    ("B", "Bee", None, False),
+    ("Bee", "B", None, False),
+    ("Both", "B", None, False),
+    ("12", "B", None, False),
+    # option text vs letter with choices
+    ("B", "12 apples", CHOICES, True),
+    ("12 apples", "B", CHOICES, True),
+    ("12", "B", CHOICES, True),
+    ("(B) 12 apples", "12 apples", CHOICES, True),
+    ("paris", "D", CHOICES, True),
+    ("D", "Paris", CHOICES, True),
+    ("A", "12 apples", CHOICES, False),
+    ("10 apples", "B", CHOICES, False),
+    ("London", "D", CHOICES, False),
+    ("E", "B", CHOICES, False),
+    # yes / no / true / false
+    ("yes", "Yes", None, True),
+    ("Yes.", "yes", None, True),
+    ("YES!", "yes", None, True),
+    ("true", "yes", None, True),
+    ("True", "Yes", None, True),
+    (True, "yes", None, True),
+    ("no", "false", None, True),
+    ("No.", "no", None, True),
+    ("yes", "no", None, False),
+    ("false", "yes", None, False),
+    ("maybe", "yes", None, False),
+    ("yes, it is", "yes", None, False),
+    # normalised exact match
+    ("Paris", "paris", None, True),
+    ("The Eiffel Tower", "eiffel tower", None, True),
+    ("  an  apple ", "Apple", None, True),
+    ("U.S.A.", "USA", None, True),
+    ("\u201cHello\u201d", '"hello"', None, True),  # curly quotes
+    ("don\u2019t know", "don't know", None, True),
+    ("\uff30\uff41\uff52\uff49\uff53", "Paris", None, True),  # full-width letters (NFKC)
+    ("New   York City", "new york city", None, True),
+    ("Paris", "London", None, False),
+    ("cat", "cats", None, False),
+    # empty, None and junk never match
+    ("", "", None, False),
+    (None, None, None, False),
+    ("12", None, None, False),
+    (None, "12", None, False),
+    ("", "12", None, False),
+    ("   ", "   ", None, False),
+    ("...", "!!!", None, False),
+    ("the", "a", None, False),
+    (float("nan"), float("nan"), None, False),
+]
+
+
+@pytest.mark.parametrize(("predicted", "truth", "choices", "expected"), CASES)
+def test_answers_match_table(predicted, truth, choices, expected):
+    assert answers_match(predicted, truth, choices) is expected
+
+
+def test_table_is_large_and_balanced():
+    assert len(CASES) >= 80
+    assert sum(c[3] for c in CASES) >= 30 and sum(not c[3] for c in CASES) >= 30
+
+
+def test_tolerance_is_configurable():
+    assert answers_match("100", "101")  # default rel_tol 1e-2
+    assert not answers_match("100", "101", rel_tol=1e-3)
+    assert answers_match("100", "110", rel_tol=0.1)
+    assert not answers_match("12", "12.1", rel_tol=0.0, abs_tol=0.0)
+    assert answers_match("12", "12.1", rel_tol=0.0, abs_tol=0.2)
+    assert not answers_match("0", "0.001")
+    assert answers_match("0", "0.001", abs_tol=1e-2)
+
+
+class RecordingJudge:
+    def __init__(self, verdict: bool) -> None:
+        self.verdict = verdict
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, predicted: str, truth: str) -> bool:
+        self.calls.append((predicted, truth))
+        return self.verdict
+
+
+def test_judge_is_consulted_for_free_form_mismatch():
+    judge = RecordingJudge(True)
+    assert answers_match("the capital of France", "Paris", judge=judge)
+    assert judge.calls == [("the capital of France", "Paris")]
+    assert not answers_match("London", "Paris", judge=RecordingJudge(False))
+
+
+def test_judge_is_not_consulted_when_exact_or_typed():
+    judge = RecordingJudge(True)
+    assert answers_match("Paris", "paris", judge=judge)  # exact match: no need
+    assert not answers_match("13", "12", judge=judge)  # numeric mismatch
+    assert not answers_match("many", "12", judge=judge)  # numeric truth, no number
+    assert not answers_match("A", "B", judge=judge)  # letters
+    assert not answers_match("Bee", "B", judge=judge)
+    assert not answers_match("no", "yes", judge=judge)  # yes/no
+    assert not answers_match("12", "Paris", judge=judge)  # numeric prediction
+    assert not answers_match("", "Paris", judge=judge)  # empty
+    assert judge.calls == []
+
+
+def test_default_judge_applies_to_all_calls_and_can_be_removed():
+    judge = RecordingJudge(True)
+    set_default_judge(judge)
+    try:
+        assert answers_match("big apple", "New York City")
+        assert len(judge.calls) == 1
+        local = RecordingJudge(False)
+        assert not answers_match("big apple", "New York City", judge=local)  # explicit wins
+        assert len(local.calls) == 1 and len(judge.calls) == 1
+    finally:
+        set_default_judge(None)
+    assert answers._default_judge is None
+    assert not answers_match("big apple", "New York City")
+
+
+def test_huge_or_odd_inputs_do_not_raise():
+    assert not answers_match("9" * 5000, "1")
+    assert not answers_match("1e999999", "1")
+    assert not answers_match("x" * 200_000 + " 12", "13")
+    assert answers_match("12", "12", choices=[None, 3, "12"])  # junk choices are tolerated
