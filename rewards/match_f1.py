@@ -341,8 +341,10 @@ class MatchF1Scorer:
         table = table.to(self.device, torch.float32)
         if table.numel() == 0:
             table = torch.zeros(1, 1, device=self.device)
-        pred_emb = table[pred_pad.clamp(min=0)][rex_dev]  # [R, N, d]
-        ref_emb = table[ref_pad.clamp(min=0)]  # [R, M, d]
+        # One index_select per side (advanced indexing, done twice, was several times slower).
+        gather = lambda pad: table.index_select(0, pad.clamp(min=0).reshape(-1)).view(*pad.shape, table.shape[1])  # noqa: E731
+        pred_emb = gather(pred_pad[rex_dev])  # [R, N, d]
+        ref_emb = gather(ref_pad)  # [R, M, d]
         sim = torch.bmm(pred_emb, ref_emb.transpose(1, 2))
         scores = match_similarities(sim, n_pred[rex_dev], n_ref, self.threshold, self.alpha, self.matcher)
         return best_per_example(scores, rex, n_examples)

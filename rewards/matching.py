@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import torch
 
-# Integer "infinity" for rank tensors; larger than any flattened N*M index.
-_BIG = torch.iinfo(torch.int64).max
-
-
 def greedy_match(sim: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
     """Greedy 1:1 assignment of SPEC section 3, batched; returns a bool ``[B, N, M]`` mask.
 
@@ -33,21 +29,23 @@ def greedy_match(sim: torch.Tensor, valid: torch.Tensor, threshold: float) -> to
     # row-major flattening puts ties in (lower j, then lower k) order.
     flat = sim.masked_fill(~candidate, float("-inf")).reshape(B, N * M)
     order = torch.sort(flat, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(N * M, device=sim.device).expand(B, -1))
-    rank = rank.reshape(B, N, M).masked_fill(~candidate, _BIG)
-
-    free_row = torch.ones(B, N, 1, dtype=torch.bool, device=sim.device)
-    free_col = torch.ones(B, 1, M, dtype=torch.bool, device=sim.device)
+    # int32 ranks: on CPU, int64 min-reductions are not vectorised (~15x slower than int32).
+    dtype = torch.int32 if N * M < torch.iinfo(torch.int32).max else torch.int64
+    big = torch.iinfo(dtype).max
+    rank = torch.empty(B, N * M, dtype=dtype, device=sim.device)
+    rank.scatter_(1, order, torch.arange(N * M, dtype=dtype, device=sim.device).expand(B, -1))
+    # Free candidate pairs keep their rank; taken rows/columns and non-candidates hold big.
+    rank = rank.reshape(B, N, M).masked_fill_(~candidate, big)
     while True:
-        live = candidate & free_row & free_col
-        if not bool(live.any()):
+        row_min = rank.amin(dim=2, keepdim=True)
+        alive = row_min < big
+        if not bool(alive.any()):
             return matched
-        r = rank.masked_fill(~live, _BIG)
-        dominant = live & (r == r.amin(dim=2, keepdim=True)) & (r == r.amin(dim=1, keepdim=True))
+        row_min.masked_fill_(~alive, -1)  # a row with no free candidate takes nothing
+        dominant = (rank == row_min) & (rank == rank.amin(dim=1, keepdim=True))
         matched |= dominant
-        free_row &= ~dominant.any(dim=2, keepdim=True)
-        free_col &= ~dominant.any(dim=1, keepdim=True)
+        rank.masked_fill_(dominant.any(dim=2, keepdim=True), big)
+        rank.masked_fill_(dominant.any(dim=1, keepdim=True), big)
 
 
 def monotonic_dp(weights: torch.Tensor) -> torch.Tensor:

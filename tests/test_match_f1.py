@@ -320,3 +320,11 @@ def test_cuda_half_precision_matches_cpu(scorer):
     refs = [["Tom has 3 * 4 = 12 apples.", "12 - 2 = 10 apples remain."], ["Option B is right."]]
     a, b = scorer.score(preds, refs), gpu.score(preds, refs)
     assert torch.allclose(a.f1, b.f1) and all(math.isfinite(x) for x in b.ordered_f1.tolist())
+
+
+def test_whole_batch_without_any_predicted_step(scorer):
+    """A batch where no completion has a step (a fresh policy) must score, not crash."""
+    s = scorer.score([[], []], [["a cat sat"], ["a dog ran", "it barked"]])
+    assert s.f1.tolist() == [0.0, 0.0] and s.n_ref.tolist() == [1, 2]
+    s = scorer.score([[], []], [[], []])
+    assert s.f1.tolist() == [1.0, 1.0]

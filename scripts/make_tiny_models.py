@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""Tiny random-weight models for tests, built from configs in a few seconds (no hub access).
+
+    python scripts/make_tiny_models.py [OUT_DIR]      # default .cache/models/
+
+Builds (skipping any that already exist):
+- ``OUT_DIR/tiny-qwen2``: ``Qwen2ForCausalLM`` (hidden 64, 2 layers, 4 heads, 2 KV heads)
+  with a byte-level BPE tokenizer (vocab ~1000) trained on text from the word-problem
+  templates, the system prompt and the JSON output format; Qwen chat template; then a
+  few seconds of supervised warm-up on short JSON answers (``warm_up_format``) so its
+  sampled completions earn varied rewards.
+- ``OUT_DIR/tiny-qwen2.5-vl``: ``Qwen2_5_VLForConditionalGeneration`` (text hidden 64,
+  2 layers; vision depth 1, hidden 32) with the same tokenizer plus the vision special
+  tokens, the PIL image processor (56*56 .. 112*112 pixels) and a chat template that
+  takes list content (text and image parts).
+
+``build_tiny_lm(path)`` and ``build_tiny_vlm(path)`` are importable for tests. The folders
+load with ``train.models.load_policy``. Both are deterministic (fixed seed), so two
+builds give the same token ids and weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / ".cache" / "models"
+LM_NAME = "tiny-qwen2"
+VLM_NAME = "tiny-qwen2.5-vl"
+VOCAB_SIZE = 1000
+SEED = 0
+
+# Qwen2's pre-tokenizer split (transformers' tokenization_qwen2.PRETOKENIZE_REGEX). In
+# transformers 5 the Qwen2 tokenizer class re-imposes this normaliser and pre-tokenizer
+# on reload (model_type qwen2), so the BPE is trained with exactly these settings or ids
+# change after save/reload.
+PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                     r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+TEXT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+# Qwen style; string content or a list of {"type": "text"|"image", ...} parts.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _load_script(name: str):
+    """Import a sibling script (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_crystal_{name}", Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def corpus() -> list[str]:
+    """Text the tokenizer is trained on: word problems, steps, JSON answers, prompts."""
+    make_data = _load_script("make_data")
+    rows = make_data.generate(1500, seed=99)
+    lines = [
+        "Solve the problem step by step. Reply with exactly one JSON object and nothing else: "
+        '{"reasoning_steps": ["<step 1>", "<step 2>", "..."], "answer": "<final answer>"}. '
+        "Each step is one short sentence. For multiple choice, answer with the option letter.",
+        "You are a helpful assistant.",
+        "system user assistant Options: (A) (B) (C) (D) yes no true false",
+        "How many red circles are there? Are there more squares than triangles? Which shape appears most often?",
+        "I count the blue squares: there are 3. green yellow shapes picture total",
+        "0 1 2 3 4 5 6 7 8 9 10 11 12 + - * / = $ % . , : ; ! ? ( ) [ ] { } \" ' ` \n ```json\n```",
+    ]
+    words = ("so the answer is first then next after that finally therefore because we have has had get gets "
+             "left total each more less than times half twice sum difference product per hour hours minutes "
+             "dollars cost costs price change pay pays buy buys sell sells share shares equal equally friends "
+             "old older younger years ago will be was were are there how many much what which who when where "
+             "count counts number numbers add subtract multiply divide plus minus option letter correct true "
+             "false yes no image picture shape shapes circle square triangle red blue green yellow colour")
+    for _ in range(3):  # frequent enough (min_frequency 2) to become whole tokens
+        lines.append(words)
+        lines.extend(f"<|im_start|>{role}\n" for role in ("system", "user", "assistant"))
+    for r in rows:
+        steps = r["reference_steps"]
+        lines.append(r["question"])
+        lines.append(" ".join(steps))
+        lines.append(json.dumps({"reasoning_steps": steps, "answer": r["answer"]}))
+        if r.get("choices"):
+            lines.append("Options: " + " ".join(f"({'ABCD'[i]}) {c}" for i, c in enumerate(r["choices"])))
+    return lines
+
+
+@functools.lru_cache(maxsize=2)
+def train_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A ``tokenizers.Tokenizer``: byte-level BPE with Qwen2's NFC normaliser and pre-tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
+                               fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, show_progress=False,
+        special_tokens=TEXT_SPECIALS + VISION_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    return tok
+
+
+def _hf_tokenizer(tok, chat_template: str = CHAT_TEMPLATE, vision: bool = False):
+    from transformers import Qwen2Tokenizer
+
+    vocab = tok.get_vocab()
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
+              for m in json.loads(tok.to_str())["model"]["merges"]]
+    # Special tokens are part of the trained vocab (ids 0..6), so adding them again reuses ids.
+    extra = VISION_SPECIALS if vision else []
+    hf = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
+                        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                        additional_special_tokens=["<|im_start|>", "<|im_end|>"] + extra, padding_side="left")
+    hf.chat_template = chat_template
+    hf.padding_side = "left"
+    return hf
+
+
+def _done(path: Path) -> bool:
+    return (path / "config.json").exists() and any(path.glob("*.safetensors"))
+
+
+def build_tiny_lm(path: str | Path, overwrite: bool = False) -> Path:
+    """Tiny ``Qwen2ForCausalLM`` + trained tokenizer in ``path`` (skipped when present)."""
+    path = Path(path)
+    if _done(path) and not overwrite:
+        return path
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = _hf_tokenizer(train_tokenizer())
+    torch.manual_seed(SEED)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                               bos_token_id=None)
+    warm_up_format(model, tok)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def warm_up_format(model, tok, steps: int = 150, batch_size: int = 16, lr: float = 1e-2) -> None:
+    """A few seconds of supervised training on short JSON answers to the word problems.
+
+    A random-weight model never writes the JSON output format, so every reward is 0,
+    every GRPO advantage is 0 and nothing trains. After this warm-up the tiny model's
+    sampled completions are JSON-like with varied steps and answers: some parse, some
+    match a reference step, some are right, so GRPO tests see real reward variance.
+    """
+    import random
+
+    import torch
+
+    from train.data import build_prompt
+
+    rows = [json.loads(x) for x in (REPO_ROOT / "data" / "wordproblems" / "train.jsonl").read_text().splitlines()]
+    texts = []
+    for r in rows:
+        target = json.dumps({"reasoning_steps": r["reference_steps"][:1], "answer": r["answer"]})
+        prompt = tok.apply_chat_template(build_prompt(r), add_generation_prompt=True, tokenize=False)
+        texts.append(prompt + target + tok.eos_token)
+    rng = random.Random(SEED)
+    torch.manual_seed(SEED)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bit-identical builds on any machine
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    try:
+        for _ in range(steps):
+            enc = tok(rng.sample(texts, batch_size), return_tensors="pt", padding=True,
+                      add_special_tokens=False)
+            labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+            loss = model(**enc, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+
+
+def _image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
+                                    temporal_patch_size=2, merge_size=2)
+
+
+def build_tiny_vlm(path: str | Path, overwrite: bool = False) -> Path:
+    """Tiny ``Qwen2_5_VLForConditionalGeneration`` + image-only processor in ``path``."""
+    path = Path(path)
+    if _done(path) and not overwrite:
+        return path
+    import torch
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    from train.models import ImageOnlyQwen2_5_VLProcessor
+
+    tok = _hf_tokenizer(train_tokenizer(), vision=True)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
+    heads, hidden = 4, 64
+    head_dim = hidden // heads  # 16: mrope_section must sum to head_dim / 2 = 8
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[0]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(SEED)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                               bos_token_id=None)
+    processor = ImageOnlyQwen2_5_VLProcessor(image_processor=_image_processor(), tokenizer=tok,
+                                             chat_template=CHAT_TEMPLATE)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    import time
+
+    argv = sys.argv[1:] if argv is None else argv
+    out = Path(argv[0]) if argv else DEFAULT_OUT
+    for name, fn in ((LM_NAME, build_tiny_lm), (VLM_NAME, build_tiny_vlm)):
+        t0 = time.time()
+        p = out / name
+        existed = _done(p)
+        fn(p)
+        print(f"{p}: {'already there' if existed else f'built in {time.time() - t0:.1f} s'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""Model loading (train/models.py), the tiny test models and the generated data sets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ("id", "question", "answer", "reference_steps", "source")
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_test_{name}", REPO_ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------- tiny causal LM
+TEXTS = [
+    "Tom buys 3 packs of 4 pencils, so he has 3 * 4 = 12 pencils.",
+    '{"reasoning_steps": ["Mia has 2 * 6 = 12 apples.", "Each friend gets 12 / 3 = 4."], "answer": "4"}',
+    "```json\n{\"answer\": \"B\"}\n```  Options: (A) 12 (B) 15",
+    "Unicode: café, naïve, 😀 and\ttabs\n\n  spaces",
+]
+
+
+def test_tiny_lm_token_ids_survive_save_and_reload(tiny_lm_path):
+    from transformers import AutoTokenizer
+
+    raw = _script("make_tiny_models").train_tokenizer()  # the tokenizer as trained, before saving
+    tok = AutoTokenizer.from_pretrained(tiny_lm_path)
+    for text in TEXTS:
+        ids = tok(text)["input_ids"]
+        assert ids == raw.encode(text).ids, text
+        assert tok.decode(ids) == text
+    assert 700 <= len(tok) <= 1100
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None and tok.pad_token != tok.eos_token
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert chat.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    # Special tokens are single ids; numbers and JSON keys tokenise into few pieces.
+    assert len(tok("<|im_start|><|im_end|>")["input_ids"]) == 2
+    assert len(tok('"reasoning_steps"')["input_ids"]) <= 4
+
+
+def test_tiny_lm_loads_via_load_policy_and_generates(tiny_lm_path):
+    import torch
+    from train.models import ModelConfig, load_policy
+
+    model, tok = load_policy(ModelConfig(str(tiny_lm_path)))
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.float32
+    assert tok.padding_side == "left" and tok.pad_token_id is not None
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+               for q in ("What is 2 + 3?", "Sam has 4 boxes of 6 eggs. How many eggs does he have?")]
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    assert (batch["attention_mask"][0, 0] == 0) and (batch["attention_mask"][:, -1] == 1).all()  # left padded
+    out = model.generate(**batch, max_new_tokens=5, do_sample=False)
+    n = batch["input_ids"].shape[1]
+    assert out.shape[0] == 2 and n < out.shape[1] <= n + 5
+    assert len(tok.batch_decode(out[:, n:], skip_special_tokens=True)) == 2
+
+
+def test_builders_are_idempotent(tiny_lm_path):
+    mk = _script("make_tiny_models")
+    before = (tiny_lm_path / "model.safetensors").stat().st_mtime_ns
+    assert mk.build_tiny_lm(tiny_lm_path) == Path(tiny_lm_path)
+    assert (tiny_lm_path / "model.safetensors").stat().st_mtime_ns == before
+
+
+# --------------------------------------------------------------------------- tiny VLM
+def test_tiny_vlm_has_a_real_processor_and_generates_from_an_image(tiny_vlm_path, tiny_lm_path):
+    import torch
+    from PIL import Image
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
+    from transformers.processing_utils import ProcessorMixin
+    from train.models import ModelConfig, is_vision_language, load_policy
+
+    model, proc = load_policy(ModelConfig(str(tiny_vlm_path)))
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration" and is_vision_language(model.config)
+    assert isinstance(proc, ProcessorMixin) and not isinstance(proc, PreTrainedTokenizerBase)
+    assert proc.image_processor is not None and proc.tokenizer.padding_side == "left"
+    # Same ids as the LM tokenizer for ordinary text; vision tokens are single special ids.
+    lm_tok = AutoTokenizer.from_pretrained(tiny_lm_path)
+    assert proc.tokenizer(TEXTS[0])["input_ids"] == lm_tok(TEXTS[0])["input_ids"]
+    assert proc.tokenizer.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
+
+    image = Image.open(REPO_ROOT / "data" / "shapes" / "images" / "shape-001.png").convert("RGB")
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "How many red circles are there?"}]}]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|vision_start|><|image_pad|><|vision_end|>How many red circles" in text
+    inputs = proc(text=[text], images=[image], return_tensors="pt", padding=True)
+    grid = inputs["image_grid_thw"]
+    n_image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    assert n_image_tokens == int(grid.prod()) // proc.image_processor.merge_size ** 2 > 0
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()
+    out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] <= inputs["input_ids"].shape[1] + 4
+    # The tokenized chat-template path TRL uses for conversational VLM prompts.
+    tokenized = proc.apply_chat_template([messages], add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert "pixel_values" in tokenized and "image_grid_thw" in tokenized
+
+
+def test_autoprocessor_alone_returns_a_bare_tokenizer(tiny_vlm_path):
+    """Why load_policy builds the processor itself (if this starts failing, the fallback may go)."""
+    from transformers import AutoProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    assert not isinstance(AutoProcessor.from_pretrained(tiny_vlm_path), ProcessorMixin)
+
+
+# --------------------------------------------------------------------------- config mapping and errors
+def test_peft_config_mapping():
+    from peft import LoraConfig
+    from train.models import LoraSettings, ModelConfig, peft_config
+
+    assert peft_config(ModelConfig("x")) is None
+    cfg = peft_config(ModelConfig("x", lora=LoraSettings(r=8, alpha=16, dropout=0.1, target_modules=["q_proj", "v_proj"])))
+    assert isinstance(cfg, LoraConfig)
+    assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout) == (8, 16, 0.1)
+    assert set(cfg.target_modules) == {"q_proj", "v_proj"} and cfg.task_type == "CAUSAL_LM"
+    assert peft_config(ModelConfig("x", lora=LoraSettings())).target_modules == "all-linear"
+
+
+def test_peft_config_accepts_the_yaml_sections():
+    from train.config import LoraSection, ModelSection
+    from train.models import peft_config
+
+    cfg = peft_config(ModelSection(name_or_path="x", lora=LoraSection(r=4, alpha=8)))
+    assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules) == (4, 8, 0.05, "all-linear")
+
+
+def test_lora_wraps_the_tiny_lm(tiny_lm_path):
+    from peft import get_peft_model
+    from train.models import LoraSettings, ModelConfig, load_policy, peft_config
+
+    cfg = ModelConfig(str(tiny_lm_path), lora=LoraSettings(r=4, alpha=8))
+    model, _ = load_policy(cfg)
+    assert not hasattr(model, "peft_config")  # not wrapped: TRL wraps it
+    wrapped = get_peft_model(model, peft_config(cfg))
+    trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    assert 0 < trainable < sum(p.numel() for p in wrapped.parameters()) / 2
+
+
+def test_internvl_needs_trust_remote_code(tmp_path):
+    from train.models import ModelConfig, ModelLoadError, load_policy
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "internvl_chat", "architectures": ["InternVLChatModel"],
+        "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig",
+                     "AutoModel": "modeling_internvl_chat.InternVLChatModel"}}))
+    with pytest.raises(ModelLoadError, match=r"model\.trust_remote_code"):
+        load_policy(ModelConfig(str(tmp_path)))
+    assert ModelConfig("x").trust_remote_code is False
+
+
+def test_missing_local_path_says_what_was_tried(tmp_path):
+    from train.models import ModelConfig, ModelLoadError, load_policy
+
+    missing = tmp_path / "no" / "such-model"
+    with pytest.raises(ModelLoadError) as err:
+        load_policy(ModelConfig(str(missing)))
+    assert str(missing) in str(err.value) and "name_or_path" in str(err.value)
+
+
+def test_uncached_hub_id_says_how_to_use_a_local_folder(monkeypatch):
+    from train.models import ModelConfig, ModelLoadError, load_policy
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError) as err:
+        load_policy(ModelConfig("crystal-tests/not-a-cached-model"))
+    msg = str(err.value)
+    assert "crystal-tests/not-a-cached-model" in msg and "local" in msg and "name_or_path" in msg
+
+
+def test_empty_folder_and_missing_gguf_file(tmp_path):
+    from train.models import ModelConfig, ModelLoadError, load_policy
+
+    with pytest.raises(ModelLoadError, match=re.escape(str(tmp_path))):
+        load_policy(ModelConfig(str(tmp_path)))
+    with pytest.raises(ModelLoadError, match="gguf_file"):
+        load_policy(ModelConfig(str(tmp_path), gguf_file="model.Q4_1.gguf"))
+    with pytest.raises(ValueError, match="dtype"):
+        load_policy(ModelConfig(str(tmp_path), dtype="int8"))
+
+
+def test_prepare_smollm2_is_idempotent(tmp_path):
+    out = tmp_path / "SmolLM2"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert _script("prepare_smollm2").prepare(out) == out  # returns at once, downloads nothing
+
+
+SMOLLM2 = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(), reason="run scripts/prepare_smollm2.py first")
+def test_converted_smollm2_is_trainable_and_answers():
+    from transformers.trainer_utils import validate_quantization_for_training
+    from train.models import ModelConfig, load_policy
+
+    model, tok = load_policy(ModelConfig(str(SMOLLM2)))
+    validate_quantization_for_training(model)  # not "purely quantized"
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4? Answer with a number."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "7" in tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------- data files
+def test_make_data_is_deterministic_and_matches_the_committed_files(tmp_path):
+    mk = _script("make_data")
+    mk.make(tmp_path / "a")
+    mk.make(tmp_path / "b")
+    for name in ("train.jsonl", "val.jsonl"):
+        committed = (REPO_ROOT / "data" / "wordproblems" / name).read_bytes()
+        assert (tmp_path / "a" / name).read_bytes() == committed, f"{name}: re-run scripts/make_data.py"
+        assert (tmp_path / "b" / name).read_bytes() == committed
+
+
+def test_make_shapes_is_deterministic_and_matches_the_committed_files(tmp_path):
+    mk = _script("make_shapes")
+    mk.generate(tmp_path / "a")
+    mk.generate(tmp_path / "b")
+    committed = REPO_ROOT / "data" / "shapes"
+    files = sorted(p.relative_to(committed) for p in committed.rglob("*") if p.is_file())
+    assert Path("shapes.jsonl") in files and len(files) == 1 + len(_rows(committed / "shapes.jsonl"))
+    for rel in files:
+        assert (tmp_path / "a" / rel).read_bytes() == (committed / rel).read_bytes(), str(rel)
+        assert (tmp_path / "b" / rel).read_bytes() == (committed / rel).read_bytes(), str(rel)
+
+
+_STEP_CALC = re.compile(r"(\d+(?: [-+*/] \d+)+) = (\d+)")
+
+
+def test_word_problem_rows_are_well_formed():
+    from train.data import row_problems
+
+    base = REPO_ROOT / "data" / "wordproblems"
+    train, val = _rows(base / "train.jsonl"), _rows(base / "val.jsonl")
+    assert len(train) >= 300 and len(val) >= 48
+    ids = [r["id"] for r in train + val]
+    assert len(set(ids)) == len(ids) and all(re.fullmatch(r"wp-\d{4}", i) for i in ids)
+    assert not {r["question"] for r in train} & {r["question"] for r in val}
+    for r in train + val:
+        assert all(r.get(k) for k in REQUIRED), r["id"]
+        assert row_problems(r, base) == [], r["id"]
+        assert 2 <= len(r["reference_steps"]) <= 8
+        if "choices" in r:
+            assert len(r["choices"]) == 4 and r["answer"] in "ABCD"
+            assert r["choices"]["ABCD".index(r["answer"])] in r["reference_steps"][-1]
+        else:
+            assert re.fullmatch(r"\d+", r["answer"])
+            assert r["answer"] in r["reference_steps"][-1]
+        for step in r["reference_steps"]:  # every computation in a step is right
+            for expr, result in _STEP_CALC.findall(step):
+                assert eval(expr) == int(result), (r["id"], step)  # noqa: S307 - digits and operators only
+    steps = {len(r["reference_steps"]) for r in train}
+    assert steps == set(range(2, 9))  # the curriculum needs the spread
+    assert {r["source"] for r in train} == {"shopping", "sharing", "ages", "rates", "multi_step"}
+    assert 0.15 <= sum("choices" in r for r in train) / len(train) <= 0.25
+
+
+def test_shape_rows_are_well_formed():
+    from PIL import Image
+    from train.data import row_problems
+
+    base = REPO_ROOT / "data" / "shapes"
+    rows = _rows(base / "shapes.jsonl")
+    assert 20 <= len(rows) <= 40
+    for r in rows:
+        assert all(r.get(k) for k in REQUIRED) and not Path(r["image"]).is_absolute()
+        assert row_problems(r, base) == [], r["id"]
+        with Image.open(base / r["image"]) as im:
+            assert 64 <= im.size[0] <= 96 and im.format == "PNG"
+        assert r["answer"] in ("yes", "no", "A", "B", "C") or r["answer"].isdigit()

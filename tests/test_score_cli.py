@@ -1,0 +1,125 @@
+"""`python -m rewards.score`: the shipped sample end to end, malformed input, duplicate ids.
+
+One MiniLM encoder is loaded for the whole module and lent to every ``main`` call.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rewards.match_f1 import PACKAGED_MINILM, MatchF1Scorer
+from rewards.score import main
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    return MatchF1Scorer(PACKAGED_MINILM, device="cpu")
+
+
+@pytest.fixture
+def sample(repo_root):
+    return repo_root / "data" / "sample_predictions.jsonl", repo_root / "data" / "sample_data.jsonl"
+
+
+def write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+GOOD_DATA = {"id": "q1", "question": "2 + 3?", "answer": "5", "reference_steps": ["2 + 3 = 5."]}
+GOOD_PRED = {"id": "q1", "reasoning_steps": ["2 + 3 = 5."], "answer": "5"}
+
+
+def test_sample_report(scorer, sample, tmp_path, capsys):
+    preds, data = sample
+    out = tmp_path / "sub" / "report.json"
+    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out), "--device", "cpu"],
+                scorer=scorer) == 0
+    printed = capsys.readouterr()
+    table = printed.out.splitlines()
+    assert table[0].split() == ["subset", "precision", "recall", "match_f1", "lis_ratio", "ordered_f1",
+                                "pred_steps", "n"]
+    assert [line.split()[0] for line in table[2:5]] == ["all", "MathWord", "ScienceQA"]
+    assert table[2].split()[-1] == "11"
+    assert "1 example(s)" in printed.err and "math-007" in printed.err
+    assert "1 prediction(s)" in printed.err and "sci-999" in printed.err
+
+    report = json.loads(out.read_text())
+    assert report["missing_predictions"] == ["math-007"]
+    assert report["unknown_predictions"] == ["sci-999"]
+    assert set(report["per_source"]) == {"MathWord", "ScienceQA"}
+    assert report["per_source"]["MathWord"]["n"] + report["per_source"]["ScienceQA"]["n"] == 11
+    assert report["settings"] == {
+        "predictions": str(preds), "data": str(data), "encoder": PACKAGED_MINILM,
+        "encoder_preloaded": True, "threshold": 0.35, "alpha": 0.3, "matcher": "greedy", "device": "cpu"}
+    ex = {e["id"]: e for e in report["examples"]}
+    assert len(ex) == 11 and "math-007" not in ex and "sci-999" not in ex
+    overall = report["overall"]
+    assert overall["f1"] == pytest.approx(sum(e["f1"] for e in ex.values()) / 11)
+    assert overall["mean_pred_steps"] == pytest.approx(sum(e["n_pred"] for e in ex.values()) / 11)
+    keys = {"id", "source", "precision", "recall", "f1", "lis_ratio", "ordered_f1", "n_pred", "n_ref",
+            "n_matched", "pairs", "best_reference"}
+    assert all(set(e) == keys for e in ex.values())
+    # No steps -> F1 0; identical steps -> F1 1; reversed order -> LIS ratio below 1.
+    assert ex["math-006"]["n_pred"] == 0 and ex["math-006"]["f1"] == 0.0 and ex["math-006"]["pairs"] == []
+    assert ex["sci-005"]["f1"] == 1.0 and ex["sci-005"]["pairs"] == [[0, 0], [1, 1], [2, 2]]
+    assert ex["math-005"]["f1"] == 1.0 and ex["math-005"]["lis_ratio"] < 1.0
+    assert ex["math-005"]["ordered_f1"] < ex["math-005"]["f1"]
+    # The alternative chain in reference_sets wins for math-004 (index 1; 0 is reference_steps).
+    assert ex["math-004"]["best_reference"] == 1 and ex["math-004"]["n_ref"] == 2
+    assert 0 < ex["math-002"]["f1"] < 1
+
+
+def test_malformed_rows_exit_2_with_file_and_line(scorer, tmp_path, capsys):
+    preds = write(tmp_path / "p.jsonl", [
+        json.dumps(GOOD_PRED),
+        '{"id": "q2", "reasoning_steps": ["a", ',  # line 2: invalid JSON
+        json.dumps({"id": "q3", "answer": "1"}),  # line 3: no reasoning_steps
+        "",
+        json.dumps({"id": "q4", "reasoning_steps": ["ok", 7], "answer": "1"}),  # line 5: non-string
+        json.dumps(["not", "an", "object"]),  # line 6
+    ])
+    data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA), json.dumps({"id": "q2", "question": "?"})])
+    out = tmp_path / "report.json"
+    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out)], scorer=scorer) == 2
+    err = capsys.readouterr().err
+    assert f"{preds}:2: invalid JSON" in err
+    assert f"{preds}:3: id 'q3': 'reasoning_steps' must be a list of strings" in err
+    assert f"{preds}:5: id 'q4': 'reasoning_steps' must be a list of strings" in err
+    assert f"{preds}:6: expected a JSON object" in err
+    assert f"{data}:2: id 'q2': missing field 'answer'" in err
+    assert f"{preds}:1:" not in err and f"{data}:1:" not in err
+    assert "5 malformed row(s); nothing scored" in err
+    assert not out.exists()
+
+
+def test_at_most_20_errors_are_listed(scorer, tmp_path, capsys):
+    preds = write(tmp_path / "p.jsonl", ["{bad"] * 25)
+    data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA)])
+    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json")],
+                scorer=scorer) == 2
+    err = capsys.readouterr().err
+    assert f"{preds}:20:" in err and f"{preds}:21:" not in err and "and 5 more" in err
+
+
+@pytest.mark.parametrize("which", ["predictions", "data"])
+def test_duplicate_ids_name_file_and_line(scorer, tmp_path, capsys, which):
+    rows = {"predictions": [GOOD_PRED], "data": [GOOD_DATA]}
+    rows[which] = rows[which] * 2
+    preds = write(tmp_path / "p.jsonl", [json.dumps(r) for r in rows["predictions"]])
+    data = write(tmp_path / "d.jsonl", [json.dumps(r) for r in rows["data"]])
+    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json")],
+                scorer=scorer) == 2
+    path = preds if which == "predictions" else data
+    assert f"{path}:2: duplicate id 'q1' (first on line 1)" in capsys.readouterr().err
+
+
+def test_encoder_load_failure_exits_2(tmp_path, capsys):
+    preds = write(tmp_path / "p.jsonl", [json.dumps(GOOD_PRED)])
+    data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA)])
+    argv = ["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json"),
+            "--encoder", str(tmp_path / "no-such-model"), "--device", "cpu"]
+    assert main(argv) == 2
+    assert "could not load sentence encoder" in capsys.readouterr().err

@@ -1,0 +1,198 @@
+"""End-to-end GRPO runs of train/grpo.py with tiny models on CPU: every reward, a VLM,
+checkpoints, resume, config and data errors, the non-finite guard and validation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from train import grpo
+from train.config import ConfigError, load_config
+from train.data import DataError, load_split
+
+
+def run_main(tmp_path: Path, model: Path, *overrides: str, config: str = "tiny.yaml", resume=None) -> Path:
+    out = tmp_path / "run"
+    argv = ["--config", config, "--output_dir", str(out), "--model.name_or_path", str(model), *overrides]
+    if resume:
+        argv += ["--resume_from_checkpoint", resume]
+    assert grpo.main(argv) == 0
+    return out
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("reward, components", [
+    ("cpr", ["cpr_accuracy", "cpr_reasoning"]),
+    ("composite", ["composite_reasoning", "composite_accuracy", "composite_format"]),
+    ("answer_only", ["answer_only_accuracy", "answer_only_format"]),
+    ("format", ["format"]),
+])
+def test_grpo_run_logs_every_component(tmp_path, tiny_lm_path, reward, components):
+    run = run_main(tmp_path, tiny_lm_path, "--reward.name", reward, "--validation.eval_steps", "0")
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert len(rows) == 2 and rows[-1]["step"] == 2
+    for comp in components:
+        assert all(f"rewards/{comp}/mean" in r for r in rows), comp
+    if reward != "format":
+        assert f"{reward}/accuracy" in rows[-1] and "kl_max" in rows[-1]
+    assert (run / "checkpoint-2" / "model.safetensors").exists()
+    assert (run / "final" / "model.safetensors").exists()
+    assert (run / "training_curves.png").stat().st_size > 1000
+
+
+def test_checkpoint_reloads_and_generates(tmp_path, tiny_lm_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = run_main(tmp_path, tiny_lm_path, "--validation.eval_steps", "0")
+    ckpt = run / "checkpoint-2"
+    state = json.loads((ckpt / "crystal_state.json").read_text())
+    assert len(state["rewards"]["cpr"]["guard"]["history"]) == 8  # 2 steps x 4 completions
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    before = AutoModelForCausalLM.from_pretrained(tiny_lm_path)
+    changed = any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), before.state_dict().values()))
+    assert changed, "training must change the weights"
+    ids = tok("Tom has 3 apples.", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 5
+
+
+def _step_prompts(run: Path, step: int) -> list[str]:
+    df = pd.read_parquet(run / "completions" / f"completions_{step:05d}.parquet")
+    return [str(p) for p in df["prompt"]]
+
+
+def test_resume_continues_at_the_right_step_with_the_same_data(tmp_path, tiny_lm_path):
+    common = ["--validation.eval_steps", "0", "--training.log_completions", "true"]
+    straight = run_main(tmp_path / "a", tiny_lm_path, *common, "--training.max_steps", "3")
+    first = run_main(tmp_path / "b", tiny_lm_path, *common, "--training.max_steps", "2")
+    resumed = run_main(tmp_path / "b", tiny_lm_path, *common, "--training.max_steps", "3", resume="latest")
+    assert resumed == first
+    steps = [r["step"] for r in metrics(resumed) if "loss" in r]
+    assert steps == [1, 2, 3], steps
+    assert _step_prompts(resumed, 3) == _step_prompts(straight, 3)
+    guard = json.loads((resumed / "checkpoint-3" / "crystal_state.json").read_text())["rewards"]["cpr"]["guard"]
+    assert len(guard["history"]) == 12, "guard state restored and continued on resume"
+
+
+def test_validation_metrics_and_best_checkpoint(tmp_path, tiny_lm_path):
+    run = run_main(tmp_path, tiny_lm_path, "--training.save_steps", "100", "--validation.metric", "format_rate")
+    vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
+    assert [v["step"] for v in vals] == [2]
+    for key in ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate", "steps_mean"):
+        assert key in vals[0]
+    best = json.loads((run / "best_checkpoint.json").read_text())
+    assert best["metric"] == "format_rate" and best["step"] == 2
+    assert (run / best["checkpoint"]).is_dir(), "a save is requested when the metric improves"
+    assert any("val_accuracy" in r for r in metrics(run))
+
+
+class InjectNaN(TrainerCallback):
+    """Poison the gradients at chosen steps, just before the optimizer step."""
+
+    def __init__(self, steps):
+        self.steps, self.model, self.snapshots = set(steps), None, {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        p = next(x for x in model.parameters() if x.grad is not None)
+        self.snapshots[state.global_step] = p.detach().clone()
+        if state.global_step + 1 in self.steps:
+            p.grad.fill_(float("nan"))
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        p = next(x for x in model.parameters() if x.requires_grad)
+        self.snapshots[(state.global_step, "after")] = p.detach().clone()
+
+
+def _run_with_callback(tmp_path, model_path, cb, *overrides):
+    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(model_path), "--validation.eval_steps", "0",
+                                       *overrides])
+    return grpo.run(cfg, tmp_path / "run", callbacks=[cb])
+
+
+def test_nonfinite_gradient_skips_the_update(tmp_path, tiny_lm_path):
+    cb = InjectNaN(steps={2})
+    _run_with_callback(tmp_path, tiny_lm_path, cb, "--training.max_steps", "3")
+    # Step 2's update was skipped: weights after it equal weights before it.
+    assert torch.equal(cb.snapshots[1], cb.snapshots[(1, "after")])
+    assert not torch.equal(cb.snapshots[0], cb.snapshots[(0, "after")])
+    rows = metrics(tmp_path / "run")
+    assert [r["nonfinite_skipped_total"] for r in rows if "loss" in r] == [0.0, 1.0, 1.0]
+    assert all(torch.isfinite(p).all() for p in [cb.snapshots[2]])
+
+
+def test_consecutive_nonfinite_updates_save_and_stop(tmp_path, tiny_lm_path):
+    cb = InjectNaN(steps=set(range(1, 10)))
+    with pytest.raises(SystemExit, match="3 consecutive updates had non-finite"):
+        _run_with_callback(tmp_path, tiny_lm_path, cb, "--training.max_steps", "8",
+                           "--stability.max_consecutive_nonfinite", "3", "--training.save_steps", "100")
+    assert (tmp_path / "run" / "checkpoint-3").is_dir(), "the run saves before it stops"
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--reward.nme", "cpr"], "unknown key 'reward.nme' (did you mean 'name'?); allowed keys: name, params"),
+    (["--reward.name", "prm"], "reward.name: invalid value 'prm'; expected one of 'format', 'answer_only'"),
+    (["--training.learning_rat", "1"], "training: unknown key 'learning_rat'"),
+    (["--reward.params.answer_wieght", "1"], "unknown key(s) 'answer_wieght' for reward 'cpr'"),
+    (["--validation.batch_size", "eight"], "validation.batch_size: invalid value 'eight'; expected int"),
+    (["--training.num_generations", "3"], "training:"),
+])
+def test_config_errors_name_key_and_allowed_values(override, message, capsys):
+    assert grpo.main(["--config", "tiny.yaml", *override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_name_resolution_and_overrides(repo_root):
+    cfg, _ = load_config("tiny", ["--training.max_steps=7", "--reward.params.threshold", "0.5"])
+    assert cfg.training["max_steps"] == 7 and cfg.reward.params["threshold"] == 0.5
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no_such_config.yaml")
+    for name in ("cpr_curriculum", "cpr", "composite", "answer_only", "demo", "tiny"):
+        load_config(name)
+
+
+def test_bad_data_rows_are_listed_with_file_and_line(tmp_path):
+    good = {"id": "a", "question": "1+1?", "answer": "2", "reference_steps": ["1 + 1 = 2."]}
+    bad = [good, {**good, "answer": ""}, "not json", {**good, "reference_steps": []},
+           {**good, "image": "missing.png"}, good]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in bad) + "\n")
+    with pytest.raises(DataError) as err:
+        load_split(path)
+    msg = str(err.value)
+    for line in (2, 3, 4, 5):
+        assert f"{path}:{line}:" in msg
+    assert f"{path}:1:" not in msg and "4 invalid row(s)" in msg and "unreadable image" in msg
+    split = load_split(path, skip_invalid=True)
+    assert len(split.dataset) == 2 and split.skipped == 4
+
+
+def test_plain_python_entry_point_reports_data_errors(tmp_path, repo_root, tiny_lm_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"question": "q"}\n')
+    proc = subprocess.run([sys.executable, "train/grpo.py", "--config", "tiny.yaml", "--data.train", str(path),
+                           "--model.name_or_path", str(tiny_lm_path)],
+                          cwd=repo_root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert f"{path}:1: missing or empty 'answer'" in proc.stderr
+
+
+def test_vision_language_run_with_images(tmp_path, tiny_vlm_path):
+    run = run_main(tmp_path, tiny_vlm_path, "--data.train", "data/shapes/shapes.jsonl",
+                   "--data.validation", "null", "--data.validation_fraction", "0.25",
+                   "--data.max_train_samples", "null", "--validation.max_samples", "2")
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert len(rows) == 2 and all("rewards/cpr_reasoning/mean" in r for r in rows)
+    assert (run / "checkpoint-2" / "model.safetensors").exists()
+    vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
+    assert vals[-1]["step"] == 2 and "f1" in vals[-1]

@@ -1,0 +1,188 @@
+"""Trainer callbacks: validation with greedy generation, the metrics JSONL, the end plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from rewards.base import RewardModule, _chains, evaluate, shared_scorer
+
+VALIDATION_METRICS = ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate",
+                      "steps_mean", "reward")
+
+
+def _dist() -> tuple[int, int]:
+    d = torch.distributed
+    if d.is_available() and d.is_initialized():
+        return d.get_rank(), d.get_world_size()
+    return 0, 1
+
+
+def _gather(values: list) -> list:
+    rank, world = _dist()
+    if world == 1:
+        return values
+    parts: list = [None] * world
+    torch.distributed.all_gather_object(parts, values)
+    return [v for p in parts for v in p]
+
+
+@torch.no_grad()
+def generate_greedy(model, processing_class, prompts: list, images: list | None,
+                    max_new_tokens: int, batch_size: int) -> list[str]:
+    """Greedy completions for conversational prompts (text or with images)."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    tok = getattr(processing_class, "tokenizer", processing_class)
+    side, tok.padding_side = tok.padding_side, "left"
+    device = next(model.parameters()).device
+    out: list[str] = []
+    try:
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i:i + batch_size]
+            if images is not None:
+                imgs = images[i:i + batch_size]
+                msgs = [prepare_multimodal_messages(p, images=im) for p, im in zip(chunk, imgs)]
+                texts = [processing_class.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+                         for m in msgs]
+                enc = processing_class(text=texts, images=[x for im in imgs for x in im] or None,
+                                       padding=True, return_tensors="pt")
+            else:
+                texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in chunk]
+                enc = tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+            enc = {k: v.to(device) for k, v in enc.items()}
+            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+            out.extend(tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    finally:
+        tok.padding_side = side
+    return out
+
+
+def validation_metrics(completions: list, rows: list[dict], module: RewardModule) -> dict[str, float]:
+    """Accuracy, step metrics, format rate, mean steps and the (unguarded) reward."""
+    scorer = module.scorer or shared_scorer(encoder="packaged:all-MiniLM-L6-v2")
+    refs = [_chains(r["reference_steps"], r.get("reference_sets")) for r in rows]
+    batch = evaluate(completions, [r["answer"] for r in rows], refs, [r.get("choices") for r in rows],
+                     scorer, module.step_metric, module.answer_options)
+    comps = module.components(batch)
+    total = torch.stack(list(comps.values())).nansum(dim=0)
+    mean = lambda t: float(t[~torch.isnan(t)].mean()) if bool((~torch.isnan(t)).any()) else math.nan  # noqa: E731
+    return {"accuracy": mean(batch.correct), "f1": mean(batch.f1), "precision": mean(batch.precision),
+            "recall": mean(batch.recall), "ordered_f1": mean(batch.ordered_f1),
+            "format_rate": mean(batch.format_ok), "steps_mean": mean(batch.n_pred), "reward": mean(total)}
+
+
+class ValidationCallback(TrainerCallback):
+    """Greedy validation every ``eval_steps``; records the best checkpoint by a metric.
+
+    The best record (``best_checkpoint.json`` in the run folder) names the checkpoint
+    saved at that step; a save is requested when the metric improves, and the trainer's
+    ``best_model_checkpoint`` is set so checkpoint rotation never deletes it.
+    """
+
+    def __init__(self, trainer, dataset, cfg, run_dir: str | Path, module: RewardModule) -> None:
+        self.trainer, self.dataset, self.cfg, self.module = trainer, dataset, cfg, module
+        self.run_dir = Path(run_dir)
+        self.best: dict | None = None
+        best = self.run_dir / "best_checkpoint.json"
+        if best.exists():  # resumed run: keep the record
+            self.best = json.loads(best.read_text())
+        self.last_step = -1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.cfg.eval_steps and state.global_step % self.cfg.eval_steps == 0:
+            self.run(state, control)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.last_step != state.global_step and not self.trainer.stopped_nonfinite:
+            self.run(state, control, final=True)
+
+    def run(self, state, control, final: bool = False) -> dict[str, float]:
+        from trl.models.utils import unwrap_model_for_generation
+
+        trainer = self.trainer
+        n = len(self.dataset) if self.cfg.max_samples is None else min(self.cfg.max_samples, len(self.dataset))
+        rank, world = _dist()
+        mine = list(range(rank, n, world))
+        rows = [self.dataset[i] for i in mine]
+        images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
+        model = trainer.model_wrapped
+        was_training = model.training
+        with unwrap_model_for_generation(model, trainer.accelerator) as unwrapped:
+            unwrapped.eval()
+            completions = generate_greedy(unwrapped, trainer.processing_class, [r["prompt"] for r in rows],
+                                          images, self.cfg.max_new_tokens, self.cfg.batch_size)
+        model.train(was_training)
+        completions = _gather(completions)
+        rows = _gather([{k: r[k] for k in ("answer", "reference_steps", "choices", "id")}
+                        | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
+                        for r in rows])
+        metrics = validation_metrics(completions, rows, self.module)
+        self.last_step = state.global_step
+        if trainer.is_world_process_zero():
+            with open(self.run_dir / "validation.jsonl", "a") as fh:
+                fh.write(json.dumps({"step": state.global_step, **metrics}) + "\n")
+            with open(self.run_dir / f"validation_samples_step{state.global_step}.jsonl", "w") as fh:
+                for r, c in zip(rows[:20], completions[:20]):
+                    fh.write(json.dumps({"id": r["id"], "completion": c}) + "\n")
+        logged = {f"val_{k}": v for k, v in metrics.items() if math.isfinite(v)}
+        if final:
+            trainer.log(logged)
+        else:  # joins this step's own log line instead of stealing its training metrics
+            for k, v in logged.items():
+                trainer._metrics["train"][k].append(v)
+        value = metrics[self.cfg.metric]
+        if math.isfinite(value) and (self.best is None or value > self.best["value"]):
+            ckpt = f"checkpoint-{state.global_step}"
+            self.best = {"metric": self.cfg.metric, "value": value, "step": state.global_step,
+                         "checkpoint": ckpt, "metrics": metrics}
+            state.best_metric = value
+            state.best_model_checkpoint = str(Path(trainer.args.output_dir) / ckpt)
+            if not final:
+                control.should_save = True
+            if trainer.is_world_process_zero():
+                (self.run_dir / "best_checkpoint.json").write_text(json.dumps(self.best, indent=2))
+        return metrics
+
+
+class MetricsJsonlCallback(TrainerCallback):
+    """Every log line, as JSON, in ``metrics.jsonl`` of the run folder (main process)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs):
+        if state.is_world_process_zero and logs:
+            clean = {k: v for k, v in logs.items() if isinstance(v, (int, float, str)) or v is None}
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps({"step": state.global_step, **clean}) + "\n")
+
+
+class PlotCallback(TrainerCallback):
+    """Reward, Match F1, accuracy and KL curves as a PNG when training ends."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from train.plot import plot_run
+
+            try:
+                plot_run(self.run_dir)
+            except Exception as err:  # noqa: BLE001 - a plot must never fail a finished run
+                print(f"could not draw the training plot: {err}")
+
+
+def ensure_dir(path: str | Path) -> Path:
+    p = Path(path)
+    os.makedirs(p, exist_ok=True)
+    return p

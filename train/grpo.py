@@ -1,0 +1,226 @@
+"""The main job: GRPO with step-level rewards, from one YAML config.
+
+    accelerate launch train/grpo.py --config cpr_curriculum.yaml [--section.key value ...]
+    python train/grpo.py --config demo.yaml --resume_from_checkpoint latest
+
+A bare config name resolves against configs/. With ``phases`` in the config (the
+CPR-Curriculum), each phase runs in its own folder and starts from the previous
+phase's best (or last) checkpoint; an interrupted run resumes inside the right phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python train/grpo.py` and `accelerate launch train/grpo.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.config import ConfigError, RunConfig, apply_phase, load_config  # noqa: E402
+from train.data import DataError  # noqa: E402
+from train.models import ModelLoadError  # noqa: E402
+
+PHASE_DONE = "phase_done.json"
+
+
+def _main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def say(msg: str) -> None:
+    if _main_process():
+        print(msg, flush=True)
+
+
+def setup_distributed(cfg: RunConfig) -> dict:
+    """CPU multi-process route (tests, CI): gloo for DDP and for DeepSpeed ZeRO-3.
+
+    Must run before the training arguments exist (ENV_NOTES: otherwise batch-size checks
+    fail and ``accelerate --cpu`` silently runs one process).
+    """
+    if cfg.cpu_backend != "gloo" or int(os.environ.get("WORLD_SIZE", "1")) == 1 and not cfg.training.get("deepspeed"):
+        return {}
+    from accelerate import PartialState
+
+    if cfg.training.get("deepspeed"):
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+
+
+def grpo_args(cfg: RunConfig, output_dir: Path, extra: dict):
+    """Map the config onto TRL's GRPOConfig; the paper's choices are the defaults here."""
+    from trl import GRPOConfig
+
+    t = dict(cfg.training)
+    defaults = {
+        "output_dir": str(output_dir),
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": 100,  # paper: a checkpoint every 100 steps
+        "report_to": "none",
+        "bf16": cfg.model.dtype == "bfloat16",
+        "fp16": cfg.model.dtype == "float16",
+        "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        # Paper recipe under TRL 1.x, whose defaults differ (SPEC section 7).
+        "loss_type": "grpo",
+        "beta": 0.04,
+        "scale_rewards": "group",
+        "epsilon": 0.2,
+        "temperature": 0.9,
+        "top_p": 1.0,
+        "top_k": 50,
+        "seed": 42,
+        "remove_unused_columns": False,
+        "disable_tqdm": False,
+    }
+    t = {**defaults, **t, **extra, "output_dir": str(output_dir)}
+    try:
+        return GRPOConfig(**t)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"training: {err}") from err
+
+
+def _sampler_factory(cfg: RunConfig, dataset, max_steps: int):
+    if cfg.curriculum is None:
+        return None
+    from curricula import make_sampler_factory
+
+    return make_sampler_factory(cfg.curriculum, dataset, max_steps)
+
+
+def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callbacks: list | None = None) -> dict:
+    """One GRPO run; returns its final validation metrics."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from rewards import build_reward
+    from train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
+    from train.data import load_datasets
+    from train.models import load_policy, peft_config
+    from train.trainer import CrystalGRPOTrainer
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    extra = setup_distributed(cfg)
+    # The sentence encoder loads before anything DeepSpeed could partition.
+    module = build_reward(cfg.reward.name, **cfg.reward.params)
+    train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
+    if train.skipped:
+        say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")
+    args = grpo_args(cfg, output_dir, extra)
+    model, processing_class = load_policy(cfg.model)
+    checkpoint = None
+    if resume == "latest":
+        checkpoint = get_last_checkpoint(str(output_dir))
+        say(f"resuming from {checkpoint}" if checkpoint else f"no checkpoint in {output_dir}: starting fresh")
+    elif resume:
+        checkpoint = resume
+    trainer = CrystalGRPOTrainer(
+        model=model,
+        reward_funcs=module.reward_funcs(),
+        args=args,
+        train_dataset=train.dataset,
+        processing_class=processing_class,
+        peft_config=peft_config(cfg.model),
+        sampler_factory=_sampler_factory(cfg, train.dataset, args.max_steps),
+        max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite,
+        pcgrad=cfg.pcgrad,
+    )
+    trainer.add_callback(MetricsJsonlCallback(output_dir))
+    if val is not None:
+        trainer.add_callback(ValidationCallback(trainer, val.dataset, cfg.validation, output_dir, module))
+    trainer.add_callback(PlotCallback(output_dir))
+    for cb in callbacks or []:
+        trainer.add_callback(cb)
+    if _main_process():
+        (output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+    trainer.train(resume_from_checkpoint=checkpoint)
+    if trainer.stopped_nonfinite:
+        raise SystemExit(
+            f"stopped: {cfg.stability.max_consecutive_nonfinite} consecutive updates had non-finite "
+            f"loss/gradients (step {trainer.state.global_step}). The last good state is saved in "
+            f"{output_dir}; lower the learning rate or check the data, then resume with "
+            f"--resume_from_checkpoint latest.")
+    trainer.save_model(str(output_dir / "final"))
+    val_file = output_dir / "validation.jsonl"
+    last = json.loads(val_file.read_text().splitlines()[-1]) if val_file.exists() else {}
+    say(f"\nrun folder: {output_dir}\n  checkpoints: {output_dir}/checkpoint-*  final model: {output_dir}/final"
+        f"\n  metrics: {output_dir}/metrics.jsonl  validation: {val_file}"
+        f"\n  plot: {output_dir}/training_curves.png")
+    return last
+
+
+def phase_start(prev_dir: Path, init_from: str) -> str | None:
+    """The checkpoint a phase starts from: the previous phase's best or last."""
+    if init_from == "none":
+        return None
+    best = prev_dir / "best_checkpoint.json"
+    if init_from == "best" and best.exists():
+        ckpt = prev_dir / json.loads(best.read_text())["checkpoint"]
+        if ckpt.exists():
+            return str(ckpt)
+    return str(prev_dir / "final")
+
+
+def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: list | None = None) -> dict:
+    """All phases of a run (one when the config has none); returns validation per phase."""
+    if not cfg.phases:
+        return {"run": run_phase(cfg, run_dir, resume, callbacks)}
+    summary, prev = {}, None
+    for i, phase in enumerate(cfg.phases):
+        pcfg = apply_phase(cfg, phase)
+        pdir = run_dir / f"phase{i + 1}-{phase.name or i + 1}"
+        done = pdir / PHASE_DONE
+        if done.exists() and resume:
+            summary[phase.name] = json.loads(done.read_text())["validation"]
+            prev = pdir
+            say(f"phase {phase.name}: already done, skipping")
+            continue
+        if prev is not None and not (resume and (pdir / "trainer_state.json").exists() or
+                                     any(pdir.glob("checkpoint-*"))):
+            start = phase_start(prev, phase.init_from)
+            if start:
+                pcfg.model.name_or_path, pcfg.model.gguf_file = start, None
+                say(f"phase {phase.name}: starting from {start}")
+        elif prev is not None and resume:
+            start = json.loads((pdir / "config.json").read_text())["model"]["name_or_path"]
+            pcfg.model.name_or_path, pcfg.model.gguf_file = start, None
+        say(f"\n=== phase {i + 1}/{len(cfg.phases)}: {phase.name} ===")
+        summary[phase.name] = run_phase(pcfg, pdir, resume, callbacks)
+        if _main_process():
+            done.write_text(json.dumps({"validation": summary[phase.name]}))
+        prev = pdir
+    if _main_process():
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        keys = ["accuracy", "f1", "ordered_f1", "format_rate", "steps_mean"]
+        say("\nphase summary (final validation)\n" + f"{'phase':<16}" + "".join(f"{k:>13}" for k in keys))
+        for name, m in summary.items():
+            say(f"{name:<16}" + "".join(f"{m.get(k, float('nan')):>13.3f}" for k in keys))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="YAML file, or a name in configs/")
+    ap.add_argument("--resume_from_checkpoint", default=None, help="'latest' or a checkpoint folder")
+    ap.add_argument("--output_dir", default=None, help="run folder (default: training.output_dir or runs/<config>)")
+    args, overrides = ap.parse_known_args(argv)
+    try:
+        cfg, _ = load_config(args.config, overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
+    try:
+        run(cfg, run_dir, args.resume_from_checkpoint)
+    except (ConfigError, DataError, ModelLoadError) as err:
+        print(f"{type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

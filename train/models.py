@@ -1,0 +1,459 @@
+"""Loading the policy model and its processing class for the trainer.
+
+``load_policy(model_cfg)`` returns ``(model, processing_class)``:
+
+- causal LMs: ``AutoModelForCausalLM`` + ``AutoTokenizer`` (pad token = eos when missing,
+  left padding, as generation needs);
+- vision-language models (Qwen2-VL, Qwen2.5-VL, and the others transformers maps to
+  ``AutoModelForImageTextToText``): the model and a real *processor*. In transformers 5
+  ``Qwen2_5_VLProcessor`` requires a video processor, which needs torchvision (not
+  installable on CPU-only machines here); when the full processor cannot be built for
+  that reason, an image-only subclass (image processor + tokenizer + chat template) is
+  used instead. ``AutoProcessor.from_pretrained`` on a folder without a processor config
+  silently returns the bare tokenizer: that is detected and the processor built
+  explicitly, or TRL would treat the model as text-only;
+- InternVL's original checkpoints (``model_type: internvl_chat``) run remote code and
+  load only with ``model.trust_remote_code: true``;
+- GGUF (``gguf_file``): dequantised on load and copied into a plain model without
+  ``quantization_config`` (TRL refuses to fine-tune a "purely quantized" model).
+
+The model is returned *without* PEFT wrapping: pass ``peft_config(model_cfg)`` to TRL's
+``GRPOTrainer(peft_config=...)``, which wraps it. Hub ids load from the local cache only
+when ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` is set; a failure names the path or id
+that was tried and how to point at a local folder.
+
+``ModelConfig`` mirrors ``train.config.ModelSection`` (any object with the same
+attributes works, so the YAML section can be passed directly).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+logger = logging.getLogger(__name__)
+
+#: model_type -> needs remote code. Original InternVL checkpoints ship their modeling code.
+REMOTE_CODE_MODEL_TYPES = {"internvl_chat": "InternVL"}
+#: Known vision-language model types (others are found through the auto mapping or vision_config).
+VLM_MODEL_TYPES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "internvl_chat",
+                   "llava", "llava_next", "idefics3", "smolvlm", "gemma3", "paligemma", "mllama"}
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+class ModelLoadError(RuntimeError):
+    """A model or processor could not be loaded; the message says what was tried and what to do."""
+
+
+@dataclass
+class LoraSettings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: Union[list[str], str] = "all-linear"
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str
+    gguf_file: Union[str, None] = None
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16" | "auto"
+    attn_implementation: Union[str, None] = None
+    trust_remote_code: bool = False
+    lora: Union[LoraSettings, None] = None
+    gradient_checkpointing: bool = False
+
+
+# --------------------------------------------------------------------------- helpers
+def _offline() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in {"1", "true", "yes", "on"}
+               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    if name not in _DTYPES:
+        raise ValueError(f"model.dtype: {name!r} is not one of {', '.join(_DTYPES)}")
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+
+
+def _source(cfg: Any) -> tuple[str, bool]:
+    """(what to pass to from_pretrained, is it a local folder)."""
+    raw = str(_get(cfg, "name_or_path") or "").strip()
+    if not raw:
+        raise ModelLoadError("model.name_or_path is empty: set it to a local model folder "
+                             "(e.g. .cache/models/SmolLM2-135M-Instruct) or a cached hub id")
+    p = Path(os.path.expanduser(raw))
+    if p.exists():
+        return str(p), True
+    looks_local = raw.startswith((".", "/", "~")) or raw.count("/") > 1 or "\\" in raw or raw.endswith(".gguf")
+    if looks_local:
+        raise ModelLoadError(
+            f"model.name_or_path: no such folder {str(p.resolve())!r}. Point it at a local folder with "
+            f"config.json and weights (scripts/prepare_smollm2.py writes .cache/models/SmolLM2-135M-Instruct; "
+            f"scripts/make_tiny_models.py writes tiny test models), or at a folder holding a GGUF file "
+            f"together with model.gguf_file.")
+    return raw, False
+
+
+def _load_kwargs(cfg: Any, local: bool) -> dict:
+    kw: dict[str, Any] = {"trust_remote_code": bool(_get(cfg, "trust_remote_code", False))}
+    if not local and _offline():
+        kw["local_files_only"] = True
+    return kw
+
+
+def _fail(what: str, src: str, local: bool, err: BaseException) -> ModelLoadError:
+    if local:
+        tried = f"local folder {str(Path(src).resolve())!r}"
+        hint = "Check that it holds config.json and the weights (*.safetensors), or the GGUF file named by model.gguf_file."
+    else:
+        mode = "the local Hugging Face cache only (HF_HUB_OFFLINE=1)" if _offline() else "the Hugging Face hub"
+        tried = f"hub id {src!r} from {mode}; no local folder of that name exists"
+        hint = ("Download or convert the model into a folder and set model.name_or_path to that folder "
+                "(e.g. .cache/models/SmolLM2-135M-Instruct from scripts/prepare_smollm2.py).")
+    return ModelLoadError(f"could not load the {what}: tried {tried}. {hint} "
+                          f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})")
+
+
+def _raw_config(src: str, local: bool, kw: dict, gguf_file: str | None) -> dict | None:
+    """config.json as a dict without running any remote code (None when unavailable)."""
+    if gguf_file:
+        return None
+    try:
+        if local:
+            path = Path(src) / "config.json"
+        else:
+            from transformers.utils import cached_file
+
+            path = cached_file(src, "config.json", local_files_only=kw.get("local_files_only", False),
+                               _raise_exceptions_for_missing_entries=False)
+        if path and Path(path).is_file():
+            return json.loads(Path(path).read_text(encoding="utf-8"))
+    except Exception:  # noqa: BLE001 - only a pre-check; AutoConfig reports real problems
+        return None
+    return None
+
+
+def _check_remote_code(raw: dict | None, trust: bool, src: str) -> None:
+    if not raw:
+        return
+    mt = raw.get("model_type", "")
+    family = REMOTE_CODE_MODEL_TYPES.get(mt)
+    needs = family is not None or (bool(raw.get("auto_map")) and not _known_model_type(mt))
+    if needs and not trust:
+        name = family or f"model_type {mt!r}"
+        raise ModelLoadError(
+            f"{src!r} is a {name} checkpoint whose modeling code ships with the checkpoint "
+            f"(model_type {mt!r}, auto_map in config.json). Loading it runs that code: set "
+            f"model.trust_remote_code: true in the config (only for checkpoints you trust).")
+
+
+def _known_model_type(mt: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return mt in CONFIG_MAPPING_NAMES
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether an ``AutoConfig`` describes a vision-language (image-text-to-text) model."""
+    mt = getattr(config, "model_type", "")
+    if mt in VLM_MODEL_TYPES:
+        return True
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+        if mt in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return getattr(config, "vision_config", None) is not None
+
+
+# --------------------------------------------------------------------------- image-only processors
+def image_only_processor_class(base: type) -> type:
+    """Subclass of a processor class whose ``__init__`` takes a ``video_processor``, without it.
+
+    In transformers 5, Qwen2-VL / Qwen2.5-VL / InternVL processors insist on a video
+    processor, and building one needs torchvision. The subclass drops ``video_processor``
+    from the processor's attributes: the base ``__init__`` still runs (with
+    ``video_processor=None``; ``ProcessorMixin`` zips its positional arguments with the
+    attributes, so the ``None`` is ignored), ``from_pretrained`` loads only the image
+    processor and tokenizer, and ``save_pretrained`` writes no video config."""
+
+    def get_attributes(cls):
+        return [a for a in super(sub, cls).get_attributes() if a != "video_processor"]
+
+    def __call__(self, images=None, text=None, videos=None, **kwargs):
+        if videos is not None:
+            raise ValueError(f"{type(self).__name__} handles images only (a video processor needs torchvision)")
+        return base.__call__(self, images=images, text=text, **kwargs)
+
+    sub = type(f"ImageOnly{base.__name__}", (base,), {
+        "get_attributes": classmethod(get_attributes),
+        "__call__": __call__,
+        "__module__": __name__,
+        "__doc__": (f"{base.__name__} without the video processor (image processor + tokenizer + chat "
+                    "template): transformers 5 insists on a video processor, which needs torchvision."),
+    })
+    return sub
+
+
+def _named(base_name: str):
+    import transformers
+
+    return image_only_processor_class(getattr(transformers, base_name))
+
+
+ImageOnlyQwen2_5_VLProcessor = _named("Qwen2_5_VLProcessor")
+ImageOnlyQwen2VLProcessor = _named("Qwen2VLProcessor")
+IMAGE_ONLY_PROCESSORS = {"qwen2_5_vl": ImageOnlyQwen2_5_VLProcessor, "qwen2_vl": ImageOnlyQwen2VLProcessor}
+
+
+def _image_only_for(model_type: str) -> type | None:
+    """The image-only processor class for a model type (None if its processor needs no video part)."""
+    if model_type in IMAGE_ONLY_PROCESSORS:
+        return IMAGE_ONLY_PROCESSORS[model_type]
+    try:
+        import transformers
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+        base = getattr(transformers, PROCESSOR_MAPPING_NAMES.get(model_type) or "", None)
+    except Exception:  # noqa: BLE001
+        return None
+    if base is None or "video_processor" not in base.get_attributes():
+        return None
+    IMAGE_ONLY_PROCESSORS[model_type] = image_only_processor_class(base)
+    return IMAGE_ONLY_PROCESSORS[model_type]
+
+
+def _read_chat_template(src: str, local: bool, kw: dict) -> str | None:
+    names = ("chat_template.jinja", "chat_template.json")
+    for name in names:
+        try:
+            if local:
+                path = Path(src) / name
+            else:
+                from transformers.utils import cached_file
+
+                path = cached_file(src, name, local_files_only=kw.get("local_files_only", False),
+                                   _raise_exceptions_for_missing_entries=False)
+            if path and Path(path).is_file():
+                text = Path(path).read_text(encoding="utf-8")
+                return json.loads(text)["chat_template"] if name.endswith(".json") else text
+        except Exception:  # noqa: BLE001 - optional file
+            continue
+    return None
+
+
+def _is_processor(obj: Any) -> bool:
+    from transformers.processing_utils import ProcessorMixin
+
+    return isinstance(obj, ProcessorMixin) and getattr(obj, "image_processor", None) is not None
+
+
+def load_processor(src: str, local: bool, config: Any, kw: dict):
+    """A real multimodal processor for a VLM (never a bare tokenizer)."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    mt = getattr(config, "model_type", "")
+    err: BaseException | None = None
+    try:
+        proc = AutoProcessor.from_pretrained(src, **kw)
+        if _is_processor(proc):
+            return proc
+        logger.info("AutoProcessor gave %s for %s; building the processor explicitly", type(proc).__name__, src)
+    except Exception as e:  # noqa: BLE001 - torchvision missing, unknown processor class, ...
+        err = e
+        logger.info("AutoProcessor failed for %s (%s: %s); building the processor explicitly",
+                    src, type(e).__name__, e)
+    cls = _image_only_for(mt)
+    if cls is None:
+        if err is not None:
+            raise _fail(f"processor of {mt!r}", src, local, err) from err
+        raise ModelLoadError(f"{src!r}: AutoProcessor returned a bare tokenizer for the vision-language model "
+                             f"type {mt!r}, and TRL needs a processor to feed it images. Add the processor "
+                             f"files (preprocessor_config.json / processor_config.json) to the folder"
+                             + ("; for InternVL use the transformers-native '-HF' checkpoint "
+                                "(model_type internvl)." if mt == "internvl_chat" else "."))
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(src, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(src, **kw)
+    except Exception as e:  # noqa: BLE001
+        raise _fail("image processor / tokenizer", src, local, e) from e
+    template = _read_chat_template(src, local, kw) or getattr(tokenizer, "chat_template", None)
+    _prepare_tokenizer(tokenizer)
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+
+
+def _prepare_tokenizer(tok) -> None:
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+
+
+# --------------------------------------------------------------------------- GGUF
+def load_gguf_plain(folder: str, gguf_file: str, dtype="float32", **kw):
+    """Dequantise a GGUF checkpoint and copy it into a plain model (no ``quantization_config``).
+
+    transformers keeps ``hf_quantizer``/``quantization_config`` on a GGUF-loaded model, which
+    makes ``save_pretrained`` refuse it and TRL treat it as "purely quantized"; a fresh model
+    built from the config without that key holds the same (dequantised) weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = _torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    extra = {}
+    try:  # force dequantisation even where GGUF matmul kernels would keep the blocks packed
+        from transformers import GgufConfig
+
+        extra["quantization_config"] = GgufConfig(gguf_file=str(Path(folder) / gguf_file), dequantize=True)
+    except ImportError:  # pragma: no cover - older transformers always dequantise
+        pass
+    attn = kw.pop("attn_implementation", None)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch_dtype, **extra, **kw)
+    config = copy.deepcopy(loaded.config)  # re-reading it from the GGUF file costs seconds
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    if attn:
+        config._attn_implementation = attn
+    real_dtype = next(loaded.parameters()).dtype if torch_dtype == "auto" else torch_dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=real_dtype)
+    state = loaded.state_dict()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]
+    if missing or unexpected:
+        raise ModelLoadError(f"GGUF {gguf_file!r}: weights do not match the architecture "
+                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if tied:
+        model.tie_weights()
+    model.generation_config = loaded.generation_config
+    del loaded, state
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- public API
+def load_policy(model_cfg: Any) -> tuple[Any, Any]:
+    """Load ``(model, processing_class)`` as described in the module docstring."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src, local = _source(model_cfg)
+    kw = _load_kwargs(model_cfg, local)
+    gguf_file = _get(model_cfg, "gguf_file")
+    dtype = _torch_dtype(_get(model_cfg, "dtype", "float32") or "float32")
+    attn = _get(model_cfg, "attn_implementation")
+    trust = kw["trust_remote_code"]
+
+    if gguf_file:
+        if local and not (Path(src) / gguf_file).is_file():
+            found = sorted(p.name for p in Path(src).glob("*.gguf"))
+            raise ModelLoadError(f"model.gguf_file: {gguf_file!r} is not in {str(Path(src).resolve())!r} "
+                                 f"(GGUF files there: {found or 'none'})")
+        try:
+            model = load_gguf_plain(src, gguf_file, dtype, attn_implementation=attn, **kw)
+            tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file, **kw)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _fail(f"GGUF model {gguf_file!r}", src, local, e) from e
+        _prepare_tokenizer(tok)
+        _finish(model, tok, model_cfg)
+        return model, tok
+
+    _check_remote_code(_raw_config(src, local, kw, None), trust, src)
+    try:
+        config = AutoConfig.from_pretrained(src, **kw)
+    except Exception as e:  # noqa: BLE001
+        if "trust_remote_code" in str(e) and not trust:
+            raise ModelLoadError(f"{src!r} needs custom code from the checkpoint: set model.trust_remote_code: "
+                                 f"true in the config (only for checkpoints you trust). ({e})") from e
+        raise _fail("model config", src, local, e) from e
+    if getattr(config, "model_type", "") in REMOTE_CODE_MODEL_TYPES and not trust:
+        raise ModelLoadError(f"{src!r} is an InternVL checkpoint with remote code: set model.trust_remote_code: true")
+
+    model_kw = dict(kw, dtype=dtype)
+    if attn:
+        model_kw["attn_implementation"] = attn
+    vlm = is_vision_language(config)
+    # The processing class first: it is cheap, and a missing processor should not wait for the weights.
+    if vlm:
+        processing = load_processor(src, local, config, kw)
+        _prepare_tokenizer(processing.tokenizer)
+    else:
+        try:
+            processing = AutoTokenizer.from_pretrained(src, **kw)
+        except Exception as e:  # noqa: BLE001
+            raise _fail("tokenizer", src, local, e) from e
+        _prepare_tokenizer(processing)
+    try:
+        model = _load_vlm(src, config, model_kw) if vlm else AutoModelForCausalLM.from_pretrained(src, **model_kw)
+    except Exception as e:  # noqa: BLE001
+        raise _fail("model weights", src, local, e) from e
+    # A config-level quantization_config (e.g. a saved GGUF conversion) would block fine-tuning.
+    if getattr(model, "hf_quantizer", None) is None and hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    _finish(model, processing, model_cfg)
+    return model, processing
+
+
+def _load_vlm(src: str, config: Any, model_kw: dict):
+    from transformers import AutoModelForImageTextToText
+
+    mt = getattr(config, "model_type", "")
+    if mt == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLForConditionalGeneration as cls
+    elif mt == "qwen2_vl":
+        from transformers import Qwen2VLForConditionalGeneration as cls
+    elif mt == "internvl_chat":  # remote code: its auto_map registers AutoModel, not the image-text-to-text class
+        from transformers import AutoModel as cls
+    else:
+        cls = AutoModelForImageTextToText
+    return cls.from_pretrained(src, **model_kw)
+
+
+def _finish(model, processing, model_cfg: Any) -> None:
+    tok = getattr(processing, "tokenizer", processing)
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and gen.pad_token_id is None and tok.pad_token_id is not None:
+        gen.pad_token_id = tok.pad_token_id
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text_cfg, "pad_token_id", None) is None and tok.pad_token_id is not None:
+        text_cfg.pad_token_id = tok.pad_token_id
+    if _get(model_cfg, "gradient_checkpointing", False):
+        # transformers 5 renamed it (activation_checkpointing_enable); the old name still works, with a warning.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+
+
+def peft_config(model_cfg: Any):
+    """``peft.LoraConfig`` from ``model_cfg.lora`` (None when LoRA is off); for TRL's ``peft_config=``."""
+    lora = _get(model_cfg, "lora")
+    if lora is None:
+        return None
+    from peft import LoraConfig
+
+    target = _get(lora, "target_modules", "all-linear")
+    if isinstance(target, (list, tuple)):
+        target = list(target)
+    return LoraConfig(
+        r=int(_get(lora, "r", 16)),
+        lora_alpha=int(_get(lora, "alpha", 32)),
+        lora_dropout=float(_get(lora, "dropout", 0.05)),
+        target_modules=target,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )

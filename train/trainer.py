@@ -1,0 +1,148 @@
+"""``CrystalGRPOTrainer``: TRL's GRPOTrainer with the fewest hooks this project needs.
+
+- ``_get_train_sampler``: the step-count curriculum, when one is configured.
+- ``create_optimizer``: a guard that skips an update whose gradients are not finite and
+  stops the run (after saving) when that happens too many times in a row.
+- ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: reward state (the verbosity
+  guard's window) travels with every checkpoint, so a resumed run continues exactly. The
+  curriculum order is a pure function of (seed, step) and needs no state.
+- ``log``: adds the KL maximum over the logging window (SPEC section 6 diagnostics).
+PCGrad, when enabled, lives in ``train/pcgrad.py`` and hooks ``compute_loss``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from train.pcgrad import PCGradMixin
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "crystal_state.json"
+
+
+class NonFiniteStop(RuntimeError):
+    """Raised (after a checkpoint is saved) when too many consecutive updates were non-finite."""
+
+
+class CrystalGRPOTrainer(PCGradMixin, GRPOTrainer):
+    def __init__(self, *args: Any, sampler_factory: Callable | None = None,
+                 max_consecutive_nonfinite: int = 5, pcgrad: bool = False, **kwargs: Any) -> None:
+        self.pcgrad = pcgrad
+        self.sampler_factory = sampler_factory
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.nonfinite_skipped = 0
+        self.consecutive_nonfinite = 0
+        self.stopped_nonfinite = False
+        super().__init__(*args, **kwargs)
+        if sampler_factory is not None and hasattr(sampler_factory, "callback"):
+            self.add_callback(sampler_factory.callback())
+
+    # -- reward modules behind TRL's reward functions ---------------------------------
+    @property
+    def reward_modules(self) -> list:
+        seen = []
+        for f in self.reward_funcs:
+            m = getattr(f, "reward_module", None)
+            if m is not None and m not in seen:
+                seen.append(m)
+        return seen
+
+    # -- curriculum -------------------------------------------------------------------
+    def _get_train_sampler(self, dataset=None):
+        if self.sampler_factory is None:
+            return super()._get_train_sampler(dataset)
+        return self.sampler_factory(
+            dataset if dataset is not None else self.train_dataset,
+            mini_repeat_count=self.num_generations,
+            batch_size=self.args.generation_batch_size // self.num_generations,
+            repeat_count=self.num_iterations * self.args.steps_per_generation,
+            seed=self.args.seed,
+            steps_per_chunk=self.num_iterations * self.args.steps_per_generation
+            / self.args.gradient_accumulation_steps,
+        )
+
+    # -- non-finite guard -------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if not getattr(optimizer, "_crystal_guarded", False):
+            step = optimizer.step
+
+            def guarded_step(*args: Any, **kwargs: Any):
+                if self._grads_finite(optimizer):
+                    self.consecutive_nonfinite = 0
+                    return step(*args, **kwargs)
+                self._skip_update(optimizer)
+                return None
+
+            optimizer.step = guarded_step
+            optimizer._crystal_guarded = True
+        return optimizer
+
+    def _grads_finite(self, optimizer) -> bool:
+        """All ranks agree: under ZeRO each rank only sees its own gradient partition."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        ok = torch.tensor(1.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 0.0,
+                          device=grads[0].device if grads else "cpu")
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+        return bool(ok.item() > 0)
+
+    def _skip_update(self, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_skipped += 1
+        self.consecutive_nonfinite += 1
+        self._metrics["train"]["nonfinite_skipped"].append(1.0)
+        logger.warning("non-finite gradients at step %d: update skipped (%d in a row)",
+                       self.state.global_step, self.consecutive_nonfinite)
+        if self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
+            self.stopped_nonfinite = True
+            self.control.should_save = True
+            self.control.should_training_stop = True
+
+    # -- checkpoint state -------------------------------------------------------------
+    def crystal_state(self) -> dict:
+        return {
+            "rewards": {m.name: m.state_dict() for m in self.reward_modules},
+            "nonfinite_skipped": self.nonfinite_skipped,
+        }
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            with open(os.path.join(folder, STATE_FILE), "w") as fh:
+                json.dump(self.crystal_state(), fh)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, STATE_FILE) if checkpoint else None
+        if path and os.path.exists(path):
+            with open(path) as fh:
+                state = json.load(fh)
+            for m in self.reward_modules:
+                if m.name in state.get("rewards", {}):
+                    m.load_state_dict(state["rewards"][m.name])
+            self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
+
+    # -- logging ----------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        kl = [v for v in self._metrics[mode].get("kl", []) if not math.isnan(v)]
+        if kl:
+            logs["kl_max"] = max(kl)
+        if mode == "train" and hasattr(self.sampler_factory, "stats") and "loss" in logs:
+            chunk = self.sampler_factory.chunk_at_step(self.state.global_step - 1)
+            logs.update({f"curriculum/{k}": v for k, v in self.sampler_factory.stats(chunk).items()})
+        if mode == "train":
+            logs["nonfinite_skipped_total"] = float(self.nonfinite_skipped)
+            self._metrics[mode].pop("nonfinite_skipped", None)
+        super().log(logs, start_time)
