@@ -42,14 +42,35 @@ def setup_distributed(cfg: RunConfig) -> dict:
     Must run before the training arguments exist (ENV_NOTES: otherwise batch-size checks
     fail and ``accelerate --cpu`` silently runs one process).
     """
-    if cfg.cpu_backend != "gloo" or int(os.environ.get("WORLD_SIZE", "1")) == 1 and not cfg.training.get("deepspeed"):
+    if cfg.cpu_backend != "gloo":
         return {}
     from accelerate import PartialState
 
     if cfg.training.get("deepspeed"):
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")
-    return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+        PartialState(backend="gloo")
+        return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return {}
+    PartialState(cpu=True, backend="gloo")  # DDP over gloo (MULTI_CPU)
+    return {"use_cpu": True, "accelerator_config": {"use_configured_state": True}}
+
+
+def check_zero_resume(checkpoint: str, world_size: int) -> None:
+    """DeepSpeed ZeRO shards resume only with the number of processes that wrote them.
+
+    (DeepSpeed can re-shard through its "universal checkpoint" conversion, which HF's
+    Trainer does not load; the consolidated ``model.safetensors`` starts a new run.)
+    """
+    tag_file = Path(checkpoint) / "latest"
+    if not tag_file.exists():
+        return  # not a DeepSpeed checkpoint: full states resume on any number of processes
+    shards = list((Path(checkpoint) / tag_file.read_text().strip()).glob("*zero_pp_rank_*_model_states.pt"))
+    if shards and len(shards) != world_size:
+        raise ConfigError(
+            f"checkpoint {checkpoint} holds DeepSpeed ZeRO shards written by {len(shards)} process(es), "
+            f"but this run has {world_size}. Resume with {len(shards)} processes, or start a new run "
+            f"from its consolidated weights: --model.name_or_path {checkpoint}")
 
 
 def grpo_args(cfg: RunConfig, output_dir: Path, extra: dict):
@@ -118,6 +139,8 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
         say(f"resuming from {checkpoint}" if checkpoint else f"no checkpoint in {output_dir}: starting fresh")
     elif resume:
         checkpoint = resume
+    if checkpoint:
+        check_zero_resume(checkpoint, args.world_size)
     trainer = CrystalGRPOTrainer(
         model=model,
         reward_funcs=module.reward_funcs(),
