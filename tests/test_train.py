@@ -72,19 +72,6 @@ def _step_prompts(run: Path, step: int) -> list[str]:
     return [str(p) for p in df["prompt"]]
 
 
-def test_resume_continues_at_the_right_step_with_the_same_data(tmp_path, tiny_lm_path):
-    common = ["--validation.eval_steps", "0", "--training.log_completions", "true"]
-    straight = run_main(tmp_path / "a", tiny_lm_path, *common, "--training.max_steps", "3")
-    first = run_main(tmp_path / "b", tiny_lm_path, *common, "--training.max_steps", "2")
-    resumed = run_main(tmp_path / "b", tiny_lm_path, *common, "--training.max_steps", "3", resume="latest")
-    assert resumed == first
-    steps = [r["step"] for r in metrics(resumed) if "loss" in r]
-    assert steps == [1, 2, 3], steps
-    assert _step_prompts(resumed, 3) == _step_prompts(straight, 3)
-    guard = json.loads((resumed / "checkpoint-3" / "crystal_state.json").read_text())["rewards"]["cpr"]["guard"]
-    assert len(guard["history"]) == 12, "guard state restored and continued on resume"
-
-
 def test_validation_metrics_and_best_checkpoint(tmp_path, tiny_lm_path):
     run = run_main(tmp_path, tiny_lm_path, "--training.save_steps", "100", "--validation.metric", "format_rate")
     vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
@@ -196,3 +183,60 @@ def test_vision_language_run_with_images(tmp_path, tiny_vlm_path):
     assert (run / "checkpoint-2" / "model.safetensors").exists()
     vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
     assert vals[-1]["step"] == 2 and "f1" in vals[-1]
+
+
+def phases(p2_steps: int) -> str:
+    return ("[{name: warmup, init_from: none, overrides: {reward: {name: answer_only, params: "
+            "{encoder: 'packaged:all-MiniLM-L6-v2', device: cpu}}, training: {max_steps: 2}}}, "
+            "{name: cpr, init_from: best, overrides: {training: {max_steps: %d, learning_rate: 1.0e-5}, "
+            "curriculum: {mode: competence, c0: 0.3}}}]" % p2_steps)
+
+
+class RecordStart(TrainerCallback):
+    def __init__(self):
+        self.starts = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.starts.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def test_two_phase_curriculum_starts_phase2_from_phase1_best(tmp_path, tiny_lm_path):
+    from safetensors.torch import load_file
+
+    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(tiny_lm_path), "--phases", phases(2),
+                                       "--validation.eval_steps", "1", "--training.save_steps", "100",
+                                       "--training.log_completions", "true"])
+    rec = RecordStart()
+    summary = grpo.run(cfg, tmp_path / "run", callbacks=[rec])
+    p1, p2 = tmp_path / "run" / "phase1-warmup", tmp_path / "run" / "phase2-cpr"
+    best = json.loads((p1 / "best_checkpoint.json").read_text())
+    start = json.loads((p2 / "config.json").read_text())["model"]["name_or_path"]
+    assert start == str(p1 / best["checkpoint"])
+    chosen = load_file(Path(start) / "model.safetensors")
+    for name, tensor in chosen.items():  # phase 2 starts from exactly those weights
+        assert torch.equal(rec.starts[1][name], tensor), name
+    m1 = [r for r in metrics(p1) if "loss" in r]
+    m2 = [r for r in metrics(p2) if "loss" in r]
+    assert "rewards/answer_only_accuracy/mean" in m1[0] and "rewards/cpr_reasoning/mean" in m2[0]
+    assert m2[0]["learning_rate"] == pytest.approx(1e-5) and m1[0]["learning_rate"] == pytest.approx(1e-4)
+    assert "curriculum/mean_ref_steps" in m2[0] and "curriculum/frac_easy" in m2[0]
+    assert set(summary) == {"warmup", "cpr"}
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["cpr"]["step"] == 2
+
+
+def test_resume_mid_phase_two_continues_the_same_batches(tmp_path, tiny_lm_path):
+    common = ["--model.name_or_path", str(tiny_lm_path), "--validation.eval_steps", "0",
+              "--training.log_completions", "true", "--training.save_steps", "1"]
+
+    def go(out, p2, resume=None):
+        cfg, _ = load_config("tiny.yaml", [*common, "--phases", phases(p2)])
+        grpo.run(cfg, out, resume)
+        return out / "phase2-cpr"
+
+    straight = go(tmp_path / "a", 3)
+    go(tmp_path / "b", 2)
+    resumed = go(tmp_path / "b", 3, resume="latest")
+    assert [r["step"] for r in metrics(resumed) if "loss" in r] == [1, 2, 3]
+    assert _step_prompts(resumed, 3) == _step_prompts(straight, 3)
+    guard = json.loads((resumed / "checkpoint-3" / "crystal_state.json").read_text())["rewards"]["cpr"]["guard"]
+    assert len(guard["history"]) == 12, "the guard's window was restored on resume and continued"

@@ -189,32 +189,35 @@ def phase_start(prev_dir: Path, init_from: str) -> str | None:
 
 
 def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: list | None = None) -> dict:
-    """All phases of a run (one when the config has none); returns validation per phase."""
+    """All phases of a run (one when the config has none); returns validation per phase.
+
+    With ``resume``, a phase that already finished its configured steps is skipped, the
+    first unfinished one resumes from its latest checkpoint (with the starting weights it
+    was given), and later phases start as usual.
+    """
     if not cfg.phases:
         return {"run": run_phase(cfg, run_dir, resume, callbacks)}
     summary, prev = {}, None
     for i, phase in enumerate(cfg.phases):
         pcfg = apply_phase(cfg, phase)
         pdir = run_dir / f"phase{i + 1}-{phase.name or i + 1}"
-        done = pdir / PHASE_DONE
-        if done.exists() and resume:
-            summary[phase.name] = json.loads(done.read_text())["validation"]
-            prev = pdir
+        done = json.loads((pdir / PHASE_DONE).read_text()) if (pdir / PHASE_DONE).exists() else None
+        if resume and done and done["max_steps"] == pcfg.training.get("max_steps"):
             say(f"phase {phase.name}: already done, skipping")
+            summary[phase.name], prev = done["validation"], pdir
             continue
-        if prev is not None and not (resume and (pdir / "trainer_state.json").exists() or
-                                     any(pdir.glob("checkpoint-*"))):
-            start = phase_start(prev, phase.init_from)
+        started = bool(resume) and any(pdir.glob("checkpoint-*"))
+        if prev is not None:
+            start = (json.loads((pdir / "config.json").read_text())["model"]["name_or_path"] if started
+                     else phase_start(prev, phase.init_from))
             if start:
                 pcfg.model.name_or_path, pcfg.model.gguf_file = start, None
                 say(f"phase {phase.name}: starting from {start}")
-        elif prev is not None and resume:
-            start = json.loads((pdir / "config.json").read_text())["model"]["name_or_path"]
-            pcfg.model.name_or_path, pcfg.model.gguf_file = start, None
         say(f"\n=== phase {i + 1}/{len(cfg.phases)}: {phase.name} ===")
-        summary[phase.name] = run_phase(pcfg, pdir, resume, callbacks)
+        summary[phase.name] = run_phase(pcfg, pdir, "latest" if started else None, callbacks)
         if _main_process():
-            done.write_text(json.dumps({"validation": summary[phase.name]}))
+            (pdir / PHASE_DONE).write_text(json.dumps({"max_steps": pcfg.training.get("max_steps"),
+                                                       "validation": summary[phase.name]}))
         prev = pdir
     if _main_process():
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
