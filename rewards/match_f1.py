@@ -328,25 +328,43 @@ class MatchF1Scorer:
 
     @torch.inference_mode()
     def _score_rows(self, table, pred_idx, ref_idx, row_example) -> StepScores:
-        """Core: one similarity batch for every (example, reference chain) row."""
+        """Core: one similarity batch for every (example, reference chain) row.
+
+        Rows that share a reference chain (a GRPO group: every generation of one prompt)
+        share one similarity block: each distinct chain is compared once with the union of
+        its rows' predicted steps (one small bmm per chain instead of one per row, which
+        dominated the cached path), and every row reads its ``[N, M]`` block from there.
+        """
         n_examples = len(pred_idx)
         if n_examples == 0:
             empty = torch.zeros(0)
             return StepScores(empty, empty, empty, empty, empty, empty.long(), empty.long(),
                               empty.long(), [], empty.long())
+        chains: dict[tuple[int, ...], int] = {}
+        chain_ref: list[list[int]] = []
+        chain_pred: list[dict[int, int]] = []  # text id -> position in the chain's block
+        row_chain, row_loc = [], []
+        for ref, ex in zip(ref_idx, row_example):
+            c = chains.setdefault(tuple(ref), len(chains))
+            if c == len(chain_ref):
+                chain_ref.append(ref)
+                chain_pred.append({})
+            local = chain_pred[c]
+            row_loc.append([local.setdefault(t, len(local)) for t in pred_idx[ex]])
+            row_chain.append(c)
+        dev = self.device
         rex = torch.tensor(row_example, dtype=torch.long)
-        pred_pad, n_pred = _padded_index(pred_idx, self.device)
-        ref_pad, n_ref = _padded_index(ref_idx, self.device)
-        rex_dev = rex.to(self.device)
-        table = table.to(self.device, torch.float32)
+        table = table.to(dev, torch.float32)
         if table.numel() == 0:
-            table = torch.zeros(1, 1, device=self.device)
-        # One index_select per side (advanced indexing, done twice, was several times slower).
+            table = torch.zeros(1, 1, device=dev)
         gather = lambda pad: table.index_select(0, pad.clamp(min=0).reshape(-1)).view(*pad.shape, table.shape[1])  # noqa: E731
-        pred_emb = gather(pred_pad[rex_dev])  # [R, N, d]
-        ref_emb = gather(ref_pad)  # [R, M, d]
-        sim = torch.bmm(pred_emb, ref_emb.transpose(1, 2))
-        scores = match_similarities(sim, n_pred[rex_dev], n_ref, self.threshold, self.alpha, self.matcher)
+        block_pred = gather(_padded_index([list(m) for m in chain_pred], dev)[0])  # [C, U, d]
+        block_ref = gather(_padded_index(chain_ref, dev)[0])  # [C, M, d]
+        blocks = torch.bmm(block_pred, block_ref.transpose(1, 2))  # [C, U, M]
+        loc, n_pred = _padded_index(row_loc, dev)  # [R, N] positions in the row's block
+        n_ref = torch.tensor([len(r) for r in ref_idx], dtype=torch.long, device=dev)
+        sim = blocks[torch.tensor(row_chain, device=dev).view(-1, 1), loc.clamp(min=0)]  # [R, N, M]
+        scores = match_similarities(sim, n_pred, n_ref, self.threshold, self.alpha, self.matcher)
         return best_per_example(scores, rex, n_examples)
 
 

@@ -19,33 +19,39 @@ def greedy_match(sim: torch.Tensor, valid: torch.Tensor, threshold: float) -> to
     first (in that order) among all free pairs of its own row and its own column. Such a
     "locally dominant" pair is exactly one the sequential greedy would accept, so the
     result is identical, and a round usually settles most rows at once.
+
+    Within a row the paper order is (descending sim, lower k) and within a column
+    (descending sim, lower j): exactly what ``max(dim).indices`` returns, since it picks
+    the first maximal index on ties (documented). So no sort and no rank tensor is needed;
+    each round costs two max-reductions and two in-place fills over the examples that
+    still have free candidate pairs.
     """
     B, N, M = sim.shape
     matched = torch.zeros_like(valid)
     if N == 0 or M == 0:
         return matched
-    candidate = valid & (sim >= threshold)
-    # Rank = position in the paper's processing order. A stable descending sort of the
-    # row-major flattening puts ties in (lower j, then lower k) order.
-    flat = sim.masked_fill(~candidate, float("-inf")).reshape(B, N * M)
-    order = torch.sort(flat, dim=1, descending=True, stable=True).indices
-    # int32 ranks: on CPU, int64 min-reductions are not vectorised (~15x slower than int32).
-    dtype = torch.int32 if N * M < torch.iinfo(torch.int32).max else torch.int64
-    big = torch.iinfo(dtype).max
-    rank = torch.empty(B, N * M, dtype=dtype, device=sim.device)
-    rank.scatter_(1, order, torch.arange(N * M, dtype=dtype, device=sim.device).expand(B, -1))
-    # Free candidate pairs keep their rank; taken rows/columns and non-candidates hold big.
-    rank = rank.reshape(B, N, M).masked_fill_(~candidate, big)
+    # Free candidate pairs keep their similarity; the rest (and taken rows/columns) hold -inf.
+    free = sim.masked_fill(~(valid & (sim >= threshold)), float("-inf"))
+    row_ids = torch.arange(N, device=sim.device).expand(B, N)
+    match_col = torch.full((B, N), -1, dtype=torch.long, device=sim.device)
+    active = torch.arange(B, device=sim.device)  # examples still being matched
     while True:
-        row_min = rank.amin(dim=2, keepdim=True)
-        alive = row_min < big
-        if not bool(alive.any()):
-            return matched
-        row_min.masked_fill_(~alive, -1)  # a row with no free candidate takes nothing
-        dominant = (rank == row_min) & (rank == rank.amin(dim=1, keepdim=True))
-        matched |= dominant
-        rank.masked_fill_(dominant.any(dim=2, keepdim=True), big)
-        rank.masked_fill_(dominant.any(dim=1, keepdim=True), big)
+        best, k = free.max(dim=2)  # each row's first free pair in paper order, [b, N]
+        alive = best > float("-inf")
+        live = alive.any(dim=1)
+        if not bool(live.any()):
+            break
+        if not bool(live.all()):  # drop finished examples: later rounds touch only the rest
+            keep = live.nonzero().squeeze(1)
+            free, k, alive, active = free[keep], k[keep], alive[keep], active[keep]
+        b = len(active)
+        dominant = alive & (free.max(dim=1).indices.gather(1, k) == row_ids[:b])  # first in its column too
+        match_col[active] = torch.where(dominant, k, match_col[active])
+        free.masked_fill_(dominant.unsqueeze(2), float("-inf"))
+        taken = torch.zeros(b, M, dtype=torch.int32, device=sim.device).scatter_add_(1, k, dominant.int())
+        free.masked_fill_((taken > 0).unsqueeze(1), float("-inf"))
+    hit = match_col >= 0
+    return matched.scatter_(2, match_col.clamp(min=0).unsqueeze(2), hit.unsqueeze(2))
 
 
 def monotonic_dp(weights: torch.Tensor) -> torch.Tensor:
@@ -107,4 +113,4 @@ def longest_chain(matched: torch.Tensor) -> torch.Tensor:
     """
     if matched.shape[1] == 0 or matched.shape[2] == 0:
         return torch.zeros(matched.shape[0], dtype=torch.long, device=matched.device)
-    return monotonic_dp(matched.long())[:, -1, -1]
+    return monotonic_dp(matched.int())[:, -1, -1].long()  # int32 ops are faster on CPU

@@ -27,35 +27,32 @@ def _is_str_list(x) -> bool:
     return isinstance(x, list) and all(isinstance(s, str) for s in x)
 
 
-def _check_pred(row: dict) -> str | None:
-    if not _is_str_list(row.get("reasoning_steps")):
-        return "'reasoning_steps' must be a list of strings"
-    if "answer" not in row:
-        return "missing field 'answer'"
-    if row["answer"] is not None and (isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float))):
-        return "'answer' must be a string, a number or null"
-    return None
+def _is_scalar(x) -> bool:
+    return isinstance(x, (str, int, float)) and not isinstance(x, bool)
 
 
-def _check_data(row: dict) -> str | None:
-    for key in ("question", "answer", "reference_steps"):
+# (field, required, check, what it must be) for each kind of row.
+PRED_FIELDS = [("reasoning_steps", True, _is_str_list, "a list of strings"),
+               ("answer", True, lambda x: x is None or _is_scalar(x), "a string, a number or null")]
+DATA_FIELDS = [("question", True, lambda x: isinstance(x, str), "a string"),
+               ("answer", True, _is_scalar, "a string or a number"),
+               ("reference_steps", True, _is_str_list, "a list of strings"),
+               ("reference_sets", False, lambda x: isinstance(x, list) and all(map(_is_str_list, x)),
+                "a list of lists of strings"),
+               ("source", False, lambda x: isinstance(x, str), "a string")]
+
+
+def _check(fields, row: dict) -> str | None:
+    for key, required, ok, what in fields:
         if key not in row:
-            return f"missing field {key!r}"
-    if not isinstance(row["question"], str):
-        return "'question' must be a string"
-    if isinstance(row["answer"], bool) or not isinstance(row["answer"], (str, int, float)):
-        return "'answer' must be a string or a number"
-    if not _is_str_list(row["reference_steps"]):
-        return "'reference_steps' must be a list of strings"
-    sets = row.get("reference_sets")
-    if sets is not None and not (isinstance(sets, list) and all(_is_str_list(c) for c in sets)):
-        return "'reference_sets' must be a list of lists of strings"
-    if not isinstance(row.get("source", ""), str):
-        return "'source' must be a string"
+            if required:
+                return f"missing field {key!r}"
+        elif not (ok(row[key]) or (not required and row[key] is None)):
+            return f"{key!r} must be {what}"
     return None
 
 
-def read_jsonl(path: Path, check, errors: list[str]) -> dict[str, dict]:
+def read_jsonl(path: Path, fields, errors: list[str]) -> dict[str, dict]:
     """Rows keyed by ``str(id)`` in file order; problems are appended to ``errors``."""
     rows: dict[str, dict] = {}
     first_line: dict[str, int] = {}
@@ -76,7 +73,7 @@ def read_jsonl(path: Path, check, errors: list[str]) -> dict[str, dict]:
                 errors.append(f"{path}:{n}: missing field 'id' (a string or integer)" if rid is None
                               else f"{path}:{n}: 'id' must be a string or integer")
                 continue
-            problem = check(row)
+            problem = _check(fields, row)
             if problem:
                 errors.append(f"{path}:{n}: id {rid!r}: {problem}")
             elif str(rid) in first_line:
@@ -127,23 +124,22 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
         if not path.is_file():
             errors.append(f"{path}: file not found")
     if not errors:
-        preds = read_jsonl(args.predictions, _check_pred, errors)
-        data = read_jsonl(args.data, _check_data, errors)
+        preds = read_jsonl(args.predictions, PRED_FIELDS, errors)
+        data = read_jsonl(args.data, DATA_FIELDS, errors)
     if errors:
         for e in errors[:MAX_ERRORS]:
             print(f"error: {e}", file=sys.stderr)
         if len(errors) > MAX_ERRORS:
             print(f"error: ... and {len(errors) - MAX_ERRORS} more problem(s)", file=sys.stderr)
-        print(f"error: {len(errors)} malformed row(s); nothing scored", file=sys.stderr)
+        print(f"error: {len(errors)} problem(s) in the input; nothing scored", file=sys.stderr)
         return 2
-    missing = [i for i in data if i not in preds]
-    unknown = [i for i in preds if i not in data]
-    if missing:
-        print(f"warning: {len(missing)} example(s) in {args.data} have no prediction (not scored): "
-              f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}", file=sys.stderr)
-    if unknown:
-        print(f"warning: {len(unknown)} prediction(s) in {args.predictions} have ids not in the data "
-              f"(ignored): {', '.join(unknown[:10])}{' ...' if len(unknown) > 10 else ''}", file=sys.stderr)
+    missing = [data[i]["id"] for i in data if i not in preds]
+    unknown = [preds[i]["id"] for i in preds if i not in data]
+    for ids, what in ((missing, f"example(s) in {args.data} have no prediction (not scored)"),
+                      (unknown, f"prediction(s) in {args.predictions} have ids not in the data (ignored)")):
+        if ids:
+            shown = ", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
+            print(f"warning: {len(ids)} {what}: {shown}", file=sys.stderr)
     lent = scorer is not None
     try:
         scorer = MatchF1Scorer(scorer.model if lent else args.encoder, threshold=args.threshold,

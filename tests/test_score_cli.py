@@ -86,12 +86,12 @@ def test_malformed_rows_exit_2_with_file_and_line(scorer, tmp_path, capsys):
     assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out)], scorer=scorer) == 2
     err = capsys.readouterr().err
     assert f"{preds}:2: invalid JSON" in err
-    assert f"{preds}:3: id 'q3': 'reasoning_steps' must be a list of strings" in err
+    assert f"{preds}:3: id 'q3': missing field 'reasoning_steps'" in err
     assert f"{preds}:5: id 'q4': 'reasoning_steps' must be a list of strings" in err
     assert f"{preds}:6: expected a JSON object" in err
     assert f"{data}:2: id 'q2': missing field 'answer'" in err
     assert f"{preds}:1:" not in err and f"{data}:1:" not in err
-    assert "5 malformed row(s); nothing scored" in err
+    assert "5 problem(s) in the input; nothing scored" in err
     assert not out.exists()
 
 

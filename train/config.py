@@ -107,6 +107,7 @@ class RunConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     curriculum: Union[CurriculumSection, None] = None  #: None: TRL's random order.
     pcgrad: bool = False  #: Project conflicting accuracy/reasoning gradients (SPEC section 9).
+    pcgrad_objective_std: bool = False  #: Scale each objective's advantage by its own group std.
     validation: ValidationSection = field(default_factory=ValidationSection)
     stability: StabilitySection = field(default_factory=StabilitySection)
     #: Any field of ``trl.GRPOConfig`` (which extends ``transformers.TrainingArguments``).

@@ -151,6 +151,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
         sampler_factory=_sampler_factory(cfg, train.dataset, args.max_steps),
         max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite,
         pcgrad=cfg.pcgrad,
+        pcgrad_objective_std=cfg.pcgrad_objective_std,
     )
     trainer.add_callback(MetricsJsonlCallback(output_dir))
     if val is not None:

@@ -202,6 +202,7 @@ class PCGradMixin:
         self._pcgrad_buf: torch.Tensor | None = None
         self._pcgrad_layout: tuple | None = None
         self._pcgrad_window_open = False
+        self._pcgrad_rows = 0
         self._pcgrad_overhead = 0.0
         if self.pcgrad:
             self._pcgrad_check_supported()
@@ -390,6 +391,13 @@ class PCGradMixin:
             self._pcgrad_buf.zero_()
             self._pcgrad_rows = 0
             self._pcgrad_window_open = True
+            if zero3:  # a partition no backward writes to would still hold the last update
+                from deepspeed.utils import safe_get_local_grad
+
+                for p in params:
+                    g = safe_get_local_grad(p)
+                    if g is not None:
+                        g.zero_()
         self._pcgrad_rows = max(self._pcgrad_rows, len(losses))
         if not zero3:
             # Gradients already sitting in .grad (none in the normal loop) stay out of the projection.
@@ -456,27 +464,27 @@ class PCGradMixin:
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
+        # DDP: several backward passes through one DDP forward would confuse its reducer, so
+        # all of it runs without DDP's hooks; pcgrad_apply averages the buffers itself.
         with self.compute_loss_context_manager(), self.accelerator.no_sync(model):
-            t0 = time.perf_counter()
             loss, losses = self.pcgrad_losses(model, inputs)
             t1 = time.perf_counter()
             self.pcgrad_backward(model, losses)
             t2 = time.perf_counter()
         # Extra cost over plain GRPO, estimated as the backward passes beyond the first one
-        # (their share of the backward time) plus the projection below.
+        # (their share of the backward time) plus the reduction/projection below.
         self._pcgrad_overhead += (t2 - t1) * (len(losses) - 1) / len(losses)
         del inputs
         if self.accelerator.sync_gradients:
             t3 = time.perf_counter()
             stats = self.pcgrad_apply(model)
+            self._pcgrad_overhead += time.perf_counter() - t3
             if _is_deepspeed_engine(model):
                 model.step()  # what accelerate's DeepSpeedEngineWrapper.backward does at the boundary
-            self._pcgrad_overhead += time.perf_counter() - t3
             stats["overhead_seconds"] = self._pcgrad_overhead
             self._pcgrad_overhead = 0.0
             for k, v in stats.items():
                 self._metrics["train"][f"pcgrad/{k}"].append(v)
-        del t0
         # TRL's training_step bookkeeping (its generation buffer is indexed by _step).
         self._step += 1
         self._current_train_step_time += time.perf_counter() - time_before

@@ -7,7 +7,8 @@
   guard's window) travels with every checkpoint, so a resumed run continues exactly. The
   curriculum order is a pure function of (seed, step) and needs no state.
 - ``log``: adds the KL maximum over the logging window (SPEC section 6 diagnostics).
-PCGrad, when enabled, lives in ``train/pcgrad.py`` and hooks ``compute_loss``.
+PCGrad, when enabled, lives in ``train/pcgrad.py`` (``PCGradMixin``) and hooks
+``_calculate_rewards``, ``_generate_and_score_completions`` and ``training_step``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class NonFiniteStop(RuntimeError):
 
 class CrystalGRPOTrainer(PCGradMixin, GRPOTrainer):
     def __init__(self, *args: Any, sampler_factory: Callable | None = None,
-                 max_consecutive_nonfinite: int = 5, pcgrad: bool = False, **kwargs: Any) -> None:
-        self.pcgrad = pcgrad
+                 max_consecutive_nonfinite: int = 5, pcgrad: bool = False,
+                 pcgrad_objective_std: bool = False, **kwargs: Any) -> None:
+        self.pcgrad, self.pcgrad_objective_std = pcgrad, pcgrad_objective_std
         self.sampler_factory = sampler_factory
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.nonfinite_skipped = 0
@@ -142,6 +144,8 @@ class CrystalGRPOTrainer(PCGradMixin, GRPOTrainer):
         if mode == "train" and hasattr(self.sampler_factory, "stats") and "loss" in logs:
             chunk = self.sampler_factory.chunk_at_step(self.state.global_step - 1)
             logs.update({f"curriculum/{k}": v for k, v in self.sampler_factory.stats(chunk).items()})
+        if mode == "train" and torch.cuda.is_available():
+            logs["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         if mode == "train":
             logs["nonfinite_skipped_total"] = float(self.nonfinite_skipped)
             self._metrics[mode].pop("nonfinite_skipped", None)
