@@ -32,9 +32,10 @@ import copy
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
+
+from train.config import LoraSection, ModelSection
 
 logger = logging.getLogger(__name__)
 
@@ -50,23 +51,10 @@ class ModelLoadError(RuntimeError):
     """A model or processor could not be loaded; the message says what was tried and what to do."""
 
 
-@dataclass
-class LoraSettings:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: Union[list[str], str] = "all-linear"
-
-
-@dataclass
-class ModelConfig:
-    name_or_path: str
-    gguf_file: Union[str, None] = None
-    dtype: str = "float32"  # "float32" | "bfloat16" | "float16" | "auto"
-    attn_implementation: Union[str, None] = None
-    trust_remote_code: bool = False
-    lora: Union[LoraSettings, None] = None
-    gradient_checkpointing: bool = False
+# The model section of a run config is the one definition of these settings (documented
+# field by field in train/config.py); the names below are what this module calls them.
+ModelConfig = ModelSection
+LoraSettings = LoraSection
 
 
 # --------------------------------------------------------------------------- helpers
