@@ -162,17 +162,26 @@ LENGTHS = [5, 3, 4, 5, 2, 5, 4, 1]
 BETA = 0.04
 
 
-def fixed_batch(vocab: int, kind: str) -> dict[str, torch.Tensor]:
+def fixed_batch(model, vocab: int, kind: str) -> dict[str, torch.Tensor]:
     """A global batch of 8 completions (2 prompts x 4). Prompts have no padding and
-    completions are right-padded, so a row's log-probs do not depend on its neighbours."""
+    completions are right-padded, so a row's log-probs do not depend on its neighbours.
+
+    The reference log-probs lie within about 0.3 nats of the policy's own. Arbitrary ones
+    (a KL of thousands of nats per token) make the KL gradient a small difference of huge
+    per-token terms, whose float32 rounding (about 3e-5 relative) would blur the exact
+    identities these tests check."""
     g = torch.Generator().manual_seed(0)
     batch = {
         "prompt_ids": torch.randint(20, vocab, (N_GLOBAL, PROMPT_LEN), generator=g),
         "prompt_mask": torch.ones(N_GLOBAL, PROMPT_LEN, dtype=torch.long),
         "completion_ids": torch.randint(20, vocab, (N_GLOBAL, COMP_LEN), generator=g),
         "completion_mask": (torch.arange(COMP_LEN)[None] < torch.tensor(LENGTHS)[:, None]).long(),
-        "ref_per_token_logps": -6.0 - 2.0 * torch.rand(N_GLOBAL, COMP_LEN, generator=g),
     }
+    with torch.no_grad():
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1:-1].float()
+        logps = logits.log_softmax(-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    batch["ref_per_token_logps"] = logps + 0.3 * torch.randn(N_GLOBAL, COMP_LEN, generator=g)
     acc = torch.randn(N_GLOBAL, generator=g)
     noise = torch.randn(N_GLOBAL, generator=g)
     reason = {"conflict": -0.6 * acc + 0.5 * noise, "aligned": 0.5 * acc}[kind]
@@ -206,7 +215,8 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # named_parameters, not the state dict: tied weights (embeddings / lm_head) count once.
-    initial = {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(model_path).named_parameters()}
+    policy = AutoModelForCausalLM.from_pretrained(model_path)
+    initial = {k: v.detach().clone() for k, v in policy.named_parameters()}
     extra: dict = {}
     if mode == "zero3":  # ENV_NOTES: ZeRO-3 on CPU
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
@@ -230,7 +240,7 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
     results = {}
     for name in cases:
         kind, pcgrad, adv_key, beta = CASES[name]
-        batch = fixed_batch(vocab, kind)
+        batch = fixed_batch(policy, vocab, kind)
         if adv_key is None:
             batch["advantages"] = torch.zeros(N_GLOBAL)
         else:
