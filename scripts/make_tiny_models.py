@@ -14,6 +14,9 @@ Builds (skipping any that already exist):
   tokens, the PIL image processor (56*56 .. 112*112 pixels) and a chat template that
   takes list content (text and image parts).
 
+``build_mid_lm(path)`` (not built by default) makes a Qwen2.5-0.5B-shaped model with the
+same tokenizer for GPU benchmarks (``scripts/bench_train.py --model mid``).
+
 ``build_tiny_lm(path)`` and ``build_tiny_vlm(path)`` are importable for tests. The folders
 load with ``train.models.load_policy``. Both are deterministic (fixed seed), so two
 builds give the same token ids and weights.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -170,13 +174,19 @@ def build_tiny_lm(path: str | Path, overwrite: bool = False) -> Path:
     return path
 
 
-def warm_up_format(model, tok, steps: int = 150, batch_size: int = 16, lr: float = 1e-2) -> None:
-    """A few seconds of supervised training on short JSON answers to the word problems.
+def warm_up_format(model, tok, steps: int = 150, batch_size: int = 16, lr: float = 1e-2,
+                   target_steps: int | None = 1, warmup_steps: int = 0, padding_side: str = "left",
+                   max_grad_norm: float | None = None) -> float:
+    """A few seconds of supervised training on JSON answers to the word problems.
 
     A random-weight model never writes the JSON output format, so every reward is 0,
     every GRPO advantage is 0 and nothing trains. After this warm-up the tiny model's
     sampled completions are JSON-like with varied steps and answers: some parse, some
     match a reference step, some are right, so GRPO tests see real reward variance.
+    ``target_steps`` reference steps go into each target (None: all of them). Runs on the
+    model's device (bf16 autocast on CUDA); returns the last loss. On CUDA pad on the
+    right: a left-padded row's first queries see no key at all, and CUDA's attention
+    kernels turn such rows into NaN gradients.
     """
     import random
 
@@ -187,27 +197,74 @@ def warm_up_format(model, tok, steps: int = 150, batch_size: int = 16, lr: float
     rows = [json.loads(x) for x in (REPO_ROOT / "data" / "wordproblems" / "train.jsonl").read_text().splitlines()]
     texts = []
     for r in rows:
-        target = json.dumps({"reasoning_steps": r["reference_steps"][:1], "answer": r["answer"]})
+        target = json.dumps({"reasoning_steps": r["reference_steps"][:target_steps], "answer": r["answer"]})
         prompt = tok.apply_chat_template(build_prompt(r), add_generation_prompt=True, tokenize=False)
         texts.append(prompt + target + tok.eos_token)
+    device = next(model.parameters()).device
     rng = random.Random(SEED)
     torch.manual_seed(SEED)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-identical builds on any machine
+    torch.set_num_threads(1)  # bit-identical builds on any machine (CPU)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / (warmup_steps + 1)))
     model.train()
+    side, tok.padding_side = tok.padding_side, padding_side
     try:
         for _ in range(steps):
             enc = tok(rng.sample(texts, batch_size), return_tensors="pt", padding=True,
-                      add_special_tokens=False)
+                      add_special_tokens=False).to(device)
             labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-            loss = model(**enc, labels=labels).loss
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = model(**enc, labels=labels).loss
             loss.backward()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             opt.step()
+            sched.step()
             opt.zero_grad()
     finally:
         torch.set_num_threads(threads)
+        tok.padding_side = side
     model.eval()
+    return loss.item()
+
+
+def build_mid_lm(path: str | Path, overwrite: bool = False, layers: int = 24, hidden: int = 896,
+                 steps: int = 400) -> Path:
+    """A Qwen2.5-0.5B-shaped ``Qwen2ForCausalLM`` (24 layers, hidden 896, 14 heads, 2 KV
+    heads; about 360M parameters with the project tokenizer) for GPU benchmarks.
+
+    Random weights, then a format warm-up on full JSON answers (every reference step) on
+    the GPU when there is one, so GRPO completions hold several steps and the benchmark
+    pays the scorer's real cost. Not a model that reasons: for timing and memory only.
+    """
+    path = Path(path)
+    if _done(path) and not overwrite:
+        return path
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = _hf_tokenizer(train_tokenizer())
+    torch.manual_seed(SEED)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 38 // 7, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config).to("cuda" if torch.cuda.is_available() else "cpu")
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                               bos_token_id=None)
+    loss = warm_up_format(model, tok, steps=steps, batch_size=16, lr=3e-4, target_steps=None,
+                          warmup_steps=steps // 10, padding_side="right", max_grad_norm=1.0)
+    print(f"{path.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
+          f"warm-up loss {loss:.3f}")
+    if not math.isfinite(loss):
+        raise RuntimeError(f"{path.name}: the format warm-up diverged (loss {loss})")
+    path.mkdir(parents=True, exist_ok=True)
+    model.to("cpu").save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
 
 
 def _image_processor():

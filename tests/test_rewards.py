@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -206,7 +207,8 @@ def test_composite_normalises_over_both_processes(repo_root, free_port, tmp_path
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port), str(script), json.dumps(ROWS), json.dumps(REFS)]
     proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONPATH": str(repo_root)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))})
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert line, proc.stdout + proc.stderr[-3000:]
     two = json.loads(line[0][len("RESULT"):])

@@ -95,6 +95,8 @@ class InjectNaN(TrainerCallback):
         self.snapshots[state.global_step] = p.detach().clone()
         if state.global_step + 1 in self.steps:
             p.grad.fill_(float("nan"))
+        else:  # a finite gradient that must move the weights, whatever the sampled rewards were
+            p.grad.add_(1.0)
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
         p = next(x for x in model.parameters() if x.requires_grad)
