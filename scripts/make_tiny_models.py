@@ -148,30 +148,40 @@ def _done(path: Path) -> bool:
     return (path / "config.json").exists() and any(path.glob("*.safetensors"))
 
 
-def build_tiny_lm(path: str | Path, overwrite: bool = False) -> Path:
-    """Tiny ``Qwen2ForCausalLM`` + trained tokenizer in ``path`` (skipped when present)."""
-    path = Path(path)
-    if _done(path) and not overwrite:
-        return path
+def _new_qwen2(tok, hidden: int, intermediate: int, layers: int, heads: int, max_positions: int):
+    """A seeded random ``Qwen2ForCausalLM`` sized for the project tokenizer (2 KV heads)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tok = _hf_tokenizer(train_tokenizer())
     torch.manual_seed(SEED)
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=max_positions,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, dtype="float32",
     )
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                                bos_token_id=None)
-    warm_up_format(model, tok)
+    return model
+
+
+def _save(model, tok, path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    model.to("cpu").save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def build_tiny_lm(path: str | Path, overwrite: bool = False) -> Path:
+    """Tiny ``Qwen2ForCausalLM`` + trained tokenizer in ``path`` (skipped when present)."""
+    path = Path(path)
+    if _done(path) and not overwrite:
+        return path
+    tok = _hf_tokenizer(train_tokenizer())
+    model = _new_qwen2(tok, hidden=64, intermediate=128, layers=2, heads=4, max_positions=2048)
+    warm_up_format(model, tok)
+    return _save(model, tok, path)
 
 
 def warm_up_format(model, tok, steps: int = 150, batch_size: int = 16, lr: float = 1e-2,
@@ -242,29 +252,17 @@ def build_mid_lm(path: str | Path, overwrite: bool = False, layers: int = 24, hi
     if _done(path) and not overwrite:
         return path
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     tok = _hf_tokenizer(train_tokenizer())
-    torch.manual_seed(SEED)
-    config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 38 // 7, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, dtype="float32",
-    )
-    model = Qwen2ForCausalLM(config).to("cuda" if torch.cuda.is_available() else "cpu")
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                               bos_token_id=None)
+    model = _new_qwen2(tok, hidden=hidden, intermediate=hidden * 38 // 7, layers=layers, heads=hidden // 64,
+                       max_positions=4096).to("cuda" if torch.cuda.is_available() else "cpu")
     loss = warm_up_format(model, tok, steps=steps, batch_size=16, lr=3e-4, target_steps=None,
                           warmup_steps=steps // 10, padding_side="right", max_grad_norm=1.0)
     print(f"{path.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
           f"warm-up loss {loss:.3f}")
     if not math.isfinite(loss):
         raise RuntimeError(f"{path.name}: the format warm-up diverged (loss {loss})")
-    path.mkdir(parents=True, exist_ok=True)
-    model.to("cpu").save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return _save(model, tok, path)
 
 
 def _image_processor():
