@@ -276,7 +276,9 @@ class MatchF1Scorer:
             while len(cache) > self.cache_size:
                 cache.popitem(last=False)
         if not rows:
-            dim = self.model.get_sentence_embedding_dimension() or 1
+            # sentence-transformers 6 renamed get_sentence_embedding_dimension.
+            get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+            dim = get_dim() or 1
             return torch.zeros(0, dim, device=self.device)
         return torch.stack(rows)
 
