@@ -210,12 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if not Path(a.model).exists():
-        import importlib.util
+        from make_tiny_models import build_tiny_lm  # a sibling: scripts/ is sys.path[0] when this file runs
 
-        spec = importlib.util.spec_from_file_location("_mk", REPO_ROOT / "scripts" / "make_tiny_models.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        mod.build_tiny_lm(Path(a.model))
+        build_tiny_lm(Path(a.model))
 
     settings = [s for s in a.settings.split(",") if s]
     raw = {f"{s}:{m}": _child(s, m, a) for s in settings for m in ("alternate", "off", "on")}

@@ -49,11 +49,8 @@ def build_model(name: str) -> str:
     """Path of ``tiny`` / ``mid`` (built on first use) or the folder given."""
     if name not in ("tiny", "mid"):
         return name
-    import importlib.util
+    import make_tiny_models as mk  # a sibling: scripts/ is sys.path[0] when this file runs
 
-    spec = importlib.util.spec_from_file_location("_mk", REPO_ROOT / "scripts" / "make_tiny_models.py")
-    mk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mk)
     build = mk.build_tiny_lm if name == "tiny" else mk.build_mid_lm
     return str(build(MODELS / ("tiny-qwen2" if name == "tiny" else "mid-qwen2")))
 
@@ -117,7 +114,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     model = build_model(a.model)
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     print(f"GRPO steps on {device}: model {Path(model).name}, {a.dtype}, {a.batch} completions x "
