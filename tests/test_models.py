@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 
@@ -285,3 +286,50 @@ def test_shape_rows_are_well_formed():
         with Image.open(base / r["image"]) as im:
             assert 64 <= im.size[0] <= 96 and im.format == "PNG"
         assert r["answer"] in ("yes", "no", "A", "B", "C") or r["answer"].isdigit()
+
+
+# --------------------------------------------------------------------------- benchmark models and runs
+def test_mid_lm_builder_at_small_size_warms_up_on_full_answers(tmp_path):
+    """build_mid_lm's path (all reference steps, right padding, clipping) on a 2-layer model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mk = _script("make_tiny_models")
+    path = mk.build_mid_lm(tmp_path / "mid", layers=2, hidden=128, steps=3)
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    assert model.config.num_hidden_layers == 2 and model.config.intermediate_size == 128 * 38 // 7
+    assert tok.padding_side == "left", "the warm-up's right padding must not leak into the saved tokenizer"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # A warm-up with a given padding side restores the tokenizer's own afterwards.
+    loss = mk.warm_up_format(model, tok, steps=1, batch_size=2, lr=1e-4, target_steps=None,
+                             padding_side="right", max_grad_norm=1.0)
+    assert math.isfinite(loss) and tok.padding_side == "left"
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
+    """Every setting bench_train.py launches parses into a valid run config (the overrides
+    name real keys), with the launcher and the switches the setting names."""
+    import argparse
+
+    from train.config import load_config
+
+    bench = _script("bench_train")
+    a = argparse.Namespace(dtype="bfloat16", encoder="packaged:all-MiniLM-L6-v2", warmup=1, steps=2,
+                           batch=16, completion_length=64)
+    for setting in ("plain-full", "plain-lora", "zero3-full", "zero3-lora", "zero3-full-pcgrad"):
+        cmd = bench.command(setting, "some/model", tmp_path / setting, a, cuda)
+        at = cmd.index("train/grpo.py")
+        overrides = cmd[at + 1:]
+        for flag in ("--config", "--output_dir"):  # train/grpo.py's own arguments, not config keys
+            i = overrides.index(flag)
+            del overrides[i:i + 2]
+        cfg, _ = load_config("tiny.yaml", overrides)
+        assert cfg.model.name_or_path == "some/model" and cfg.training["max_steps"] == 3
+        assert (cfg.model.lora is not None) == ("lora" in setting) and cfg.pcgrad == ("pcgrad" in setting)
+        assert cfg.training["use_cpu"] is (not cuda) and cfg.reward.params["device"] == ("cuda" if cuda else "cpu")
+        zero3 = setting.startswith("zero3")
+        assert ("zero3_1x1.yaml" in " ".join(cmd[:at])) == (zero3 and cuda)
+        assert (cfg.training.get("deepspeed") == "configs/accelerate/zero3.json") == (zero3 and not cuda)
+    with pytest.raises(SystemExit, match="allowed are"):
+        bench.command("zero2-full", "m", tmp_path, a, cuda)
