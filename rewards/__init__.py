@@ -7,7 +7,9 @@ objective-tagged component; their unweighted sum is the reward.
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable
+from typing import Any
 
 from rewards.answer_only import AnswerOnlyReward, FormatReward
 from rewards.base import RewardModule
@@ -23,18 +25,19 @@ REWARDS: dict[str, type[RewardModule]] = {
 }
 
 
-def reward_params(name: str) -> set[str]:
-    """Every keyword a reward module accepts (its own plus the shared scorer/guard ones)."""
+def reward_params(name: str) -> dict[str, Any]:
+    """Every keyword a reward module accepts (its own plus the shared scorer/guard ones)
+    and its type hint, so a config can be checked before anything loads."""
     cls = REWARDS[name]
-    own = set(inspect.signature(cls.__init__).parameters) - {"self", "common"}
-    shared = set(inspect.signature(RewardModule.__init__).parameters) - {"self"}
-    return own | shared
+    hints = {**typing.get_type_hints(RewardModule.__init__), **typing.get_type_hints(cls.__init__)}
+    names = [*inspect.signature(cls.__init__).parameters, *inspect.signature(RewardModule.__init__).parameters]
+    return {p: hints.get(p, Any) for p in names if p not in ("self", "common")}
 
 
 def build_reward(name: str, **params) -> RewardModule:
     if name not in REWARDS:
         raise ValueError(f"reward {name!r} is unknown: allowed values are {', '.join(REWARDS)}")
-    unknown = sorted(set(params) - reward_params(name))
+    unknown = sorted(set(params) - set(reward_params(name)))
     if unknown:
         raise ValueError(f"reward {name!r} got unknown parameter(s) {', '.join(unknown)}; "
                          f"allowed: {', '.join(sorted(reward_params(name)))}")

@@ -1,15 +1,23 @@
 """One YAML file describes a run: model, data, reward, curriculum, validation and TRL's
 ``GRPOConfig`` fields (under ``training``). Every field is documented here, in one place.
 
-Unknown keys and invalid values stop the run before any model loads, naming the key,
-the value and what is allowed. Command-line overrides (``--section.key value``, values
-parsed as YAML) win over the file.
+Every key and value is checked before any model loads: unknown keys, values of the wrong
+type (for ``training`` against ``GRPOConfig``'s own field types, for ``reward.params``
+against the reward module's signature) and values out of range each stop the run with
+one line naming the key, the value and what is expected. Command-line overrides
+(``--section.key value``, values parsed as YAML) win over the file. YAML is read with
+the safe loader, extended so that ``1e-5`` is a number (YAML 1.2, as every user writes
+it) and a key given twice in one mapping is an error instead of a silent overwrite.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
+import functools
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,13 +33,39 @@ class ConfigError(ValueError):
     """A config problem, phrased for the person who wrote the YAML."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """Bounds a number must respect (None: unbounded on that side)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def holds(self, x: float) -> bool:
+        return ((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
+                and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt))
+
+    def __str__(self) -> str:
+        low = f"{self.ge} <= " if self.ge is not None else f"{self.gt} < " if self.gt is not None else ""
+        high = f" <= {self.le}" if self.le is not None else f" < {self.lt}" if self.lt is not None else ""
+        if low and not high:  # "x >= 0" reads better than "0 <= x"
+            return "x " + low.split()[1].replace("<", ">") + " " + low.split()[0]
+        return f"{low}x{high}"
+
+
+def bounded(default: Any, **bounds: float) -> Any:
+    """A dataclass field whose numeric value must lie in ``Range(**bounds)``."""
+    return field(default=default, metadata={"range": Range(**bounds)})
+
+
 @dataclass
 class LoraSection:
     """LoRA through PEFT; TRL's GRPOTrainer wraps the model itself."""
 
-    r: int = 16  #: LoRA rank.
-    alpha: int = 32  #: LoRA scaling numerator (lora_alpha).
-    dropout: float = 0.05  #: Dropout on the LoRA branch.
+    r: int = bounded(16, ge=1)  #: LoRA rank.
+    alpha: int = bounded(32, gt=0)  #: LoRA scaling numerator (lora_alpha).
+    dropout: float = bounded(0.05, ge=0, lt=1)  #: Dropout on the LoRA branch.
     target_modules: Union[list[str], str] = "all-linear"  #: Modules to adapt.
 
 
@@ -50,11 +84,11 @@ class ModelSection:
 class DataSection:
     train: str = ""  #: JSONL file (SPEC section 1) or a ``datasets`` folder saved with save_to_disk.
     validation: Union[str, None] = None  #: Same formats; when absent a fraction of train is held out.
-    validation_fraction: float = 0.1  #: Held-out share of train when ``validation`` is not given.
+    validation_fraction: float = bounded(0.1, ge=0, lt=1)  #: Held-out share of train when ``validation`` is not given.
     skip_invalid: bool = False  #: Drop (and count) bad rows instead of stopping with their file:line.
-    max_errors_shown: int = 20  #: How many bad rows a data error lists.
+    max_errors_shown: int = bounded(20, ge=0)  #: How many bad rows a data error lists.
     system_prompt: Union[str, None] = None  #: Overrides the instruction asking for the JSON output.
-    max_train_samples: Union[int, None] = None  #: Use only the first N training rows (smoke runs).
+    max_train_samples: Union[int, None] = bounded(None, ge=1)  #: Use only the first N training rows (smoke runs).
 
 
 @dataclass
@@ -72,23 +106,23 @@ class CurriculumSection:
     """Step-count curriculum (CPR-Curriculum, SPEC section 8); see curricula/sampler.py."""
 
     mode: Literal["competence", "sorted", "buckets"] = "competence"
-    c0: float = 0.25  #: Initial competence: share of easiest data available at step 0.
-    total_steps: Union[int, None] = None  #: Pacing horizon T in optimizer steps (default: max_steps).
+    c0: float = bounded(0.25, gt=0, le=1)  #: Initial competence: share of easiest data available at step 0.
+    total_steps: Union[int, None] = bounded(None, ge=1)  #: Pacing horizon T in optimizer steps (default: max_steps).
     difficulty: Literal["steps", "complexity"] = "steps"  #: Order by reference step count or complexity score.
 
 
 @dataclass
 class ValidationSection:
-    eval_steps: int = 0  #: Validate every N optimizer steps (0: only at the end).
-    max_samples: Union[int, None] = None  #: Cap on validation rows (None: all).
-    max_new_tokens: int = 256  #: Greedy generation length.
-    batch_size: int = 8  #: Generation batch size per process.
+    eval_steps: int = bounded(0, ge=0)  #: Validate every N optimizer steps (0: only at the end).
+    max_samples: Union[int, None] = bounded(None, ge=1)  #: Cap on validation rows (None: all).
+    max_new_tokens: int = bounded(256, ge=1)  #: Greedy generation length.
+    batch_size: int = bounded(8, ge=1)  #: Generation batch size per process.
     metric: Literal["accuracy", "f1", "ordered_f1", "format_rate", "reward"] = "accuracy"  #: Best checkpoint by this.
 
 
 @dataclass
 class StabilitySection:
-    max_consecutive_nonfinite: int = 5  #: Save and stop after this many skipped non-finite updates.
+    max_consecutive_nonfinite: int = bounded(5, ge=1)  #: Save and stop after this many skipped non-finite updates.
 
 
 @dataclass
@@ -117,29 +151,67 @@ class RunConfig:
     cpu_backend: Union[Literal["gloo"], None] = None
 
 
-# --- loading and validation --------------------------------------------------------
+# --- values: types and ranges -----------------------------------------------------
+#: Ranges of ``GRPOConfig`` fields whose bad values TRL reports only deep inside a run, or never.
+TRAINING_RANGES: dict[str, Range] = {
+    "learning_rate": Range(ge=0), "weight_decay": Range(ge=0), "max_grad_norm": Range(ge=0),
+    "max_steps": Range(ge=-1), "num_train_epochs": Range(gt=0), "warmup_steps": Range(ge=0),
+    "per_device_train_batch_size": Range(ge=1), "gradient_accumulation_steps": Range(ge=1),
+    "num_generations": Range(ge=2), "num_iterations": Range(ge=1), "max_completion_length": Range(ge=1),
+    "save_steps": Range(gt=0), "logging_steps": Range(gt=0), "save_total_limit": Range(ge=1),
+    "temperature": Range(gt=0), "top_p": Range(gt=0, le=1), "top_k": Range(ge=0), "min_p": Range(ge=0, le=1),
+    "beta": Range(ge=0), "epsilon": Range(ge=0), "epsilon_high": Range(ge=0), "seed": Range(ge=0),
+}
+#: Ranges of reward parameters (the names are shared by every reward module).
+REWARD_PARAM_RANGES: dict[str, Range] = {
+    "threshold": Range(ge=-1, le=1), "order_alpha": Range(ge=0, le=1), "scorer_batch_size": Range(ge=1),
+    "cache_size": Range(ge=0), "guard_k": Range(gt=0), "guard_window": Range(ge=1),
+    "guard_factor": Range(ge=0, le=1), "guard_min_history": Range(ge=1), "rel_tol": Range(ge=0),
+    "abs_tol": Range(ge=0), "delta": Range(gt=0),
+}
+
+
 def _type_ok(value: Any, tp: Any) -> bool:
+    """Does a YAML value fit a type hint? Floats must be finite; an int field takes 1e3."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return True
     if origin in (Union, types.UnionType):
         return any(_type_ok(value, t) for t in typing.get_args(tp))
     if origin is Literal:
-        return value in typing.get_args(tp)
+        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
     if origin is list:
-        (item,) = typing.get_args(tp)
+        (item,) = typing.get_args(tp) or (Any,)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)
-    if origin is dict:
+    if origin is dict or tp is dict:
         return isinstance(value, dict)
     if dataclasses.is_dataclass(tp):
         return isinstance(value, dict)
+    if isinstance(value, bool):  # bool is an int subclass; YAML true/false only fits bool
+        return tp is bool
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and math.isfinite(value)
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp)
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return isinstance(value, tp) or value in {m.value for m in tp}
+    if origin is not None:  # collections.abc.Callable[...] and other generics
+        return isinstance(origin, type) and isinstance(value, origin)
+    return isinstance(tp, type) and isinstance(value, tp)
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """int -> float for float fields, 1e3 -> 1000 for int fields; everything else as is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    kinds = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    if isinstance(value, float) and int not in kinds:
+        return value
+    if isinstance(value, float):
+        return int(value)
+    return float(value) if float in kinds and int not in kinds else value
 
 
 def _describe(tp: Any) -> str:
@@ -150,9 +222,24 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(t) for t in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if tp is float:
+        return "float (a finite number)"
     if dataclasses.is_dataclass(tp):
         return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    if origin is not None:
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", str(tp))
+
+
+def check_value(path: str, value: Any, tp: Any, bounds: Range | None = None) -> Any:
+    """The value, coerced to the hinted type, or a ConfigError naming key, value and type."""
+    if not _type_ok(value, tp):
+        raise ConfigError(f"{path}: invalid value {value!r}; expected {_describe(tp)}")
+    coerced = _coerce(value, tp)
+    if bounds is not None and isinstance(coerced, (int, float)) and not isinstance(coerced, bool) \
+            and not bounds.holds(coerced):
+        raise ConfigError(f"{path}: invalid value {value!r}; expected {bounds}")
+    return coerced
 
 
 def from_dict(cls: type, data: Any, where: str = ""):
@@ -160,18 +247,16 @@ def from_dict(cls: type, data: Any, where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
-        if key not in names:
-            near = difflib.get_close_matches(str(key), names, n=1)
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ConfigError(f"unknown key {path!r}{hint}; allowed keys: {', '.join(names)}")
-        tp = hints[key]
-        if not _type_ok(value, tp):
-            raise ConfigError(f"{path}: invalid value {value!r}; expected {_describe(tp)}")
-        kwargs[key] = _build(tp, value, path)
+            raise ConfigError(f"unknown key {path!r}{hint}; allowed keys: {', '.join(fields)}")
+        value = check_value(path, value, hints[key], fields[key].metadata.get("range"))
+        kwargs[key] = _build(hints[key], value, path)
     return cls(**kwargs)
 
 
@@ -184,18 +269,62 @@ def _build(tp: Any, value: Any, path: str):
             return from_dict(t, value, path)
         if typing.get_origin(t) is list and dataclasses.is_dataclass(typing.get_args(t)[0]):
             return [from_dict(typing.get_args(t)[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if tp is float:
-        return float(value)
     return value
+
+
+# --- YAML ------------------------------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads ``1e-5`` as a float and refuses duplicate keys."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line)
+                except TypeError:  # unhashable key: the base class reports it
+                    continue
+                if first != key_node.start_mark.line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first given on line {first + 1})",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+# YAML 1.1 (PyYAML) needs a dot in a float, so 1e-5 would stay the string "1e-5".
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def _yaml_error(where: str, err: yaml.YAMLError) -> ConfigError:
+    """One line: where, line and column, and the problem (no traceback)."""
+    mark = getattr(err, "problem_mark", None)
+    pos = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err)
+    if "could not determine a constructor" in problem:
+        problem += " (only plain YAML values are allowed)"
+    context = getattr(err, "context", None)
+    return ConfigError(f"{where}{pos}: invalid YAML: {problem}" + (f" ({context})" if context else ""))
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """Safe YAML with floats in scientific notation and no duplicate keys."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.YAMLError as err:
+        raise _yaml_error(where, err) from None
 
 
 def resolve_config_path(name_or_path: str) -> Path:
     """A bare name such as ``cpr.yaml`` resolves against configs/."""
     p = Path(name_or_path)
-    if p.exists():
+    if p.is_file():
         return p
     for candidate in (CONFIG_DIR / name_or_path, CONFIG_DIR / f"{name_or_path}.yaml"):
-        if candidate.exists():
+        if candidate.is_file():
             return candidate
     shipped = ", ".join(sorted(x.name for x in CONFIG_DIR.glob("*.yaml")))
     raise ConfigError(f"config {name_or_path!r} not found (as a path or in configs/: {shipped})")
@@ -218,7 +347,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(raw)
+            if not isinstance(node, dict):
+                raise ConfigError(f"override --{key}: {part!r} is set to a value above, not a section")
+        node[leaf] = parse_yaml(raw, f"override --{key}")
     return out
 
 
@@ -232,8 +363,11 @@ def deep_merge(base: dict, over: dict) -> dict:
 def load_config(name_or_path: str, overrides: list[str] | None = None) -> tuple[RunConfig, dict]:
     """Read, merge overrides, validate. Returns the config and the merged raw mapping."""
     path = resolve_config_path(name_or_path)
-    with open(path) as fh:
-        raw = yaml.safe_load(fh) or {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read the config ({err})") from None
+    raw = parse_yaml(text, str(path)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     raw = deep_merge(raw, parse_overrides(overrides or []))
@@ -242,32 +376,65 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> tuple[
     return cfg, raw
 
 
-def validate(cfg: RunConfig) -> None:
-    """Cross-field checks that need more than a type: reward params, GRPOConfig fields."""
-    from rewards import REWARDS, reward_params
+@functools.lru_cache(maxsize=1)
+def grpo_field_types() -> dict[str, Any]:
+    """``trl.GRPOConfig``'s fields and their type hints (the ``training`` section's schema)."""
+    from trl import GRPOConfig
 
-    for i, phase in enumerate(cfg.phases or [None]):
-        c = cfg if phase is None else apply_phase(cfg, phase)
-        where = "" if phase is None else f"phases[{i}].overrides."
-        unknown = sorted(set(c.reward.params) - reward_params(c.reward.name))
-        if unknown:
-            raise ConfigError(
-                f"{where}reward.params: unknown key(s) {', '.join(map(repr, unknown))} for reward "
-                f"{c.reward.name!r}; allowed: {', '.join(sorted(reward_params(c.reward.name)))}")
-        assert c.reward.name in REWARDS
-        grpo_fields = {f.name for f in dataclasses.fields(grpo_config_class())}
-        for key in c.training:
-            if key not in grpo_fields:
-                near = difflib.get_close_matches(key, sorted(grpo_fields), n=3)
-                raise ConfigError(f"{where}training: unknown key {key!r}; it must be a field of trl.GRPOConfig"
-                                  + (f" (close: {', '.join(near)})" if near else ""))
+    return typing.get_type_hints(GRPOConfig)
+
+
+def _check_training(training: dict[str, Any], where: str) -> None:
+    """Every ``training`` key is a GRPOConfig field and its value fits that field's type."""
+    types_ = grpo_field_types()
+    for key, value in list(training.items()):
+        if key not in types_:
+            near = difflib.get_close_matches(key, sorted(types_), n=3)
+            raise ConfigError(f"{where}training: unknown key {key!r}; it must be a field of trl.GRPOConfig"
+                              + (f" (close: {', '.join(near)})" if near else ""))
+        training[key] = check_value(f"{where}training.{key}", value, types_[key], TRAINING_RANGES.get(key))
+
+
+def _check_reward_params(reward: RewardSection, where: str) -> None:
+    """Every parameter is one the reward module takes, of the type its signature says."""
+    from rewards import reward_params
+
+    accepted = reward_params(reward.name)
+    unknown = sorted(set(reward.params) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"{where}reward.params: unknown key(s) {', '.join(map(repr, unknown))} for reward "
+            f"{reward.name!r}; allowed: {', '.join(sorted(accepted))}")
+    for key, value in list(reward.params.items()):
+        reward.params[key] = check_value(f"{where}reward.params.{key}", value, accepted[key],
+                                         REWARD_PARAM_RANGES.get(key))
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks beyond the sections' own types, for every phase: reward parameters,
+    ``training`` against GRPOConfig, required fields and combinations that cannot work."""
+    for phase in cfg.phases or [None]:
+        c = check_dict_sections(cfg) if phase is None else apply_phase(cfg, phase)
+        where = "" if phase is None else f"phases[{phase.name}].overrides."
         if not c.model.name_or_path:
             raise ConfigError(f"{where}model.name_or_path: required (an HF folder, hub id or GGUF folder)")
         if not c.data.train:
             raise ConfigError(f"{where}data.train: required (a JSONL file or a datasets folder)")
-        if not 0.0 <= c.data.validation_fraction < 1.0:
-            raise ConfigError(f"{where}data.validation_fraction: invalid value "
-                              f"{c.data.validation_fraction!r}; expected 0 <= x < 1")
+        if c.pcgrad:
+            for key, ok in (("use_liger_kernel", lambda v: not v),
+                            ("multi_objective_aggregation", lambda v: v == "sum_then_normalize")):
+                if key in c.training and not ok(c.training[key]):
+                    raise ConfigError(
+                        f"{where}training.{key}: {c.training[key]!r} cannot be combined with pcgrad: true "
+                        "(PCGrad splits TRL's own surrogate loss by objective: it needs TRL's plain loss path "
+                        "and the summed advantage); set pcgrad: false or drop the setting")
+
+
+def check_dict_sections(cfg: RunConfig, where: str = "") -> RunConfig:
+    """Type-check (and coerce in place) the two free-form sections: reward.params, training."""
+    _check_reward_params(cfg.reward, where)
+    _check_training(cfg.training, where)
+    return cfg
 
 
 def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
@@ -278,14 +445,9 @@ def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
     if isinstance(over, dict) and over.get("name", base["reward"]["name"]) != base["reward"]["name"]:
         base["reward"] = {}  # another reward: the base reward's weights do not carry over
     merged = deep_merge(base, phase.overrides)
-    return from_dict(RunConfig, _drop_none_sections(merged), f"phases[{phase.name}].overrides")
+    where = f"phases[{phase.name}].overrides"
+    return check_dict_sections(from_dict(RunConfig, _drop_none_sections(merged), where), where + ".")
 
 
 def _drop_none_sections(d: dict) -> dict:
     return {k: v for k, v in d.items() if v is not None or k in ("curriculum", "cpu_backend")}
-
-
-def grpo_config_class():
-    from trl import GRPOConfig
-
-    return GRPOConfig

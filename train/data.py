@@ -9,6 +9,7 @@ and then loaded lazily, when a batch asks for them.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,9 @@ def row_problems(row: Any, base: Path) -> list[str]:
     if not _is_text(row.get("question")):
         out.append("missing or empty 'question'")
     ans = row.get("answer")
-    if isinstance(ans, bool) or not (_is_text(ans) or isinstance(ans, (int, float))):
+    if isinstance(ans, float) and not math.isfinite(ans):
+        out.append(f"'answer' is {ans} (JSON NaN/Infinity): it must be a string or a finite number")
+    elif isinstance(ans, bool) or not (_is_text(ans) or isinstance(ans, (int, float))):
         out.append("missing or empty 'answer' (a string or number)")
     steps = row.get("reference_steps")
     if not isinstance(steps, list) or not steps or not all(_is_text(s) for s in steps):

@@ -1,0 +1,135 @@
+"""Run configs: numbers as users write them, one-line errors naming key, value and expected
+type (every section, ``training`` against GRPOConfig's field types, every reward
+parameter), YAML syntax errors, unsafe tags and duplicate keys, ranges, and combinations
+PCGrad cannot honour. All of it before any model loads (no model exists in these tests)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from train import grpo
+from train.config import ConfigError, load_config
+
+
+def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("model: {name_or_path: m}\ndata: {train: t.jsonl}\n"
+                        "training: {learning_rate: 1e-5, max_steps: 1e3, warmup_steps: 5E-2}\n"
+                        "reward: {name: cpr, params: {step_weight: 4e-1, guard_window: 2e3}}\n")
+    cfg, _ = load_config(str(cfg_file))
+    assert cfg.training == {"learning_rate": 1e-5, "max_steps": 1000, "warmup_steps": 0.05}
+    assert type(cfg.training["max_steps"]) is int and type(cfg.reward.params["guard_window"]) is int
+    assert cfg.reward.params == {"step_weight": 0.4, "guard_window": 2000}
+    cfg, _ = load_config("tiny", ["--training.learning_rate", "5e-6", "--reward.params.threshold=3.5e-1"])
+    assert cfg.training["learning_rate"] == 5e-6 and cfg.reward.params["threshold"] == 0.35
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--training.learning_rate", "fast"], "training.learning_rate: invalid value 'fast'; expected float"),
+    (["--training.max_steps", "two"], "training.max_steps: invalid value 'two'; expected int"),
+    (["--training.num_generations", "3.5"], "training.num_generations: invalid value 3.5; expected int or null"),
+    (["--training.bf16", "1"], "training.bf16: invalid value 1; expected bool or null"),
+    (["--training.temperature", ".nan"], "training.temperature: invalid value nan; expected float (a finite"),
+    (["--training.report_to", "{a: 1}"], "training.report_to: invalid value {'a': 1}; expected null or str or"),
+    (["--training.lr_scheduler_type", "3"], "training.lr_scheduler_type: invalid value 3; expected SchedulerType"),
+    (["--training.num_generations", "1"], "training.num_generations: invalid value 1; expected x >= 2"),
+    (["--training.learning_rate", "-1e-5"], "training.learning_rate: invalid value -1e-05; expected x >= 0"),
+    (["--reward.params.step_weight", "0.4e"], "reward.params.step_weight: invalid value '0.4e'; expected float"),
+    (["--reward.params.threshold", "1.5"], "reward.params.threshold: invalid value 1.5; expected -1 <= x <= 1"),
+    (["--reward.params.guard_window", "0"], "reward.params.guard_window: invalid value 0; expected x >= 1"),
+    (["--reward.params.verbosity_guard", "maybe"], "reward.params.verbosity_guard: invalid value 'maybe'"),
+    (["--reward.params.device", "0"], "reward.params.device: invalid value 0; expected str or null"),
+    (["--validation.eval_steps", "-1"], "validation.eval_steps: invalid value -1; expected x >= 0"),
+    (["--validation.max_new_tokens", "0"], "validation.max_new_tokens: invalid value 0; expected x >= 1"),
+    (["--data.validation_fraction", "1.0"], "data.validation_fraction: invalid value 1.0; expected 0 <= x < 1"),
+    (["--stability.max_consecutive_nonfinite", "0"], "stability.max_consecutive_nonfinite: invalid value 0"),
+    (["--model.lora", "{r: 0}"], "model.lora.r: invalid value 0; expected x >= 1"),
+    (["--curriculum", "{c0: 0}"], "curriculum.c0: invalid value 0; expected 0 < x <= 1"),
+    (["--pcgrad", "yes please"], "pcgrad: invalid value 'yes please'; expected bool"),
+    (["--phases", "[{name: p2, overrides: {training: {max_steps: x}}}]"],
+     "phases[p2].overrides.training.max_steps: invalid value 'x'; expected int"),
+    (["--phases", "[{name: p2, overrides: {reward: {name: cpr, params: {answer_weight: heavy}}}}]"],
+     "phases[p2].overrides.reward.params.answer_weight: invalid value 'heavy'; expected float"),
+    (["--pcgrad", "true", "--training.use_liger_kernel", "true"],
+     "training.use_liger_kernel: True cannot be combined with pcgrad: true"),
+    (["--pcgrad", "true", "--training.multi_objective_aggregation", "normalize_then_sum"],
+     "training.multi_objective_aggregation: 'normalize_then_sum' cannot be combined with pcgrad: true"),
+    (["--training.seed", "{a: 1"], "override --training.seed:1:6: invalid YAML"),
+])
+def test_bad_values_stop_with_one_line_naming_key_value_and_type(override, message, capsys):
+    assert grpo.main(["--config", "tiny.yaml", *override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert "\n" not in err and "Traceback" not in err
+
+
+def test_values_of_any_grpo_config_type_pass():
+    cfg, _ = load_config("tiny", ["--training.report_to", "[wandb, tensorboard]", "--training.lr_scheduler_type",
+                                  "cosine", "--training.lr_scheduler_kwargs", "{num_cycles: 2}",
+                                  "--training.reward_weights", "[1, 0.5]", "--training.save_total_limit", "null",
+                                  "--training.gradient_checkpointing_kwargs", "{use_reentrant: false}"])
+    assert cfg.training["reward_weights"] == [1, 0.5] and cfg.training["lr_scheduler_kwargs"] == {"num_cycles": 2}
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
+    path = _write(tmp_path, "model:\n  name_or_path: [x\ndata: {train: t}\n")
+    assert grpo.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"config error: {path}:3:5: invalid YAML: expected ',' or ']'") and "\n" not in err
+
+
+def test_unsafe_tags_are_refused_and_never_run(tmp_path, capsys):
+    marker = tmp_path / "pwned"
+    path = _write(tmp_path, f"model: !!python/object/apply:os.system ['touch {marker}']\n")
+    assert grpo.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{path}:1:8: invalid YAML: could not determine a constructor for the tag" in err
+    assert "python/object/apply:os.system" in err and "\n" not in err
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("text, line, key", [
+    ("model: {name_or_path: a}\ndata: {train: t}\nmodel: {name_or_path: b}\n", 3, "'model' (first given on line 1)"),
+    ("training:\n  learning_rate: 1e-5\n  max_steps: 3\n  learning_rate: 2e-5\n", 4,
+     "'learning_rate' (first given on line 2)"),
+])
+def test_duplicate_keys_are_an_error(tmp_path, text, line, key):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:{line}:\d+: invalid YAML: duplicate key "
+                                          rf"{re.escape(key)}$"):
+        load_config(str(path))
+
+
+def test_config_file_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="the top level must be a mapping"):
+        load_config(str(_write(tmp_path, "- a\n- b\n")))
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--reward.nme", "cpr"], "unknown key 'reward.nme' (did you mean 'name'?); allowed keys: name, params"),
+    (["--reward.name", "prm"], "reward.name: invalid value 'prm'; expected one of 'format', 'answer_only'"),
+    (["--training.learning_rat", "1"], "training: unknown key 'learning_rat'"),
+    (["--reward.params.answer_wieght", "1"], "unknown key(s) 'answer_wieght' for reward 'cpr'"),
+    (["--validation.batch_size", "eight"], "validation.batch_size: invalid value 'eight'; expected int"),
+    (["--training.num_generations", "3"], "training:"),
+])
+def test_config_errors_name_key_and_allowed_values(override, message, capsys):
+    assert grpo.main(["--config", "tiny.yaml", *override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_name_resolution_and_overrides(repo_root):
+    cfg, _ = load_config("tiny", ["--training.max_steps=7", "--reward.params.threshold", "0.5"])
+    assert cfg.training["max_steps"] == 7 and cfg.reward.params["threshold"] == 0.5
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no_such_config.yaml")
+    for name in ("cpr_curriculum", "cpr", "composite", "answer_only", "demo", "tiny"):
+        load_config(name)
