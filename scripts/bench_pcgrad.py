@@ -5,7 +5,7 @@ for full fine-tuning and LoRA on the same tiny model (one table, one run).
     python scripts/bench_pcgrad.py [--model .cache/models/tiny-qwen2] [--pairs 10] [--warmup 2]
                                    [--batch 8] [--completion_length 32] [--beta 0.04] [--threads N]
 
-Workload: TRL GRPO steps through ``CrystalGRPOTrainer`` exactly as ``train/grpo.py``
+Workload: TRL GRPO steps through ``train.trainer.trainer_class`` exactly as ``train/grpo.py``
 builds it (loss_type grpo, beta 0.04 so the KL term and its third backward pass are on,
 scale_rewards group), ``--batch`` completions per step (``num_generations`` 4), prompts
 from data/wordproblems/train.jsonl, sampled completions of ``--completion_length`` tokens.
@@ -103,7 +103,7 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
-    from train.trainer import CrystalGRPOTrainer
+    from train.trainer import trainer_class
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -122,9 +122,9 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
         peft = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.padding_side = "left"
-    trainer = CrystalGRPOTrainer(model=a.model, reward_funcs=_hash_rewards(), args=args, processing_class=tok,
-                                 train_dataset=Dataset.from_dict({"prompt": _prompts(n_prompts)}),
-                                 peft_config=peft, pcgrad=mode != "off")
+    trainer = trainer_class(mode != "off")(
+        model=a.model, reward_funcs=_hash_rewards(), args=args, processing_class=tok,
+        train_dataset=Dataset.from_dict({"prompt": _prompts(n_prompts)}), peft_config=peft)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
 
     gen_time = [0.0]
@@ -147,7 +147,7 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             step = time.perf_counter() - self.t0
-            rows.append({"pcgrad": bool(trainer.pcgrad), "step": step, "update": step - gen_time[0]})
+            rows.append({"pcgrad": bool(getattr(trainer, "pcgrad", False)), "step": step, "update": step - gen_time[0]})
 
     trainer.add_callback(Timer())
     cuda = torch.cuda.is_available()

@@ -1,6 +1,6 @@
 """Draw reward, Match F1, accuracy and KL curves for any run folder.
 
-    python scripts/plot_run.py runs/demo [--out curves.png]
+    python scripts/plot_run.py runs/demo/phase2-cpr [--out curves.png]
 """
 
 import argparse
@@ -12,8 +12,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from train.plot import plot_run  # noqa: E402
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("run_dir")
-    ap.add_argument("--out")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", help="a run folder (one phase's folder for a multi-phase run)")
+    ap.add_argument("--out", help="PNG to write (default: RUN_DIR/training_curves.png)")
     a = ap.parse_args()
-    print(plot_run(a.run_dir, a.out))
+    try:
+        print(plot_run(a.run_dir, a.out))
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -211,7 +211,7 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from train.trainer import CrystalGRPOTrainer
+    from train.trainer import trainer_class
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # named_parameters, not the state dict: tied weights (embeddings / lm_head) count once.
@@ -246,7 +246,7 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
         else:
             batch["advantages"] = batch[adv_key].clone()
 
-        class FixedBatchTrainer(CrystalGRPOTrainer):
+        class FixedBatchTrainer(trainer_class(pcgrad)):
             """Generation replaced by the fixed batch (this process's rows); everything
             after it (shuffle, split, loss, backward, PCGrad, optimizer) is the real loop."""
 
@@ -263,7 +263,7 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
             disable_tqdm=True, seed=0, max_completion_length=COMP_LEN, remove_unused_columns=False, **extra)
         trainer = FixedBatchTrainer(
             model=model_path, reward_funcs=[reward_acc, reward_reason], args=args,
-            train_dataset=Dataset.from_dict({"prompt": ["q"] * 16}), processing_class=tok, pcgrad=pcgrad)
+            train_dataset=Dataset.from_dict({"prompt": ["q"] * 16}), processing_class=tok)
         trainer.train()
         if mode == "ddp":
             assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
@@ -433,7 +433,7 @@ def test_unsupported_aggregation_is_refused(pcg_model, tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from train.trainer import CrystalGRPOTrainer
+    from train.pcgrad import PCGradGRPOTrainer
 
     def f(completions, **kw):
         return [0.0] * len(completions)
@@ -443,8 +443,8 @@ def test_unsupported_aggregation_is_refused(pcg_model, tmp_path):
                       multi_objective_aggregation="normalize_then_sum", report_to="none", bf16=False,
                       use_cpu=True, max_steps=1)
     with pytest.raises(ValueError, match="sum_then_normalize"):
-        CrystalGRPOTrainer(model=str(pcg_model), reward_funcs=[f], args=args, pcgrad=True,
-                           train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
+        PCGradGRPOTrainer(model=str(pcg_model), reward_funcs=[f], args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
 
 
 if __name__ == "__main__":  # worker of test_same_update_in_two_processes

@@ -12,6 +12,7 @@ import torch
 from transformers import TrainerCallback
 
 from rewards.base import RewardModule, _chains, evaluate, shared_scorer
+from train.checkpoints import atomic_write_text, read_json, read_jsonl
 
 VALIDATION_METRICS = ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate",
                       "steps_mean", "reward")
@@ -90,11 +91,25 @@ class ValidationCallback(TrainerCallback):
     def __init__(self, trainer, dataset, cfg, run_dir: str | Path, module: RewardModule) -> None:
         self.trainer, self.dataset, self.cfg, self.module = trainer, dataset, cfg, module
         self.run_dir = Path(run_dir)
+        # A resumed run keeps the record; its log was truncated to the checkpoint's step, so a
+        # best found after that step is forgotten (that checkpoint will be written again).
         self.best: dict | None = None
-        best = self.run_dir / "best_checkpoint.json"
-        if best.exists():  # resumed run: keep the record
-            self.best = json.loads(best.read_text())
         self.last_step = -1
+        best = self.run_dir / "best_checkpoint.json"
+        rows = read_jsonl(self.run_dir / "validation.jsonl")
+        if rows:
+            self.last_step = rows[-1]["step"]
+        if best.exists():
+            self.best = read_json(best)
+            if self.best is None or self.best["step"] > self.last_step:
+                self.best = None
+                for row in rows:  # replay the record up to the resumed step
+                    self._record(row["step"], {k: row[k] for k in VALIDATION_METRICS if k in row})
+                if trainer.is_world_process_zero():
+                    if self.best is None:
+                        best.unlink()
+                    else:
+                        atomic_write_text(best, json.dumps(self.best, indent=2))
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.cfg.eval_steps and state.global_step % self.cfg.eval_steps == 0:
@@ -102,7 +117,7 @@ class ValidationCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.last_step != state.global_step and not self.trainer.stopped_nonfinite:
+        if self.last_step != state.global_step and not self.trainer.stopped_early:
             self.run(state, control, final=True)
 
     def run(self, state, control, final: bool = False) -> dict[str, float]:
@@ -139,18 +154,23 @@ class ValidationCallback(TrainerCallback):
         else:  # joins this step's own log line instead of stealing its training metrics
             for k, v in logged.items():
                 trainer._metrics["train"][k].append(v)
-        value = metrics[self.cfg.metric]
-        if math.isfinite(value) and (self.best is None or value > self.best["value"]):
-            ckpt = f"checkpoint-{state.global_step}"
-            self.best = {"metric": self.cfg.metric, "value": value, "step": state.global_step,
-                         "checkpoint": ckpt, "metrics": metrics}
-            state.best_metric = value
-            state.best_model_checkpoint = str(Path(trainer.args.output_dir) / ckpt)
+        if self._record(state.global_step, metrics):
+            state.best_metric = self.best["value"]
+            state.best_model_checkpoint = str(Path(trainer.args.output_dir) / self.best["checkpoint"])
             if not final:
                 control.should_save = True
             if trainer.is_world_process_zero():
-                (self.run_dir / "best_checkpoint.json").write_text(json.dumps(self.best, indent=2))
+                atomic_write_text(self.run_dir / "best_checkpoint.json", json.dumps(self.best, indent=2))
         return metrics
+
+    def _record(self, step: int, metrics: dict[str, float]) -> bool:
+        """Make this step the best one if its metric beats the record; True when it does."""
+        value = metrics.get(self.cfg.metric, math.nan)
+        if not math.isfinite(value) or (self.best is not None and value <= self.best["value"]):
+            return False
+        self.best = {"metric": self.cfg.metric, "value": value, "step": step,
+                     "checkpoint": f"checkpoint-{step}", "metrics": metrics}
+        return True
 
 
 class MetricsJsonlCallback(TrainerCallback):

@@ -14,14 +14,29 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
+import signal
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python train/grpo.py` and `accelerate launch train/grpo.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from train.checkpoints import (  # noqa: E402
+    CheckpointError,
+    atomic_write_text,
+    checkpoint_problem,
+    checkpoint_step,
+    latest_complete,
+    read_json,
+    read_jsonl,
+    resolve_resume,
+    settings_undone,
+    truncate_logs,
+)
 from train.config import ConfigError, RunConfig, apply_phase, load_config  # noqa: E402
 from train.data import DataError  # noqa: E402
+from train.interrupt import Interrupted  # noqa: E402
 from train.models import ModelLoadError  # noqa: E402
 
 PHASE_DONE = "phase_done.json"
@@ -116,32 +131,33 @@ def _sampler_factory(cfg: RunConfig, dataset, max_steps: int):
 
 def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callbacks: list | None = None) -> dict:
     """One GRPO run; returns its final validation metrics."""
-    from transformers.trainer_utils import get_last_checkpoint
-
     from rewards import build_reward
     from train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
     from train.data import load_datasets
-    from train.models import load_policy, peft_config
-    from train.trainer import CrystalGRPOTrainer
+    from train.models import load_policy, model_source, peft_config
+    from train.trainer import STATE_FILE, trainer_class
 
     output_dir.mkdir(parents=True, exist_ok=True)
     extra = setup_distributed(cfg)
-    # The sentence encoder loads before anything DeepSpeed could partition.
+    args = grpo_args(cfg, output_dir, extra)  # TRL's own value checks, before anything loads
+    model_source(cfg.model)  # and a missing model folder
+    checkpoint = resolve_resume(output_dir, resume, say)
+    if checkpoint:
+        check_zero_resume(checkpoint, args.world_size)
+        state = Path(checkpoint) / STATE_FILE
+        for line in settings_undone((read_json(state) or {}).get("settings", {}), args):
+            say(f"warning: {line}")
+        with args.main_process_first(desc="truncating the run's logs to the checkpoint"):
+            if _main_process():  # every rank then reads the same logs (validation record)
+                truncate_logs(output_dir, checkpoint_step(checkpoint))
+    # The sentence encoder loads outside DeepSpeed's partitioning (rewards/match_f1.py).
     module = build_reward(cfg.reward.name, **cfg.reward.params)
     train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
     if train.skipped:
         say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")
-    args = grpo_args(cfg, output_dir, extra)
     model, processing_class = load_policy(cfg.model)
-    checkpoint = None
-    if resume == "latest":
-        checkpoint = get_last_checkpoint(str(output_dir))
-        say(f"resuming from {checkpoint}" if checkpoint else f"no checkpoint in {output_dir}: starting fresh")
-    elif resume:
-        checkpoint = resume
-    if checkpoint:
-        check_zero_resume(checkpoint, args.world_size)
-    trainer = CrystalGRPOTrainer(
+    extra_kwargs = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
+    trainer = trainer_class(cfg.pcgrad)(
         model=model,
         reward_funcs=module.reward_funcs(),
         args=args,
@@ -150,8 +166,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
         peft_config=peft_config(cfg.model),
         sampler_factory=_sampler_factory(cfg, train.dataset, args.max_steps),
         max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite,
-        pcgrad=cfg.pcgrad,
-        pcgrad_objective_std=cfg.pcgrad_objective_std,
+        **extra_kwargs,
     )
     trainer.add_callback(MetricsJsonlCallback(output_dir))
     if val is not None:
@@ -160,8 +175,12 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
     for cb in callbacks or []:
         trainer.add_callback(cb)
     if _main_process():
-        (output_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
-    trainer.train(resume_from_checkpoint=checkpoint)
+        atomic_write_text(output_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+    with trainer.interrupt.handling():
+        trainer.train(resume_from_checkpoint=checkpoint)
+    if trainer.interrupt.stopped_at is not None:
+        step = trainer.interrupt.stopped_at
+        raise Interrupted(trainer.interrupt.signum, step, str(output_dir / f"checkpoint-{step}"))
     if trainer.stopped_nonfinite:
         raise SystemExit(
             f"stopped: {cfg.stability.max_consecutive_nonfinite} consecutive updates had non-finite "
@@ -170,7 +189,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
             f"--resume_from_checkpoint latest.")
     trainer.save_model(str(output_dir / "final"))
     val_file = output_dir / "validation.jsonl"
-    last = json.loads(val_file.read_text().splitlines()[-1]) if val_file.exists() else {}
+    last = (read_jsonl(val_file) or [{}])[-1]
     say(f"\nrun folder: {output_dir}\n  checkpoints: {output_dir}/checkpoint-*  final model: {output_dir}/final"
         f"\n  metrics: {output_dir}/metrics.jsonl  validation: {val_file}"
         f"\n  plot: {output_dir}/training_curves.png")
@@ -178,14 +197,16 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
 
 
 def phase_start(prev_dir: Path, init_from: str) -> str | None:
-    """The checkpoint a phase starts from: the previous phase's best or last."""
+    """The checkpoint a phase starts from: the previous phase's best (if complete) or last."""
     if init_from == "none":
         return None
-    best = prev_dir / "best_checkpoint.json"
-    if init_from == "best" and best.exists():
-        ckpt = prev_dir / json.loads(best.read_text())["checkpoint"]
-        if ckpt.exists():
+    record = read_json(prev_dir / "best_checkpoint.json") if init_from == "best" else None
+    if record:
+        ckpt = prev_dir / record["checkpoint"]
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
             return str(ckpt)
+        say(f"best checkpoint unusable ({problem}); starting from {prev_dir / 'final'}")
     return str(prev_dir / "final")
 
 
@@ -202,14 +223,14 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
     for i, phase in enumerate(cfg.phases):
         pcfg = apply_phase(cfg, phase)
         pdir = run_dir / f"phase{i + 1}-{phase.name or i + 1}"
-        done = json.loads((pdir / PHASE_DONE).read_text()) if (pdir / PHASE_DONE).exists() else None
+        done = read_json(pdir / PHASE_DONE)
         if resume and done and done["max_steps"] == pcfg.training.get("max_steps"):
             say(f"phase {phase.name}: already done, skipping")
             summary[phase.name], prev = done["validation"], pdir
             continue
-        started = bool(resume) and any(pdir.glob("checkpoint-*"))
+        started = bool(resume) and latest_complete(pdir)[0] is not None
         if prev is not None:
-            start = (json.loads((pdir / "config.json").read_text())["model"]["name_or_path"] if started
+            start = (read_json(pdir / "config.json")["model"]["name_or_path"] if started
                      else phase_start(prev, phase.init_from))
             if start:
                 pcfg.model.name_or_path, pcfg.model.gguf_file = start, None
@@ -217,11 +238,11 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
         say(f"\n=== phase {i + 1}/{len(cfg.phases)}: {phase.name} ===")
         summary[phase.name] = run_phase(pcfg, pdir, "latest" if started else None, callbacks)
         if _main_process():
-            (pdir / PHASE_DONE).write_text(json.dumps({"max_steps": pcfg.training.get("max_steps"),
-                                                       "validation": summary[phase.name]}))
+            atomic_write_text(pdir / PHASE_DONE, json.dumps({"max_steps": pcfg.training.get("max_steps"),
+                                                            "validation": summary[phase.name]}))
         prev = pdir
     if _main_process():
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
         keys = ["accuracy", "f1", "ordered_f1", "format_rate", "steps_mean"]
         say("\nphase summary (final validation)\n" + f"{'phase':<16}" + "".join(f"{k:>13}" for k in keys))
         for name, m in summary.items():
@@ -232,7 +253,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML file, or a name in configs/")
-    ap.add_argument("--resume_from_checkpoint", default=None, help="'latest' or a checkpoint folder")
+    ap.add_argument("--resume_from_checkpoint", default=None,
+                    help="'latest' (the newest complete checkpoint of the run folder) or a checkpoint folder")
     ap.add_argument("--output_dir", default=None, help="run folder (default: training.output_dir or runs/<config>)")
     args, overrides = ap.parse_known_args(argv)
     try:
@@ -243,10 +265,28 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
     try:
         run(cfg, run_dir, args.resume_from_checkpoint)
-    except (ConfigError, DataError, ModelLoadError) as err:
+    except (ConfigError, DataError, ModelLoadError, CheckpointError) as err:
         print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        say(f"interrupted by {signal.Signals(stop.signum).name} at step {stop.step}: saved {stop.checkpoint}; "
+            f"resume with: {resume_command(argv)}")
+        return stop.exit_code
+    except KeyboardInterrupt:
+        say(f"aborted: the newest complete checkpoint is used by: {resume_command(argv)}")
+        return 130
     return 0
+
+
+def resume_command(argv: list[str] | None) -> str:
+    """This run's command line with ``--resume_from_checkpoint latest``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--resume_from_checkpoint" in argv:
+        i = argv.index("--resume_from_checkpoint")
+        del argv[i:i + 2]
+    argv = [a for a in argv if not a.startswith("--resume_from_checkpoint=")]
+    launcher = "accelerate launch ... " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "python "
+    return launcher + " ".join(shlex.quote(a) for a in ["train/grpo.py", *argv, "--resume_from_checkpoint", "latest"])
 
 
 if __name__ == "__main__":

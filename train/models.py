@@ -75,7 +75,7 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
 
 
-def _source(cfg: Any) -> tuple[str, bool]:
+def model_source(cfg: Any) -> tuple[str, bool]:
     """(what to pass to from_pretrained, is it a local folder)."""
     raw = str(_get(cfg, "name_or_path") or "").strip()
     if not raw:
@@ -335,7 +335,7 @@ def load_policy(model_cfg: Any) -> tuple[Any, Any]:
     """Load ``(model, processing_class)`` as described in the module docstring."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    src, local = _source(model_cfg)
+    src, local = model_source(model_cfg)
     kw = _load_kwargs(model_cfg, local)
     gguf_file = _get(model_cfg, "gguf_file")
     dtype = _torch_dtype(_get(model_cfg, "dtype", "float32") or "float32")

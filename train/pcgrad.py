@@ -1,6 +1,9 @@
 """PCGrad (Yu et al. 2020) between the accuracy and the reasoning objectives (SPEC section 9).
 
-How it hooks into TRL's ``GRPOTrainer`` (``PCGradMixin``, first base of ``CrystalGRPOTrainer``):
+``PCGradGRPOTrainer`` (``PCGradMixin`` over ``CrystalGRPOTrainer``) is the trainer of runs with
+``pcgrad: true``; other runs never load these hooks. They rely on TRL's private methods, so
+``pyproject.toml`` pins TRL's minor version and ``tests/test_trl_contract.py`` checks every
+signature and behaviour used here. How it hooks into TRL's ``GRPOTrainer``:
 
 1. ``_calculate_rewards``: keeps TRL's *global* ``rewards_per_func`` (all processes).
 2. ``_generate_and_score_completions``: adds ``advantages_acc`` / ``advantages_reason``
@@ -43,9 +46,14 @@ from typing import Any
 
 import torch
 
+from train.trainer import CrystalGRPOTrainer
+
 logger = logging.getLogger(__name__)
 
 OBJECTIVES = ("accuracy", "reasoning")
+#: The TRL minor version these hooks were verified against (tests/test_trl_contract.py);
+#: pyproject.toml pins it.
+TESTED_TRL = "1.16"
 #: Relative tolerance of the run-time check acc + reason == TRL's advantage.
 SUM_CHECK_RTOL = 1e-3
 
@@ -189,14 +197,15 @@ def _restore_counters(counters: list[tuple[torch.nn.Module, str, int]]) -> None:
 
 
 class PCGradMixin:
-    """PCGrad hooks for ``GRPOTrainer`` (see the module docstring). Inactive unless
-    ``self.pcgrad`` is true; with it off the trainer is plain TRL GRPO."""
+    """PCGrad hooks for ``GRPOTrainer`` (see the module docstring).
 
-    pcgrad: bool = False
-    #: Divide each objective's advantage by its own std instead of the total's.
-    pcgrad_objective_std: bool = False
+    ``pcgrad_objective_std``: divide each objective's advantage by its own std instead of the
+    total's. ``self.pcgrad`` may be switched off between steps (benchmarks compare both in
+    one trainer); off, every hook defers to plain TRL GRPO.
+    """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, pcgrad_objective_std: bool = False, **kwargs: Any) -> None:
+        self.pcgrad, self.pcgrad_objective_std = True, pcgrad_objective_std
         super().__init__(*args, **kwargs)
         self._pcgrad_rewards = None
         self._pcgrad_buf: torch.Tensor | None = None
@@ -204,8 +213,7 @@ class PCGradMixin:
         self._pcgrad_window_open = False
         self._pcgrad_rows = 0
         self._pcgrad_overhead = 0.0
-        if self.pcgrad:
-            self._pcgrad_check_supported()
+        self._pcgrad_check_supported()
 
     # -- configuration checks ----------------------------------------------------------
     def _pcgrad_objectives(self) -> list[str]:
@@ -218,8 +226,18 @@ class PCGradMixin:
         return objs
 
     def _pcgrad_check_supported(self) -> None:
+        import trl
         from accelerate.utils import DistributedType
 
+        if not trl.__version__.startswith(TESTED_TRL + "."):
+            logger.warning("pcgrad: TRL %s is installed, but PCGrad's hooks into TRL internals were verified "
+                           "against TRL %s.x only (tests/test_trl_contract.py); run that test first",
+                           trl.__version__, TESTED_TRL)
+
+        if getattr(self.args, "use_liger_kernel", False):
+            raise ValueError(
+                "pcgrad: true cannot be combined with use_liger_kernel: the Liger GRPO loss bypasses TRL's "
+                "_compute_loss, from which PCGrad builds the per-objective surrogates. Set one of them off.")
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "pcgrad: true supports multi_objective_aggregation='sum_then_normalize' only (the objective "
@@ -341,7 +359,7 @@ class PCGradMixin:
             with self._pcgrad_quiet(beta=0.0, _entropy_bonus_enabled=False, aux_loss_enabled=False):
                 for key in ("advantages_acc", "advantages_reason"):
                     losses.append(self._compute_loss(model, {**inputs, "advantages": inputs[key]}))
-            if self.beta != 0.0 or getattr(self, "_entropy_bonus_enabled", False) or self.aux_loss_enabled:
+            if self.beta != 0.0 or self._entropy_bonus_enabled or self.aux_loss_enabled:
                 with self._pcgrad_quiet():
                     zeros = torch.zeros_like(inputs["advantages"])
                     losses.append(self._compute_loss(model, {**inputs, "advantages": zeros}))
@@ -492,3 +510,7 @@ class PCGradMixin:
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
         return loss
+
+
+class PCGradGRPOTrainer(PCGradMixin, CrystalGRPOTrainer):
+    """The trainer of ``pcgrad: true`` runs (see :func:`train.trainer.trainer_class`)."""

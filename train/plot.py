@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-
-def _read(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from train.checkpoints import read_jsonl
 
 
 def _series(rows: list[dict], suffix: str) -> tuple[list[int], list[float]]:
@@ -30,8 +25,16 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    train = [r for r in _read(run_dir / "metrics.jsonl") if "loss" in r or "reward" in r]
-    val = _read(run_dir / "validation.jsonl")
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run folder")
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r or "reward" in r]
+    val = read_jsonl(run_dir / "validation.jsonl")
+    if not train and not val:
+        phases = sorted(p.name for p in run_dir.iterdir() if (p / "metrics.jsonl").exists())
+        hint = (f"; this is a multi-phase run: plot one of its phase folders ({', '.join(phases)})" if phases
+                else " (a run writes them from its first logged step)")
+        raise FileNotFoundError(f"{run_dir}: nothing to plot: no training rows in metrics.jsonl and no "
+                                f"validation.jsonl{hint}")
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     panels = [("reward", "reward", "reward"), ("Match F1", "f1", "f1"),
               ("accuracy", "accuracy", "accuracy"), ("KL", "kl", None)]

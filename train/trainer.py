@@ -4,11 +4,13 @@
 - ``create_optimizer``: a guard that skips an update whose gradients are not finite and
   stops the run (after saving) when that happens too many times in a row.
 - ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: reward state (the verbosity
-  guard's window) travels with every checkpoint, so a resumed run continues exactly. The
-  curriculum order is a pure function of (seed, step) and needs no state.
+  guard's window) and the optimizer settings travel with every checkpoint, and a
+  completion marker is written last (``train/checkpoints.py``), so an interrupted save is
+  never resumed from. The curriculum order is a pure function of (seed, step).
 - ``log``: adds the KL maximum over the logging window (SPEC section 6 diagnostics).
-PCGrad, when enabled, lives in ``train/pcgrad.py`` (``PCGradMixin``) and hooks
-``_calculate_rewards``, ``_generate_and_score_completions`` and ``training_step``.
+- ``create_model_card``: names the real base model (TRL writes "[None]" for a local folder).
+PCGrad touches TRL internals, so it lives in a subclass (``train/pcgrad.py``) that
+:func:`trainer_class` picks only for ``pcgrad: true``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from train.pcgrad import PCGradMixin
+from train.checkpoints import optimizer_settings, remove_marker, write_marker
+from train.interrupt import GracefulStop
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +37,18 @@ class NonFiniteStop(RuntimeError):
     """Raised (after a checkpoint is saved) when too many consecutive updates were non-finite."""
 
 
-class CrystalGRPOTrainer(PCGradMixin, GRPOTrainer):
+def trainer_class(pcgrad: bool) -> type["CrystalGRPOTrainer"]:
+    """The trainer for a run: plain TRL plus our hooks, or its PCGrad subclass when asked for."""
+    if not pcgrad:
+        return CrystalGRPOTrainer
+    from train.pcgrad import PCGradGRPOTrainer
+
+    return PCGradGRPOTrainer
+
+
+class CrystalGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, sampler_factory: Callable | None = None,
-                 max_consecutive_nonfinite: int = 5, pcgrad: bool = False,
-                 pcgrad_objective_std: bool = False, **kwargs: Any) -> None:
-        self.pcgrad, self.pcgrad_objective_std = pcgrad, pcgrad_objective_std
+                 max_consecutive_nonfinite: int = 5, **kwargs: Any) -> None:
         self.sampler_factory = sampler_factory
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.nonfinite_skipped = 0
@@ -47,6 +57,13 @@ class CrystalGRPOTrainer(PCGradMixin, GRPOTrainer):
         super().__init__(*args, **kwargs)
         if sampler_factory is not None and hasattr(sampler_factory, "callback"):
             self.add_callback(sampler_factory.callback())
+        self.interrupt = GracefulStop()  # SIGINT/SIGTERM inside ``with self.interrupt.handling()``
+        self.add_callback(self.interrupt)
+
+    @property
+    def stopped_early(self) -> bool:
+        """Stopped by a signal or by non-finite updates (not at max_steps)."""
+        return self.stopped_nonfinite or self.interrupt.stopped_at is not None
 
     # -- reward modules behind TRL's reward functions ---------------------------------
     @property
@@ -115,14 +132,20 @@ class CrystalGRPOTrainer(PCGradMixin, GRPOTrainer):
         return {
             "rewards": {m.name: m.state_dict() for m in self.reward_modules},
             "nonfinite_skipped": self.nonfinite_skipped,
+            "settings": optimizer_settings(self.optimizer, self.lr_scheduler),
         }
 
     def _save_checkpoint(self, model, trial):
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if self.args.should_save:
+            remove_marker(folder)  # a folder being (re)written is incomplete until the end
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             with open(os.path.join(folder, STATE_FILE), "w") as fh:
                 json.dump(self.crystal_state(), fh)
+        self.accelerator.wait_for_everyone()  # every rank's shards are on disk
+        if self.args.should_save:
+            write_marker(folder, self.state.global_step)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -134,6 +157,13 @@ class CrystalGRPOTrainer(PCGradMixin, GRPOTrainer):
                 if m.name in state.get("rewards", {}):
                     m.load_state_dict(state["rewards"][m.name])
             self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        if self.is_world_process_zero():
+            from train.model_card import write_model_card
+
+            write_model_card(self, model_name)
 
     # -- logging ----------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -1,0 +1,261 @@
+"""Interrupted runs lose nothing: completion markers, ``latest`` skipping incomplete or
+corrupt checkpoints, a real SIGKILL in the middle of a save, graceful SIGINT/SIGTERM (one
+process and two), logs that hold each step once after a resume, and the warning about
+overrides the restored optimizer state undoes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import TrainerCallback
+
+from train import grpo
+from train.checkpoints import (
+    MARKER,
+    checkpoint_problem,
+    latest_complete,
+    resolve_resume,
+    truncate_logs,
+    write_marker,
+)
+from train.config import load_config
+from train.trainer import CrystalGRPOTrainer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- the marker and what "complete" means ------------------------------------------------------
+def _fake_checkpoint(run: Path, step: int, marker: bool = True) -> Path:
+    folder = run / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, folder / "model.safetensors")
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (folder / "optimizer.pt").write_bytes(b"x" * 100)
+    if marker:
+        write_marker(folder, step)
+    return folder
+
+
+def test_latest_is_the_newest_complete_checkpoint_and_says_what_it_skipped(tmp_path):
+    _fake_checkpoint(tmp_path, 2)
+    good = _fake_checkpoint(tmp_path, 10)
+    truncated = _fake_checkpoint(tmp_path, 20)
+    with open(truncated / "model.safetensors", "r+b") as fh:
+        fh.truncate(100)
+    _fake_checkpoint(tmp_path, 30, marker=False)  # killed before the marker
+    (tmp_path / "checkpoint-40").mkdir()  # killed right after mkdir
+    (tmp_path / "checkpoint-50").write_text("not a folder")
+    chosen, skipped = latest_complete(tmp_path)
+    assert chosen == good
+    assert [s.split(":")[0] for s in skipped] == [str(tmp_path / "checkpoint-40"), str(tmp_path / "checkpoint-30"),
+                                                  str(truncated / "model.safetensors")]
+    assert "incomplete (no checkpoint_complete.json" in skipped[0]
+    assert "100 bytes, " in skipped[2] and "truncated" in skipped[2]
+    said = []
+    assert resolve_resume(tmp_path, "latest", said.append) == str(good)
+    assert said[-1] == f"resuming from {good}" and len(said) == 4
+
+
+def test_explicit_checkpoint_is_checked_file_by_file(tmp_path):
+    folder = _fake_checkpoint(tmp_path, 5, marker=False)  # e.g. written by an older version: allowed
+    assert checkpoint_problem(folder, require_marker=False) is None
+    assert resolve_resume(tmp_path, str(folder)) == str(folder)
+    with open(folder / "model.safetensors", "r+b") as fh:  # corrupt the header length
+        fh.write(b"\xff" * 8)
+    with pytest.raises(Exception, match=rf"cannot resume: {folder / 'model.safetensors'}: truncated safetensors"):
+        resolve_resume(tmp_path, str(folder))
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+    assert "corrupt safetensors header" in checkpoint_problem(folder, require_marker=False)
+    (folder / "trainer_state.json").unlink()
+    assert "trainer_state.json: missing" in checkpoint_problem(folder, require_marker=False)
+    assert "no such checkpoint folder" in checkpoint_problem(tmp_path / "nope")
+
+
+def test_a_marker_is_removed_before_a_checkpoint_is_rewritten(tmp_path, tiny_lm_path):
+    """The trainer's save: marker last, and an overwritten folder never looks complete midway."""
+    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(tiny_lm_path), "--validation.eval_steps", "0",
+                                       "--training.max_steps", "1", "--training.save_steps", "1"])
+    seen = {}
+
+    class Spy(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            seen["marker"] = json.loads((tmp_path / "run" / "checkpoint-1" / MARKER).read_text())
+
+    folder = _fake_checkpoint(tmp_path / "run", 1)  # a stale complete checkpoint-1 in the way
+    original = CrystalGRPOTrainer._save_optimizer_and_scheduler
+
+    def save_opt(trainer, output_dir):
+        seen["marker_during_save"] = (Path(output_dir) / MARKER).exists()
+        return original(trainer, output_dir)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CrystalGRPOTrainer, "_save_optimizer_and_scheduler", save_opt)
+        grpo.run(cfg, tmp_path / "run", callbacks=[Spy()])
+    assert seen["marker_during_save"] is False
+    assert seen["marker"]["step"] == 1 and "model.safetensors" in seen["marker"]["files"]
+    assert "crystal_state.json" in seen["marker"]["files"] and checkpoint_problem(folder) is None
+
+
+def test_truncate_logs_keeps_rows_up_to_the_step(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n"
+                                                    for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
+    truncate_logs(tmp_path, 2)
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+# --- real runs -----------------------------------------------------------------------------------
+def _steps(run: Path, name: str = "metrics.jsonl", key: str = "loss") -> list[int]:
+    rows = [json.loads(x) for x in (run / name).read_text().splitlines()]
+    return [r["step"] for r in rows if key in r]
+
+
+def _cmd(run: Path, model: Path, *extra: str) -> list[str]:
+    return [sys.executable, "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(run),
+            "--model.name_or_path", str(model), *extra]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys
+from transformers import Trainer
+original = Trainer._save_optimizer_and_scheduler
+def dying(self, output_dir):
+    if self.state.global_step == int(os.environ["KILL_AT_STEP"]):
+        os.kill(os.getpid(), signal.SIGKILL)  # the weights of this checkpoint are on disk, the rest is not
+    return original(self, output_dir)
+Trainer._save_optimizer_and_scheduler = dying
+from train import grpo
+sys.exit(grpo.main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_while_saving_then_resume_latest_picks_the_last_complete_one(tmp_path, tiny_lm_path):
+    run = tmp_path / "run"
+    args = _cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
+                "--validation.eval_steps", "1")[2:]
+    proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, *args], cwd=REPO, env={**_env(), "KILL_AT_STEP": "2"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert (run / "checkpoint-2" / "model.safetensors").exists() and not (run / "checkpoint-2" / MARKER).exists()
+    # Before the fix, latest picked checkpoint-2 and crashed (no trainer_state.json there).
+    proc = subprocess.run(_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
+                               "--validation.eval_steps", "1", "--resume_from_checkpoint", "latest"),
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"skipping {run / 'checkpoint-2'}: incomplete" in proc.stdout
+    assert f"resuming from {run / 'checkpoint-1'}" in proc.stdout
+    assert _steps(run) == [1, 2, 3]  # step 2 was logged before the kill, and is logged once
+    assert _steps(run, "validation.jsonl", "accuracy") == [1, 2, 3]
+    assert all(checkpoint_problem(run / f"checkpoint-{s}") is None for s in (1, 2, 3))
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.time() + timeout
+    while not (path.exists() and path.read_text().strip()):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < end, "timed out"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, tiny_lm_path, sig):
+    run = tmp_path / "run"
+    cmd = _cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
+               "--validation.eval_steps", "0")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(run / "metrics.jsonl", proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    step = max(_steps(run))
+    assert step < 40
+    line = [x for x in out.splitlines() if x.startswith("interrupted by")]
+    resume = (f"resume with: python train/grpo.py --config tiny.yaml --output_dir {run} --model.name_or_path "
+              f"{tiny_lm_path} --training.max_steps 40 --training.save_steps 100 --validation.eval_steps 0 "
+              "--resume_from_checkpoint latest")
+    assert line == [f"interrupted by {sig.name} at step {step}: saved {run / f'checkpoint-{step}'}; {resume}"]
+    assert checkpoint_problem(run / f"checkpoint-{step}") is None
+    assert not (run / "final").exists() and not (run / "validation.jsonl").exists()  # no end-of-run work
+    if sig == signal.SIGINT:  # the printed command resumes and finishes
+        resumed = resume.split(": ", 1)[1].split()[1:]
+        resumed[resumed.index("40")] = str(step + 1)
+        assert grpo.main(resumed[1:]) == 0
+        assert _steps(run) == list(range(1, step + 2))
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_lm_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
+                                 "--validation.eval_steps", "0"),
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(run / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "aborted" in out and "interrupted by" not in out
+    assert not list(run.glob("checkpoint-*"))  # the graceful save never happened
+
+
+def test_resume_warns_about_overrides_the_checkpoint_undoes(tmp_path, tiny_lm_path, capsys):
+    common = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "run"), "--model.name_or_path",
+              str(tiny_lm_path), "--validation.eval_steps", "0", "--training.save_steps", "1"]
+    assert grpo.main([*common, "--training.max_steps", "2"]) == 0
+    capsys.readouterr()
+    assert grpo.main([*common, "--training.max_steps", "3", "--training.learning_rate", "5e-5",
+                      "--resume_from_checkpoint", "latest"]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: training.learning_rate is 5e-05 but the checkpoint was trained with 0.0001: resuming "
+            "restores the optimizer and scheduler state, so the run continues with 0.0001") in out
+    lr = [json.loads(x).get("learning_rate") for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert lr[-2] == pytest.approx(1e-4 / 3)  # what the warning says: the old base rate, linear decay 1/3
+    state = json.loads((tmp_path / "run" / "checkpoint-3" / "crystal_state.json").read_text())
+    assert state["settings"]["learning_rate"] == pytest.approx(1e-4)  # the optimizer's truth, not the config's
+
+
+def test_resume_with_logs_after_the_checkpoint_logs_each_step_once(tmp_path, tiny_lm_path):
+    common = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "run"), "--model.name_or_path",
+              str(tiny_lm_path), "--validation.eval_steps", "1", "--validation.max_samples", "2"]
+    assert grpo.main([*common, "--training.max_steps", "3", "--training.save_steps", "2"]) == 0
+    run = tmp_path / "run"
+    assert grpo.main([*common, "--training.max_steps", "4", "--training.save_steps", "2",
+                      "--resume_from_checkpoint", str(run / "checkpoint-2")]) == 0
+    assert _steps(run) == [1, 2, 3, 4]
+    assert _steps(run, "validation.jsonl", "accuracy") == [1, 2, 3, 4]
+    best = json.loads((run / "best_checkpoint.json").read_text())
+    assert (run / best["checkpoint"]).is_dir()
+
+
+@pytest.mark.slow
+def test_two_processes_stop_at_the_same_step_when_only_one_gets_the_signal(tmp_path, tiny_lm_path, free_port):
+    """Only rank 1 receives SIGTERM; both ranks agree (all-reduce) and save one checkpoint."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
+           *_cmd(run, tiny_lm_path, "--cpu_backend", "gloo", "--training.max_steps", "40",
+                 "--training.save_steps", "100", "--validation.eval_steps", "0")[1:]]
+    env = {**_env(), "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(run / "metrics.jsonl", proc)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    rank1 = [pid for pid in children
+             if "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b" ").decode(errors="replace")]
+    assert len(rank1) == 1, children
+    os.kill(int(rank1[0]), signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    step = max(_steps(run))
+    assert f"interrupted by SIGTERM at step {step}" in out, err[-3000:]
+    assert checkpoint_problem(run / f"checkpoint-{step}") is None

@@ -1,0 +1,185 @@
+"""The contract with TRL (and DeepSpeed) internals that PCGrad and the trainer rely on.
+
+``train/pcgrad.py`` overrides or calls private GRPOTrainer methods; between TRL 1.9 and 1.16
+those changed by 30-270 lines each. ``pyproject.toml`` pins TRL's minor version, and this
+file is the one place a TRL upgrade fails loudly: every private signature, attribute and
+behaviour the hooks depend on is checked here against the installed TRL. When upgrading,
+make these pass (adapting train/pcgrad.py), then move ``TESTED_TRL`` and the pin together.
+"""
+
+from __future__ import annotations
+
+import inspect
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import trl
+from packaging.requirements import Requirement
+from packaging.version import Version
+from trl import GRPOConfig, GRPOTrainer
+
+from train.pcgrad import TESTED_TRL, PCGradMixin
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_installed_trl_is_the_tested_minor_and_pyproject_pins_it():
+    installed = Version(trl.__version__)
+    assert f"{installed.major}.{installed.minor}" == TESTED_TRL, (
+        f"TRL {trl.__version__} is installed but train/pcgrad.py was verified against {TESTED_TRL}.x")
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "trl"]
+    assert str(spec) == f"~={TESTED_TRL}.0", "pin TRL to the tested minor version"
+    assert installed in spec and Version(f"{TESTED_TRL}.99") in spec and Version("1.17.0") not in spec
+
+
+# Parameter names, in order, of every TRL / transformers method the hooks override or call.
+SIGNATURES = {
+    (GRPOTrainer, "_calculate_rewards"): ["self", "inputs", "prompts", "completions", "completion_ids_list"],
+    (GRPOTrainer, "_generate_and_score_completions"): ["self", "inputs"],
+    (GRPOTrainer, "_compute_loss"): ["self", "model", "inputs"],
+    (GRPOTrainer, "compute_loss"): ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
+    (GRPOTrainer, "training_step"): ["self", "model", "inputs", "num_items_in_batch"],
+    (GRPOTrainer, "_prepare_inputs"): ["self", "generation_batch"],
+    (GRPOTrainer, "_get_train_sampler"): ["self", "dataset"],
+    (GRPOTrainer, "_save_checkpoint"): ["self", "model", "trial"],
+    (GRPOTrainer, "_load_optimizer_and_scheduler"): ["self", "checkpoint"],
+    (GRPOTrainer, "create_optimizer"): ["self", "model"],
+    (GRPOTrainer, "create_model_card"): ["self", "model_name", "dataset_name", "tags"],
+    (GRPOTrainer, "log"): ["self", "logs", "start_time"],
+}
+
+
+@pytest.mark.parametrize("owner, name", list(SIGNATURES), ids=[n for _, n in SIGNATURES])
+def test_private_signatures(owner, name):
+    params = list(inspect.signature(getattr(owner, name)).parameters)
+    assert params == SIGNATURES[(owner, name)], f"{owner.__name__}.{name}{params}"
+
+
+def test_logps_helper_takes_the_arguments_pcgrad_forwards():
+    params = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    assert list(params)[:5] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+    assert {"compute_entropy", "compute_aux_loss", "pixel_values", "image_grid_thw"} <= set(params)
+
+
+def test_helpers_the_project_imports_exist():
+    from trl.data_utils import prepare_multimodal_messages
+    from trl.models.utils import unwrap_model_for_generation
+    from trl.trainer.utils import RepeatSampler, nanstd, shuffle_sequence_dict, split_tensor_dict
+
+    assert list(inspect.signature(RepeatSampler).parameters)[:6] == [
+        "data_source", "mini_repeat_count", "batch_size", "repeat_count", "shuffle", "seed"]
+    assert all(map(callable, (prepare_multimodal_messages, unwrap_model_for_generation)))
+    x = torch.tensor([1.0, float("nan"), 3.0])
+    assert float(nanstd(x)) == pytest.approx(2 ** 0.5)  # Bessel-corrected, NaN ignored
+    # Extra per-row tensors (PCGrad's advantages_acc/_reason) ride along TRL's shuffle and split.
+    batch = {"advantages": torch.arange(4.0), "advantages_acc": torch.arange(4.0) * 10, "n": None}
+    parts = split_tensor_dict(shuffle_sequence_dict(batch), 2)
+    assert all(torch.equal(p["advantages_acc"], p["advantages"] * 10) for p in parts)
+
+
+def test_deepspeed_internals_used_under_zero3():
+    deepspeed = pytest.importorskip("deepspeed")
+    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+    assert list(inspect.signature(safe_get_local_grad).parameters) == ["param"]
+    assert list(inspect.signature(safe_set_local_grad).parameters) == ["param", "value"]
+    backward = deepspeed.DeepSpeedEngine.backward  # wrapped by an NVTX decorator without __wrapped__
+    backward = inspect.getclosurevars(backward).nonlocals.get("func", backward)
+    assert list(inspect.signature(backward).parameters) == ["self", "loss", "retain_graph", "scale_wrt_gas"]
+    assert "is_boundary" in inspect.signature(deepspeed.DeepSpeedEngine.set_gradient_accumulation_boundary).parameters
+    # The per-module counters ZeRO-3's backward hooks consume (restored between PCGrad's backwards).
+    from deepspeed.runtime.zero import parameter_offload
+
+    source = inspect.getsource(parameter_offload)
+    for counter in ("applied_pre_backward_ref_cnt", "ds_grads_remaining"):
+        assert counter in source, counter
+
+
+# --- behaviours, on a real trainer with the tiny model -----------------------------------------
+@pytest.fixture(scope="module")
+def trainer(tiny_lm_path, tmp_path_factory):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    def acc(completions, **kw):
+        return [float(len(c) % 2) for c in completions]
+
+    def reason(completions, **kw):
+        return [None if i == 0 else 0.5 for i in range(len(completions))]
+
+    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("contract")), per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, beta=0.04, loss_type="grpo", bf16=False,
+                      use_cpu=True, report_to="none", max_steps=1, seed=0)
+    trainer = GRPOTrainer(model=str(tiny_lm_path), reward_funcs=[acc, reason], args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["q"] * 8}),
+                          processing_class=AutoTokenizer.from_pretrained(tiny_lm_path))
+    trainer.current_gradient_accumulation_steps = 1  # set by HF's training loop
+    return trainer
+
+
+def test_attributes_pcgrad_reads_and_swaps(trainer):
+    for name in (*PCGradMixin._STATE_ATTRS, "_entropy_bonus_enabled", "aux_loss_enabled", "beta",
+                 "multi_objective_aggregation", "scale_rewards", "reward_weights", "reward_func_names",
+                 "num_generations", "_metrics", "_step", "_current_train_step_time", "accelerator"):
+        assert hasattr(trainer, name), name
+    assert trainer.multi_objective_aggregation == "sum_then_normalize"  # the default PCGrad splits
+    assert set(trainer._metrics) == {"train", "eval"} and trainer._metrics["train"]["x"] == []
+    # PCGrad's training_step reads it; HF's loop sets it at each accumulation window.
+    from transformers import Trainer
+
+    assert "self.current_gradient_accumulation_steps =" in inspect.getsource(Trainer)
+
+
+def test_calculate_rewards_is_one_global_column_per_function_with_none_as_nan(trainer):
+    inputs = [{"prompt": "q", "answer": "a"}] * 4
+    out = trainer._calculate_rewards(inputs, ["q"] * 4, ["a", "bb", "ccc", "dddd"], [[1]] * 4)
+    assert out.shape == (4, 2)
+    assert out[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert torch.isnan(out[0, 1]) and out[1:, 1].tolist() == [0.5] * 3
+
+
+def _batch(trainer) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    vocab = trainer.model.config.vocab_size
+    mask = (torch.arange(5)[None] < torch.tensor([5, 3, 4, 2])[:, None]).long()
+    batch = {"prompt_ids": torch.randint(20, vocab, (4, 6), generator=g), "prompt_mask": torch.ones(4, 6).long(),
+             "completion_ids": torch.randint(20, vocab, (4, 5), generator=g), "completion_mask": mask}
+    batch["ref_per_token_logps"] = -5.0 + torch.randn(4, 5, generator=g)
+    batch["num_items_in_batch"] = mask.sum()
+    return batch
+
+
+def test_compute_loss_uses_one_logps_call_and_reads_beta_and_advantages_at_call_time(trainer, monkeypatch):
+    """What PCGrad's one-forward trick and its attribute swaps depend on."""
+    batch = _batch(trainer)
+    a, b = torch.tensor([1.0, -2.0, 0.5, 0.0]), torch.tensor([0.3, 0.3, -1.0, 2.0])
+    calls = []
+    original = trainer._get_per_token_logps_and_entropies
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", counted)
+    trainer.model.train()
+    loss = lambda adv: float(trainer.compute_loss(trainer.model, {**batch, "advantages": adv}))  # noqa: E731
+    with torch.no_grad():
+        monkeypatch.setattr(trainer, "beta", 0.0)
+        la, lb, lab = loss(a), loss(b), loss(a + b)
+        assert calls == [1, 1, 1]  # exactly one log-prob computation per loss
+        assert la + lb == pytest.approx(lab, rel=1e-5, abs=1e-7)  # linear in the advantages: the split is exact
+        assert loss(torch.zeros(4)) == pytest.approx(0.0, abs=1e-7)  # beta = 0: no KL term
+        monkeypatch.setattr(trainer, "beta", 0.04)
+        kl = loss(torch.zeros(4))
+        assert kl > 0  # the KL penalty alone, read from self.beta at call time
+        assert loss(a) == pytest.approx(la + kl, rel=1e-5)  # KL adds to the surrogate
+
+
+def test_generation_output_carries_advantages_of_local_rows(trainer):
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([{"prompt": "q"}] * 4)
+    assert out["advantages"].shape == (4,)
+    assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask"} <= set(out)

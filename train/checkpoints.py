@@ -1,0 +1,222 @@
+"""Checkpoints (and run-folder files) that survive interruption, and resuming from them.
+
+HF's Trainer writes ``checkpoint-N`` file by file, so a run killed while saving leaves a
+folder that looks like a checkpoint but is not one, and ``get_last_checkpoint`` picks it.
+Here every checkpoint gets a completion marker, written last (after every rank has
+written its shards), that lists each file with its size. A checkpoint is complete when
+its marker exists, every listed file has its recorded size and every safetensors file has
+a valid header; ``latest`` is the newest complete one. The marker is removed before a
+folder is (re)written, so a checkpoint being overwritten never counts as complete.
+
+Resuming also truncates the run folder's logs to the checkpoint's step, so every step is
+logged once, and warns about overrides the restored optimizer state silently undoes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+MARKER = "checkpoint_complete.json"
+TRAINER_STATE = "trainer_state.json"
+LOG_FILES = ("metrics.jsonl", "validation.jsonl")
+#: Training settings that live in the optimizer/scheduler state: a resumed run keeps the
+#: checkpoint's values whatever the config says (torch restores param-group hyperparameters
+#: and the scheduler's base learning rates from the saved state).
+RESTORED_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+_STEP = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the folder or file."""
+
+
+# --- run-folder files that a kill must not leave half-written ---------------------------
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write-then-rename: readers see the old file or the new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path: str | Path) -> Any:
+    """The parsed file, or None when it is missing or unreadable (e.g. written by an older version)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a log; a line cut off by an interruption is skipped."""
+    rows = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+# --- writing checkpoints ------------------------------------------------------------------
+def remove_marker(folder: str | Path) -> None:
+    """Call before (re)writing a checkpoint folder: until the new marker exists it is incomplete."""
+    (Path(folder) / MARKER).unlink(missing_ok=True)
+
+
+def write_marker(folder: str | Path, step: int) -> None:
+    """List every file of the finished checkpoint with its size; written atomically, last."""
+    folder = Path(folder)
+    files = {str(p.relative_to(folder)): p.stat().st_size
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER}
+    atomic_write_text(folder / MARKER, json.dumps({"step": step, "files": files}, indent=1))
+
+
+# --- checking --------------------------------------------------------------------------
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file is unreadable (truncated, bad header), or None. Reads the header only."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{path}: truncated safetensors file ({size} bytes)"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"{path}: truncated safetensors file (header of {n} bytes, file of {size})"
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        return f"{path}: corrupt safetensors header ({type(err).__name__}: {err})"
+    if 8 + n + end != size:
+        return f"{path}: truncated or corrupt safetensors file ({size} bytes, header says {8 + n + end})"
+    return None
+
+
+def checkpoint_problem(folder: str | Path, require_marker: bool = True) -> str | None:
+    """Why ``folder`` cannot be resumed from, or None when it is complete.
+
+    Without ``require_marker`` (a checkpoint named explicitly, possibly written by another
+    tool or an older version) the files present are still checked.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder}: no such checkpoint folder"
+    marker = folder / MARKER
+    if marker.exists():
+        try:
+            files = json.loads(marker.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return f"{marker}: unreadable completion marker ({err})"
+        for rel, size in files.items():
+            p = folder / rel
+            if not p.is_file():
+                return f"{p}: missing (the checkpoint is incomplete)"
+            if p.stat().st_size != size:
+                return f"{p}: {p.stat().st_size} bytes, {size} when it was saved (truncated or overwritten)"
+    elif require_marker:
+        return (f"{folder}: incomplete (no {MARKER}: the run was stopped while saving it, or an older "
+                "version wrote it; pass its path to --resume_from_checkpoint to try it anyway)")
+    elif not (folder / TRAINER_STATE).is_file():
+        return f"{folder / TRAINER_STATE}: missing (the checkpoint is incomplete)"
+    for p in sorted(folder.rglob("*.safetensors")):
+        problem = safetensors_problem(p)
+        if problem:
+            return problem
+    return None
+
+
+def checkpoint_step(folder: str | Path) -> int:
+    m = _STEP.match(Path(folder).name)
+    if m:
+        return int(m.group(1))
+    state = Path(folder) / TRAINER_STATE
+    return int(json.loads(state.read_text())["global_step"]) if state.is_file() else 0
+
+
+def latest_complete(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest complete ``checkpoint-N`` in ``run_dir`` and why each newer one was skipped."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None, []
+    found = sorted((p for p in run_dir.iterdir() if p.is_dir() and _STEP.match(p.name)),
+                   key=checkpoint_step, reverse=True)
+    skipped = []
+    for folder in found:
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder, skipped
+        skipped.append(problem)
+    return None, skipped
+
+
+def resolve_resume(run_dir: str | Path, resume: str | None, say=print) -> str | None:
+    """The checkpoint to resume from: ``latest`` (newest complete) or a checked explicit path."""
+    if not resume:
+        return None
+    if resume == "latest":
+        chosen, skipped = latest_complete(run_dir)
+        for problem in skipped:
+            say(f"skipping {problem}")
+        say(f"resuming from {chosen}" if chosen else f"no complete checkpoint in {run_dir}: starting fresh")
+        return str(chosen) if chosen else None
+    problem = checkpoint_problem(resume, require_marker=False)
+    if problem:
+        raise CheckpointError(f"cannot resume: {problem}")
+    return resume
+
+
+# --- resuming ----------------------------------------------------------------------------
+def truncate_logs(run_dir: str | Path, step: int) -> None:
+    """Drop log rows after ``step``: the resumed run logs those steps again."""
+    for name in LOG_FILES:
+        path = Path(run_dir) / name
+        if path.exists():
+            keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), (int, float)) and r["step"] <= step]
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def optimizer_settings(optimizer: Any, scheduler: Any) -> dict[str, float]:
+    """The :data:`RESTORED_SETTINGS` as the optimizer and scheduler really hold them (after a
+    resume these are the checkpoint's values, not necessarily the config's)."""
+    groups = list(getattr(optimizer, "param_groups", None) or [])
+    out: dict[str, float] = {}
+    base = getattr(scheduler, "base_lrs", None)
+    if base:
+        out["learning_rate"] = float(base[0])
+    elif groups:
+        out["learning_rate"] = float(groups[0].get("initial_lr", groups[0]["lr"]))
+    if groups:
+        first = groups[0]
+        if "weight_decay" in first:
+            out["weight_decay"] = max(float(g.get("weight_decay", 0.0)) for g in groups)
+        if "betas" in first:
+            out["adam_beta1"], out["adam_beta2"] = (float(b) for b in first["betas"])
+        if "eps" in first:
+            out["adam_epsilon"] = float(first["eps"])
+    return out
+
+
+def settings_undone(saved: dict[str, float], args: Any) -> list[str]:
+    """One line per override that resuming will silently undo (value differs from the checkpoint's)."""
+    out = []
+    for key in RESTORED_SETTINGS:
+        now, then = getattr(args, key, None), saved.get(key)
+        if now is not None and then is not None and not math.isclose(float(now), float(then), rel_tol=1e-9, abs_tol=0.0):
+            out.append(f"training.{key} is {now!r} but the checkpoint was trained with {then!r}: resuming "
+                       f"restores the optimizer and scheduler state, so the run continues with {then!r}. "
+                       "To change it, start a new run from the checkpoint's weights (--model.name_or_path "
+                       "CHECKPOINT) instead of resuming.")
+    return out

@@ -1,0 +1,82 @@
+"""Ctrl-C and a scheduler's SIGTERM: finish the current step, save, stop; a second one aborts.
+
+Without this, SIGINT kills training mid-step (possibly mid-save) and SIGTERM, which
+SLURM and Kubernetes send before they kill a job, loses everything since the last
+periodic checkpoint. The first signal only sets a flag; at the end of the optimizer
+step every rank agrees (one tiny all-reduce, so all ranks stop at the same step even when
+the signal reached them at different moments), the trainer saves a checkpoint and stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+
+import torch
+from transformers import TrainerCallback
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """Training stopped on a signal after saving ``checkpoint``; exit code 128 + signal."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"{signal.Signals(signum).name} at step {step}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class GracefulStop(TrainerCallback):
+    """Install with :meth:`handling`; the trainer stops (and saves) at the next step end."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.stopped_at: int | None = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.signum is not None:  # the second signal: abort now
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint and "
+              "stopping (press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator["GracefulStop"]:
+        """Route SIGINT/SIGTERM to this object for the duration (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.getsignal(s) for s in SIGNALS}
+        for s in SIGNALS:
+            signal.signal(s, self._handler)
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _agreed_signal(self, device) -> int:
+        """The signal any rank received (0: none); collective, so every rank calls it."""
+        mine = self.signum or 0
+        d = torch.distributed
+        if not (d.is_available() and d.is_initialized() and d.get_world_size() > 1):
+            return mine
+        flag = torch.tensor([mine], dtype=torch.int64, device=device)
+        d.all_reduce(flag, op=d.ReduceOp.MAX)
+        return int(flag.item())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signum = self._agreed_signal(args.device)
+        if signum and self.stopped_at is None:
+            self.signum = signum
+            self.stopped_at = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+        return control
