@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from rewards.text import clean_text
 
 # Bounds on the lenient scan, so a huge junk completion costs linear time at most.
 MAX_SCAN_CHARS = 200_000
 MAX_SCAN_STARTS = 20
 
-# At most one surrounding fence: ``` or ```json, the body is everything up to the last ```.
-_FENCE = re.compile(r"\A```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```\Z", re.DOTALL | re.IGNORECASE)
+_FENCE = "```"
 _DECODER = json.JSONDecoder()
 
 
@@ -80,23 +80,31 @@ def _completion_text(completion: Any) -> str:
     return ""
 
 
+def _number_text(value: int | float) -> str | None:
+    """str of a number; None for an int too long for str() (over 4,300 digits)."""
+    try:
+        return str(value)
+    except ValueError:
+        return None
+
+
 def _clean_steps(steps: list[Any]) -> list[str]:
-    """String (or number) items, stripped, empty ones dropped."""
+    """String (or number) items, stripped and encodable (lone surrogates -> U+FFFD), empty ones dropped."""
     out = []
     for step in steps:
         if _is_number(step):
-            step = str(step)
+            step = _number_text(step)
         if isinstance(step, str) and step.strip():
-            out.append(step.strip())
+            out.append(clean_text(step.strip()))
     return out
 
 
 def _clean_answer(answer: Any) -> str | None:
-    """A str answer stripped (empty -> None); a finite number as its str (12 -> "12")."""
+    """A str answer stripped and encodable (empty -> None); a finite number as its str (12 -> "12")."""
     if isinstance(answer, str):
-        return answer.strip() or None
-    if _is_number(answer) and math.isfinite(answer):
-        return str(answer)
+        return clean_text(answer.strip()) or None
+    if _is_number(answer) and (isinstance(answer, int) or math.isfinite(answer)):
+        return _number_text(answer)  # (math.isfinite overflows on ints past float range)
     return None
 
 
@@ -105,12 +113,24 @@ def _from_object(obj: dict) -> tuple[list[str], str | None]:
     return (_clean_steps(steps) if isinstance(steps, list) else []), _clean_answer(obj.get("answer"))
 
 
+def _unfence(text: str) -> str:
+    """The body of at most one surrounding Markdown fence: ``` or ```json (any case).
+
+    String operations, not a regex: the old lazy-body pattern backtracked cubically on
+    "```" followed by a long whitespace run (20 s for 4,000 spaces). The body is
+    everything between the opening ``` (plus an optional "json" tag) and the closing ```;
+    the caller strips it, so whitespace around the body needs no handling here.
+    """
+    if len(text) < 2 * len(_FENCE) or not (text.startswith(_FENCE) and text.endswith(_FENCE)):
+        return text
+    body = text[len(_FENCE):-len(_FENCE)]
+    return body[4:] if body[:4].casefold() == "json" else body
+
+
 def _strict(text: str) -> dict | None:
     """The object if the text is exactly the required JSON (optionally in one fence), else None."""
-    fenced = _FENCE.match(text)
-    body = fenced.group(1) if fenced else text
     try:
-        obj = _STRICT_DECODER.decode(body.strip())
+        obj = _STRICT_DECODER.decode(_unfence(text).strip())
     except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -164,3 +165,102 @@ def test_fuzz_valid_objects_are_well_formed(text):
     out = parse_completion(text)
     assert out.format_ok
     assert out.steps == [s.strip() for s in obj["reasoning_steps"] if s.strip()]
+
+
+# --- text a tokenizer would reject -------------------------------------------------
+
+def encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+@pytest.mark.parametrize("text", [
+    '{"reasoning_steps": ["\\ud800", "a \\ud83d b", "\\udfff"], "answer": "\\ud83d 12"}',  # JSON escapes
+    '```json\n{"reasoning_steps": ["\ud800", "a \ud83d b", "\udfff"], "answer": "\ud83d 12"}\n```',  # raw
+    'Sure: {"reasoning_steps": ["\\ud800", "a \\ud83d b", "\\udfff"], "answer": "\\ud83d 12"} \\ud800',
+])
+def test_lone_surrogates_come_out_replaced(text):
+    out = parse_completion(text)
+    assert out.steps == ["\ufffd", "a \ufffd b", "\ufffd"]
+    assert out.answer == "\ufffd 12"
+    assert out.format_ok is text.startswith(("{", "```"))
+    assert all(encodable(s) for s in [*out.steps, out.answer])
+
+
+def test_surrogate_pair_split_in_two_code_points_is_joined():
+    out = parse_completion('{"reasoning_steps": ["smile \ud83d\ude00"], "answer": "\\ud83d\\ude00"}')
+    assert out == ParsedOutput(["smile \U0001F600"], "\U0001F600", True)
+
+
+def test_numbers_past_float_range_keep_the_object():
+    # math.isfinite overflows on such ints; the whole parse used to fall back to "no object".
+    big = "1" + "0" * 400
+    out = parse_completion('{"reasoning_steps": ["a", ' + big + '], "answer": ' + big + "}")
+    assert out == ParsedOutput(["a", big], big, False)  # a number step is not a string step
+    assert parse_completion('{"reasoning_steps": ["a"], "answer": ' + big + "}") == ParsedOutput(["a"], big, True)
+
+
+# --- linear time on hostile text ---------------------------------------------------
+
+ADVERSARIAL = {
+    # The old fence regex backtracked cubically: "```" + 4,000 spaces took 20 s.
+    "fence + spaces": "```" + " " * 100_000 + "x",
+    "fence + space/tab": "```" + " \t" * 50_000 + "x",
+    "fence json + spaces + 2 backticks": "```json" + " " * 100_000 + "`` x",
+    "fence + newlines": "```\n" + "\n \n" * 30_000 + "x```y",
+    "fence + spaces, closed": "```" + " " * 100_000 + "```",
+    "backticks": "`" * 100_000,
+    "backtick pairs + spaces": "`` " * 30_000,
+    "open braces": "{" * 100_000,
+    "nested brackets": "[" * 50_000 + "]" * 50_000,
+    "nested objects": '{"a":' * 20_000 + "1" + "}" * 20_000,
+    "key runs": '{"reasoning_steps": [' + '"x", ' * 20_000,
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_hostile_text_parses_in_linear_time(name):
+    text = ADVERSARIAL[name]
+    start = time.perf_counter()
+    out = parse_completion(text)
+    assert time.perf_counter() - start < 1.0, name
+    assert isinstance(out, ParsedOutput) and out.answer is None and not out.format_ok
+
+
+def test_fenced_object_with_long_padding_is_still_read():
+    text = "```json" + " \t" * 20_000 + "\n" + GOOD + "\n" + " " * 20_000 + "```"
+    start = time.perf_counter()
+    assert parse_completion(text) == ParsedOutput(STEPS, "12", True)
+    assert time.perf_counter() - start < 1.0
+
+
+# The fence pattern parse_completion used before it was rewritten with string operations;
+# on short inputs it is the reference for what counts as "at most one fence".
+OLD_FENCE = re.compile(r"\A```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```\Z", re.DOTALL | re.IGNORECASE)
+
+
+def old_strict_format(text: str) -> bool:
+    text = text.strip()
+    m = OLD_FENCE.match(text)
+    body = (m.group(1) if m else text).strip()
+    try:
+        obj = json.loads(body, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    except (ValueError, RecursionError):
+        return False
+    return (isinstance(obj, dict) and isinstance(obj.get("reasoning_steps"), list)
+            and all(isinstance(s, str) for s in obj["reasoning_steps"])
+            and (isinstance(obj.get("answer"), str)
+                 or (isinstance(obj.get("answer"), (int, float)) and not isinstance(obj.get("answer"), bool))))
+
+
+fence_pieces = st.lists(st.sampled_from(["```", "`", "``", "json", "JSON", "Json", "jſon", " ", "\t", "\n",
+                                         "\r\n", GOOD, '{"a": 1}', "x", "{", "}"]), max_size=8).map("".join)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(fence_pieces)
+def test_fence_handling_matches_the_old_pattern(text):
+    assert parse_completion(text).format_ok is old_strict_format(text)
