@@ -5,8 +5,11 @@ policy writes them in many surface forms ("$12", "12 sheep", "(B) 12", "Yes."). 
 checks run in this order, and the first that applies decides:
 
 1. Option letters, when the truth is a single letter or ``choices`` are given:
-   "B", "(B)", "B.", "B)", "option B", "the answer is B", "(B) 12" all read B, and with
-   ``choices`` an option's text stands for its letter (both ways).
+   "B", "(B)", "B.", "B)", "option B", "the answer is B", "(B) 12" all read B, and so do
+   the usual wrappings: quotes (straight or typographic), brackets of any kind
+   ([B], {B}, <B>, 「B」, 【B】, full-width parentheses) and Markdown emphasis or code
+   (**B**, *B*, __B__, `B`), alone or after "answer:" / "option". With ``choices`` an
+   option's text stands for its letter (both ways).
 2. yes/no/true/false, when the truth is one of them (yes == true, no == false).
 3. Numbers, when the truth holds exactly one number: the prediction must hold exactly
    one number too, equal within max(rel_tol * max(|a|, |b|), abs_tol). Currency signs,
@@ -17,6 +20,11 @@ checks run in this order, and the first that applies decides:
 4. Normalised exact match (NFKC, case, straight quotes, punctuation, articles, spaces).
 5. An optional judge ``(predicted, truth) -> bool`` for free-form answers only: it is
    never asked about numbers, letters or yes/no, so it cannot overrule those checks.
+
+A predicted answer is model output of any length, so every pattern here is written to
+run in linear time (no two whitespace runs that can trade characters, no match that
+can start inside a whitespace run), and over-long predictions are refused outright
+(``MAX_ANSWER_CHARS``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 Judge = Callable[[str, str], bool]
+
+#: A predicted answer longer than this (and than twice the truth) never matches. Truths
+#: are short (a number, a letter, yes/no, a word or phrase), so such a prediction is a
+#: paragraph, not an answer; the cap keeps one call's work small whatever the model
+#: writes and keeps walls of text away from the judge. It can only lower a reward.
+MAX_ANSWER_CHARS = 1_000
+
 _default_judge: Judge | None = None
 
 
@@ -53,8 +68,13 @@ def _text(value: str | int | float | None) -> str:
         return unicodedata.normalize("NFKC", value).translate(_QUOTES).strip()
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return str(value)
+    if isinstance(value, float):
+        return str(value) if math.isfinite(value) else ""
+    if isinstance(value, int):  # math.isfinite would overflow past float range
+        try:
+            return str(value)
+        except ValueError:  # beyond Python's 4,300-digit str() limit
+            return ""
     return ""
 
 
@@ -81,8 +101,13 @@ class _Num(NamedTuple):
 
 
 _CUR = r"(?:[$€£¥₹]\s*)?"
+# Written to run in linear time on any text. The lookahead stops a match from starting
+# inside a whitespace run (it could: every piece before the digits is optional), and
+# the whitespace after a sign belongs to the sign's group, so it cannot trade characters
+# with the currency sign's whitespace ("$" + 20,000 spaces took 37 s). Both changes
+# read exactly the numbers the earlier pattern read.
 _NUMBER = re.compile(
-    r"(?<![\w.])" + _CUR + r"([-+])?\s*" + _CUR
+    r"(?<![\w.])(?=[-+$€£¥₹.\d])" + _CUR + r"(?:([-+])\s*)?" + _CUR
     + r"(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?!\d)"  # 1,234.5 | 12.5 | .5
     + r"(?:\s*/\s*(\d+(?:\.\d+)?))?"                                 # fraction 1/2
     + r"(?:[eE]([-+]?\d+))?"                                         # exponent 1e5
@@ -126,9 +151,19 @@ def _numbers_match(p: _Num, t: _Num, rel_tol: float, abs_tol: float) -> bool:
 
 # --- option letters ----------------------------------------------------------------
 
-_BARE_LETTER = re.compile(r"^\(?([A-Za-z])\)?[.:)]?$")
+# One letter inside any run of opening / closing wrappers: brackets, quotes, Markdown
+# emphasis and code, then an optional full stop, colon or "!" (itself possibly wrapped,
+# "**B.**"). Typographic quotes and full-width brackets arrive here already straightened
+# by _text (NFKC + _QUOTES). The second closing run sits inside the optional group so
+# the two runs can never trade characters (that backtracks quadratically).
+_OPEN = "[\\[({<\"'`*_「【〈《『〔«‹]*"
+_CLOSE = "[\\])}>\"'`*_」】〉》』〕»›]*"
+_WRAPPED = _OPEN + "([A-Za-z])" + _CLOSE + "(?:[.:!]" + _CLOSE + ")?"
+_BARE_LETTER = re.compile("^" + _WRAPPED + "$")
+# "(?:\s*:)?\s*" rather than "\s*:?\s*": two whitespace runs that can trade characters
+# backtrack quadratically on a long run of spaces.
 _PHRASE_LETTER = re.compile(r"^(?:the\s+)?(?:correct\s+|final\s+)?(?:answer|option|choice)"
-                            r"(?:\s+is)?\s*:?\s*\(?([A-Za-z])\)?[.:)]?$", re.IGNORECASE)
+                            r"(?:\s+is)?(?:\s*:)?\s*" + _WRAPPED + "$", re.IGNORECASE)
 _PREFIX_LETTER = re.compile(r"^(?:\(([A-Za-z])\)\s*|([A-Z])[.)]\s+)\S")
 
 
@@ -179,7 +214,7 @@ def answers_match(
     did not match exactly; its exceptions propagate to the caller.
     """
     pred, gold = _text(predicted), _text(truth)
-    if not pred or not gold:
+    if not pred or not gold or len(pred) > max(MAX_ANSWER_CHARS, 2 * len(gold)):
         return False
     choices = list(choices) if choices else None
 

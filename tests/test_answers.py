@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from rewards import answers
@@ -211,3 +213,87 @@ def test_huge_or_odd_inputs_do_not_raise():
     assert not answers_match("1e999999", "1")
     assert not answers_match("x" * 200_000 + " 12", "13")
     assert answers_match("12", "12", choices=[None, 3, "12"])  # junk choices are tolerated
+
+
+# --- option letters in their usual wrappings -----------------------------------------
+
+WRAPPED_B = ["\u201cB\u201d", "\u2018B\u2019", '"B"', "'B'", "[B]", "{B}", "<B>", "\u300cB\u300d", "\u3010B\u3011",
+             "\uff08B\uff09", "\uff3bB\uff3d", "**B**", "*B*", "`B`", "__B__", "\u00abB\u00bb", "(B).", "**(B)**",
+             "**B.**", "B!", "[B].", "Answer: [B]", "Answer: **B**", "answer:B", "option \u201cB\u201d",
+             "Option 'B'", "The answer is **B**.", "the answer is: (B)", "Final answer: `B`",
+             "The correct answer is [B]."]
+NOT_LETTERS = ["Bee", "Both", "12", "[12]", "(Paris)", "**yes**", "'no'", "[A] and [B]", "B12", "AB", "B?",
+               "B-", "b c", "Answer: Bee", "**Both**", "option B2", "[[B] x]", "<b>bold</b>"]
+
+
+@pytest.mark.parametrize("text", WRAPPED_B)
+def test_wrapped_option_letter_reads_as_the_letter(text):
+    assert answers_match(text, "B")
+    assert not answers_match(text, "C")
+    assert answers_match(text, "12 apples", CHOICES)  # B's text, with choices
+
+
+@pytest.mark.parametrize("text", NOT_LETTERS)
+def test_words_and_numbers_do_not_read_as_a_letter(text):
+    assert not answers_match(text, "B")
+
+
+def test_wrapped_letter_as_truth():
+    assert answers_match("B", "**B**") and answers_match("(b)", "\u201cB\u201d") and not answers_match("A", "[B]")
+
+
+# --- bounded work on hostile answers ------------------------------------------------
+
+HOSTILE = {  # 100,000-character shapes; the old number pattern was quadratic on each run
+    "spaces between words": "a" + " " * 100_000 + "b",
+    "tabs between words": "a" + "\t" * 100_000 + "b",
+    "currency + spaces": "$" + " " * 100_000 + "b",
+    "currency/sign pairs": "$ - " * 25_000 + "x",
+    "number + spaces": "1" + " " * 100_000 + "b",
+    "per + spaces": "1 per" + " " * 100_000 + "b",
+    "fraction bar + spaces": "1/" + " " * 100_000 + "b",
+    "digits separated by spaces": "1 " * 50_000,
+    "digit run": "7" * 100_000,
+    "answer + spaces": "answer" + " " * 100_000 + "!",
+    "option is + spaces": "option is" + " " * 100_000 + "!",
+    "letter + closing brackets": "B" + ")" * 100_000 + "x",
+    "opening brackets + letter": "(" * 100_000 + "B?",
+    "stars around a letter": "*" * 50_000 + "B" + "*" * 50_000 + "?",
+    "nested brackets": "[" * 50_000 + "]" * 50_000,
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_answer_scanners_are_linear(name):
+    """The scanners themselves, below the length cap of answers_match."""
+    text = HOSTILE[name]
+    start = time.perf_counter()
+    answers._numbers(text)
+    answers._read_letter(text)
+    answers._yes_no(text)
+    assert time.perf_counter() - start < 1.0, name
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+@pytest.mark.parametrize("truth", ["12", "B", "yes", "Paris"])
+def test_hostile_answers_never_match_and_return_fast(name, truth):
+    start = time.perf_counter()
+    assert answers_match(HOSTILE[name], truth, CHOICES) is False
+    assert answers_match(HOSTILE[name][:answers.MAX_ANSWER_CHARS], truth) in (True, False)
+    assert time.perf_counter() - start < 1.0, name
+
+
+def test_over_long_prediction_never_matches_unless_the_truth_is_as_long():
+    cap = answers.MAX_ANSWER_CHARS
+    assert answers_match("12" + " " * (cap - 2), "12")  # stripped: just "12"
+    assert answers_match("x" * (cap - 3) + " 12", "12")
+    assert not answers_match("x" * cap + " 12", "12")
+    long_truth = "word " * cap
+    assert answers_match(long_truth.upper(), long_truth)
+
+
+def test_numbers_past_float_range_or_str_limit_do_not_raise():
+    assert not answers_match(10**400, "1")
+    assert not answers_match(10**5000, 10**5000)  # beyond str(): reads as no answer
+    assert answers_match(10**400, 10**400)  # both read as the same (non-finite) number text
+    assert answers_match("B", "B", choices=[10**5000, "x"])
