@@ -19,6 +19,7 @@ from typing import Literal, Union
 import torch
 
 from rewards.matching import dp_match, greedy_match, longest_chain
+from rewards.text import clean_text
 
 PACKAGED_MINILM = "packaged:all-MiniLM-L6-v2"
 PAPER_ENCODER = "sentence-transformers/all-distilroberta-v1"
@@ -253,6 +254,8 @@ class MatchF1Scorer:
         """L2-normalised embeddings ``[len(texts), d]`` on the scorer's device.
 
         ``texts`` should be unique; cached ones are reused, the rest encoded in one call.
+        Any str is accepted: lone surrogates (which the tokenizer rejects) are encoded as
+        U+FFFD, so model output can never stop the reward.
         """
         cache = self._cache
         missing = [t for t in texts if t not in cache]
@@ -260,7 +263,7 @@ class MatchF1Scorer:
         fresh: dict[str, torch.Tensor] = {}
         if missing:
             emb = self.model.encode(
-                list(missing), batch_size=self.batch_size, convert_to_tensor=True,
+                [clean_text(t) for t in missing], batch_size=self.batch_size, convert_to_tensor=True,
                 normalize_embeddings=True, show_progress_bar=False, device=str(self.device),
             )
             fresh = dict(zip(missing, emb))
@@ -308,13 +311,19 @@ class MatchF1Scorer:
         predicted: Sequence[torch.Tensor],
         references: Sequence[torch.Tensor | Sequence[torch.Tensor]],
     ) -> StepScores:
-        """Like :meth:`score` for precomputed embeddings ``[n_i, d]`` (normalised inside)."""
+        """Like :meth:`score` for precomputed embeddings ``[n_i, d]`` (normalised inside).
+
+        An empty side is a ``[0, d]`` (or ``[0]``) tensor and follows the same rules as an
+        empty list in :meth:`score`.
+        """
         if len(predicted) != len(references):
             raise ValueError(f"{len(predicted)} predictions but {len(references)} references")
         parts, pred_idx, ref_idx, row_example, offset = [], [], [], [], 0
 
         def add(t: torch.Tensor) -> list[int]:
             nonlocal offset
+            if len(t) == 0:  # no steps: nothing to embed (reshape(0, -1) is ambiguous)
+                return []
             parts.append(t.reshape(len(t), -1).to(self.device, torch.float32))
             offset += len(t)
             return list(range(offset - len(t), offset))

@@ -331,3 +331,52 @@ def test_whole_batch_without_any_predicted_step(scorer):
     assert s.f1.tolist() == [0.0, 0.0] and s.n_ref.tolist() == [1, 2]
     s = scorer.score([[], []], [[], []])
     assert s.f1.tolist() == [1.0, 1.0]
+
+
+# --- empty sides on the precomputed-embedding path -----------------------------------
+EMPTY_SIDE_CASES = {
+    # name: (predicted chains, reference chains); [] is an empty side
+    "no predicted steps": ([[]], [["a cat sat"]]),
+    "no reference steps": ([["a cat sat"]], [[]]),
+    "both empty": ([[]], [[]]),
+    "all examples empty": ([[], [], []], [[], [], []]),
+    "mixed": ([["a cat sat", "it purred"], [], ["dogs bark"], [], ["a cat sat"]],
+              [["a cat sat", "the cat purred"], ["a dog ran"], [], [], ["the cat sat down"]]),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_SIDE_CASES))
+def test_score_embeddings_empty_sides_equal_score(scorer, name):
+    preds, refs = EMPTY_SIDE_CASES[name]
+    d = scorer.embed(["x"]).shape[1]
+    emb = lambda xs: scorer.model.encode(xs, convert_to_tensor=True) if xs else torch.zeros(0, d)  # noqa: E731
+    want = scorer.score(preds, refs)
+    got = scorer.score_embeddings([emb(p) for p in preds], [emb(r) for r in refs])
+    for key in ("precision", "recall", "f1", "lis_ratio", "ordered_f1", "n_pred", "n_ref", "n_matched"):
+        assert torch.allclose(getattr(got, key).double(), getattr(want, key).double(), atol=1e-6), key
+    assert [pairs(got, i) for i in range(len(preds))] == [pairs(want, i) for i in range(len(preds))]
+    # SPEC section 3: F1 = 1 when both sides are empty, 0 when exactly one is.
+    for i, (p, r) in enumerate(zip(preds, refs)):
+        if not p or not r:
+            assert got.f1[i].item() == (1.0 if not p and not r else 0.0)
+
+
+def test_score_embeddings_empty_chain_among_several_references(scorer):
+    d = scorer.embed(["x"]).shape[1]
+    cat = scorer.model.encode(["a cat sat"], convert_to_tensor=True)
+    s = scorer.score_embeddings([torch.zeros(0, d), cat], [[cat, torch.zeros(0, d)], [torch.zeros(0, d), cat]])
+    assert s.f1.tolist() == [1.0, 1.0] and s.best_reference.tolist() == [1, 1]
+    s = scorer.score_embeddings([torch.zeros(0)], [torch.zeros(0)])  # 1-D empty tensors too
+    assert s.f1.tolist() == [1.0]
+
+
+# --- any Python str can be embedded ----------------------------------------------------
+def test_lone_surrogates_are_embedded_as_replacement_characters(scorer):
+    texts = ["\ud800", "a cat \udfff sat", "\ud83d", "smile \ud83d\ude00"]
+    emb = scorer.embed(texts)
+    assert emb.shape[0] == 4 and torch.isfinite(emb).all()
+    same = scorer.model.encode(["\ufffd", "a cat \ufffd sat", "\ufffd", "smile \U0001F600"], convert_to_tensor=True,
+                               normalize_embeddings=True)
+    assert torch.allclose(emb, same, atol=1e-5)
+    s = scorer.score([["a cat \ud800 sat", "\udfff"]], [["a cat sat", "\ud83d"]])
+    assert s.n_pred.item() == 2 and s.n_ref.item() == 2 and s.f1.item() == 1.0
