@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from rewards.match_f1 import PACKAGED_MINILM, EncoderLoadError, MatchF1Scorer
+from rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError, MatchF1Scorer
+from rewards.text import clean_text
 
 METRICS = ("precision", "recall", "f1", "lis_ratio", "ordered_f1")
 MAX_ERRORS = 20
@@ -28,14 +30,18 @@ def _is_str_list(x) -> bool:
 
 
 def _is_scalar(x) -> bool:
-    return isinstance(x, (str, int, float)) and not isinstance(x, bool)
+    """A string or a finite number: json.loads reads NaN, Infinity and 1e999 as floats,
+    but none of them is a JSON number or an answer."""
+    if isinstance(x, float):
+        return math.isfinite(x)
+    return isinstance(x, (str, int)) and not isinstance(x, bool)
 
 
 # (field, required, check, what it must be) for each kind of row.
 PRED_FIELDS = [("reasoning_steps", True, _is_str_list, "a list of strings"),
-               ("answer", True, lambda x: x is None or _is_scalar(x), "a string, a number or null")]
+               ("answer", True, lambda x: x is None or _is_scalar(x), "a string, a finite number or null")]
 DATA_FIELDS = [("question", True, lambda x: isinstance(x, str), "a string"),
-               ("answer", True, _is_scalar, "a string or a number"),
+               ("answer", True, _is_scalar, "a string or a finite number"),
                ("reference_steps", True, _is_str_list, "a list of strings"),
                ("reference_sets", False, lambda x: isinstance(x, list) and all(map(_is_str_list, x)),
                 "a list of lists of strings"),
@@ -64,6 +70,9 @@ def read_jsonl(path: Path, fields, errors: list[str]) -> dict[str, dict]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 errors.append(f"{path}:{n}: invalid JSON ({err.msg} at column {err.colno})")
+                continue
+            except (ValueError, RecursionError) as err:  # an int over 4,300 digits; deep nesting
+                errors.append(f"{path}:{n}: unreadable JSON ({type(err).__name__}: {str(err)[:120]})")
                 continue
             if not isinstance(row, dict):
                 errors.append(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
@@ -96,7 +105,7 @@ def _summary(examples: list[dict]) -> dict:
 def format_table(rows: dict[str, dict]) -> str:
     head = ["subset", "precision", "recall", "match_f1", "lis_ratio", "ordered_f1", "pred_steps", "n"]
     keys = (*METRICS, "mean_pred_steps")
-    body = [[name] + ["-" if m[k] is None else f"{m[k]:.3f}" for k in keys] + [str(m["n"])]
+    body = [[clean_text(name)] + ["-" if m[k] is None else f"{m[k]:.3f}" for k in keys] + [str(m["n"])]
             for name, m in rows.items()]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
@@ -105,14 +114,24 @@ def format_table(rows: dict[str, dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rewards.score", description=__doc__.split("\n\n")[0])
-    p.add_argument("--predictions", required=True, type=Path)
-    p.add_argument("--data", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path, help="report.json to write")
-    p.add_argument("--encoder", default=PACKAGED_MINILM)
-    p.add_argument("--threshold", type=float, default=0.35)
-    p.add_argument("--alpha", type=float, default=0.3)
-    p.add_argument("--matcher", choices=("greedy", "dp"), default="greedy")
-    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--predictions", required=True, type=Path, metavar="JSONL",
+                   help='prediction rows {"id", "reasoning_steps": [...], "answer"}, one JSON object a line')
+    p.add_argument("--data", required=True, type=Path, metavar="JSONL",
+                   help="data rows of SPEC section 1 (id, question, answer, reference_steps, optional "
+                        "reference_sets and source), one JSON object a line")
+    p.add_argument("--out", required=True, type=Path, metavar="JSON",
+                   help="report to write: overall and per-source means, per-example scores and pairs")
+    p.add_argument("--encoder", default=PACKAGED_MINILM,
+                   help=f"sentence encoder: hub id (local cache only with HF_HUB_OFFLINE=1), local folder, "
+                        f"or {PACKAGED_MINILM!r} (default; the paper used {PAPER_ENCODER!r})")
+    p.add_argument("--threshold", type=float, default=0.35,
+                   help="minimum cosine similarity for two steps to match, inclusive (tau; default 0.35)")
+    p.add_argument("--alpha", type=float, default=0.3,
+                   help="weight of the order term in Ordered Match F1, in [0, 1] (default 0.3)")
+    p.add_argument("--matcher", choices=("greedy", "dp"), default="greedy",
+                   help="greedy 1:1 matching in descending similarity (the paper; default) or dp, "
+                        "the order-preserving alignment")
+    p.add_argument("--device", default=None, help="encoder device (default: cuda when available, else cpu)")
     return p
 
 
@@ -138,7 +157,7 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
     for ids, what in ((missing, f"example(s) in {args.data} have no prediction (not scored)"),
                       (unknown, f"prediction(s) in {args.predictions} have ids not in the data (ignored)")):
         if ids:
-            shown = ", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
+            shown = clean_text(", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else ""))
             print(f"warning: {len(ids)} {what}: {shown}", file=sys.stderr)
     lent = scorer is not None
     try:

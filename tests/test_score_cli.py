@@ -6,11 +6,15 @@ One MiniLM encoder is loaded for the whole module and lent to every ``main`` cal
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 
 import pytest
 
 from rewards.match_f1 import PACKAGED_MINILM, MatchF1Scorer
-from rewards.score import main
+from rewards.score import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +127,74 @@ def test_encoder_load_failure_exits_2(tmp_path, capsys):
             "--encoder", str(tmp_path / "no-such-model"), "--device", "cpu"]
     assert main(argv) == 2
     assert "could not load sentence encoder" in capsys.readouterr().err
+
+
+def test_lone_surrogates_in_every_text_field_are_scored(repo_root, tmp_path):
+    """The real command line, in its own process: surrogates reach the tokenizer, stdout and the report."""
+    preds = write(tmp_path / "p.jsonl", [
+        '{"id": "q1", "reasoning_steps": ["2 + 3 = 5.", "\\ud800"], "answer": "\\ud83d 5"}',
+        '{"id": "q\\udfff", "reasoning_steps": ["a \\ud83d b"], "answer": null}',
+    ])
+    data = write(tmp_path / "d.jsonl", [
+        '{"id": "q1", "question": "2 + 3?", "answer": "5", "reference_steps": ["2 + 3 = 5.", "\\udfff"],'
+        ' "source": "Math\\ud800"}',
+        '{"id": "q\\udfff", "question": "?", "answer": "x", "reference_steps": ["a b"], "source": "Other"}',
+        '{"id": "q3", "question": "?", "answer": "x", "reference_steps": ["\\ud800"]}',
+    ])
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "rewards.score", "--predictions", str(preds), "--data", str(data),
+                           "--out", str(out), "--device", "cpu"], cwd=repo_root, capture_output=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8"})
+    assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")[-3000:]
+    report = json.loads(out.read_text(encoding="utf-8"))
+    ex = {e["id"]: e for e in report["examples"]}
+    assert set(ex) == {"q1", "q\udfff"} and report["missing_predictions"] == ["q3"]
+    assert ex["q1"]["f1"] == 1.0 and ex["q1"]["source"] == "Math\ud800"  # "\ud800" twice: same text
+    assert all(math.isfinite(e[k]) for e in ex.values() for k in ("f1", "ordered_f1", "precision", "recall"))
+    assert "Math\ufffd".encode() in proc.stdout
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_data_answer_is_a_bad_row(scorer, tmp_path, capsys, literal):
+    data = write(tmp_path / "d.jsonl", [
+        json.dumps(GOOD_DATA),
+        '{"id": "q2", "question": "?", "answer": ' + literal + ', "reference_steps": ["a"]}',
+    ])
+    preds = write(tmp_path / "p.jsonl", [json.dumps(GOOD_PRED)])
+    out = tmp_path / "r.json"
+    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out)], scorer=scorer) == 2
+    err = capsys.readouterr().err
+    assert f"{data}:2: id 'q2': 'answer' must be a string or a finite number" in err
+    assert "1 problem(s)" in err and not out.exists()
+
+
+def test_unreadable_json_lines_are_bad_rows_not_crashes(scorer, tmp_path, capsys):
+    preds = write(tmp_path / "p.jsonl", [
+        json.dumps(GOOD_PRED),
+        '{"id": "q2", "reasoning_steps": [], "answer": ' + "9" * 5000 + "}",  # over int()'s digit limit
+        "[" * 100_000 + "]" * 100_000,  # deeper than the recursion limit
+        '{"id": "q4", "reasoning_steps": [], "answer": NaN}',
+    ])
+    data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA)])
+    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json")],
+                scorer=scorer) == 2
+    err = capsys.readouterr().err
+    assert f"{preds}:2: unreadable JSON (ValueError" in err
+    assert f"{preds}:3: unreadable JSON (RecursionError" in err
+    assert f"{preds}:4: id 'q4': 'answer' must be a string, a finite number or null" in err
+
+
+def test_every_option_has_help(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # no line breaks inside a help text
+    parser = build_parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert {a.dest for a in options} == {"predictions", "data", "out", "encoder", "threshold", "alpha",
+                                         "matcher", "device"}
+    for action in options:
+        assert action.help and len(action.help) > 15, action.dest
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    for action in options:
+        assert " ".join(action.help.split()) in shown, action.dest
