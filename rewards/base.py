@@ -23,6 +23,14 @@ from rewards.parsing import parse_completion
 from rewards.verbosity import VerbosityGuard
 
 OBJECTIVES = ("accuracy", "reasoning")
+
+#: A completion with more predicted steps than this scores step metrics 0 (F1, precision
+#: and recall) without embedding any of its steps. Measured on 2 CPU cores, one completion
+#: of 20,000 distinct short steps kept a reward call in the encoder for 46 s. References
+#: have at most 42 steps in CRYSTAL (mean 11.6), so past this cap precision is below
+#: 42/256 = 0.16 and F1 below 0.28 anyway: scoring 0 means the cap can never raise a
+#: reward. The guard still sees the real step count.
+MAX_SCORED_STEPS = 256
 STEP_METRICS = ("f1", "ordered_f1")
 
 _SCORERS: dict[tuple, MatchF1Scorer] = {}
@@ -133,7 +141,8 @@ def evaluate(
     )
     rows = [i for i, r in enumerate(references) if r is not None]
     if scorer is not None and rows:
-        scores = scorer.score([parsed[i].steps for i in rows], [references[i] for i in rows])
+        steps = [parsed[i].steps if len(parsed[i].steps) <= MAX_SCORED_STEPS else [] for i in rows]
+        scores = scorer.score(steps, [references[i] for i in rows])
         for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1"):
             getattr(batch, f)[rows] = getattr(scores, f).double()
         batch.step[rows] = getattr(batch, step_metric)[rows]
@@ -167,6 +176,7 @@ class RewardModule:
         guard_k: float = 2.0,
         guard_window: int = 1024,
         guard_factor: float = 0.5,
+        guard_min_history: int = 64,
         rel_tol: float = 1e-2,
         abs_tol: float = 1e-6,
         judge: Callable[[str, str], bool] | None = None,
@@ -180,7 +190,8 @@ class RewardModule:
             if self.uses_steps else None
         )
         use_guard = self.uses_steps if verbosity_guard is None else verbosity_guard
-        self.guard = VerbosityGuard(guard_k, guard_window, guard_factor) if use_guard else None
+        self.guard = (VerbosityGuard(guard_k, guard_window, guard_factor, guard_min_history)
+                      if use_guard else None)
         self.answer_options = {"rel_tol": rel_tol, "abs_tol": abs_tol, "judge": judge}
         self._last: tuple[Any, dict[str, list]] | None = None
 

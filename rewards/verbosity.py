@@ -3,6 +3,17 @@
 A step reward invites listing ever more steps to raise recall. The guard keeps a
 running median M of predicted step counts over the last ``window`` completions and
 penalises completions with more than ``k * M`` steps.
+
+Decisions the paper leaves open (SPEC section 6), taken so that the guard never
+punishes an ordinary completion:
+
+- The window holds only completions that have steps (n_pred > 0). Early in training
+  most completions do not parse; counting them as 0 drives the median to 0, and then
+  every completion with a single step is "more than k x 0" and gets halved.
+- The guard acts only once the window holds ``min_history`` counts, and never while
+  the median is 0: a median of a handful of completions is noise.
+- A batch is judged by the window as it was before the batch, never by itself, so
+  one verbose batch cannot excuse itself (and the first batch is never judged).
 """
 
 from __future__ import annotations
@@ -18,31 +29,34 @@ class VerbosityGuard:
     k: float = 2.0
     window: int = 1024
     factor: float = 0.5
+    min_history: int = 64
     history: deque = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
-        if self.k <= 0 or self.window <= 0 or not 0.0 <= self.factor <= 1.0:
-            raise ValueError(f"verbosity guard: need k > 0, window > 0, 0 <= factor <= 1 (got {self})")
-        self.history = deque(self.history, maxlen=self.window)
+        if (self.k <= 0 or self.window <= 0 or not 0.0 <= self.factor <= 1.0
+                or not 0 < self.min_history <= self.window):
+            raise ValueError("verbosity guard: need k > 0, window > 0, 0 <= factor <= 1 and "
+                             f"0 < min_history <= window (got {self})")
+        self.history = deque((c for c in self.history if c > 0), maxlen=self.window)
 
     def median(self) -> float | None:
-        if not self.history:
+        """Median step count of the window, or None while it holds fewer than ``min_history``."""
+        if len(self.history) < self.min_history:
             return None
         return float(torch.tensor(list(self.history), dtype=torch.float64).median())
 
     def step(self, n_steps: torch.Tensor) -> torch.Tensor:
-        """Flag this batch's over-long completions, then add their counts to the window.
+        """Flag this batch's over-long completions, then add their step counts to the window.
 
-        The median is taken over the window *before* this batch (over this batch itself
-        when the window is still empty), so one verbose batch cannot excuse itself.
         Returns a bool mask. Call once per generation batch, with the global batch's counts.
         """
         counts = [int(x) for x in n_steps.tolist()]
         median = self.median()
-        if median is None:
-            median = float(n_steps.double().median()) if counts else 0.0
-        flagged = n_steps.double() > self.k * median
-        self.history.extend(counts)
+        if median is None or median <= 0:
+            flagged = torch.zeros(len(counts), dtype=torch.bool)
+        else:
+            flagged = n_steps.double() > self.k * median
+        self.history.extend(c for c in counts if c > 0)
         return flagged
 
     def apply(self, component: torch.Tensor, flagged: torch.Tensor) -> torch.Tensor:
@@ -57,7 +71,13 @@ class VerbosityGuard:
         return torch.where(flagged, component - penalty, component)
 
     def state_dict(self) -> dict:
-        return {"k": self.k, "window": self.window, "factor": self.factor, "history": list(self.history)}
+        return {"k": self.k, "window": self.window, "factor": self.factor,
+                "min_history": self.min_history, "history": list(self.history)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.history = deque(state.get("history", []), maxlen=self.window)
+        """Restore the window; settings stay as configured (like k, window and factor).
+
+        States saved before the window skipped step-less completions hold zeros: they are
+        dropped, since they are exactly what made the median collapse.
+        """
+        self.history = deque((int(c) for c in state.get("history", []) if int(c) > 0), maxlen=self.window)

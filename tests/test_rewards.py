@@ -8,14 +8,15 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rewards import build_reward, cpr_reward, get_reward_funcs
-from rewards.base import Batch, diagnostics
+from rewards import build_reward, cpr_reward, get_reward_funcs, reward_params
+from rewards.base import MAX_SCORED_STEPS, Batch, diagnostics
 from rewards.verbosity import VerbosityGuard
 
 REFS = ["Tom buys 3 packs of 4 pencils, so he has 3 * 4 = 12 pencils.",
@@ -114,37 +115,106 @@ def test_ordered_f1_as_step_metric():
 
 
 def test_verbosity_guard_flags_and_persists():
-    g = VerbosityGuard(k=2.0, window=4)
-    flagged = g.step(torch.tensor([2.0, 2, 2, 9]))  # empty window: median of batch = 2
-    assert flagged.tolist() == [False, False, False, True]
-    assert g.median() == 2.0
-    flagged = g.step(torch.tensor([4.0, 5]))  # window [2,2,2,9] -> median 2 -> limit 4
-    assert flagged.tolist() == [False, True]
-    assert list(g.history) == [2, 9, 4, 5]  # window keeps the last 4
-    h = VerbosityGuard(k=2.0, window=4)
-    h.load_state_dict(json.loads(json.dumps(g.state_dict())))
-    assert list(h.history) == list(g.history)
+    g = VerbosityGuard(k=2.0, window=6, min_history=4)
+    # Cold window: nothing is judged, not even an outlier; step-less completions are not counted.
+    assert g.step(torch.tensor([0.0, 0, 2, 9])).tolist() == [False] * 4
+    assert list(g.history) == [2, 9] and g.median() is None
+    assert g.step(torch.tensor([0.0, 2, 2])).tolist() == [False] * 3  # judged by [2, 9] only: still cold
+    assert g.median() == 2.0  # window [2, 9, 2, 2]
+    flagged = g.step(torch.tensor([4.0, 5, 0]))  # limit 2 * 2 = 4
+    assert flagged.tolist() == [False, True, False]
+    g.step(torch.tensor([1.0]))
+    assert list(g.history) == [9, 2, 2, 4, 5, 1]  # window keeps the last 6
+    h = VerbosityGuard(k=2.0, window=6, min_history=4)
+    state = json.loads(json.dumps(g.state_dict()))
+    assert state["min_history"] == 4
+    h.load_state_dict(state)
+    assert list(h.history) == list(g.history) and h.median() == g.median()
     r = torch.tensor([1.0, -1.0, 1.0])
     assert g.apply(r, torch.tensor([True, True, False])).tolist() == [0.5, -1.5, 1.0]
-    with pytest.raises(ValueError):
-        VerbosityGuard(k=0)
+    for bad in ({"k": 0}, {"min_history": 0}, {"window": 8, "min_history": 9}):
+        with pytest.raises(ValueError):
+            VerbosityGuard(**bad)
 
 
-def test_guard_inside_cpr_halves_reward_and_logs_rate():
+def test_guard_loads_a_state_saved_before_min_history():
+    """Old checkpoints have no min_history and count step-less completions as 0."""
+    g = VerbosityGuard(k=2.0, window=8, min_history=3)
+    g.load_state_dict({"k": 2.0, "window": 8, "factor": 0.5, "history": [0, 0, 0, 0, 4, 0, 4]})
+    assert list(g.history) == [4, 4] and g.median() is None  # zeros dropped; 2 < 3 counts
+    assert g.step(torch.tensor([1.0, 50])).tolist() == [False, False]
+    assert g.median() == 4.0 and g.step(torch.tensor([8.0, 9])).tolist() == [False, True]
+
+
+def cpr_module(**params):
+    """A CPR module with its guard on (the default), called the way TRL calls it."""
+    module = build_reward("cpr", encoder="packaged:all-MiniLM-L6-v2", device="cpu", **params)
+    funcs = module.reward_funcs()
+
+    def reward(comps, answers):
+        logged = {}
+        comps = list(comps)  # a new list per batch, as TRL passes
+        out = {f.__name__: f(prompts=[""] * len(comps), completions=comps, answer=list(answers),
+                             reference_steps=[REFS] * len(comps), choices=[None] * len(comps),
+                             log_metric=lambda k, v: logged.__setitem__(k, v)) for f in funcs}
+        return out, logged
+
+    return module, reward
+
+
+PERFECT = completion(REFS, "9")
+
+
+def test_guard_spares_perfect_completions_while_few_parse():
+    """Start of training: 4 perfect completions among 12 unparsable ones, then 16 perfect.
+    With a window that counted the 12 as 0 steps (median 0) every perfect one was halved."""
+    _, reward = cpr_module()
+    out, logged = reward([PERFECT] * 4 + ["I think the answer is 9."] * 12, ["9"] * 16)
+    assert out["cpr_accuracy"][:4] == [pytest.approx(0.65)] * 4
+    assert out["cpr_reasoning"][:4] == [pytest.approx(0.35)] * 4
+    assert out["cpr_accuracy"][4:] == [0.0] * 12
+    assert logged["cpr/guard_rate"] == 0.0
+    out, logged = reward([PERFECT] * 16, ["9"] * 16)
+    assert out["cpr_accuracy"] == [pytest.approx(0.65)] * 16
+    assert total(out).tolist() == pytest.approx([1.0] * 16)
+    assert logged["cpr/guard_rate"] == 0.0
+
+
+def test_guard_never_judges_the_first_batch_by_itself():
+    _, reward = cpr_module(guard_min_history=1)
     long = completion(REFS + [f"Extra step {i}." for i in range(12)], "9")
-    short = completion(REFS, "9")
-    funcs = get_reward_funcs("cpr", device="cpu")  # guard on by default for CPR
-    module = funcs[0].reward_module
-    module.guard.history.extend([4] * 10)  # running median 4 -> limit 8 steps
-    logged = {}
-    out = {f.__name__: f(completions=[short, long], answer=["9", "9"], reference_steps=[REFS, REFS],
-                         log_metric=lambda k, v: logged.__setitem__(k, v)) for f in funcs}
+    out, logged = reward([PERFECT] * 3 + [long], ["9"] * 4)
+    assert logged["cpr/guard_rate"] == 0.0 and total(out)[3].item() > 0.65
+
+
+def test_guard_halves_a_verbose_completion_once_the_window_is_warm():
+    module, reward = cpr_module(guard_min_history=64)
+    long = completion(REFS + [f"Extra step {i}." for i in range(12)], "9")
+    for _ in range(3):  # 36 completions with steps (the step-less ones do not count)
+        out, logged = reward([PERFECT] * 12 + ["no JSON here"] * 4, ["9"] * 16)
+        assert logged["cpr/guard_rate"] == 0.0
+    out, logged = reward([long] + [PERFECT] * 15, ["9"] * 16)  # judged by 36 counts: cold
+    assert logged["cpr/guard_rate"] == 0.0 and module.guard.median() is None
+    out, logged = reward([PERFECT, long], ["9", "9"])  # judged by 52 counts: cold
+    assert logged["cpr/guard_rate"] == 0.0
+    reward([PERFECT] * 12, ["9"] * 12)  # now 66 counts, median 4: warm, limit 8 steps
+    assert module.guard.median() == 4.0
+    out, logged = reward([PERFECT, long], ["9", "9"])
     tot = total(out)
     f1_long = 2 * 1 * (4 / 16) / (1 + 4 / 16)
     assert tot[0].item() == pytest.approx(1.0)
     assert tot[1].item() == pytest.approx(0.5 * (0.65 + 0.35 * f1_long))
     assert logged["cpr/guard_rate"] == 0.5
     assert module.state_dict()["guard"]["history"][-2:] == [4, 16]
+    assert 0 not in module.state_dict()["guard"]["history"]
+
+
+def test_guard_min_history_is_a_validated_reward_parameter():
+    assert "guard_min_history" in reward_params("cpr")
+    with pytest.raises(ValueError, match="min_history"):
+        build_reward("cpr", device="cpu", guard_min_history=0)
+    with pytest.raises(ValueError, match="min_history"):
+        build_reward("composite", device="cpu", guard_window=16, guard_min_history=17)
 
 
 def test_diagnostics_on_known_batch():
@@ -245,3 +315,78 @@ def test_fuzz_every_reward_is_finite_and_never_raises(completions, answers):
             out = f(completions=completions, answer=answers[:n], reference_steps=[REFS[:2]] * n)
             assert len(out) == n
             assert all(v is None or math.isfinite(v) for v in out)
+
+
+# --- model output that used to crash or stall a reward call ---------------------------
+
+MODULES = {name: build_reward(name, encoder="packaged:all-MiniLM-L6-v2", device="cpu")
+           for name in ("format", "answer_only", "composite", "cpr")}
+
+
+def call_module(module, comps, answers, refs=REFS):
+    comps = list(comps)
+    return {f.__name__: f(prompts=[""] * len(comps), completions=comps, answer=list(answers),
+                          reference_steps=[refs] * len(comps), choices=[None] * len(comps))
+            for f in module.reward_funcs()}
+
+
+# The encoder's first full-length (256-token) batch costs ~0.5 s once; keep it out of the timings.
+call_module(MODULES["cpr"], [completion(["warm up " * 200], "9")], ["9"])
+
+
+SURROGATES = [
+    completion(["\ud800"] + REFS, "9"),                                    # a lone surrogate step
+    completion(REFS, "\ud83d 9"),                                          # in the answer
+    '{"reasoning_steps": ["\\udfff", "Tom buys 3 packs."], "answer": "9"}',  # as JSON escapes
+    "Here you go \ud83d: " + completion(REFS[:2], "9"),                    # in free text
+    "```json\n" + completion(["a \ud800 b \udfff c"], "9") + "\n```",
+]
+
+
+@pytest.mark.parametrize("name", ["answer_only", "composite", "cpr"])
+def test_lone_surrogates_are_scored(name):
+    out = call_module(MODULES[name], SURROGATES, ["9"] * len(SURROGATES))
+    for values in out.values():
+        assert len(values) == len(SURROGATES) and all(v is not None and math.isfinite(v) for v in values)
+    accuracy = out[f"{name}_accuracy"] if name != "composite" else out["composite_accuracy"]
+    assert [v > 0 for v in accuracy] == [True] * 5  # each answer reads 9 despite the surrogate
+
+
+HOSTILE_COMPLETIONS = {
+    "fence + spaces": "```" + " " * 100_000 + "x",
+    "fence + space/tab": "```" + " \t" * 50_000 + "x",
+    "answer: words + spaces": completion(REFS, "a" + " " * 100_000 + "b"),
+    "answer: currency + spaces": completion(REFS, "$" + " " * 100_000 + "9"),
+    "answer: per + spaces": completion(REFS, "9 per" + " " * 100_000 + "cent"),
+    "answer: digits + spaces": completion(REFS, "9 " * 50_000),
+    "answer: option + spaces": completion(REFS, "option" + " " * 100_000 + "!"),
+    "answer: wrapped letter": completion(REFS, "*" * 50_000 + "B" + "*" * 50_000 + "?"),
+    "many open braces": "{" * 100_000,
+    "nested brackets": "[" * 50_000 + "]" * 50_000,
+    "many backticks": "`" * 100_000,
+    "20,000 distinct steps": completion([f"s{i}" for i in range(20_000)], "9"),
+    "one 100,000-char step": completion(["word " * 20_000], "9"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_COMPLETIONS))
+def test_hostile_completion_scores_within_two_seconds(name):
+    comps = [HOSTILE_COMPLETIONS[name], completion(REFS, "9")]
+    for module_name in ("answer_only", "cpr"):
+        start = time.perf_counter()
+        out = call_module(MODULES[module_name], comps, ["9", "9"])
+        assert time.perf_counter() - start < 2.0, (name, module_name)
+        assert all(v is None or math.isfinite(v) for vals in out.values() for v in vals)
+    assert total(out)[1].item() == pytest.approx(1.0)  # the honest neighbour is unaffected
+
+
+def test_step_cap_never_raises_a_reward():
+    """Past MAX_SCORED_STEPS a completion's step metrics are 0: lower than scoring them."""
+    filler = ["Extra step."] * (MAX_SCORED_STEPS - len(REFS))
+    at_cap, over_cap = completion(REFS + filler, "9"), completion(REFS + filler + ["One more."], "9")
+    out = call_module(MODULES["cpr"], [at_cap, over_cap], ["9", "9"])
+    f1_at_cap = 2 * (4 / MAX_SCORED_STEPS) / (4 / MAX_SCORED_STEPS + 1)
+    assert out["cpr_reasoning"][0] == pytest.approx(0.35 * f1_at_cap, rel=1e-4)
+    assert out["cpr_reasoning"][1] == 0.0 and out["cpr_accuracy"][1] == pytest.approx(0.65)
+    metrics = MODULES["cpr"].last_metrics
+    assert metrics["steps_mean"] == MAX_SCORED_STEPS + 0.5  # the guard and logs see the real count
