@@ -36,7 +36,7 @@ def losses(run: Path) -> list[tuple[float, float]]:
 @pytest.fixture(scope="module")
 def ddp_run(repo_root, tiny_lm_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "run"
-    proc = torchrun(repo_root, 29611, out, tiny_lm_path)
+    proc = torchrun(repo_root, 29611, out, tiny_lm_path, "--training.log_completions", "true")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -55,8 +55,17 @@ def test_ddp_two_processes_train_and_checkpoint_reloads(ddp_run):
     assert len(losses(ddp_run)) == 2
     assert all(torch.isfinite(torch.tensor(x)).all() for x in losses(ddp_run))
     state = json.loads((ddp_run / "checkpoint-2" / "crystal_state.json").read_text())
-    # The guard window holds the GLOBAL batch (2 processes x 4 completions) per step.
-    assert len(state["rewards"]["cpr"]["guard"]["history"]) == 16
+    # The guard window holds the step counts of the GLOBAL batch (2 processes x 4 completions
+    # per step, as TRL logs them on the main process), those with steps.
+    import pandas as pd
+
+    from rewards.parsing import parse_completion
+
+    logged = [c for s in (1, 2) for c in pd.read_parquet(ddp_run / "completions" / f"completions_{s:05d}.parquet")
+              ["completion"]]
+    counts = [len(parse_completion(c if isinstance(c, str) else list(c)).steps) for c in logged]
+    assert len(counts) == 16 and any(counts)
+    assert state["rewards"]["cpr"]["guard"]["history"] == [n for n in counts if n > 0]
     model = AutoModelForCausalLM.from_pretrained(ddp_run / "checkpoint-2")
     assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False).shape[1] == 6
 

@@ -22,6 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python train/grpo.py` and `accelerate launch train/grpo.py`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rewards.match_f1 import EncoderLoadError  # noqa: E402
 from train.checkpoints import (  # noqa: E402
     CheckpointError,
     atomic_write_text,
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
     try:
         run(cfg, run_dir, args.resume_from_checkpoint)
-    except (ConfigError, DataError, ModelLoadError, CheckpointError) as err:
+    except (ConfigError, DataError, ModelLoadError, EncoderLoadError, CheckpointError) as err:
         print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
