@@ -156,6 +156,18 @@ def test_bad_data_rows_are_listed_with_file_and_line(tmp_path):
     assert len(split.dataset) == 2 and split.skipped == 5
 
 
+def test_rows_json_cannot_read_are_bad_rows_too(tmp_path):
+    good = json.dumps({"id": "a", "question": "1+1?", "answer": "2", "reference_steps": ["1 + 1 = 2."]})
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join([good.encode(), b"\xff\xfe broken", b'{"answer": ' + b"9" * 5000 + b"}",
+                                 b"[" * 100_000, good.encode()]) + b"\n")
+    with pytest.raises(DataError) as err:
+        load_split(path)
+    msg = str(err.value)
+    assert f"{path}:2: not UTF-8 text" in msg and f"{path}:3: unreadable JSON (ValueError" in msg
+    assert f"{path}:4: unreadable JSON (RecursionError" in msg and "3 invalid row(s)" in msg
+
+
 def test_plain_python_entry_point_reports_data_errors(tmp_path, repo_root, tiny_lm_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"question": "q"}\n')

@@ -35,20 +35,35 @@ class LoadedSplit:
 
 
 def _read(path: Path) -> list[tuple[int, Any]]:
-    """(line number, parsed row or the JSON error) for each non-blank line / row."""
+    """(line number, parsed row or why it is unreadable) for each non-blank line / row."""
     if path.is_dir():
         from datasets import load_from_disk
 
         return [(i + 1, dict(r)) for i, r in enumerate(load_from_disk(str(path)))]
     rows = []
-    with open(path, encoding="utf-8") as fh:
-        for no, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    rows.append((no, json.loads(line)))
-                except json.JSONDecodeError as err:
-                    rows.append((no, err))
+    with open(path, "rb") as fh:
+        for no, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                rows.append((no, Unreadable(f"not UTF-8 text ({err.reason} at byte {err.start})")))
+                continue
+            if not line.strip():
+                continue
+            try:
+                rows.append((no, json.loads(line)))
+            except json.JSONDecodeError as err:
+                rows.append((no, Unreadable(f"invalid JSON ({err.msg} at column {err.colno})")))
+            except (ValueError, RecursionError) as err:  # an int past 4,300 digits, absurd nesting
+                rows.append((no, Unreadable(f"unreadable JSON ({type(err).__name__}: {str(err)[:100]})")))
     return rows
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A line that is not a JSON value, and why."""
+
+    problem: str
 
 
 def _is_text(x: Any) -> bool:
@@ -57,8 +72,8 @@ def _is_text(x: Any) -> bool:
 
 def row_problems(row: Any, base: Path) -> list[str]:
     """What is wrong with one row (empty when it is fine)."""
-    if isinstance(row, json.JSONDecodeError):
-        return [f"invalid JSON ({row.msg} at column {row.colno})"]
+    if isinstance(row, Unreadable):
+        return [row.problem]
     if not isinstance(row, dict):
         return [f"expected a JSON object, got {type(row).__name__}"]
     out = []
