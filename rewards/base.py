@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -31,7 +32,8 @@ OBJECTIVES = ("accuracy", "reasoning")
 #: 42/256 = 0.16 and F1 below 0.28 anyway: scoring 0 means the cap can never raise a
 #: reward. The guard still sees the real step count.
 MAX_SCORED_STEPS = 256
-STEP_METRICS = ("f1", "ordered_f1")
+StepMetric = Literal["f1", "ordered_f1"]
+STEP_METRICS: tuple[str, ...] = typing.get_args(StepMetric)
 
 _SCORERS: dict[tuple, MatchF1Scorer] = {}
 
@@ -167,8 +169,8 @@ class RewardModule:
         encoder: Any = "packaged:all-MiniLM-L6-v2",
         threshold: float = 0.35,
         order_alpha: float = 0.3,
-        matcher: str = "greedy",
-        step_metric: str = "f1",
+        matcher: Literal["greedy", "dp"] = "greedy",
+        step_metric: StepMetric = "f1",
         device: str | None = None,
         scorer_batch_size: int = 128,
         cache_size: int = 50_000,

@@ -41,6 +41,7 @@ def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_pa
     (["--reward.params.guard_window", "0"], "reward.params.guard_window: invalid value 0; expected x >= 1"),
     (["--reward.params.verbosity_guard", "maybe"], "reward.params.verbosity_guard: invalid value 'maybe'"),
     (["--reward.params.device", "0"], "reward.params.device: invalid value 0; expected str or null"),
+    (["--reward.params.matcher", "hungarian"], "reward.params.matcher: invalid value 'hungarian'; expected one of"),
     (["--validation.eval_steps", "-1"], "validation.eval_steps: invalid value -1; expected x >= 0"),
     (["--validation.max_new_tokens", "0"], "validation.max_new_tokens: invalid value 0; expected x >= 1"),
     (["--data.validation_fraction", "1.0"], "data.validation_fraction: invalid value 1.0; expected 0 <= x < 1"),
