@@ -5,6 +5,9 @@ SLURM and Kubernetes send before they kill a job, loses everything since the las
 periodic checkpoint. The first signal only sets a flag; at the end of the optimizer
 step every rank agrees (one tiny all-reduce, so all ranks stop at the same step even when
 the signal reached them at different moments), the trainer saves a checkpoint and stops.
+Under torchrun / accelerate launch the launcher forwards the signal to the workers and
+kills them after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30): set it above one
+step plus one save for long steps.
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
 from transformers import TrainerCallback
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: Signals this close together count as one: a terminal's Ctrl-C reaches every process of
+#: a torchrun / accelerate job AND is forwarded to the workers by the launcher.
+SAME_INTERRUPT_S = 1.0
 
 
 class Interrupted(Exception):
@@ -39,11 +46,15 @@ class GracefulStop(TrainerCallback):
     def __init__(self) -> None:
         self.signum: int | None = None
         self.stopped_at: int | None = None
+        self._first_at = 0.0
 
     def _handler(self, signum, frame) -> None:
-        if self.signum is not None:  # the second signal: abort now
-            raise KeyboardInterrupt
-        self.signum = signum
+        now = time.monotonic()
+        if self.signum is not None:
+            if now - self._first_at < SAME_INTERRUPT_S:
+                return  # one Ctrl-C delivered twice: by the terminal and forwarded by torchrun
+            raise KeyboardInterrupt  # a second interrupt: abort now
+        self.signum, self._first_at = signum, now
         print(f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint and "
               "stopping (press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
 
