@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rewards import answers
 from rewards.answers import answers_match, set_default_judge
@@ -297,3 +300,38 @@ def test_numbers_past_float_range_or_str_limit_do_not_raise():
     assert not answers_match(10**5000, 10**5000)  # beyond str(): reads as no answer
     assert answers_match(10**400, 10**400)  # both read as the same (non-finite) number text
     assert answers_match("B", "B", choices=[10**5000, "x"])
+
+
+# --- the rewritten patterns keep what the old ones read --------------------------------
+
+# The patterns before the linear-time rewrite, as references on short inputs.
+OLD_CUR = r"(?:[$€£¥₹]\s*)?"
+OLD_NUMBER = re.compile(
+    r"(?<![\w.])" + OLD_CUR + r"([-+])?\s*" + OLD_CUR
+    + r"(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?!\d)"
+    + r"(?:\s*/\s*(\d+(?:\.\d+)?))?" + r"(?:[eE]([-+]?\d+))?"
+    + r"(\s*(?:%|percent\b|per\s+cent\b))?", re.IGNORECASE)
+OLD_BARE = re.compile(r"^\(?([A-Za-z])\)?[.:)]?$")
+OLD_PHRASE = re.compile(r"^(?:the\s+)?(?:correct\s+|final\s+)?(?:answer|option|choice)"
+                        r"(?:\s+is)?\s*:?\s*\(?([A-Za-z])\)?[.:)]?$", re.IGNORECASE)
+
+number_soup = st.lists(st.sampled_from(["$", "€", " ", "  ", "\t", "-", "+", "1", "23", "4,567", ".", ",", "/", "%",
+                                        "per", "cent", "percent", "e", "E", "x", "a", "1.5", "0"]),
+                       max_size=10).map("".join)
+letter_soup = st.lists(st.sampled_from(["the ", "The ", "correct ", "final ", "answer", "Answer", "option", "choice",
+                                        " is", " ", ":", "(", ")", ".", "B", "b", "C", "\t"]), max_size=8).map("".join)
+
+
+@settings(max_examples=600, deadline=None, derandomize=True)
+@given(number_soup)
+def test_number_pattern_reads_what_the_old_one_read(text):
+    assert [m.groups() for m in answers._NUMBER.finditer(text)] == [m.groups() for m in OLD_NUMBER.finditer(text)]
+
+
+@settings(max_examples=600, deadline=None, derandomize=True)
+@given(letter_soup)
+def test_letter_patterns_accept_everything_the_old_ones_did(text):
+    for old, new in ((OLD_BARE, answers._BARE_LETTER), (OLD_PHRASE, answers._PHRASE_LETTER)):
+        m = old.match(text)
+        if m:
+            assert new.match(text) and new.match(text).group(1) == m.group(1), text
