@@ -101,6 +101,7 @@ def test_unsafe_tags_are_refused_and_never_run(tmp_path, capsys):
     ("model: {name_or_path: a}\ndata: {train: t}\nmodel: {name_or_path: b}\n", 3, "'model' (first given on line 1)"),
     ("training:\n  learning_rate: 1e-5\n  max_steps: 3\n  learning_rate: 2e-5\n", 4,
      "'learning_rate' (first given on line 2)"),
+    ("training: {max_steps: 3, max_steps: 4}\n", 1, "'max_steps' (first given on line 1)"),
 ])
 def test_duplicate_keys_are_an_error(tmp_path, text, line, key):
     path = _write(tmp_path, text)

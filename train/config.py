@@ -97,7 +97,7 @@ class RewardSection:
     #: Keyword arguments of the module: weights (e.g. answer_weight, step_weight,
     #: wrong_answer_discount for cpr), scorer settings (encoder, threshold, order_alpha,
     #: matcher, step_metric, device), verbosity guard (verbosity_guard, guard_k,
-    #: guard_window, guard_factor) and answer tolerance (rel_tol, abs_tol).
+    #: guard_window, guard_factor, guard_min_history) and answer tolerance (rel_tol, abs_tol).
     params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -207,10 +207,8 @@ def _coerce(value: Any, tp: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
     kinds = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
-    if isinstance(value, float) and int not in kinds:
-        return value
     if isinstance(value, float):
-        return int(value)
+        return int(value) if int in kinds and float not in kinds and value.is_integer() else value
     return float(value) if float in kinds and int not in kinds else value
 
 
@@ -282,13 +280,14 @@ class _Loader(yaml.SafeLoader):
             for key_node, _ in node.value:
                 key = self.construct_object(key_node, deep=True)
                 try:
-                    first = seen.setdefault(key, key_node.start_mark.line)
+                    duplicate = key in seen
                 except TypeError:  # unhashable key: the base class reports it
                     continue
-                if first != key_node.start_mark.line:
+                if duplicate:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r} (first given on line {first + 1})",
+                        None, None, f"duplicate key {key!r} (first given on line {seen[key] + 1})",
                         key_node.start_mark)
+                seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
 
 

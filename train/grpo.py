@@ -202,8 +202,8 @@ def phase_start(prev_dir: Path, init_from: str) -> str | None:
     if init_from == "none":
         return None
     record = read_json(prev_dir / "best_checkpoint.json") if init_from == "best" else None
-    if record:
-        ckpt = prev_dir / record["checkpoint"]
+    if record and (prev_dir / record["checkpoint"]).exists():  # (a best found by the final
+        ckpt = prev_dir / record["checkpoint"]                   # validation lives in final/)
         problem = checkpoint_problem(ckpt)
         if problem is None:
             return str(ckpt)

@@ -33,10 +33,6 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "crystal_state.json"
 
 
-class NonFiniteStop(RuntimeError):
-    """Raised (after a checkpoint is saved) when too many consecutive updates were non-finite."""
-
-
 def trainer_class(pcgrad: bool) -> type["CrystalGRPOTrainer"]:
     """The trainer for a run: plain TRL plus our hooks, or its PCGrad subclass when asked for."""
     if not pcgrad:
@@ -139,6 +135,7 @@ class CrystalGRPOTrainer(GRPOTrainer):
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         if self.args.should_save:
             remove_marker(folder)  # a folder being (re)written is incomplete until the end
+        self.accelerator.wait_for_everyone()  # before any rank overwrites its shards
         super()._save_checkpoint(model, trial)
         if self.args.should_save:
             with open(os.path.join(folder, STATE_FILE), "w") as fh:
