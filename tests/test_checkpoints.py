@@ -198,24 +198,41 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
         assert _steps(run) == list(range(1, step + 2))
 
 
+SLOW_SAVE = """
+import sys, time
+from train.trainer import CrystalGRPOTrainer
+original = CrystalGRPOTrainer._save_checkpoint
+def slow(self, model, trial):
+    time.sleep(5)  # a save that takes a while, as a multi-GB one does
+    return original(self, model, trial)
+CrystalGRPOTrainer._save_checkpoint = slow
+from train import grpo
+sys.exit(grpo.main(sys.argv[1:]))
+"""
+
+
 def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_lm_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
-                                 "--validation.eval_steps", "0"),
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = _cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
+                "--validation.eval_steps", "0")[2:]
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *args], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     _wait_for(run / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGINT)
-    time.sleep(1.2)  # two signals within a second are one interrupt (see the torchrun test)
+    time.sleep(1.5)  # the step ends, the graceful save starts (5 s); two signals within a second are one
+    start = time.time()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
+    assert time.time() - start < 4, "the second Ctrl-C did not wait for the save"
     assert "aborted" in out and "interrupted by" not in out
-    assert not list(run.glob("checkpoint-*"))  # the graceful save never happened
+    assert not [p for p in run.glob("checkpoint-*") if checkpoint_problem(p) is None]
 
 
 def test_resume_warns_about_overrides_the_checkpoint_undoes(tmp_path, tiny_lm_path, capsys):
     common = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "run"), "--model.name_or_path",
-              str(tiny_lm_path), "--validation.eval_steps", "0", "--training.save_steps", "1"]
+              str(tiny_lm_path), "--validation.eval_steps", "0", "--training.save_steps", "1",
+              "--training.lr_scheduler_type", "constant"]
     assert grpo.main([*common, "--training.max_steps", "2"]) == 0
     capsys.readouterr()
     assert grpo.main([*common, "--training.max_steps", "3", "--training.learning_rate", "5e-5",
@@ -223,8 +240,9 @@ def test_resume_warns_about_overrides_the_checkpoint_undoes(tmp_path, tiny_lm_pa
     out = capsys.readouterr().out
     assert ("warning: training.learning_rate is 5e-05 but the checkpoint was trained with 0.0001: resuming "
             "restores the optimizer and scheduler state, so the run continues with 0.0001") in out
-    lr = [json.loads(x).get("learning_rate") for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert lr[-2] == pytest.approx(1e-4 / 3)  # what the warning says: the old base rate, linear decay 1/3
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (step3,) = [r for r in rows if "loss" in r and r["step"] == 3]
+    assert step3["learning_rate"] == pytest.approx(1e-4)  # as the warning says: the checkpoint's rate, not 5e-5
     state = json.loads((tmp_path / "run" / "checkpoint-3" / "crystal_state.json").read_text())
     assert state["settings"]["learning_rate"] == pytest.approx(1e-4)  # the optimizer's truth, not the config's
 
