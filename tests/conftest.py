@@ -16,6 +16,15 @@ os.environ.setdefault("WANDB_MODE", "offline")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def encodable(s: str) -> bool:
+    """Whether a str can be written as UTF-8 (lone surrogates cannot): what a tokenizer needs."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

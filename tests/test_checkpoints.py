@@ -127,8 +127,12 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
-KILL_DURING_SAVE = """
-import os, signal, sys
+def _grpo_with(patch: str) -> str:
+    """A ``python -c`` program: ``patch`` (which wraps one method), then train/grpo.py's main."""
+    return f"import os, signal, sys, time\n{patch}\nfrom train import grpo\nsys.exit(grpo.main(sys.argv[1:]))\n"
+
+
+KILL_DURING_SAVE = _grpo_with("""
 from transformers import Trainer
 original = Trainer._save_optimizer_and_scheduler
 def dying(self, output_dir):
@@ -136,9 +140,7 @@ def dying(self, output_dir):
         os.kill(os.getpid(), signal.SIGKILL)  # the weights of this checkpoint are on disk, the rest is not
     return original(self, output_dir)
 Trainer._save_optimizer_and_scheduler = dying
-from train import grpo
-sys.exit(grpo.main(sys.argv[1:]))
-"""
+""")
 
 
 def test_sigkill_while_saving_then_resume_latest_picks_the_last_complete_one(tmp_path, tiny_lm_path):
@@ -198,17 +200,14 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
         assert _steps(run) == list(range(1, step + 2))
 
 
-SLOW_SAVE = """
-import sys, time
+SLOW_SAVE = _grpo_with("""
 from train.trainer import CrystalGRPOTrainer
 original = CrystalGRPOTrainer._save_checkpoint
 def slow(self, model, trial):
     time.sleep(5)  # a save that takes a while, as a multi-GB one does
     return original(self, model, trial)
 CrystalGRPOTrainer._save_checkpoint = slow
-from train import grpo
-sys.exit(grpo.main(sys.argv[1:]))
-"""
+""")
 
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_lm_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import encodable
 from rewards import build_reward
 from rewards.answer_only import FormatReward
 from rewards.answers import answers_match
@@ -65,14 +66,6 @@ completions = st.one_of(
              max_size=2),
     json_values,
 )
-
-
-def encodable(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 # --- parsing and answers -------------------------------------------------------------

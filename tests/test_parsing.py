@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import encodable
 from rewards.parsing import ParsedOutput, parse_completion
 
 GOOD = '{"reasoning_steps": ["Count the sheep.", "There are 12."], "answer": "12"}'
@@ -168,14 +169,6 @@ def test_fuzz_valid_objects_are_well_formed(text):
 
 
 # --- text a tokenizer would reject -------------------------------------------------
-
-def encodable(s: str) -> bool:
-    try:
-        s.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
 
 @pytest.mark.parametrize("text", [
     '{"reasoning_steps": ["\\ud800", "a \\ud83d b", "\\udfff"], "answer": "\\ud83d 12"}',  # JSON escapes
