@@ -54,7 +54,7 @@ def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_pa
     (["--phases", "[{name: p2, overrides: {reward: {name: cpr, params: {answer_weight: heavy}}}}]"],
      "phases[p2].overrides.reward.params.answer_weight: invalid value 'heavy'; expected float"),
     (["--pcgrad", "true", "--training.use_liger_kernel", "true"],
-     "training.use_liger_kernel: True cannot be combined with pcgrad: true"),
+     "training.use_liger_kernel: pcgrad: true cannot be combined with use_liger_kernel"),
     (["--pcgrad", "true", "--training.multi_objective_aggregation", "normalize_then_sum"],
      "training.multi_objective_aggregation: 'normalize_then_sum' cannot be combined with pcgrad: true"),
     (["--training.seed", "{a: 1"], "override --training.seed:1:6: invalid YAML"),

@@ -447,6 +447,22 @@ def test_unsupported_aggregation_is_refused(pcg_model, tmp_path):
                           train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
 
 
+def test_only_pcgrad_runs_get_the_pcgrad_trainer_and_liger_is_refused(pcg_model, tmp_path):
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from train.pcgrad import PCGradGRPOTrainer, PCGradMixin
+    from train.trainer import CrystalGRPOTrainer, trainer_class
+
+    assert trainer_class(False) is CrystalGRPOTrainer and PCGradMixin not in CrystalGRPOTrainer.__mro__
+    assert trainer_class(True) is PCGradGRPOTrainer and issubclass(PCGradGRPOTrainer, CrystalGRPOTrainer)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      use_liger_kernel=True, report_to="none", bf16=False, use_cpu=True, max_steps=1)
+    with pytest.raises(ValueError, match="cannot be combined with use_liger_kernel"):
+        PCGradGRPOTrainer(model=str(pcg_model), reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                          args=args, train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
+
+
 if __name__ == "__main__":  # worker of test_same_update_in_two_processes
     mode, model, out, cases, workdir = sys.argv[1:6]
     torch.set_num_threads(1)

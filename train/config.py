@@ -419,14 +419,15 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{where}model.name_or_path: required (an HF folder, hub id or GGUF folder)")
         if not c.data.train:
             raise ConfigError(f"{where}data.train: required (a JSONL file or a datasets folder)")
-        if c.pcgrad:
-            for key, ok in (("use_liger_kernel", lambda v: not v),
-                            ("multi_objective_aggregation", lambda v: v == "sum_then_normalize")):
-                if key in c.training and not ok(c.training[key]):
-                    raise ConfigError(
-                        f"{where}training.{key}: {c.training[key]!r} cannot be combined with pcgrad: true "
-                        "(PCGrad splits TRL's own surrogate loss by objective: it needs TRL's plain loss path "
-                        "and the summed advantage); set pcgrad: false or drop the setting")
+        if c.pcgrad and c.training.get("use_liger_kernel"):
+            from train.pcgrad import LIGER_REFUSED
+
+            raise ConfigError(f"{where}training.use_liger_kernel: {LIGER_REFUSED}")
+        aggregation = c.training.get("multi_objective_aggregation", "sum_then_normalize")
+        if c.pcgrad and aggregation != "sum_then_normalize":
+            raise ConfigError(
+                f"{where}training.multi_objective_aggregation: {aggregation!r} cannot be combined with pcgrad: "
+                "true (the objective advantages are the parts of TRL's summed advantage, sum_then_normalize)")
 
 
 def check_dict_sections(cfg: RunConfig, where: str = "") -> RunConfig:

@@ -54,6 +54,11 @@ OBJECTIVES = ("accuracy", "reasoning")
 #: The TRL minor version these hooks were verified against (tests/test_trl_contract.py);
 #: pyproject.toml pins it.
 TESTED_TRL = "1.16"
+#: Why ``use_liger_kernel`` is refused (also by the config check, before anything loads).
+LIGER_REFUSED = (
+    "pcgrad: true cannot be combined with use_liger_kernel: PCGrad runs several backward passes "
+    "through one retained graph, and Liger's fused Triton kernels are neither verified for that nor "
+    "testable without a GPU here. Set one of them off.")
 #: Relative tolerance of the run-time check acc + reason == TRL's advantage.
 SUM_CHECK_RTOL = 1e-3
 
@@ -206,6 +211,9 @@ class PCGradMixin:
 
     def __init__(self, *args: Any, pcgrad_objective_std: bool = False, **kwargs: Any) -> None:
         self.pcgrad, self.pcgrad_objective_std = True, pcgrad_objective_std
+        training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if getattr(training_args, "use_liger_kernel", False):  # before TRL patches the model with them
+            raise ValueError(LIGER_REFUSED)
         super().__init__(*args, **kwargs)
         self._pcgrad_rewards = None
         self._pcgrad_buf: torch.Tensor | None = None
@@ -234,10 +242,6 @@ class PCGradMixin:
                            "against TRL %s.x only (tests/test_trl_contract.py); run that test first",
                            trl.__version__, TESTED_TRL)
 
-        if getattr(self.args, "use_liger_kernel", False):
-            raise ValueError(
-                "pcgrad: true cannot be combined with use_liger_kernel: the Liger GRPO loss bypasses TRL's "
-                "_compute_loss, from which PCGrad builds the per-objective surrogates. Set one of them off.")
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "pcgrad: true supports multi_objective_aggregation='sum_then_normalize' only (the objective "
