@@ -3,7 +3,7 @@ RepeatSampler (SPEC sections 8 and 11)."""
 
 from __future__ import annotations
 
-from curricula.complexity import (
+from crystal_grpo.curricula.complexity import (
     TIERS,
     ComplexityConfig,
     annotate,
@@ -15,7 +15,7 @@ from curricula.complexity import (
     step_count,
     tier_of,
 )
-from curricula.sampler import (
+from crystal_grpo.curricula.sampler import (
     CurriculumSampler,
     CurriculumSamplerFactory,
     curriculum_stats,

@@ -56,7 +56,7 @@ from typing import Any, Literal
 import numpy as np
 from torch.utils.data import Sampler
 
-from curricula.complexity import TIERS, annotate, rows
+from crystal_grpo.curricula.complexity import TIERS, annotate, rows
 
 Mode = Literal["competence", "sorted", "buckets"]
 Pacing = Literal["linear", "sqrt"]

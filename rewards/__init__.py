@@ -11,11 +11,11 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from rewards.answer_only import AnswerOnlyReward, FormatReward
-from rewards.base import RewardModule
-from rewards.composite import CompositeReward
-from rewards.cpr import CPRReward, cpr_reward
-from rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
+from crystal_grpo.rewards.answer_only import AnswerOnlyReward, FormatReward
+from crystal_grpo.rewards.base import RewardModule
+from crystal_grpo.rewards.composite import CompositeReward
+from crystal_grpo.rewards.cpr import CPRReward, cpr_reward
+from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
 
 REWARDS: dict[str, type[RewardModule]] = {
     "format": FormatReward,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rewards.base import Batch, RewardModule
+from crystal_grpo.rewards.base import Batch, RewardModule
 
 
 class FormatReward(RewardModule):

@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 import torch
 
-from rewards.answers import answers_match
-from rewards.match_f1 import MatchF1Scorer
-from rewards.parsing import parse_completion
-from rewards.verbosity import VerbosityGuard
+from crystal_grpo.rewards.answers import answers_match
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer
+from crystal_grpo.rewards.parsing import parse_completion
+from crystal_grpo.rewards.verbosity import VerbosityGuard
 
 OBJECTIVES = ("accuracy", "reasoning")
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from rewards.base import Batch, RewardModule
+from crystal_grpo.rewards.base import Batch, RewardModule
 
 
 class CompositeReward(RewardModule):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rewards.base import Batch, RewardModule
+from crystal_grpo.rewards.base import Batch, RewardModule
 
 
 def cpr_reward(f1: torch.Tensor, correct: torch.Tensor, a_w: float = 0.65, s_w: float = 0.35,

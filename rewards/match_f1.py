@@ -18,8 +18,8 @@ from typing import Literal, Union
 
 import torch
 
-from rewards.matching import dp_match, greedy_match, longest_chain
-from rewards.text import clean_text
+from crystal_grpo.rewards.matching import dp_match, greedy_match, longest_chain
+from crystal_grpo.rewards.text import clean_text
 
 PACKAGED_MINILM = "packaged:all-MiniLM-L6-v2"
 PAPER_ENCODER = "sentence-transformers/all-distilroberta-v1"

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from rewards.text import clean_text
+from crystal_grpo.rewards.text import clean_text
 
 # Bounds on the lenient scan, so a huge junk completion costs linear time at most.
 MAX_SCAN_CHARS = 200_000

@@ -1,6 +1,6 @@
 """Score predicted reasoning steps against reference chains (Match F1, SPEC sections 1, 3, 4).
 
-    python -m rewards.score --predictions preds.jsonl --data data.jsonl --out report.json
+    crystal-grpo-score --predictions preds.jsonl --data data.jsonl --out report.json
 
 Prediction rows: ``{"id", "reasoning_steps": [...], "answer"}``; data rows follow SPEC
 section 1 (``reference_sets``, when present, compete with ``reference_steps``: best chain
@@ -18,8 +18,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError, MatchF1Scorer
-from rewards.text import clean_text
+from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError, MatchF1Scorer
+from crystal_grpo.rewards.text import clean_text
 
 METRICS = ("precision", "recall", "f1", "lis_ratio", "ordered_f1")
 MAX_ERRORS = 20
@@ -113,7 +113,7 @@ def format_table(rows: dict[str, dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rewards.score", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="crystal-grpo-score", description=__doc__.split("\n\n")[0])
     p.add_argument("--predictions", required=True, type=Path, metavar="JSONL",
                    help='prediction rows {"id", "reasoning_steps": [...], "answer"}, one JSON object a line')
     p.add_argument("--data", required=True, type=Path, metavar="JSONL",

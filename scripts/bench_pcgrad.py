@@ -44,7 +44,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
 
 TARGETS = {"full": 1.6, "lora": 1.3}
 
@@ -103,7 +102,7 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
-    from train.trainer import trainer_class
+    from crystal_grpo.train.trainer import trainer_class
 
     if a.threads:
         torch.set_num_threads(a.threads)

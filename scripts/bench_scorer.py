@@ -31,15 +31,13 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from rewards.match_f1 import PACKAGED_MINILM, MatchF1Scorer, load_encoder  # noqa: E402
+from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, MatchF1Scorer, load_encoder
 
 GEN_PER_PROMPT, N_REF, POOL = 8, 12, 20
 NAMES = ["Sam", "Ana", "Li", "Omar", "Mia", "Raj", "Zoe", "Ben", "Ivy", "Tom", "Eva", "Kai"]

@@ -21,15 +21,13 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rewards import build_reward  # noqa: E402
-from rewards.fuzz import fuzz, format_table  # noqa: E402
-from rewards.match_f1 import PACKAGED_MINILM  # noqa: E402
+from crystal_grpo.rewards import build_reward
+from crystal_grpo.rewards.fuzz import fuzz, format_table
+from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM
 
 
 def main(argv=None) -> int:

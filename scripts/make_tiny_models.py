@@ -202,7 +202,7 @@ def warm_up_format(model, tok, steps: int = 150, batch_size: int = 16, lr: float
 
     import torch
 
-    from train.data import build_prompt
+    from crystal_grpo.train.data import build_prompt
 
     rows = [json.loads(x) for x in (REPO_ROOT / "data" / "wordproblems" / "train.jsonl").read_text().splitlines()]
     texts = []
@@ -280,9 +280,7 @@ def build_tiny_vlm(path: str | Path, overwrite: bool = False) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from train.models import ImageOnlyQwen2_5_VLProcessor
+    from crystal_grpo.train.models import ImageOnlyQwen2_5_VLProcessor
 
     tok = _hf_tokenizer(train_tokenizer(), vision=True)
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}

@@ -63,9 +63,7 @@ def convert(gguf_path: Path, out: Path) -> None:
     """Dequantise the GGUF into a plain fp32 model (no quantization_config) and save it with its tokenizer."""
     from transformers import AutoTokenizer
 
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from train.models import load_gguf_plain
+    from crystal_grpo.train.models import load_gguf_plain
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rewards import answers
-from rewards.answers import answers_match, set_default_judge
+from crystal_grpo.rewards import answers
+from crystal_grpo.rewards.answers import answers_match, set_default_judge
 
 CHOICES = ["10 apples", "12 apples", "14 apples", "Paris"]
 

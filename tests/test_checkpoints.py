@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
-from train import grpo
-from train.checkpoints import (
+from crystal_grpo.train import grpo
+from crystal_grpo.train.checkpoints import (
     MARKER,
     checkpoint_problem,
     latest_complete,
@@ -27,8 +27,8 @@ from train.checkpoints import (
     truncate_logs,
     write_marker,
 )
-from train.config import load_config
-from train.trainer import CrystalGRPOTrainer
+from crystal_grpo.train.config import load_config
+from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def _env() -> dict:
 
 def _grpo_with(patch: str) -> str:
     """A ``python -c`` program: ``patch`` (which wraps one method), then train/grpo.py's main."""
-    return f"import os, signal, sys, time\n{patch}\nfrom train import grpo\nsys.exit(grpo.main(sys.argv[1:]))\n"
+    return f"import os, signal, sys, time\n{patch}\nfrom crystal_grpo.train import grpo\nsys.exit(grpo.main(sys.argv[1:]))\n"
 
 
 KILL_DURING_SAVE = _grpo_with("""
@@ -201,7 +201,7 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
 
 
 SLOW_SAVE = _grpo_with("""
-from train.trainer import CrystalGRPOTrainer
+from crystal_grpo.train.trainer import CrystalGRPOTrainer
 original = CrystalGRPOTrainer._save_checkpoint
 def slow(self, model, trial):
     time.sleep(5)  # a save that takes a while, as a multi-GB one does

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from train import grpo
-from train.config import ConfigError, load_config
+from crystal_grpo.train import grpo
+from crystal_grpo.train.config import ConfigError, load_config
 
 
 def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_path):

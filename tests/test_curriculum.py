@@ -9,7 +9,7 @@ import random
 import pytest
 from trl.trainer.utils import RepeatSampler
 
-from curricula import (
+from crystal_grpo.curricula import (
     CurriculumSampler,
     answer_type,
     complexity_components,

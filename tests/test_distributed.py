@@ -59,7 +59,7 @@ def test_ddp_two_processes_train_and_checkpoint_reloads(ddp_run):
     # per step, as TRL logs them on the main process), those with steps.
     import pandas as pd
 
-    from rewards.parsing import parse_completion
+    from crystal_grpo.rewards.parsing import parse_completion
 
     logged = [c for s in (1, 2) for c in pd.read_parquet(ddp_run / "completions" / f"completions_{s:05d}.parquet")
               ["completion"]]

@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import encodable
-from rewards import build_reward
-from rewards.answer_only import FormatReward
-from rewards.answers import answers_match
-from rewards.base import Batch
-from rewards.fuzz import MIXED, SHAPES, format_table, fuzz, hostile_batches
-from rewards.parsing import ParsedOutput, parse_completion
-from train.data import row_problems
+from crystal_grpo.rewards import build_reward
+from crystal_grpo.rewards.answer_only import FormatReward
+from crystal_grpo.rewards.answers import answers_match
+from crystal_grpo.rewards.base import Batch
+from crystal_grpo.rewards.fuzz import MIXED, SHAPES, format_table, fuzz, hostile_batches
+from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
+from crystal_grpo.train.data import row_problems
 
 FAST = settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 

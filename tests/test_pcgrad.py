@@ -20,10 +20,8 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
-from train.pcgrad import (  # noqa: E402
+from crystal_grpo.train.pcgrad import (
     objective_advantages,
     pcgrad_coefficients,
     pcgrad_stats,
@@ -211,7 +209,7 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from train.trainer import trainer_class
+    from crystal_grpo.train.trainer import trainer_class
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # named_parameters, not the state dict: tied weights (embeddings / lm_head) count once.
@@ -386,7 +384,7 @@ def _hash_reward_module():
     tiny model never writes valid JSON, so the paper rewards would all be 0)."""
     import zlib
 
-    from rewards.base import RewardModule
+    from crystal_grpo.rewards.base import RewardModule
 
     class HashReward(RewardModule):
         name = "hash"
@@ -407,8 +405,8 @@ def _hash_reward_module():
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_end_to_end_with_pcgrad(tmp_path, pcg_model, monkeypatch, lora, one_thread):
-    import rewards
-    from train import grpo
+    from crystal_grpo import rewards
+    from crystal_grpo.train import grpo
 
     monkeypatch.setitem(rewards.REWARDS, "cpr", _hash_reward_module())  # tiny.yaml's reward, swapped
     out = tmp_path / "run"
@@ -433,7 +431,7 @@ def test_unsupported_aggregation_is_refused(pcg_model, tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from train.pcgrad import PCGradGRPOTrainer
+    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
 
     def f(completions, **kw):
         return [0.0] * len(completions)
@@ -451,8 +449,8 @@ def test_only_pcgrad_runs_get_the_pcgrad_trainer_and_liger_is_refused(pcg_model,
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from train.pcgrad import PCGradGRPOTrainer, PCGradMixin
-    from train.trainer import CrystalGRPOTrainer, trainer_class
+    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer, PCGradMixin
+    from crystal_grpo.train.trainer import CrystalGRPOTrainer, trainer_class
 
     assert trainer_class(False) is CrystalGRPOTrainer and PCGradMixin not in CrystalGRPOTrainer.__mro__
     assert trainer_class(True) is PCGradGRPOTrainer and issubclass(PCGradGRPOTrainer, CrystalGRPOTrainer)

@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rewards import build_reward, cpr_reward, get_reward_funcs, reward_params
-from rewards.base import MAX_SCORED_STEPS, Batch, diagnostics
-from rewards.verbosity import VerbosityGuard
+from crystal_grpo.rewards import build_reward, cpr_reward, get_reward_funcs, reward_params
+from crystal_grpo.rewards.base import MAX_SCORED_STEPS, Batch, diagnostics
+from crystal_grpo.rewards.verbosity import VerbosityGuard
 
 REFS = ["Tom buys 3 packs of 4 pencils, so he has 3 * 4 = 12 pencils.",
         "He gives 5 pencils to Ann, so 12 - 5 = 7 pencils are left.",
@@ -256,7 +256,7 @@ TWO_PROCESS = r"""
 import json, os, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-from rewards import get_reward_funcs
+from crystal_grpo.rewards import get_reward_funcs
 rows = json.loads(sys.argv[1])
 refs = json.loads(sys.argv[2])
 mine = rows[rank * 3:(rank + 1) * 3]

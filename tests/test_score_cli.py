@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from rewards.match_f1 import PACKAGED_MINILM, MatchF1Scorer
-from rewards.score import build_parser, main
+from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, MatchF1Scorer
+from crystal_grpo.rewards.score import build_parser, main
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_lone_surrogates_in_every_text_field_are_scored(repo_root, tmp_path):
         '{"id": "q3", "question": "?", "answer": "x", "reference_steps": ["\\ud800"]}',
     ])
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "rewards.score", "--predictions", str(preds), "--data", str(data),
+    proc = subprocess.run([sys.executable, "-m", "crystal_grpo.rewards.score", "--predictions", str(preds), "--data", str(data),
                            "--out", str(out), "--device", "cpu"], cwd=repo_root, capture_output=True, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8"})
     assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")[-3000:]

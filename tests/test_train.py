@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from rewards.parsing import parse_completion
-from train import grpo
-from train.config import load_config
-from train.data import DataError, load_split
+from crystal_grpo.rewards.parsing import parse_completion
+from crystal_grpo.train import grpo
+from crystal_grpo.train.config import load_config
+from crystal_grpo.train.data import DataError, load_split
 
 
 def run_main(tmp_path: Path, model: Path, *overrides: str, config: str = "tiny.yaml", resume=None) -> Path:

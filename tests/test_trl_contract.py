@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
-from train.pcgrad import TESTED_TRL, PCGradMixin
+from crystal_grpo.train.pcgrad import TESTED_TRL, PCGradMixin
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from rewards.base import RewardModule, _chains, evaluate, shared_scorer
-from train.checkpoints import atomic_write_text, read_json, read_jsonl
+from crystal_grpo.rewards.base import RewardModule, _chains, evaluate, shared_scorer
+from crystal_grpo.train.checkpoints import atomic_write_text, read_json, read_jsonl
 
 VALIDATION_METRICS = ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate",
                       "steps_mean", "reward")
@@ -194,7 +194,7 @@ class PlotCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            from train.plot import plot_run
+            from crystal_grpo.train.plot import plot_run
 
             try:
                 plot_run(self.run_dir)

@@ -396,7 +396,7 @@ def _check_training(training: dict[str, Any], where: str) -> None:
 
 def _check_reward_params(reward: RewardSection, where: str) -> None:
     """Every parameter is one the reward module takes, of the type its signature says."""
-    from rewards import reward_params
+    from crystal_grpo.rewards import reward_params
 
     accepted = reward_params(reward.name)
     unknown = sorted(set(reward.params) - set(accepted))
@@ -420,7 +420,7 @@ def validate(cfg: RunConfig) -> None:
         if not c.data.train:
             raise ConfigError(f"{where}data.train: required (a JSONL file or a datasets folder)")
         if c.pcgrad and c.training.get("use_liger_kernel"):
-            from train.pcgrad import LIGER_REFUSED
+            from crystal_grpo.train.pcgrad import LIGER_REFUSED
 
             raise ConfigError(f"{where}training.use_liger_kernel: {LIGER_REFUSED}")
         aggregation = c.training.get("multi_objective_aggregation", "sum_then_normalize")

@@ -19,11 +19,8 @@ import signal
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python train/grpo.py` and `accelerate launch train/grpo.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from rewards.match_f1 import EncoderLoadError  # noqa: E402
-from train.checkpoints import (  # noqa: E402
+from crystal_grpo.rewards.match_f1 import EncoderLoadError
+from crystal_grpo.train.checkpoints import (
     CheckpointError,
     atomic_write_text,
     checkpoint_problem,
@@ -35,10 +32,10 @@ from train.checkpoints import (  # noqa: E402
     settings_undone,
     truncate_logs,
 )
-from train.config import ConfigError, RunConfig, apply_phase, load_config  # noqa: E402
-from train.data import DataError  # noqa: E402
-from train.interrupt import Interrupted  # noqa: E402
-from train.models import ModelLoadError  # noqa: E402
+from crystal_grpo.train.config import ConfigError, RunConfig, apply_phase, load_config
+from crystal_grpo.train.data import DataError
+from crystal_grpo.train.interrupt import Interrupted
+from crystal_grpo.train.models import ModelLoadError
 
 PHASE_DONE = "phase_done.json"
 
@@ -125,18 +122,18 @@ def grpo_args(cfg: RunConfig, output_dir: Path, extra: dict):
 def _sampler_factory(cfg: RunConfig, dataset, max_steps: int):
     if cfg.curriculum is None:
         return None
-    from curricula import make_sampler_factory
+    from crystal_grpo.curricula import make_sampler_factory
 
     return make_sampler_factory(cfg.curriculum, dataset, max_steps)
 
 
 def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callbacks: list | None = None) -> dict:
     """One GRPO run; returns its final validation metrics."""
-    from rewards import build_reward
-    from train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
-    from train.data import load_datasets
-    from train.models import load_policy, model_source, peft_config
-    from train.trainer import STATE_FILE, trainer_class
+    from crystal_grpo.rewards import build_reward
+    from crystal_grpo.train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
+    from crystal_grpo.train.data import load_datasets
+    from crystal_grpo.train.models import load_policy, model_source, peft_config
+    from crystal_grpo.train.trainer import STATE_FILE, trainer_class
 
     output_dir.mkdir(parents=True, exist_ok=True)
     extra = setup_distributed(cfg)

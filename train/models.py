@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from train.config import LoraSection, ModelSection
+from crystal_grpo.train.config import LoraSection, ModelSection
 
 logger = logging.getLogger(__name__)
 

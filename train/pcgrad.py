@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from train.trainer import CrystalGRPOTrainer
+from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
 logger = logging.getLogger(__name__)
 

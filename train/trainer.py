@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-from train.checkpoints import optimizer_settings, remove_marker, write_marker
-from train.interrupt import GracefulStop
+from crystal_grpo.train.checkpoints import optimizer_settings, remove_marker, write_marker
+from crystal_grpo.train.interrupt import GracefulStop
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def trainer_class(pcgrad: bool) -> type["CrystalGRPOTrainer"]:
     """The trainer for a run: plain TRL plus our hooks, or its PCGrad subclass when asked for."""
     if not pcgrad:
         return CrystalGRPOTrainer
-    from train.pcgrad import PCGradGRPOTrainer
+    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
 
     return PCGradGRPOTrainer
 
@@ -158,7 +158,7 @@ class CrystalGRPOTrainer(GRPOTrainer):
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None) -> None:
         if self.is_world_process_zero():
-            from train.model_card import write_model_card
+            from crystal_grpo.train.model_card import write_model_card
 
             write_model_card(self, model_name)
 

@@ -1,0 +1,1 @@
+"""GRPO training: config, data, models, the TRL trainer subclass, PCGrad, checkpoints."""
