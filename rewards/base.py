@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from crystal_grpo.distributed import gather_objects
 from crystal_grpo.rewards.answers import answers_match
 from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 from crystal_grpo.rewards.parsing import parse_completion
@@ -45,22 +46,6 @@ def shared_scorer(**settings: Any) -> MatchF1Scorer:
     if key not in _SCORERS:
         _SCORERS[key] = MatchF1Scorer(**settings)
     return _SCORERS[key]
-
-
-def gather_rows(values: list) -> tuple[list, int]:
-    """All processes' rows in rank order, and where this process's rows start.
-
-    Reward functions see only the local slice of a generation batch; batch statistics
-    (composite normalisation, the guard's median, diagnostics) must use all of it.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(values), 0
-    parts: list[list] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(parts, list(values))
-    rank = dist.get_rank()
-    return [v for p in parts for v in p], sum(len(p) for p in parts[:rank])
 
 
 FIELDS = ("correct", "format_ok", "has_refs", "n_pred", "step",
@@ -237,7 +222,7 @@ class RewardModule:
                          self.step_metric, self.answer_options)
         # Each process scores its own slice; the per-row results are then shared so that
         # composite statistics, the guard's median and the diagnostics are global.
-        rows, offset = gather_rows(local.rows())
+        rows, offset = gather_objects(local.rows())
         batch = Batch.from_rows(rows)
         comps = self.components(batch)
         flagged = torch.zeros(len(batch), dtype=torch.bool)

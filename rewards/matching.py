@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+
 def greedy_match(sim: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
     """Greedy 1:1 assignment of SPEC section 3, batched; returns a bool ``[B, N, M]`` mask.
 

@@ -18,6 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from crystal_grpo.jsonl import Unreadable, iter_jsonl
 from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError, MatchF1Scorer
 from crystal_grpo.rewards.text import clean_text
 
@@ -62,34 +63,26 @@ def read_jsonl(path: Path, fields, errors: list[str]) -> dict[str, dict]:
     """Rows keyed by ``str(id)`` in file order; problems are appended to ``errors``."""
     rows: dict[str, dict] = {}
     first_line: dict[str, int] = {}
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                errors.append(f"{path}:{n}: invalid JSON ({err.msg} at column {err.colno})")
-                continue
-            except (ValueError, RecursionError) as err:  # an int over 4,300 digits; deep nesting
-                errors.append(f"{path}:{n}: unreadable JSON ({type(err).__name__}: {str(err)[:120]})")
-                continue
-            if not isinstance(row, dict):
-                errors.append(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-                continue
-            rid = row.get("id")
-            if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)):
-                errors.append(f"{path}:{n}: missing field 'id' (a string or integer)" if rid is None
-                              else f"{path}:{n}: 'id' must be a string or integer")
-                continue
-            problem = _check(fields, row)
-            if problem:
-                errors.append(f"{path}:{n}: id {rid!r}: {problem}")
-            elif str(rid) in first_line:
-                errors.append(f"{path}:{n}: duplicate id {rid!r} (first on line {first_line[str(rid)]})")
-            else:
-                first_line[str(rid)] = n
-                rows[str(rid)] = row
+    for n, row in iter_jsonl(path):
+        if isinstance(row, Unreadable):
+            errors.append(f"{path}:{n}: {row.problem}")
+            continue
+        if not isinstance(row, dict):
+            errors.append(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+            continue
+        rid = row.get("id")
+        if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            errors.append(f"{path}:{n}: missing field 'id' (a string or integer)" if rid is None
+                          else f"{path}:{n}: 'id' must be a string or integer")
+            continue
+        problem = _check(fields, row)
+        if problem:
+            errors.append(f"{path}:{n}: id {rid!r}: {problem}")
+        elif str(rid) in first_line:
+            errors.append(f"{path}:{n}: duplicate id {rid!r} (first on line {first_line[str(rid)]})")
+        else:
+            first_line[str(rid)] = n
+            rows[str(rid)] = row
     return rows
 
 

@@ -41,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 
+from crystal_grpo.jsonl import read_jsonl
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +66,7 @@ def _hash_rewards():
 
 def _prompts(n: int) -> list:
     path = REPO_ROOT / "data" / "wordproblems" / "train.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines()[:n]] if path.exists() else []
+    rows = read_jsonl(path)[:n]
     qs = [r["question"] for r in rows] or [f"Tom has {i} apples and buys {i + 3} more. How many now?" for i in range(n)]
     return [[{"role": "user", "content": q}] for q in qs]
 

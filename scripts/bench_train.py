@@ -40,6 +40,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from crystal_grpo.jsonl import read_jsonl
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = REPO_ROOT / ".cache" / "models"
 GENERATIONS = 8
@@ -87,7 +89,7 @@ def command(setting: str, model: str, out: Path, a: argparse.Namespace, cuda: bo
 
 
 def summarise(out: Path, warmup: int) -> dict[str, float]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(out / "metrics.jsonl")
     steps = [r for r in rows if "step_time" in r][warmup:]
     if not steps:
         raise SystemExit(f"{out}: no measured steps in metrics.jsonl")

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from crystal_grpo.rewards import build_reward
-from crystal_grpo.rewards.fuzz import fuzz, format_table
+from crystal_grpo.rewards.fuzz import format_table, fuzz
 from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM
 
 

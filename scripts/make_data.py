@@ -25,6 +25,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from crystal_grpo.jsonl import read_jsonl
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "data" / "wordproblems"
 SEED = 1234
@@ -397,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = make(args.out_dir, args.n_train, args.n_val, args.seed)
     if not args.quiet:
         for split, p in paths.items():
-            rows = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines()]
+            rows = read_jsonl(p)
             steps = Counter(len(r["reference_steps"]) for r in rows)
             fams = Counter(r["source"] for r in rows)
             mc = sum("choices" in r for r in rows)

@@ -202,9 +202,10 @@ def warm_up_format(model, tok, steps: int = 150, batch_size: int = 16, lr: float
 
     import torch
 
+    from crystal_grpo.jsonl import read_jsonl
     from crystal_grpo.train.data import build_prompt
 
-    rows = [json.loads(x) for x in (REPO_ROOT / "data" / "wordproblems" / "train.jsonl").read_text().splitlines()]
+    rows = read_jsonl(REPO_ROOT / "data" / "wordproblems" / "train.jsonl")
     texts = []
     for r in rows:
         target = json.dumps({"reasoning_steps": r["reference_steps"][:target_steps], "answer": r["answer"]})

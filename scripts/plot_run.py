@@ -6,7 +6,6 @@
 import argparse
 import sys
 
-
 from crystal_grpo.train.plot import plot_run
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ import math
 import tempfile
 from pathlib import Path
 
+from conftest import encodable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import encodable
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.answer_only import FormatReward
 from crystal_grpo.rewards.answers import answers_match

@@ -55,6 +55,7 @@ def test_tiny_lm_token_ids_survive_save_and_reload(tiny_lm_path):
 
 def test_tiny_lm_loads_via_load_policy_and_generates(tiny_lm_path):
     import torch
+
     from crystal_grpo.train.models import ModelConfig, load_policy
 
     model, tok = load_policy(ModelConfig(str(tiny_lm_path)))
@@ -83,6 +84,7 @@ def test_tiny_vlm_has_a_real_processor_and_generates_from_an_image(tiny_vlm_path
     from PIL import Image
     from transformers import AutoTokenizer, PreTrainedTokenizerBase
     from transformers.processing_utils import ProcessorMixin
+
     from crystal_grpo.train.models import ModelConfig, is_vision_language, load_policy
 
     model, proc = load_policy(ModelConfig(str(tiny_vlm_path)))
@@ -124,6 +126,7 @@ def test_autoprocessor_alone_returns_a_bare_tokenizer(tiny_vlm_path):
 # --------------------------------------------------------------------------- config mapping and errors
 def test_peft_config_mapping():
     from peft import LoraConfig
+
     from crystal_grpo.train.models import LoraSettings, ModelConfig, peft_config
 
     assert peft_config(ModelConfig("x")) is None
@@ -144,6 +147,7 @@ def test_peft_config_accepts_the_yaml_sections():
 
 def test_lora_wraps_the_tiny_lm(tiny_lm_path):
     from peft import get_peft_model
+
     from crystal_grpo.train.models import LoraSettings, ModelConfig, load_policy, peft_config
 
     cfg = ModelConfig(str(tiny_lm_path), lora=LoraSettings(r=4, alpha=8))
@@ -209,6 +213,7 @@ SMOLLM2 = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 @pytest.mark.skipif(not (SMOLLM2 / "config.json").exists(), reason="run scripts/prepare_smollm2.py first")
 def test_converted_smollm2_is_trainable_and_answers():
     from transformers.trainer_utils import validate_quantization_for_training
+
     from crystal_grpo.train.models import ModelConfig, load_policy
 
     model, tok = load_policy(ModelConfig(str(SMOLLM2)))
@@ -275,6 +280,7 @@ def test_word_problem_rows_are_well_formed():
 
 def test_shape_rows_are_well_formed():
     from PIL import Image
+
     from crystal_grpo.train.data import row_problems
 
     base = REPO_ROOT / "data" / "shapes"

@@ -7,10 +7,10 @@ import re
 import time
 
 import pytest
+from conftest import encodable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import encodable
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 
 GOOD = '{"reasoning_steps": ["Count the sheep.", "There are 12."], "answer": "12"}'

@@ -10,10 +10,10 @@ make these pass (adapting train/pcgrad.py), then move ``TESTED_TRL`` and the pin
 from __future__ import annotations
 
 import inspect
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 import trl
 from packaging.requirements import Requirement

@@ -11,27 +11,13 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from crystal_grpo.distributed import gather_objects, rank_and_world
+from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards.base import RewardModule, _chains, evaluate, shared_scorer
-from crystal_grpo.train.checkpoints import atomic_write_text, read_json, read_jsonl
+from crystal_grpo.train.checkpoints import atomic_write_text, read_json
 
 VALIDATION_METRICS = ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate",
                       "steps_mean", "reward")
-
-
-def _dist() -> tuple[int, int]:
-    d = torch.distributed
-    if d.is_available() and d.is_initialized():
-        return d.get_rank(), d.get_world_size()
-    return 0, 1
-
-
-def _gather(values: list) -> list:
-    rank, world = _dist()
-    if world == 1:
-        return values
-    parts: list = [None] * world
-    torch.distributed.all_gather_object(parts, values)
-    return [v for p in parts for v in p]
 
 
 @torch.no_grad()
@@ -125,7 +111,7 @@ class ValidationCallback(TrainerCallback):
 
         trainer = self.trainer
         n = len(self.dataset) if self.cfg.max_samples is None else min(self.cfg.max_samples, len(self.dataset))
-        rank, world = _dist()
+        rank, world = rank_and_world()
         mine = list(range(rank, n, world))
         rows = [self.dataset[i] for i in mine]
         images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
@@ -136,8 +122,8 @@ class ValidationCallback(TrainerCallback):
             completions = generate_greedy(unwrapped, trainer.processing_class, [r["prompt"] for r in rows],
                                           images, self.cfg.max_new_tokens, self.cfg.batch_size)
         model.train(was_training)
-        completions = _gather(completions)
-        rows = _gather([{k: r[k] for k in ("answer", "reference_steps", "choices", "id")}
+        completions, _ = gather_objects(completions)
+        rows, _ = gather_objects([{k: r[k] for k in ("answer", "reference_steps", "choices", "id")}
                         | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
                         for r in rows])
         metrics = validation_metrics(completions, rows, self.module)

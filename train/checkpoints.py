@@ -22,6 +22,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from crystal_grpo.jsonl import read_jsonl
+
 MARKER = "checkpoint_complete.json"
 TRAINER_STATE = "trainer_state.json"
 LOG_FILES = ("metrics.jsonl", "validation.jsonl")
@@ -51,23 +53,6 @@ def read_json(path: str | Path) -> Any:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The rows of a log; a line cut off by an interruption is skipped."""
-    rows = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 # --- writing checkpoints ------------------------------------------------------------------

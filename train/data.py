@@ -8,13 +8,14 @@ and then loaded lazily, when a batch asks for them.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from datasets import Dataset
+
+from crystal_grpo.jsonl import Unreadable, iter_jsonl
 
 SYSTEM_PROMPT = (
     "Solve the problem step by step. Reply with exactly one JSON object and nothing else: "
@@ -40,30 +41,7 @@ def _read(path: Path) -> list[tuple[int, Any]]:
         from datasets import load_from_disk
 
         return [(i + 1, dict(r)) for i, r in enumerate(load_from_disk(str(path)))]
-    rows = []
-    with open(path, "rb") as fh:
-        for no, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                rows.append((no, Unreadable(f"not UTF-8 text ({err.reason} at byte {err.start})")))
-                continue
-            if not line.strip():
-                continue
-            try:
-                rows.append((no, json.loads(line)))
-            except json.JSONDecodeError as err:
-                rows.append((no, Unreadable(f"invalid JSON ({err.msg} at column {err.colno})")))
-            except (ValueError, RecursionError) as err:  # an int past 4,300 digits, absurd nesting
-                rows.append((no, Unreadable(f"unreadable JSON ({type(err).__name__}: {str(err)[:100]})")))
-    return rows
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """A line that is not a JSON value, and why."""
-
-    problem: str
+    return list(iter_jsonl(path))
 
 
 def _is_text(x: Any) -> bool:

@@ -19,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
+from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards.match_f1 import EncoderLoadError
 from crystal_grpo.train.checkpoints import (
     CheckpointError,
@@ -27,7 +28,6 @@ from crystal_grpo.train.checkpoints import (
     checkpoint_step,
     latest_complete,
     read_json,
-    read_jsonl,
     resolve_resume,
     settings_undone,
     truncate_logs,

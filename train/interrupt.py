@@ -22,6 +22,8 @@ from collections.abc import Iterator
 import torch
 from transformers import TrainerCallback
 
+from crystal_grpo.distributed import rank_and_world
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: Signals this close together count as one: a terminal's Ctrl-C reaches every process of
 #: a torchrun / accelerate job AND is forwarded to the workers by the launcher.
@@ -76,11 +78,10 @@ class GracefulStop(TrainerCallback):
     def _agreed_signal(self, device) -> int:
         """The signal any rank received (0: none); collective, so every rank calls it."""
         mine = self.signum or 0
-        d = torch.distributed
-        if not (d.is_available() and d.is_initialized() and d.get_world_size() > 1):
+        if rank_and_world()[1] == 1:
             return mine
         flag = torch.tensor([mine], dtype=torch.int64, device=device)
-        d.all_reduce(flag, op=d.ReduceOp.MAX)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return int(flag.item())
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from crystal_grpo.train.checkpoints import read_jsonl
+from crystal_grpo.jsonl import read_jsonl
 
 
 def _series(rows: list[dict], suffix: str) -> tuple[list[int], list[float]]:

@@ -1,0 +1,31 @@
+"""The few collective operations outside the trainer, in one place.
+
+Reward statistics and validation need every process's rows; they run outside TRL's
+own gathers, so they use ``torch.distributed`` directly when it is initialised and are
+a no-op in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size (0, 1 without torch.distributed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(values: list[Any]) -> tuple[list[Any], int]:
+    """All processes' items in rank order, and where this process's items start."""
+    import torch.distributed as dist
+
+    rank, world = rank_and_world()
+    if world == 1:
+        return list(values), 0
+    parts: list[list[Any]] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(parts, list(values))
+    return [v for p in parts for v in p], sum(len(p) for p in parts[:rank])

@@ -1,0 +1,49 @@
+"""Reading JSON Lines: the one reader for data files, prediction files and run logs.
+
+Every consumer needs the same per-line facts (line number, the parsed value or why the
+line is unreadable) and differs only in what it does with a bad line: data and
+prediction files report it as ``file:line: problem``; a run's own logs skip it (a line
+cut off when the run was killed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A line that is not a JSON value, and why."""
+
+    problem: str
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value or :class:`Unreadable`) for each non-blank line."""
+    with open(path, "rb") as fh:
+        for no, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield no, Unreadable(f"not UTF-8 text ({err.reason} at byte {err.start})")
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield no, json.loads(line)
+            except json.JSONDecodeError as err:
+                yield no, Unreadable(f"invalid JSON ({err.msg} at column {err.colno})")
+            except (ValueError, RecursionError) as err:  # an int past 4,300 digits, absurd nesting
+                yield no, Unreadable(f"unreadable JSON ({type(err).__name__}: {str(err)[:100]})")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The JSON-object rows of a log; missing file: none; unreadable lines are skipped."""
+    try:
+        return [row for _, row in iter_jsonl(path) if isinstance(row, dict)]
+    except OSError:
+        return []
