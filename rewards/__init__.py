@@ -1,7 +1,9 @@
-"""Step-level rewards for GRPO: the Match-F1 scorer and the reward modules TRL calls.
+"""Step-level rewards for GRPO: the Match-F1 scorer and the reward modules.
 
-``get_reward_funcs(name, **params)`` returns TRL reward functions, one per named,
-objective-tagged component; their unweighted sum is the reward.
+``build_reward(name, **params)`` makes a reward module (``REWARDS`` holds them by name);
+``CrystalGRPOTrainer(model, reward=module, ...)`` trains with it. For a plain
+``trl.GRPOTrainer``, ``get_reward_funcs(name, **params)`` returns TRL reward functions, one
+per named, objective-tagged component; their unweighted sum is the reward.
 """
 
 from __future__ import annotations
@@ -17,12 +19,22 @@ from crystal_grpo.rewards.composite import CompositeReward
 from crystal_grpo.rewards.cpr import CPRReward, cpr_reward
 from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
 
+#: Reward name (``reward.name`` in a config) -> module class. A new reward is one file with a
+#: ``RewardModule`` subclass plus one line here, or ``register_reward(MyReward)`` from outside.
 REWARDS: dict[str, type[RewardModule]] = {
     "format": FormatReward,
     "answer_only": AnswerOnlyReward,
     "composite": CompositeReward,
     "cpr": CPRReward,
 }
+
+
+def register_reward(cls: type[RewardModule]) -> type[RewardModule]:
+    """Make ``cls`` available as ``reward.name: <cls.name>`` (usable as a class decorator)."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__}.name is empty: a registered reward needs the name configs use")
+    REWARDS[cls.name] = cls
+    return cls
 
 
 def reward_params(name: str) -> dict[str, Any]:
@@ -50,6 +62,6 @@ def get_reward_funcs(name: str, **params) -> list[Callable]:
 
 
 __all__ = [
-    "REWARDS", "RewardModule", "build_reward", "get_reward_funcs", "reward_params", "cpr_reward",
+    "REWARDS", "RewardModule", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
     "MatchF1Scorer", "StepScores", "PACKAGED_MINILM", "PAPER_ENCODER",
 ]

@@ -1,10 +1,11 @@
-"""What every reward module shares: one evaluation of a generation batch, TRL adapters.
+"""What every reward module shares: the one evaluation of completions, and what is made of it.
 
-TRL's GRPOTrainer calls each reward function separately with the same batch. A reward
-here is a *module* made of named components, each tagged with the objective it serves
-(``accuracy`` or ``reasoning``; PCGrad splits on that tag). The module evaluates a batch
-once (parse, check answers, embed and match steps), and every component function reads
-from that evaluation, so steps are embedded once per batch however many rewards use them.
+A reward is a *module* made of named components, each tagged with the objective it serves
+(``accuracy`` or ``reasoning``; PCGrad splits on that tag), whose sum is the reward. A
+batch is evaluated once (:meth:`RewardModule.score`: parse, check answers, embed and match
+steps) and everything reads from that: the training rewards (:meth:`RewardModule.rewards`,
+over the batch of all processes), validation and evaluation metrics
+(:meth:`RewardModule.metrics`) and the scorer CLI.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,11 +21,16 @@ import torch
 
 from crystal_grpo.distributed import gather_objects
 from crystal_grpo.rewards.answers import answers_match
-from crystal_grpo.rewards.match_f1 import MatchF1Scorer
-from crystal_grpo.rewards.parsing import parse_completion
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer, StepScores
+from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 from crystal_grpo.rewards.verbosity import VerbosityGuard
 
-OBJECTIVES = ("accuracy", "reasoning")
+#: What a reward component serves; PCGrad splits the advantage on it (SPEC section 6).
+Objective = Literal["accuracy", "reasoning"]
+OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
+#: What validation and evaluation report, in this order (``RewardModule.metrics``).
+Metric = Literal["accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate", "steps_mean", "reward"]
+METRICS: tuple[str, ...] = typing.get_args(Metric)
 
 #: A completion with more predicted steps than this scores step metrics 0 (F1, precision
 #: and recall) without embedding any of its steps. Measured on 2 CPU cores, one completion
@@ -74,13 +80,21 @@ class Batch:
     def __len__(self) -> int:
         return len(self.correct)
 
+    def as_tensor(self) -> torch.Tensor:
+        """``[B, len(FIELDS)]`` float64: what one gather across processes moves."""
+        return torch.stack([getattr(self, f) for f in FIELDS], dim=1)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Batch":
+        t = t.to(torch.float64).reshape(-1, len(FIELDS))
+        return cls(**{f: t[:, i] for i, f in enumerate(FIELDS)})
+
     def rows(self) -> list[list[float]]:
-        return torch.stack([getattr(self, f) for f in FIELDS], dim=1).tolist()
+        return self.as_tensor().tolist()
 
     @classmethod
     def from_rows(cls, rows: list[list[float]]) -> "Batch":
-        t = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(FIELDS))
-        return cls(**{f: t[:, i] for i, f in enumerate(FIELDS)})
+        return cls.from_tensor(torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(FIELDS)))
 
 
 def _chains(steps: Any, sets: Any) -> list[list[str]] | None:
@@ -104,48 +118,37 @@ def _correct(predicted: str | None, truth: Any, choices: Any, opts: dict) -> boo
         return False
 
 
-def evaluate(
-    completions: Sequence[Any],
-    answers: Sequence[Any],
-    references: Sequence[list[list[str]] | None],
-    choices: Sequence[Any],
-    scorer: MatchF1Scorer | None,
-    step_metric: str = "f1",
-    answer_options: dict | None = None,
-) -> Batch:
-    """Parse, check answers and score steps for this process's rows."""
-    parsed = [parse_completion(c) for c in completions]
-    opts = answer_options or {}
-    n = len(parsed)
-    f64 = lambda xs: torch.tensor(xs, dtype=torch.float64).reshape(n)  # noqa: E731
-    nan = lambda: torch.full((n,), math.nan, dtype=torch.float64)  # noqa: E731
-    batch = Batch(
-        correct=f64([float(_correct(p.answer, a, ch, opts)) for p, a, ch in zip(parsed, answers, choices)]),
-        format_ok=f64([float(p.format_ok) for p in parsed]),
-        has_refs=f64([float(r is not None) for r in references]),
-        n_pred=f64([float(len(p.steps)) for p in parsed]),
-        step=nan(), precision=nan(), recall=nan(), f1=nan(), lis_ratio=nan(), ordered_f1=nan(),
-    )
-    rows = [i for i, r in enumerate(references) if r is not None]
-    if scorer is not None and rows:
-        steps = [parsed[i].steps if len(parsed[i].steps) <= MAX_SCORED_STEPS else [] for i in rows]
-        scores = scorer.score(steps, [references[i] for i in rows])
-        for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1"):
-            getattr(batch, f)[rows] = getattr(scores, f).double()
-        batch.step[rows] = getattr(batch, step_metric)[rows]
-    return batch
+@dataclass
+class Scored:
+    """One evaluation of completions (this process's rows), from :meth:`RewardModule.score`.
+
+    ``batch`` holds the per-row numbers every reward and metric is made of; ``parsed`` what
+    each completion says; ``steps`` the matching details (pairs, counts, winning chain) of
+    the rows with references, which are ``step_rows`` (None when steps were not scored).
+    """
+
+    batch: Batch
+    parsed: list[ParsedOutput]
+    steps: StepScores | None
+    step_rows: list[int]
+
+
+#: Columns of a data row the evaluation reads (SPEC section 1); any other key is ignored.
+COLUMNS = ("answer", "reference_steps", "reference_sets", "choices")
 
 
 class RewardModule:
     """A reward made of named, objective-tagged components whose sum is the reward.
 
     Subclasses set ``name``, ``objectives`` (component -> objective), ``uses_steps`` and
-    implement :meth:`components`. Everything else (TRL adapters, the verbosity guard,
-    diagnostics, state for checkpoints) lives here.
+    implement :meth:`components`. The rest is shared: :meth:`score` (the one evaluation of
+    completions, used by training, validation and the CLIs), :meth:`rewards` (components
+    with the verbosity guard, and the diagnostics), :meth:`metrics` (the ``METRICS``),
+    checkpoint state, and :meth:`reward_funcs` for a plain ``trl.GRPOTrainer``.
     """
 
     name: str = ""
-    objectives: dict[str, str] = {}
+    objectives: dict[str, Objective] = {}
     uses_steps: bool = True
 
     def __init__(
@@ -170,16 +173,18 @@ class RewardModule:
     ) -> None:
         if step_metric not in STEP_METRICS:
             raise ValueError(f"step_metric={step_metric!r}: allowed values are {', '.join(STEP_METRICS)}")
+        bad = {c: o for c, o in self.objectives.items() if o not in OBJECTIVES}
+        if bad:
+            raise ValueError(f"{type(self).__name__}.objectives {bad}: each must be one of {OBJECTIVES}")
         self.step_metric = step_metric
-        self.scorer = (
-            shared_scorer(encoder=encoder, threshold=threshold, alpha=order_alpha, matcher=matcher,
-                          device=device, batch_size=scorer_batch_size, cache_size=cache_size)
-            if self.uses_steps else None
-        )
+        self._scorer_settings = dict(encoder=encoder, threshold=threshold, alpha=order_alpha, matcher=matcher,
+                                     device=device, batch_size=scorer_batch_size, cache_size=cache_size)
+        self.scorer = shared_scorer(**self._scorer_settings) if self.uses_steps else None
         use_guard = self.uses_steps if verbosity_guard is None else verbosity_guard
         self.guard = (VerbosityGuard(guard_k, guard_window, guard_factor, guard_min_history)
                       if use_guard else None)
         self.answer_options = {"rel_tol": rel_tol, "abs_tol": abs_tol, "judge": judge}
+        self.last_metrics: dict[str, float] = {}
         self._last: tuple[Any, dict[str, list]] | None = None
 
     # -- to implement -----------------------------------------------------------------
@@ -187,58 +192,108 @@ class RewardModule:
         """Per-row component values for the *global* batch (NaN = not applicable)."""
         raise NotImplementedError
 
-    # -- TRL interface ----------------------------------------------------------------
+    # -- the one evaluation -----------------------------------------------------------
+    def score(self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]],
+              with_steps: bool | None = None) -> Scored:
+        """Parse, check answers and match steps for these rows; no guard, no state.
+
+        ``completions``: model output (text, TRL's message lists, anything: it never
+        raises) or already parsed :class:`ParsedOutput`. ``rows``: one mapping per
+        completion with the data columns (``answer``, ``reference_steps``, optional
+        ``reference_sets`` and ``choices``). Steps are scored when the reward uses them, or
+        when ``with_steps`` asks (validation reports Match F1 for every reward).
+        """
+        parsed = [c if isinstance(c, ParsedOutput) else parse_completion(c) for c in completions]
+        n = len(parsed)
+        col = {k: [r.get(k) if isinstance(r, Mapping) else None for r in rows] for k in COLUMNS}
+        scorer = self._scorer() if (self.uses_steps if with_steps is None else with_steps) else None
+        refs = ([_chains(s, sets) for s, sets in zip(col["reference_steps"], col["reference_sets"])]
+                if scorer is not None else [None] * n)
+        opts = self.answer_options
+        f64 = lambda xs: torch.tensor(xs, dtype=torch.float64).reshape(n)  # noqa: E731
+        nan = lambda: torch.full((n,), math.nan, dtype=torch.float64)  # noqa: E731
+        batch = Batch(
+            correct=f64([float(_correct(p.answer, a, ch, opts))
+                         for p, a, ch in zip(parsed, col["answer"], col["choices"])]),
+            format_ok=f64([float(p.format_ok) for p in parsed]),
+            has_refs=f64([float(r is not None) for r in refs]),
+            n_pred=f64([float(len(p.steps)) for p in parsed]),
+            step=nan(), precision=nan(), recall=nan(), f1=nan(), lis_ratio=nan(), ordered_f1=nan(),
+        )
+        step_rows = [i for i, r in enumerate(refs) if r is not None]
+        scores = None
+        if step_rows:
+            steps = [parsed[i].steps if len(parsed[i].steps) <= MAX_SCORED_STEPS else [] for i in step_rows]
+            scores = scorer.score(steps, [refs[i] for i in step_rows])
+            for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1"):
+                getattr(batch, f)[step_rows] = getattr(scores, f).double()
+            batch.step[step_rows] = getattr(batch, self.step_metric)[step_rows]
+        return Scored(batch, parsed, scores, step_rows)
+
+    def rewards(self, batch: Batch, guard: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Components of a GLOBAL batch (all processes) and the SPEC section 6 diagnostics.
+
+        With ``guard`` the verbosity guard judges the batch and then adds it to its window
+        (call it once per generation batch); without, the components are the plain ones.
+        """
+        comps = self.components(batch)
+        flagged = torch.zeros(len(batch), dtype=torch.bool)
+        if guard and self.guard is not None:
+            flagged = self.guard.step(batch.n_pred)
+            comps = {k: self.guard.apply(v, flagged) for k, v in comps.items()}
+        self.last_metrics = diagnostics(batch, comps, flagged)
+        return comps, self.last_metrics
+
+    def metrics(self, batch: Batch) -> dict[str, float]:
+        """The :data:`METRICS` of a batch: what validation and evaluation report."""
+        per_row = {"accuracy": batch.correct, "format_rate": batch.format_ok, "steps_mean": batch.n_pred,
+                   "reward": _total(self.components(batch), len(batch))}
+        return {m: _nanmean(per_row[m] if m in per_row else getattr(batch, m)) for m in METRICS}
+
+    def _scorer(self) -> MatchF1Scorer:
+        if self.scorer is None:  # a reward without step terms, asked for Match F1 (validation)
+            self.scorer = shared_scorer(**self._scorer_settings)
+        return self.scorer
+
+    # -- plain TRL ----------------------------------------------------------------------
     def reward_funcs(self) -> list[Callable[..., list[float | None]]]:
-        """One TRL reward function per component; their unweighted sum is the reward."""
+        """One reward function per component, named after it, for a plain ``trl.GRPOTrainer``.
+
+        TRL calls each function separately on the same batch, so the first call evaluates
+        the batch (:meth:`score`, gathered across processes, :meth:`rewards`) and the
+        others read that result, recognised by the identity of the completions list TRL
+        passes to all of them. ``CrystalGRPOTrainer`` does not call these: it evaluates
+        once itself (``_calculate_rewards``) and uses them for the names only.
+        """
         funcs = []
         for comp, objective in self.objectives.items():
-            assert objective in OBJECTIVES, (comp, objective)
 
             def func(prompts=None, completions=None, _comp=comp, **kwargs):
-                return self(completions, **kwargs)[_comp]
+                return self._plain_trl_call(completions, kwargs)[_comp]
 
             func.__name__ = func.__qualname__ = comp
             func.objective = objective  # type: ignore[attr-defined]
-            func.reward_module = self  # type: ignore[attr-defined]
             funcs.append(func)
         return funcs
 
-    def __call__(self, completions: Sequence[Any], **kwargs: Any) -> dict[str, list[float | None]]:
-        """Evaluate once per batch (memoised on the completions list TRL passes to every
-        function) and return every component for this process's rows."""
+    def _plain_trl_call(self, completions: Sequence[Any], kwargs: dict) -> dict[str, list[float | None]]:
         if self._last is not None and self._last[0] is completions:
             return self._last[1]
-        out = self._evaluate(completions, kwargs)
-        self._last = (completions, out)
-        return out
-
-    def _evaluate(self, completions: Sequence[Any], kwargs: dict) -> dict[str, list[float | None]]:
         start = time.perf_counter()
         n = len(completions)
-        col = lambda k: list(kwargs.get(k) or [None] * n)  # noqa: E731
-        refs = ([_chains(s, r) for s, r in zip(col("reference_steps"), col("reference_sets"))]
-                if self.uses_steps else [None] * n)
-        local = evaluate(completions, col("answer"), refs, col("choices"), self.scorer,
-                         self.step_metric, self.answer_options)
-        # Each process scores its own slice; the per-row results are then shared so that
-        # composite statistics, the guard's median and the diagnostics are global.
-        rows, offset = gather_objects(local.rows())
-        batch = Batch.from_rows(rows)
-        comps = self.components(batch)
-        flagged = torch.zeros(len(batch), dtype=torch.bool)
-        if self.guard is not None:
-            flagged = self.guard.step(batch.n_pred)
-            comps = {k: self.guard.apply(v, flagged) for k, v in comps.items()}
-        metrics = diagnostics(batch, comps, flagged)
+        rows = [{k: kwargs[k][i] for k in COLUMNS if kwargs.get(k) is not None} for i in range(n)]
+        local = self.score(completions, rows).batch
+        gathered, offset = gather_objects(local.rows())
+        comps, metrics = self.rewards(Batch.from_rows(gathered))
         metrics["scoring_seconds"] = time.perf_counter() - start
-        log_metric = kwargs.get("log_metric")
-        if log_metric is not None:
+        if kwargs.get("log_metric") is not None:
             for key, value in metrics.items():
                 if math.isfinite(value):
-                    log_metric(f"{self.name}/{key}", value)
-        self.last_metrics = metrics
+                    kwargs["log_metric"](f"{self.name}/{key}", value)
         mine = slice(offset, offset + n)
-        return {k: [None if math.isnan(x) else x for x in v[mine].tolist()] for k, v in comps.items()}
+        out = {k: [None if math.isnan(x) else x for x in v[mine].tolist()] for k, v in comps.items()}
+        self._last = (completions, out)
+        return out
 
     # -- checkpoint state -------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -247,6 +302,16 @@ class RewardModule:
     def load_state_dict(self, state: dict) -> None:
         if self.guard is not None and state.get("guard"):
             self.guard.load_state_dict(state["guard"])
+
+
+def _nanmean(t: torch.Tensor) -> float:
+    known = t[~torch.isnan(t)]
+    return float(known.mean()) if len(known) else math.nan
+
+
+def _total(comps: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+    """The reward: the sum of the components, a not-applicable (NaN) component counting 0."""
+    return torch.stack(list(comps.values())).nansum(dim=0) if comps else torch.zeros(n, dtype=torch.float64)
 
 
 def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -259,7 +324,7 @@ def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def diagnostics(batch: Batch, comps: dict[str, torch.Tensor], flagged: torch.Tensor) -> dict[str, float]:
     """SPEC section 6 diagnostics over the global batch (NaN where undefined)."""
-    total = torch.stack(list(comps.values())).nansum(dim=0) if comps else torch.zeros(len(batch))
+    total = _total(comps, len(batch))
     c = batch.correct.bool()
     refs = batch.has_refs.bool()
     mean = lambda t: float(t.mean()) if len(t) else math.nan  # noqa: E731

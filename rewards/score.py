@@ -19,7 +19,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
+from crystal_grpo.rewards.answer_only import AnswerOnlyReward
 from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError, MatchF1Scorer
+from crystal_grpo.rewards.parsing import ParsedOutput
 from crystal_grpo.rewards.text import clean_text
 
 METRICS = ("precision", "recall", "f1", "lis_ratio", "ordered_f1")
@@ -43,7 +45,8 @@ PRED_FIELDS = [("reasoning_steps", True, _is_str_list, "a list of strings"),
                ("answer", True, lambda x: x is None or _is_scalar(x), "a string, a finite number or null")]
 DATA_FIELDS = [("question", True, lambda x: isinstance(x, str), "a string"),
                ("answer", True, _is_scalar, "a string or a finite number"),
-               ("reference_steps", True, _is_str_list, "a list of strings"),
+               ("reference_steps", True, lambda x: _is_str_list(x) and any(s.strip() for s in x),
+                "a non-empty list of strings"),
                ("reference_sets", False, lambda x: isinstance(x, list) and all(map(_is_str_list, x)),
                 "a list of lists of strings"),
                ("source", False, lambda x: isinstance(x, str), "a string")]
@@ -153,20 +156,21 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
             shown = clean_text(", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else ""))
             print(f"warning: {len(ids)} {what}: {shown}", file=sys.stderr)
     lent = scorer is not None
-    try:
-        scorer = MatchF1Scorer(scorer.model if lent else args.encoder, threshold=args.threshold,
-                               alpha=args.alpha, device=args.device, matcher=args.matcher)
+    try:  # the reward modules' evaluation (score()); answer_only is the one without guard or weights
+        module = AnswerOnlyReward(encoder=scorer.model if lent else args.encoder, threshold=args.threshold,
+                                  order_alpha=args.alpha, device=args.device, matcher=args.matcher)
     except (EncoderLoadError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     ids = [i for i in data if i in preds]
-    chains = [[data[i]["reference_steps"], *(data[i].get("reference_sets") or [])] for i in ids]
-    s = scorer.score([preds[i]["reasoning_steps"] for i in ids], chains)
+    predicted = [ParsedOutput(list(preds[i]["reasoning_steps"]), None, True) for i in ids]
+    s = module.score(predicted, [data[i] for i in ids], with_steps=True)
+    assert s.steps is not None and s.step_rows == list(range(len(ids)))  # every data row has references
     examples = []
     for b, i in enumerate(ids):
         ex = {"id": data[i]["id"], "source": data[i].get("source")}
-        ex.update({k: getattr(s, k)[b].item() for k in (*METRICS, "n_pred", "n_ref", "n_matched")})
-        ex.update(best_reference=s.best_reference[b].item(), pairs=s.pairs[b].tolist())
+        ex.update({k: getattr(s.steps, k)[b].item() for k in (*METRICS, "n_pred", "n_ref", "n_matched")})
+        ex.update(best_reference=s.steps.best_reference[b].item(), pairs=s.steps.pairs[b].tolist())
         examples.append(ex)
     by_source: dict[str, list[dict]] = defaultdict(list)
     for ex in examples:
@@ -184,7 +188,7 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
         "settings": {"predictions": str(args.predictions), "data": str(args.data),
                      "encoder": args.encoder, "encoder_preloaded": lent,
                      "threshold": args.threshold, "alpha": args.alpha, "matcher": args.matcher,
-                     "device": str(scorer.device)},
+                     "device": str(module.scorer.device)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

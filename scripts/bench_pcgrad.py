@@ -50,18 +50,29 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {"full": 1.6, "lora": 1.3}
 
 
-def _hash_rewards():
+def _hash_reward():
+    """Both objectives, values hashed from the completion text: cheap and never constant."""
     import zlib
 
-    def acc(completions, **kw):
-        return [float(zlib.crc32(json.dumps(c).encode()) % 2) for c in completions]
+    import torch
 
-    def reason(completions, **kw):
-        return [(zlib.crc32(json.dumps(c).encode()) // 7 % 10) / 10 for c in completions]
+    from crystal_grpo.rewards.base import RewardModule
 
-    acc.objective, reason.objective = "accuracy", "reasoning"
-    acc.__name__, reason.__name__ = "hash_accuracy", "hash_reasoning"
-    return [acc, reason]
+    class HashReward(RewardModule):
+        name = "hash"
+        objectives = {"hash_accuracy": "accuracy", "hash_reasoning": "reasoning"}
+        uses_steps = False
+
+        def score(self, completions, rows, with_steps=None):
+            scored = super().score(completions, rows, with_steps=False)
+            h = torch.tensor([zlib.crc32(json.dumps(c).encode()) for c in completions], dtype=torch.float64)
+            scored.batch.correct, scored.batch.format_ok = h % 2, (h // 7 % 10) / 10
+            return scored
+
+        def components(self, batch):
+            return {"hash_accuracy": batch.correct, "hash_reasoning": batch.format_ok}
+
+    return HashReward()
 
 
 def _prompts(n: int) -> list:
@@ -124,7 +135,7 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.padding_side = "left"
     trainer = trainer_class(mode != "off")(
-        model=a.model, reward_funcs=_hash_rewards(), args=args, processing_class=tok,
+        model=a.model, reward=_hash_reward(), args=args, processing_class=tok,
         train_dataset=Dataset.from_dict({"prompt": _prompts(n_prompts)}), peft_config=peft)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
 

@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.pcgrad import (
     objective_advantages,
     pcgrad_coefficients,
@@ -154,6 +156,27 @@ def test_objective_advantages_own_std_and_single_objective():
         objective_advantages(r, ["accuracy", "style", "accuracy"], torch.ones(3), 4)
 
 
+# ----------------------------------------------------------------------------- a reward for these tests
+class HashReward(RewardModule):
+    """A cheap reward with both objectives whose values vary across completions (a random
+    tiny model never writes valid JSON, so the paper rewards would all be 0): C and F of the
+    evaluation are replaced by numbers hashed from the completion's text."""
+
+    name = "hash"
+    objectives = {"hash_accuracy": "accuracy", "hash_reasoning": "reasoning"}
+    uses_steps = False
+
+    def score(self, completions, rows, with_steps=None):
+        scored = super().score(completions, rows, with_steps=False)
+        h = torch.tensor([zlib.crc32((c if isinstance(c, str) else json.dumps(c)).encode()) for c in completions],
+                         dtype=torch.float64)
+        scored.batch.correct, scored.batch.format_ok = h % 2, (h // 7 % 10) / 10
+        return scored
+
+    def components(self, batch):
+        return {"hash_accuracy": batch.correct, "hash_reasoning": batch.format_ok}
+
+
 # ----------------------------------------------------------------------------- fixed-batch trainer runs
 N_GLOBAL, PROMPT_LEN, COMP_LEN = 8, 6, 5
 LENGTHS = [5, 3, 4, 5, 2, 5, 4, 1]
@@ -227,14 +250,6 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
     tok = AutoTokenizer.from_pretrained(model_path)
     vocab = min(len(tok), AutoConfig.from_pretrained(model_path).vocab_size)
 
-    def reward_acc(completions, **kw):
-        return [0.0] * len(completions)
-
-    def reward_reason(completions, **kw):
-        return [0.0] * len(completions)
-
-    reward_acc.objective, reward_reason.objective = "accuracy", "reasoning"
-
     results = {}
     for name in cases:
         kind, pcgrad, adv_key, beta = CASES[name]
@@ -260,7 +275,7 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
             bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1,
             disable_tqdm=True, seed=0, max_completion_length=COMP_LEN, remove_unused_columns=False, **extra)
         trainer = FixedBatchTrainer(
-            model=model_path, reward_funcs=[reward_acc, reward_reason], args=args,
+            model=model_path, reward=HashReward(), args=args,
             train_dataset=Dataset.from_dict({"prompt": ["q"] * 16}), processing_class=tok)
         trainer.train()
         if mode == "ddp":
@@ -379,36 +394,12 @@ def test_same_update_in_two_processes(mode, single, pcg_model, tmp_path):
 
 
 # ----------------------------------------------------------------------------- end to end
-def _hash_reward_module():
-    """A cheap reward with both objectives whose values vary across completions (a random
-    tiny model never writes valid JSON, so the paper rewards would all be 0)."""
-    import zlib
-
-    from crystal_grpo.rewards.base import RewardModule
-
-    class HashReward(RewardModule):
-        name = "hash"
-        objectives = {"hash_accuracy": "accuracy", "hash_reasoning": "reasoning"}
-        uses_steps = False
-
-        def components(self, batch):  # used by the end-of-run validation only
-            return {"hash_accuracy": batch.correct, "hash_reasoning": 0.5 * batch.format_ok}
-
-        def _evaluate(self, completions, kwargs):
-            text = [c if isinstance(c, str) else json.dumps(c) for c in completions]
-            h = [zlib.crc32(t.encode()) for t in text]
-            return {"hash_accuracy": [float(x % 2) for x in h],
-                    "hash_reasoning": [(x // 7 % 10) / 10 for x in h]}
-
-    return HashReward
-
-
 @pytest.mark.parametrize("lora", [False, True])
 def test_end_to_end_with_pcgrad(tmp_path, pcg_model, monkeypatch, lora, one_thread):
     from crystal_grpo import rewards
     from crystal_grpo.train import grpo
 
-    monkeypatch.setitem(rewards.REWARDS, "cpr", _hash_reward_module())  # tiny.yaml's reward, swapped
+    monkeypatch.setitem(rewards.REWARDS, "cpr", HashReward)  # tiny.yaml's reward, swapped
     out = tmp_path / "run"
     argv = ["--config", "tiny.yaml", "--output_dir", str(out), "--model.name_or_path", str(pcg_model),
             "--pcgrad", "true", "--validation.eval_steps", "0",
@@ -433,15 +424,11 @@ def test_unsupported_aggregation_is_refused(pcg_model, tmp_path):
 
     from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
 
-    def f(completions, **kw):
-        return [0.0] * len(completions)
-
-    f.objective = "accuracy"
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                       multi_objective_aggregation="normalize_then_sum", report_to="none", bf16=False,
                       use_cpu=True, max_steps=1)
     with pytest.raises(ValueError, match="sum_then_normalize"):
-        PCGradGRPOTrainer(model=str(pcg_model), reward_funcs=[f], args=args,
+        PCGradGRPOTrainer(model=str(pcg_model), reward=HashReward(), args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
 
 
@@ -457,8 +444,8 @@ def test_only_pcgrad_runs_get_the_pcgrad_trainer_and_liger_is_refused(pcg_model,
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                       use_liger_kernel=True, report_to="none", bf16=False, use_cpu=True, max_steps=1)
     with pytest.raises(ValueError, match="cannot be combined with use_liger_kernel"):
-        PCGradGRPOTrainer(model=str(pcg_model), reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-                          args=args, train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
+        PCGradGRPOTrainer(model=str(pcg_model), reward=HashReward(), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
 
 
 if __name__ == "__main__":  # worker of test_same_update_in_two_processes

@@ -13,6 +13,8 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from crystal_grpo import rewards as rewards_pkg
+from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.rewards.parsing import parse_completion
 from crystal_grpo.train import grpo
 from crystal_grpo.train.config import load_config
@@ -51,6 +53,28 @@ def test_grpo_run_logs_every_component(tmp_path, tiny_lm_path, reward, component
     assert (run / "training_curves.png").stat().st_size > 1000
     card = (run / "README.md").read_text()
     assert "[None]" not in card and f"Fine-tuned from the local model `{tiny_lm_path}`" in card
+
+
+class BrevityReward(RewardModule):
+    """A reward defined in this file alone: fewer steps score higher (objective: accuracy)."""
+
+    name = "brevity"
+    objectives = {"brevity": "accuracy"}
+    uses_steps = False
+
+    def components(self, batch):
+        return {"brevity": 1.0 / (1.0 + batch.n_pred)}
+
+
+def test_a_new_reward_is_one_class_and_one_registry_line(tmp_path, tiny_lm_path, monkeypatch):
+    monkeypatch.setattr(rewards_pkg, "REWARDS", dict(rewards_pkg.REWARDS))  # registered for this test only
+    rewards_pkg.register_reward(BrevityReward)
+    run = run_main(tmp_path, tiny_lm_path, "--reward.name", "brevity", "--validation.eval_steps", "0")
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert len(rows) == 2 and all("rewards/brevity/mean" in r and "brevity/steps_mean" in r for r in rows)
+    assert all(0 < r["rewards/brevity/mean"] <= 1 for r in rows)
+    assert "brevity" in json.loads((run / "checkpoint-2" / "crystal_state.json").read_text())["rewards"]
+    assert json.loads((run / "validation.jsonl").read_text().splitlines()[-1])["reward"] > 0
 
 
 def test_checkpoint_reloads_and_generates(tmp_path, tiny_lm_path):

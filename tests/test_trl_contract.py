@@ -49,6 +49,7 @@ SIGNATURES = {
     (GRPOTrainer, "create_optimizer"): ["self", "model"],
     (GRPOTrainer, "create_model_card"): ["self", "model_name", "dataset_name", "tags"],
     (GRPOTrainer, "log"): ["self", "logs", "start_time"],
+    (GRPOTrainer, "_log_metric"): ["self", "name", "value"],
 }
 
 
@@ -180,6 +181,8 @@ def test_compute_loss_uses_one_logps_call_and_reads_beta_and_advantages_at_call_
 
 def test_generation_output_carries_advantages_of_local_rows(trainer):
     trainer.model.train()
+    trainer._log_metric("probe/value", 2.0)  # how CrystalGRPOTrainer logs the reward diagnostics
     out = trainer._generate_and_score_completions([{"prompt": "q"}] * 4)
     assert out["advantages"].shape == (4,)
     assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask"} <= set(out)
+    assert trainer._metrics["train"]["probe/value"] == [2.0]  # flushed into the step's log by TRL

@@ -13,12 +13,8 @@ from transformers import TrainerCallback
 
 from crystal_grpo.distributed import gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
-from crystal_grpo.rewards.base import RewardModule, _chains, evaluate, shared_scorer
+from crystal_grpo.rewards.base import METRICS, RewardModule
 from crystal_grpo.train.checkpoints import atomic_write_text, read_json
-
-VALIDATION_METRICS = ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate",
-                      "steps_mean", "reward")
-
 
 @torch.no_grad()
 def generate_greedy(model, processing_class, prompts: list, images: list | None,
@@ -52,20 +48,6 @@ def generate_greedy(model, processing_class, prompts: list, images: list | None,
     return out
 
 
-def validation_metrics(completions: list, rows: list[dict], module: RewardModule) -> dict[str, float]:
-    """Accuracy, step metrics, format rate, mean steps and the (unguarded) reward."""
-    scorer = module.scorer or shared_scorer(encoder="packaged:all-MiniLM-L6-v2")
-    refs = [_chains(r["reference_steps"], r.get("reference_sets")) for r in rows]
-    batch = evaluate(completions, [r["answer"] for r in rows], refs, [r.get("choices") for r in rows],
-                     scorer, module.step_metric, module.answer_options)
-    comps = module.components(batch)
-    total = torch.stack(list(comps.values())).nansum(dim=0)
-    mean = lambda t: float(t[~torch.isnan(t)].mean()) if bool((~torch.isnan(t)).any()) else math.nan  # noqa: E731
-    return {"accuracy": mean(batch.correct), "f1": mean(batch.f1), "precision": mean(batch.precision),
-            "recall": mean(batch.recall), "ordered_f1": mean(batch.ordered_f1),
-            "format_rate": mean(batch.format_ok), "steps_mean": mean(batch.n_pred), "reward": mean(total)}
-
-
 class ValidationCallback(TrainerCallback):
     """Greedy validation every ``eval_steps``; records the best checkpoint by a metric.
 
@@ -90,7 +72,7 @@ class ValidationCallback(TrainerCallback):
             if self.best is None or self.best["step"] > self.last_step:
                 self.best = None
                 for row in rows:  # replay the record up to the resumed step
-                    self._record(row["step"], {k: row[k] for k in VALIDATION_METRICS if k in row})
+                    self._record(row["step"], {k: row[k] for k in METRICS if k in row})
                 if trainer.is_world_process_zero():
                     if self.best is None:
                         best.unlink()
@@ -126,7 +108,7 @@ class ValidationCallback(TrainerCallback):
         rows, _ = gather_objects([{k: r[k] for k in ("answer", "reference_steps", "choices", "id")}
                         | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
                         for r in rows])
-        metrics = validation_metrics(completions, rows, self.module)
+        metrics = self.module.metrics(self.module.score(completions, rows, with_steps=True).batch)
         self.last_step = state.global_step
         if trainer.is_world_process_zero():
             with open(self.run_dir / "validation.jsonl", "a") as fh:

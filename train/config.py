@@ -26,6 +26,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from crystal_grpo.rewards.base import Metric
+
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -93,7 +95,7 @@ class DataSection:
 
 @dataclass
 class RewardSection:
-    name: Literal["format", "answer_only", "composite", "cpr"] = "cpr"  #: Reward module.
+    name: str = "cpr"  #: Reward module: a name registered in ``crystal_grpo.rewards.REWARDS``.
     #: Keyword arguments of the module: weights (e.g. answer_weight, step_weight,
     #: wrong_answer_discount for cpr), scorer settings (encoder, threshold, order_alpha,
     #: matcher, step_metric, device), verbosity guard (verbosity_guard, guard_k,
@@ -117,7 +119,7 @@ class ValidationSection:
     max_samples: Union[int, None] = bounded(None, ge=1)  #: Cap on validation rows (None: all).
     max_new_tokens: int = bounded(256, ge=1)  #: Greedy generation length.
     batch_size: int = bounded(8, ge=1)  #: Generation batch size per process.
-    metric: Literal["accuracy", "f1", "ordered_f1", "format_rate", "reward"] = "accuracy"  #: Best checkpoint by this.
+    metric: Metric = "accuracy"  #: Best checkpoint by this (any of rewards.base.METRICS).
 
 
 @dataclass
@@ -396,8 +398,11 @@ def _check_training(training: dict[str, Any], where: str) -> None:
 
 def _check_reward_params(reward: RewardSection, where: str) -> None:
     """Every parameter is one the reward module takes, of the type its signature says."""
-    from crystal_grpo.rewards import reward_params
+    from crystal_grpo.rewards import REWARDS, reward_params
 
+    if reward.name not in REWARDS:
+        raise ConfigError(f"{where}reward.name: invalid value {reward.name!r}; expected one of "
+                          + ", ".join(map(repr, REWARDS)))
     accepted = reward_params(reward.name)
     unknown = sorted(set(reward.params) - set(accepted))
     if unknown:

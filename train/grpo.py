@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.rewards.base import METRICS
 from crystal_grpo.rewards.match_f1 import EncoderLoadError
 from crystal_grpo.train.checkpoints import (
     CheckpointError,
@@ -157,7 +158,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
     extra_kwargs = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
     trainer = trainer_class(cfg.pcgrad)(
         model=model,
-        reward_funcs=module.reward_funcs(),
+        reward=module,
         args=args,
         train_dataset=train.dataset,
         processing_class=processing_class,
@@ -241,10 +242,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
         prev = pdir
     if _main_process():
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-        keys = ["accuracy", "f1", "ordered_f1", "format_rate", "steps_mean"]
-        say("\nphase summary (final validation)\n" + f"{'phase':<16}" + "".join(f"{k:>13}" for k in keys))
+        say("\nphase summary (final validation)\n" + f"{'phase':<16}" + "".join(f"{k:>12}" for k in METRICS))
         for name, m in summary.items():
-            say(f"{name:<16}" + "".join(f"{m.get(k, float('nan')):>13.3f}" for k in keys))
+            say(f"{name:<16}" + "".join(f"{m.get(k, float('nan')):>12.3f}" for k in METRICS))
     return summary
 
 

@@ -8,7 +8,7 @@ signature and behaviour used here. How it hooks into TRL's ``GRPOTrainer``:
 1. ``_calculate_rewards``: keeps TRL's *global* ``rewards_per_func`` (all processes).
 2. ``_generate_and_score_completions``: adds ``advantages_acc`` / ``advantages_reason``
    for this process's rows (:func:`objective_advantages`): per group, the summed
-   components of each objective (reward functions tagged ``.objective``), centred by
+   components of each objective (``RewardModule.objectives``), centred by
    their own group mean and scaled by the group's std of the *total* reward, exactly as
    TRL scales its advantage, so ``advantages_acc + advantages_reason == advantages``
    (checked at run time). TRL then shuffles/splits these like every other column.
@@ -46,11 +46,11 @@ from typing import Any
 
 import torch
 
+from crystal_grpo.rewards.base import OBJECTIVES
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
 logger = logging.getLogger(__name__)
 
-OBJECTIVES = ("accuracy", "reasoning")
 #: The TRL minor version these hooks were verified against (tests/test_trl_contract.py);
 #: pyproject.toml pins it.
 TESTED_TRL = "1.16"
@@ -225,13 +225,8 @@ class PCGradMixin:
 
     # -- configuration checks ----------------------------------------------------------
     def _pcgrad_objectives(self) -> list[str]:
-        objs = [getattr(f, "objective", None) for f in self.reward_funcs]
-        missing = [n for n, o in zip(self.reward_func_names, objs) if o not in OBJECTIVES]
-        if missing:
-            raise ValueError(
-                f"pcgrad: true needs every reward function tagged with .objective in {OBJECTIVES}; "
-                f"untagged: {', '.join(missing)}. Use the reward modules in rewards/ or set pcgrad: false.")
-        return objs
+        """The objective of each of TRL's reward columns, from the reward module."""
+        return [self.reward.objectives[name] for name in self.reward_func_names]
 
     def _pcgrad_check_supported(self) -> None:
         import trl

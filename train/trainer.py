@@ -1,5 +1,7 @@
 """``CrystalGRPOTrainer``: TRL's GRPOTrainer with the fewest hooks this project needs.
 
+- ``_calculate_rewards``: the reward module (the trainer's explicit ``reward`` argument)
+  evaluates each generation batch once; TRL's reward functions only name its components.
 - ``_get_train_sampler``: the step-count curriculum, when one is configured.
 - ``create_optimizer``: a guard that skips an update whose gradients are not finite and
   stops the run (after saving) when that happens too many times in a row.
@@ -19,12 +21,14 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
 
+from crystal_grpo.rewards.base import Batch, RewardModule
 from crystal_grpo.train.checkpoints import optimizer_settings, remove_marker, write_marker
 from crystal_grpo.train.interrupt import GracefulStop
 
@@ -43,14 +47,22 @@ def trainer_class(pcgrad: bool) -> type["CrystalGRPOTrainer"]:
 
 
 class CrystalGRPOTrainer(GRPOTrainer):
-    def __init__(self, *args: Any, sampler_factory: Callable | None = None,
+    """``GRPOTrainer(model, reward=RewardModule, args, ...)``: the reward module is explicit.
+
+    TRL gets one reward function per component (:meth:`RewardModule.reward_funcs`), for its
+    names and per-component logs (``rewards/<component>/mean``); the trainer does not call
+    them but evaluates the module once per generation batch (``_calculate_rewards``).
+    """
+
+    def __init__(self, model: Any, reward: RewardModule, *args: Any, sampler_factory: Callable | None = None,
                  max_consecutive_nonfinite: int = 5, **kwargs: Any) -> None:
+        self.reward = reward
         self.sampler_factory = sampler_factory
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.nonfinite_skipped = 0
         self.consecutive_nonfinite = 0
         self.stopped_nonfinite = False
-        super().__init__(*args, **kwargs)
+        super().__init__(model, reward.reward_funcs(), *args, **kwargs)
         if sampler_factory is not None and hasattr(sampler_factory, "callback"):
             self.add_callback(sampler_factory.callback())
         self.interrupt = GracefulStop()  # SIGINT/SIGTERM inside ``with self.interrupt.handling()``
@@ -61,15 +73,24 @@ class CrystalGRPOTrainer(GRPOTrainer):
         """Stopped by a signal or by non-finite updates (not at max_steps)."""
         return self.stopped_nonfinite or self.interrupt.stopped_at is not None
 
-    # -- reward modules behind TRL's reward functions ---------------------------------
-    @property
-    def reward_modules(self) -> list:
-        seen = []
-        for f in self.reward_funcs:
-            m = getattr(f, "reward_module", None)
-            if m is not None and m not in seen:
-                seen.append(m)
-        return seen
+    # -- rewards: one evaluation of the batch ---------------------------------------------
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's ``[N_global, F]`` rewards from ONE evaluation of the reward module.
+
+        Each process scores its own rows (parsing, answers, embedding: the costly part); the
+        per-row numbers are gathered so that the components (the composite's batch
+        statistics), the verbosity guard and the diagnostics see the whole generation batch.
+        """
+        start = time.perf_counter()
+        device = self.accelerator.device
+        local = self.reward.score(completions, inputs).batch
+        batch = Batch.from_tensor(self.accelerator.gather(local.as_tensor().to(device)).cpu())
+        comps, metrics = self.reward.rewards(batch, guard=self.model.training)
+        metrics["scoring_seconds"] = time.perf_counter() - start
+        for key, value in metrics.items():
+            if math.isfinite(value):
+                self._log_metric(f"{self.reward.name}/{key}", value)
+        return torch.stack([comps[name] for name in self.reward_func_names], dim=1).to(device, torch.float32)
 
     # -- curriculum -------------------------------------------------------------------
     def _get_train_sampler(self, dataset=None):
@@ -126,7 +147,7 @@ class CrystalGRPOTrainer(GRPOTrainer):
     # -- checkpoint state -------------------------------------------------------------
     def crystal_state(self) -> dict:
         return {
-            "rewards": {m.name: m.state_dict() for m in self.reward_modules},
+            "rewards": {self.reward.name: self.reward.state_dict()},
             "nonfinite_skipped": self.nonfinite_skipped,
             "settings": optimizer_settings(self.optimizer, self.lr_scheduler),
         }
@@ -150,9 +171,8 @@ class CrystalGRPOTrainer(GRPOTrainer):
         if path and os.path.exists(path):
             with open(path) as fh:
                 state = json.load(fh)
-            for m in self.reward_modules:
-                if m.name in state.get("rewards", {}):
-                    m.load_state_dict(state["rewards"][m.name])
+            if self.reward.name in state.get("rewards", {}):
+                self.reward.load_state_dict(state["rewards"][self.reward.name])
             self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
