@@ -16,6 +16,7 @@ from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards.base import METRICS, RewardModule
 from crystal_grpo.train.checkpoints import atomic_write_text, read_json
 
+
 @torch.no_grad()
 def generate_greedy(model, processing_class, prompts: list, images: list | None,
                     max_new_tokens: int, batch_size: int) -> list[str]:
