@@ -18,12 +18,13 @@ from crystal_grpo.curricula.complexity import (
 from crystal_grpo.curricula.sampler import (
     CurriculumSampler,
     CurriculumSamplerFactory,
+    CurriculumSection,
     curriculum_stats,
     make_sampler_factory,
 )
 
 __all__ = [
-    "TIERS", "ComplexityConfig", "CurriculumSampler", "CurriculumSamplerFactory", "annotate",
+    "TIERS", "ComplexityConfig", "CurriculumSampler", "CurriculumSamplerFactory", "CurriculumSection", "annotate",
     "answer_type", "complexity_components", "complexity_score", "complexity_tier",
     "curriculum_stats", "make_sampler_factory", "question_text", "step_count", "tier_of",
 ]

@@ -48,20 +48,36 @@ replays it from chunk 0 when needed (O(samples drawn / c0), cached for sequentia
 from __future__ import annotations
 
 import math
+import typing
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from crystal_grpo.curricula.complexity import TIERS, annotate, rows
+from crystal_grpo.typed import option
 
 Mode = Literal["competence", "sorted", "buckets"]
 Pacing = Literal["linear", "sqrt"]
-MODES: tuple[str, ...] = ("competence", "sorted", "buckets")
+Difficulty = Literal["steps", "complexity"]
+MODES: tuple[str, ...] = typing.get_args(Mode)
 _RECENT = 512  # chunks kept for logging calls right after iteration
+
+
+@dataclass
+class CurriculumSection:
+    """The step-count curriculum (``curriculum:`` in a run config; CPR-Curriculum, SPEC section 8)."""
+
+    mode: Mode = option("competence", "competence: pool grows from the easiest c0 share; buckets: "
+                        "complexity tiers open in turn; sorted: the whole data easiest-first.")
+    c0: float = option(0.25, "Initial competence: share of the easiest data available at step 0.", gt=0, le=1)
+    total_steps: Union[int, None] = option(None, "Pacing horizon T in optimizer steps (default: max_steps).", ge=1)
+    difficulty: Difficulty = option("steps", "Order by reference step count or by complexity score.")
+    pacing: Pacing = option("linear", "c(t) = c0 + (1 - c0) t/T (linear) or sqrt(c0^2 + (1 - c0^2) t/T).")
+    start_chunk: int = option(0, "Global chunk the run starts at (continue a curriculum in a new run).", ge=0)
 
 
 @dataclass
@@ -281,12 +297,6 @@ def curriculum_stats(indices: Sequence[int], step_counts: Sequence[float],
     return out
 
 
-def _get(section: Any, name: str, default: Any = None) -> Any:
-    if isinstance(section, Mapping):
-        return section.get(name, default)
-    return getattr(section, name, default)
-
-
 class CurriculumSamplerFactory:
     """Builds the sampler inside ``GRPOTrainer._get_train_sampler`` and keeps the
     per-example step counts and tiers for logging (``stats``).
@@ -298,7 +308,7 @@ class CurriculumSamplerFactory:
     """
 
     def __init__(self, dataset: Any, *, mode: Mode = "competence", c0: float = 0.25,
-                 total_steps: int | None = None, difficulty: Literal["steps", "complexity"] = "steps",
+                 total_steps: int | None = None, difficulty: Difficulty = "steps",
                  pacing: Pacing = "linear", start_chunk: int = 0) -> None:
         if difficulty not in ("steps", "complexity"):
             raise ValueError(f"difficulty {difficulty!r} is unknown: allowed values are steps, complexity")
@@ -358,13 +368,10 @@ class CurriculumSamplerFactory:
         return out
 
 
-def make_sampler_factory(section: Any, dataset: Any, max_steps: int | None = None
-                         ) -> Callable[..., CurriculumSampler]:
-    """Factory for ``CrystalGRPOTrainer(sampler_factory=...)`` from a ``curriculum:``
-    config section (``mode``, ``c0``, ``total_steps``, ``difficulty``, optional
-    ``pacing``): ``total_steps`` defaults to the run's ``max_steps``."""
+def make_sampler_factory(section: CurriculumSection, dataset: Any, max_steps: int | None = None
+                         ) -> CurriculumSamplerFactory:
+    """Factory for ``CrystalGRPOTrainer(sampler_factory=...)`` from a ``curriculum:`` config
+    section; ``total_steps`` defaults to the run's ``max_steps``."""
     return CurriculumSamplerFactory(
-        dataset, mode=_get(section, "mode", "competence"), c0=float(_get(section, "c0", 0.25)),
-        total_steps=_get(section, "total_steps") or max_steps,
-        difficulty=_get(section, "difficulty", "steps"), pacing=_get(section, "pacing", "linear"),
-        start_chunk=int(_get(section, "start_chunk", 0) or 0))
+        dataset, mode=section.mode, c0=section.c0, total_steps=section.total_steps or max_steps,
+        difficulty=section.difficulty, pacing=section.pacing, start_chunk=section.start_chunk)

@@ -8,15 +8,14 @@ per named, objective-tagged component; their unweighted sum is the reward.
 
 from __future__ import annotations
 
-import inspect
 import typing
 from collections.abc import Callable
 from typing import Any
 
-from crystal_grpo.rewards.answer_only import AnswerOnlyReward, FormatReward
-from crystal_grpo.rewards.base import RewardModule
-from crystal_grpo.rewards.composite import CompositeReward
-from crystal_grpo.rewards.cpr import CPRReward, cpr_reward
+from crystal_grpo.rewards.answer_only import AnswerOnlyConfig, AnswerOnlyReward, FormatConfig, FormatReward
+from crystal_grpo.rewards.base import RewardConfig, RewardModule
+from crystal_grpo.rewards.composite import CompositeConfig, CompositeReward
+from crystal_grpo.rewards.cpr import CPRConfig, CPRReward, cpr_reward
 from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
 
 #: Reward name (``reward.name`` in a config) -> module class. A new reward is one file with a
@@ -38,21 +37,14 @@ def register_reward(cls: type[RewardModule]) -> type[RewardModule]:
 
 
 def reward_params(name: str) -> dict[str, Any]:
-    """Every keyword a reward module accepts (its own plus the shared scorer/guard ones)
-    and its type hint, so a config can be checked before anything loads."""
-    cls = REWARDS[name]
-    hints = {**typing.get_type_hints(RewardModule.__init__), **typing.get_type_hints(cls.__init__)}
-    names = [*inspect.signature(cls.__init__).parameters, *inspect.signature(RewardModule.__init__).parameters]
-    return {p: hints.get(p, Any) for p in names if p not in ("self", "common")}
+    """Every parameter the named reward takes (its config's fields) and its type hint."""
+    return typing.get_type_hints(REWARDS[name].config_class)
 
 
-def build_reward(name: str, **params) -> RewardModule:
+def build_reward(name: str, **params: Any) -> RewardModule:
+    """The named reward module with these parameters (its ``config_class`` fields)."""
     if name not in REWARDS:
         raise ValueError(f"reward {name!r} is unknown: allowed values are {', '.join(REWARDS)}")
-    unknown = sorted(set(params) - set(reward_params(name)))
-    if unknown:
-        raise ValueError(f"reward {name!r} got unknown parameter(s) {', '.join(unknown)}; "
-                         f"allowed: {', '.join(sorted(reward_params(name)))}")
     return REWARDS[name](**params)
 
 
@@ -62,6 +54,6 @@ def get_reward_funcs(name: str, **params) -> list[Callable]:
 
 
 __all__ = [
-    "REWARDS", "RewardModule", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
+    "REWARDS", "RewardConfig", "RewardModule", "CPRConfig", "CompositeConfig", "AnswerOnlyConfig", "FormatConfig", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
     "MatchF1Scorer", "StepScores", "PACKAGED_MINILM", "PAPER_ENCODER",
 ]

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Union
+
 import torch
 
-from crystal_grpo.rewards.base import Batch, RewardModule
+from crystal_grpo.rewards.base import Batch, RewardConfig, RewardModule
+from crystal_grpo.typed import option
+
+
+@dataclass
+class FormatConfig(RewardConfig):
+    format_weight: float = option(1.0, "w_f: reward of a completion in the JSON format.")
 
 
 class FormatReward(RewardModule):
@@ -13,13 +22,19 @@ class FormatReward(RewardModule):
     name = "format"
     objectives = {"format": "accuracy"}
     uses_steps = False
-
-    def __init__(self, format_weight: float = 1.0, **common) -> None:
-        super().__init__(**common)
-        self.format_weight = format_weight
+    config_class = FormatConfig
+    config: FormatConfig
 
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return {"format": self.format_weight * batch.format_ok}
+        return {"format": self.config.format_weight * batch.format_ok}
+
+
+@dataclass
+class AnswerOnlyConfig(RewardConfig):
+    accuracy_weight: float = option(1.0, "w_a: reward of a correct answer.")
+    format_weight: float = option(0.1, "w_f: reward of a completion in the JSON format.")
+    score_steps: bool = option(True, "Still score the steps, for the diagnostics (not rewarded).")
+    verbosity_guard: Union[bool, None] = option(False, "Penalise over-long step lists (off: steps earn nothing).")
 
 
 class AnswerOnlyReward(RewardModule):
@@ -28,16 +43,15 @@ class AnswerOnlyReward(RewardModule):
 
     name = "answer_only"
     objectives = {"answer_only_accuracy": "accuracy", "answer_only_format": "accuracy"}
+    config_class = AnswerOnlyConfig
+    config: AnswerOnlyConfig
 
-    def __init__(self, accuracy_weight: float = 1.0, format_weight: float = 0.1,
-                 score_steps: bool = True, **common) -> None:
-        self.uses_steps = score_steps
-        common.setdefault("verbosity_guard", False)
-        super().__init__(**common)
-        self.accuracy_weight, self.format_weight = accuracy_weight, format_weight
+    @property
+    def uses_steps(self) -> bool:  # type: ignore[override]
+        return self.config.score_steps
 
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:
         return {
-            "answer_only_accuracy": self.accuracy_weight * batch.correct,
-            "answer_only_format": self.format_weight * batch.format_ok,
+            "answer_only_accuracy": self.config.accuracy_weight * batch.correct,
+            "answer_only_format": self.config.format_weight * batch.format_ok,
         }

@@ -10,20 +10,23 @@ over the batch of all processes), validation and evaluation metrics
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import time
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import torch
 
 from crystal_grpo.distributed import gather_objects
 from crystal_grpo.rewards.answers import answers_match
-from crystal_grpo.rewards.match_f1 import MatchF1Scorer, StepScores
+from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 from crystal_grpo.rewards.verbosity import VerbosityGuard
+from crystal_grpo.typed import ConfigError, from_dict, option
 
 #: What a reward component serves; PCGrad splits the advantage on it (SPEC section 6).
 Objective = Literal["accuracy", "reasoning"]
@@ -137,6 +140,30 @@ class Scored:
 COLUMNS = ("answer", "reference_steps", "reference_sets", "choices")
 
 
+@dataclass
+class RewardConfig:
+    """Settings every reward module shares (``reward.params`` of a run config); a module's own
+    weights are fields of its subclass (e.g. ``CPRConfig`` in rewards/cpr.py)."""
+
+    encoder: Any = option(PACKAGED_MINILM, "Sentence encoder for Match F1: hub id (local cache only offline), "
+                          "local folder, or 'packaged:all-MiniLM-L6-v2'. The paper: " + PAPER_ENCODER + ".")
+    threshold: float = option(0.35, "tau: minimum cosine similarity for two steps to match.", ge=-1, le=1)
+    order_alpha: float = option(0.3, "Weight of the order (LIS) term in Ordered Match F1.", ge=0, le=1)
+    matcher: Literal["greedy", "dp"] = option("greedy", "greedy 1:1 matching (the paper) or dp (order-preserving).")
+    step_metric: StepMetric = option("f1", "The step score rewards use: Match F1 or Ordered Match F1.")
+    device: Union[str, None] = option(None, "Encoder device (None: CUDA when available).")
+    scorer_batch_size: int = option(128, "Encoder batch size.", ge=1)
+    cache_size: int = option(50_000, "Step embeddings kept across batches (LRU; 0: none).", ge=0)
+    verbosity_guard: Union[bool, None] = option(None, "Penalise over-long step lists (None: on when the reward "
+                                               "scores steps).")
+    guard_k: float = option(2.0, "The guard flags more than k x the running median step count.", gt=0)
+    guard_window: int = option(1024, "How many recent step counts the median is over.", ge=1)
+    guard_factor: float = option(0.5, "A flagged completion keeps this share of its reward.", ge=0, le=1)
+    guard_min_history: int = option(64, "Counts the window needs before the guard acts.", ge=1)
+    rel_tol: float = option(1e-2, "Relative tolerance of numeric answers.", ge=0)
+    abs_tol: float = option(1e-6, "Absolute tolerance of numeric answers.", ge=0)
+
+
 class RewardModule:
     """A reward made of named, objective-tagged components whose sum is the reward.
 
@@ -150,42 +177,41 @@ class RewardModule:
     name: str = ""
     objectives: dict[str, Objective] = {}
     uses_steps: bool = True
+    config_class: type[RewardConfig] = RewardConfig
 
-    def __init__(
-        self,
-        *,
-        encoder: Any = "packaged:all-MiniLM-L6-v2",
-        threshold: float = 0.35,
-        order_alpha: float = 0.3,
-        matcher: Literal["greedy", "dp"] = "greedy",
-        step_metric: StepMetric = "f1",
-        device: str | None = None,
-        scorer_batch_size: int = 128,
-        cache_size: int = 50_000,
-        verbosity_guard: bool | None = None,
-        guard_k: float = 2.0,
-        guard_window: int = 1024,
-        guard_factor: float = 0.5,
-        guard_min_history: int = 64,
-        rel_tol: float = 1e-2,
-        abs_tol: float = 1e-6,
-        judge: Callable[[str, str], bool] | None = None,
-    ) -> None:
-        if step_metric not in STEP_METRICS:
-            raise ValueError(f"step_metric={step_metric!r}: allowed values are {', '.join(STEP_METRICS)}")
+    def __init__(self, config: RewardConfig | None = None, *, judge: Callable[[str, str], bool] | None = None,
+                 **params: Any) -> None:
+        """``config`` (this class's ``config_class``) or its fields as keyword parameters;
+        ``judge`` is an optional ``(predicted, truth) -> bool`` for free-form answers."""
+        self.config = config if config is not None else self.make_config(params)
+        cfg = self.config
         bad = {c: o for c, o in self.objectives.items() if o not in OBJECTIVES}
         if bad:
             raise ValueError(f"{type(self).__name__}.objectives {bad}: each must be one of {OBJECTIVES}")
-        self.step_metric = step_metric
-        self._scorer_settings = dict(encoder=encoder, threshold=threshold, alpha=order_alpha, matcher=matcher,
-                                     device=device, batch_size=scorer_batch_size, cache_size=cache_size)
+        self.step_metric = cfg.step_metric
+        self._scorer_settings = dict(encoder=cfg.encoder, threshold=cfg.threshold, alpha=cfg.order_alpha,
+                                     matcher=cfg.matcher, device=cfg.device, batch_size=cfg.scorer_batch_size,
+                                     cache_size=cfg.cache_size)
         self.scorer = shared_scorer(**self._scorer_settings) if self.uses_steps else None
-        use_guard = self.uses_steps if verbosity_guard is None else verbosity_guard
-        self.guard = (VerbosityGuard(guard_k, guard_window, guard_factor, guard_min_history)
+        use_guard = self.uses_steps if cfg.verbosity_guard is None else cfg.verbosity_guard
+        self.guard = (VerbosityGuard(cfg.guard_k, cfg.guard_window, cfg.guard_factor, cfg.guard_min_history)
                       if use_guard else None)
-        self.answer_options = {"rel_tol": rel_tol, "abs_tol": abs_tol, "judge": judge}
+        self.answer_options = {"rel_tol": cfg.rel_tol, "abs_tol": cfg.abs_tol, "judge": judge}
         self.last_metrics: dict[str, float] = {}
         self._last: tuple[Any, dict[str, list]] | None = None
+
+    @classmethod
+    def make_config(cls, params: Mapping[str, Any], where: str = "reward.params") -> RewardConfig:
+        """This reward's typed config from its parameters (``reward.params`` of a run config):
+        an unknown name or a bad value is a one-line error naming it."""
+        names = [f.name for f in dataclasses.fields(cls.config_class)]
+        unknown = sorted(set(params) - set(names))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f": did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} for reward {cls.name!r} "
+                              f"(unknown parameter {unknown[0]!r}{hint}); allowed: {', '.join(sorted(names))}")
+        return from_dict(cls.config_class, dict(params), where)
 
     # -- to implement -----------------------------------------------------------------
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:

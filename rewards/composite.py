@@ -8,10 +8,20 @@ table of weights is not in the text; the defaults are this project's (SPEC secti
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from crystal_grpo.rewards.base import Batch, RewardModule
+from crystal_grpo.rewards.base import Batch, RewardConfig, RewardModule
+from crystal_grpo.typed import option
+
+
+@dataclass
+class CompositeConfig(RewardConfig):
+    alpha: float = option(0.35, "Weight of the batch-normalised F1 term.")
+    beta: float = option(0.65, "Weight of answer correctness C.")
+    gamma: float = option(0.1, "Weight of the format indicator F.")
+    delta: float = option(1e-6, "Added to the batch std of F1 before dividing.", gt=0)
 
 
 class CompositeReward(RewardModule):
@@ -21,19 +31,16 @@ class CompositeReward(RewardModule):
         "composite_accuracy": "accuracy",
         "composite_format": "accuracy",
     }
-
-    def __init__(self, alpha: float = 0.35, beta: float = 0.65, gamma: float = 0.1,
-                 delta: float = 1e-6, **common) -> None:
-        super().__init__(**common)
-        self.alpha, self.beta, self.gamma, self.delta = alpha, beta, gamma, delta
+    config_class = CompositeConfig
+    config: CompositeConfig
 
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:
-        f1 = batch.step
+        cfg, f1 = self.config, batch.step
         known = f1[~torch.isnan(f1)]
         mu = known.mean() if len(known) else torch.tensor(math.nan, dtype=torch.float64)
         sigma = known.std(unbiased=False) if len(known) else mu
         return {
-            "composite_reasoning": self.alpha * (f1 - mu) / (sigma + self.delta),
-            "composite_accuracy": self.beta * batch.correct,
-            "composite_format": self.gamma * batch.format_ok,
+            "composite_reasoning": cfg.alpha * (f1 - mu) / (sigma + cfg.delta),
+            "composite_accuracy": cfg.beta * batch.correct,
+            "composite_format": cfg.gamma * batch.format_ok,
         }

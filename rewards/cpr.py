@@ -8,9 +8,12 @@ R_acc = a_w C (accuracy) and R_reason = s_w F1 (C + lambda (1 - C)) (reasoning).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from crystal_grpo.rewards.base import Batch, RewardModule
+from crystal_grpo.rewards.base import Batch, RewardConfig, RewardModule
+from crystal_grpo.typed import option
 
 
 def cpr_reward(f1: torch.Tensor, correct: torch.Tensor, a_w: float = 0.65, s_w: float = 0.35,
@@ -19,21 +22,24 @@ def cpr_reward(f1: torch.Tensor, correct: torch.Tensor, a_w: float = 0.65, s_w: 
     return torch.where(correct.bool(), a_w + s_w * f1, s_w * f1 * lam)
 
 
-class CPRReward(RewardModule):
-    """Defaults a_w = 0.65, s_w = 0.35, lambda = 0.3 (the paper's best weights; its
-    public code used 0.6/0.4 for plain CPR)."""
+@dataclass
+class CPRConfig(RewardConfig):
+    """The paper's best weights (its public code used 0.6/0.4 for plain CPR)."""
 
+    answer_weight: float = option(0.65, "a_w: reward of a correct answer.")
+    step_weight: float = option(0.35, "s_w: weight of the step score (Match F1).")
+    wrong_answer_discount: float = option(0.3, "lambda: share of the step reward kept when the answer is wrong.")
+
+
+class CPRReward(RewardModule):
     name = "cpr"
     objectives = {"cpr_accuracy": "accuracy", "cpr_reasoning": "reasoning"}
-
-    def __init__(self, answer_weight: float = 0.65, step_weight: float = 0.35,
-                 wrong_answer_discount: float = 0.3, **common) -> None:
-        super().__init__(**common)
-        self.a_w, self.s_w, self.lam = answer_weight, step_weight, wrong_answer_discount
+    config_class = CPRConfig
+    config: CPRConfig
 
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:
-        c = batch.correct
+        c, cfg = batch.correct, self.config
         return {
-            "cpr_accuracy": self.a_w * c,
-            "cpr_reasoning": self.s_w * batch.step * (c + self.lam * (1 - c)),
+            "cpr_accuracy": cfg.answer_weight * c,
+            "cpr_reasoning": cfg.step_weight * batch.step * (c + cfg.wrong_answer_discount * (1 - c)),
         }

@@ -11,6 +11,7 @@ from trl.trainer.utils import RepeatSampler
 
 from crystal_grpo.curricula import (
     CurriculumSampler,
+    CurriculumSection,
     answer_type,
     complexity_components,
     complexity_score,
@@ -211,7 +212,7 @@ def test_curriculum_stats():
 def test_factory_as_the_trainer_calls_it():
     data = [{"prompt": [{"role": "user", "content": f"Is {k} big?"}], "answer": "yes",
              "reference_steps": ["s"] * k} for k in range(2, 42)]
-    factory = make_sampler_factory({"mode": "competence", "c0": 0.25, "difficulty": "steps"}, data, max_steps=20)
+    factory = make_sampler_factory(CurriculumSection(mode="competence", c0=0.25, difficulty="steps"), data, max_steps=20)
     s = factory(data, mini_repeat_count=2, batch_size=4, repeat_count=2, seed=42, steps_per_chunk=2.0)
     assert s.total_steps == 10 and s.pool_size(0) == 10  # 20 optimizer steps = 10 chunks
     assert max(factory.step_counts[i] for i in s.chunk_indices(0)) <= 11
@@ -304,7 +305,7 @@ def test_factory_reads_a_datasets_table_without_running_its_transform():
     recs = [{"prompt": [{"role": "user", "content": "Which one?\nOptions: (A) a (B) b"}], "answer": "B",
              "choices": ["a", "b"], "reference_steps": ["s"] * k, "images": ["x.png"]} for k in range(1, 13)]
     ds = Dataset.from_list(recs).with_transform(no_images).train_test_split(test_size=0.25, seed=0)["train"]
-    factory = make_sampler_factory({"mode": "buckets"}, ds, max_steps=6)
+    factory = make_sampler_factory(CurriculumSection(mode="buckets"), ds, max_steps=6)
     s = factory(ds, mini_repeat_count=2, batch_size=3)
     assert factory.step_counts == [len(ds.with_format(None)[i]["reference_steps"]) for i in range(len(ds))]
     assert s.bucket_order == sorted(set(factory.tiers), key=["easy", "medium", "hard"].index)
@@ -314,7 +315,7 @@ def test_epoch_callback_reselects_the_epoch_on_resume():
     from types import SimpleNamespace
 
     data = [{"answer": "yes", "reference_steps": ["s"] * k} for k in range(1, 21)]
-    factory = make_sampler_factory({"mode": "competence"}, data, max_steps=10)
+    factory = make_sampler_factory(CurriculumSection(mode="competence"), data, max_steps=10)
     s = factory(None, mini_repeat_count=1, batch_size=4)
     factory.callback().on_epoch_begin(None, SimpleNamespace(epoch=1.4), None)
     assert s.epoch == 1 and s.first_chunk() == 5

@@ -56,9 +56,9 @@ def test_tiny_lm_token_ids_survive_save_and_reload(tiny_lm_path):
 def test_tiny_lm_loads_via_load_policy_and_generates(tiny_lm_path):
     import torch
 
-    from crystal_grpo.train.models import ModelConfig, load_policy
+    from crystal_grpo.train.models import ModelSection, load_policy
 
-    model, tok = load_policy(ModelConfig(str(tiny_lm_path)))
+    model, tok = load_policy(ModelSection(str(tiny_lm_path)))
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.float32
     assert tok.padding_side == "left" and tok.pad_token_id is not None
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -85,9 +85,9 @@ def test_tiny_vlm_has_a_real_processor_and_generates_from_an_image(tiny_vlm_path
     from transformers import AutoTokenizer, PreTrainedTokenizerBase
     from transformers.processing_utils import ProcessorMixin
 
-    from crystal_grpo.train.models import ModelConfig, is_vision_language, load_policy
+    from crystal_grpo.train.models import ModelSection, is_vision_language, load_policy
 
-    model, proc = load_policy(ModelConfig(str(tiny_vlm_path)))
+    model, proc = load_policy(ModelSection(str(tiny_vlm_path)))
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration" and is_vision_language(model.config)
     assert isinstance(proc, ProcessorMixin) and not isinstance(proc, PreTrainedTokenizerBase)
     assert proc.image_processor is not None and proc.tokenizer.padding_side == "left"
@@ -127,14 +127,14 @@ def test_autoprocessor_alone_returns_a_bare_tokenizer(tiny_vlm_path):
 def test_peft_config_mapping():
     from peft import LoraConfig
 
-    from crystal_grpo.train.models import LoraSettings, ModelConfig, peft_config
+    from crystal_grpo.train.models import LoraSection, ModelSection, peft_config
 
-    assert peft_config(ModelConfig("x")) is None
-    cfg = peft_config(ModelConfig("x", lora=LoraSettings(r=8, alpha=16, dropout=0.1, target_modules=["q_proj", "v_proj"])))
+    assert peft_config(ModelSection("x")) is None
+    cfg = peft_config(ModelSection("x", lora=LoraSection(r=8, alpha=16, dropout=0.1, target_modules=["q_proj", "v_proj"])))
     assert isinstance(cfg, LoraConfig)
     assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout) == (8, 16, 0.1)
     assert set(cfg.target_modules) == {"q_proj", "v_proj"} and cfg.task_type == "CAUSAL_LM"
-    assert peft_config(ModelConfig("x", lora=LoraSettings())).target_modules == "all-linear"
+    assert peft_config(ModelSection("x", lora=LoraSection())).target_modules == "all-linear"
 
 
 def test_peft_config_accepts_the_yaml_sections():
@@ -148,9 +148,9 @@ def test_peft_config_accepts_the_yaml_sections():
 def test_lora_wraps_the_tiny_lm(tiny_lm_path):
     from peft import get_peft_model
 
-    from crystal_grpo.train.models import LoraSettings, ModelConfig, load_policy, peft_config
+    from crystal_grpo.train.models import LoraSection, ModelSection, load_policy, peft_config
 
-    cfg = ModelConfig(str(tiny_lm_path), lora=LoraSettings(r=4, alpha=8))
+    cfg = ModelSection(str(tiny_lm_path), lora=LoraSection(r=4, alpha=8))
     model, _ = load_policy(cfg)
     assert not hasattr(model, "peft_config")  # not wrapped: TRL wraps it
     wrapped = get_peft_model(model, peft_config(cfg))
@@ -159,45 +159,45 @@ def test_lora_wraps_the_tiny_lm(tiny_lm_path):
 
 
 def test_internvl_needs_trust_remote_code(tmp_path):
-    from crystal_grpo.train.models import ModelConfig, ModelLoadError, load_policy
+    from crystal_grpo.train.models import ModelLoadError, ModelSection, load_policy
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "internvl_chat", "architectures": ["InternVLChatModel"],
         "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig",
                      "AutoModel": "modeling_internvl_chat.InternVLChatModel"}}))
     with pytest.raises(ModelLoadError, match=r"model\.trust_remote_code"):
-        load_policy(ModelConfig(str(tmp_path)))
-    assert ModelConfig("x").trust_remote_code is False
+        load_policy(ModelSection(str(tmp_path)))
+    assert ModelSection("x").trust_remote_code is False
 
 
 def test_missing_local_path_says_what_was_tried(tmp_path):
-    from crystal_grpo.train.models import ModelConfig, ModelLoadError, load_policy
+    from crystal_grpo.train.models import ModelLoadError, ModelSection, load_policy
 
     missing = tmp_path / "no" / "such-model"
     with pytest.raises(ModelLoadError) as err:
-        load_policy(ModelConfig(str(missing)))
+        load_policy(ModelSection(str(missing)))
     assert str(missing) in str(err.value) and "name_or_path" in str(err.value)
 
 
 def test_uncached_hub_id_says_how_to_use_a_local_folder(monkeypatch):
-    from crystal_grpo.train.models import ModelConfig, ModelLoadError, load_policy
+    from crystal_grpo.train.models import ModelLoadError, ModelSection, load_policy
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError) as err:
-        load_policy(ModelConfig("crystal-tests/not-a-cached-model"))
+        load_policy(ModelSection("crystal-tests/not-a-cached-model"))
     msg = str(err.value)
     assert "crystal-tests/not-a-cached-model" in msg and "local" in msg and "name_or_path" in msg
 
 
 def test_empty_folder_and_missing_gguf_file(tmp_path):
-    from crystal_grpo.train.models import ModelConfig, ModelLoadError, load_policy
+    from crystal_grpo.train.models import ModelLoadError, ModelSection, load_policy
 
     with pytest.raises(ModelLoadError, match=re.escape(str(tmp_path))):
-        load_policy(ModelConfig(str(tmp_path)))
+        load_policy(ModelSection(str(tmp_path)))
     with pytest.raises(ModelLoadError, match="gguf_file"):
-        load_policy(ModelConfig(str(tmp_path), gguf_file="model.Q4_1.gguf"))
+        load_policy(ModelSection(str(tmp_path), gguf_file="model.Q4_1.gguf"))
     with pytest.raises(ValueError, match="dtype"):
-        load_policy(ModelConfig(str(tmp_path), dtype="int8"))
+        load_policy(ModelSection(str(tmp_path), dtype="int8"))
 
 
 def test_prepare_smollm2_is_idempotent(tmp_path):
@@ -214,9 +214,9 @@ SMOLLM2 = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 def test_converted_smollm2_is_trainable_and_answers():
     from transformers.trainer_utils import validate_quantization_for_training
 
-    from crystal_grpo.train.models import ModelConfig, load_policy
+    from crystal_grpo.train.models import ModelSection, load_policy
 
-    model, tok = load_policy(ModelConfig(str(SMOLLM2)))
+    model, tok = load_policy(ModelSection(str(SMOLLM2)))
     validate_quantization_for_training(model)  # not "purely quantized"
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4? Answer with a number."}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -5,16 +5,29 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 from transformers import TrainerCallback
 
 from crystal_grpo.distributed import gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
-from crystal_grpo.rewards.base import METRICS, RewardModule
+from crystal_grpo.rewards.base import METRICS, Metric, RewardModule
 from crystal_grpo.train.checkpoints import atomic_write_text, read_json
+from crystal_grpo.typed import option
+
+
+@dataclass
+class ValidationSection:
+    """Greedy validation during training (``validation:`` in a run config)."""
+
+    eval_steps: int = option(0, "Validate every N optimizer steps (0: only at the end).", ge=0)
+    max_samples: Union[int, None] = option(None, "Cap on validation rows (None: all).", ge=1)
+    max_new_tokens: int = option(256, "Greedy generation length.", ge=1)
+    batch_size: int = option(8, "Generation batch size per process.", ge=1)
+    metric: Metric = option("accuracy", "Best checkpoint by this metric (any of rewards.base.METRICS).")
 
 
 @torch.no_grad()
@@ -57,7 +70,7 @@ class ValidationCallback(TrainerCallback):
     ``best_model_checkpoint`` is set so checkpoint rotation never deletes it.
     """
 
-    def __init__(self, trainer, dataset, cfg, run_dir: str | Path, module: RewardModule) -> None:
+    def __init__(self, trainer, dataset, cfg: ValidationSection, run_dir: str | Path, module: RewardModule) -> None:
         self.trainer, self.dataset, self.cfg, self.module = trainer, dataset, cfg, module
         self.run_dir = Path(run_dir)
         # A resumed run keeps the record; its log was truncated to the checkpoint's step, so a

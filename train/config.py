@@ -1,9 +1,11 @@
 """One YAML file describes a run: model, data, reward, curriculum, validation and TRL's
-``GRPOConfig`` fields (under ``training``). Every field is documented here, in one place.
+``GRPOConfig`` fields (under ``training``). Each section is the config dataclass of the code
+that reads it, defined and documented beside that code (``ModelSection`` in train/models.py,
+``CPRConfig`` in rewards/cpr.py, ...); ``RunConfig`` composes them.
 
 Every key and value is checked before any model loads: unknown keys, values of the wrong
 type (for ``training`` against ``GRPOConfig``'s own field types, for ``reward.params``
-against the reward module's signature) and values out of range each stop the run with
+against the reward's config class) and values out of range each stop the run with
 one line naming the key, the value and what is expected. Command-line overrides
 (``--section.key value``, values parsed as YAML) win over the file. YAML is read with
 the safe loader, extended so that ``1e-5`` is a number (YAML 1.2, as every user writes
@@ -14,143 +16,65 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 import functools
-import math
 import re
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
-from crystal_grpo.rewards.base import Metric
+from crystal_grpo.curricula.sampler import CurriculumSection
+from crystal_grpo.train.callbacks import ValidationSection
+from crystal_grpo.train.data import DataSection
+from crystal_grpo.train.models import LoraSection, ModelSection  # noqa: F401 - part of the run config
+from crystal_grpo.train.trainer import StabilitySection
+from crystal_grpo.typed import ConfigError, Range, check_value, from_dict, option  # noqa: F401 - ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
-class ConfigError(ValueError):
-    """A config problem, phrased for the person who wrote the YAML."""
-
-
-@dataclass(frozen=True)
-class Range:
-    """Bounds a number must respect (None: unbounded on that side)."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-
-    def holds(self, x: float) -> bool:
-        return ((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
-                and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt))
-
-    def __str__(self) -> str:
-        low = f"{self.ge} <= " if self.ge is not None else f"{self.gt} < " if self.gt is not None else ""
-        high = f" <= {self.le}" if self.le is not None else f" < {self.lt}" if self.lt is not None else ""
-        if low and not high:  # "x >= 0" reads better than "0 <= x"
-            return "x " + low.split()[1].replace("<", ">") + " " + low.split()[0]
-        return f"{low}x{high}"
-
-
-def bounded(default: Any, **bounds: float) -> Any:
-    """A dataclass field whose numeric value must lie in ``Range(**bounds)``."""
-    return field(default=default, metadata={"range": Range(**bounds)})
-
-
-@dataclass
-class LoraSection:
-    """LoRA through PEFT; TRL's GRPOTrainer wraps the model itself."""
-
-    r: int = bounded(16, ge=1)  #: LoRA rank.
-    alpha: int = bounded(32, gt=0)  #: LoRA scaling numerator (lora_alpha).
-    dropout: float = bounded(0.05, ge=0, lt=1)  #: Dropout on the LoRA branch.
-    target_modules: Union[list[str], str] = "all-linear"  #: Modules to adapt.
-
-
-@dataclass
-class ModelSection:
-    name_or_path: str = ""  #: HF folder, hub id (local cache only offline), or folder holding a GGUF file.
-    gguf_file: Union[str, None] = None  #: GGUF file name inside ``name_or_path`` (dequantised on load).
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"  #: Weights dtype.
-    attn_implementation: Union[str, None] = None  #: e.g. sdpa, eager, flash_attention_2.
-    trust_remote_code: bool = False  #: Needed for InternVL3.5; off unless asked for.
-    gradient_checkpointing: bool = False  #: Also sets TRL's flag of the same name.
-    lora: Union[LoraSection, None] = None  #: Set to train a LoRA adapter instead of all weights.
-
-
-@dataclass
-class DataSection:
-    train: str = ""  #: JSONL file (SPEC section 1) or a ``datasets`` folder saved with save_to_disk.
-    validation: Union[str, None] = None  #: Same formats; when absent a fraction of train is held out.
-    validation_fraction: float = bounded(0.1, ge=0, lt=1)  #: Held-out share of train when ``validation`` is not given.
-    skip_invalid: bool = False  #: Drop (and count) bad rows instead of stopping with their file:line.
-    max_errors_shown: int = bounded(20, ge=0)  #: How many bad rows a data error lists.
-    system_prompt: Union[str, None] = None  #: Overrides the instruction asking for the JSON output.
-    max_train_samples: Union[int, None] = bounded(None, ge=1)  #: Use only the first N training rows (smoke runs).
-
-
 @dataclass
 class RewardSection:
-    name: str = "cpr"  #: Reward module: a name registered in ``crystal_grpo.rewards.REWARDS``.
-    #: Keyword arguments of the module: weights (e.g. answer_weight, step_weight,
-    #: wrong_answer_discount for cpr), scorer settings (encoder, threshold, order_alpha,
-    #: matcher, step_metric, device), verbosity guard (verbosity_guard, guard_k,
-    #: guard_window, guard_factor, guard_min_history) and answer tolerance (rel_tol, abs_tol).
-    params: dict[str, Any] = field(default_factory=dict)
+    """The reward (``reward:``): its name and the fields of its config class as ``params``."""
 
-
-@dataclass
-class CurriculumSection:
-    """Step-count curriculum (CPR-Curriculum, SPEC section 8); see curricula/sampler.py."""
-
-    mode: Literal["competence", "sorted", "buckets"] = "competence"
-    c0: float = bounded(0.25, gt=0, le=1)  #: Initial competence: share of easiest data available at step 0.
-    total_steps: Union[int, None] = bounded(None, ge=1)  #: Pacing horizon T in optimizer steps (default: max_steps).
-    difficulty: Literal["steps", "complexity"] = "steps"  #: Order by reference step count or complexity score.
-
-
-@dataclass
-class ValidationSection:
-    eval_steps: int = bounded(0, ge=0)  #: Validate every N optimizer steps (0: only at the end).
-    max_samples: Union[int, None] = bounded(None, ge=1)  #: Cap on validation rows (None: all).
-    max_new_tokens: int = bounded(256, ge=1)  #: Greedy generation length.
-    batch_size: int = bounded(8, ge=1)  #: Generation batch size per process.
-    metric: Metric = "accuracy"  #: Best checkpoint by this (any of rewards.base.METRICS).
-
-
-@dataclass
-class StabilitySection:
-    max_consecutive_nonfinite: int = bounded(5, ge=1)  #: Save and stop after this many skipped non-finite updates.
+    name: str = option("cpr", "A reward registered in crystal_grpo.rewards.REWARDS: format, answer_only, "
+                       "composite, cpr, or your own (register_reward).")
+    params: dict[str, Any] = option(default_factory=dict, help="Fields of the reward's config (RewardConfig and "
+                                    "e.g. CPRConfig: answer_weight, step_weight, wrong_answer_discount).")
 
 
 @dataclass
 class PhaseSection:
     """One phase of a multi-phase schedule: any top-level section overridden."""
 
-    name: str = ""
-    init_from: Literal["best", "last", "none"] = "best"  #: Which checkpoint of the previous phase to start from.
-    overrides: dict[str, Any] = field(default_factory=dict)
+    name: str = option("", "The phase's name (its folder: phase<i>-<name>).")
+    init_from: Literal["best", "last", "none"] = option("best", "Which checkpoint of the previous phase to start "
+                                                        "from.")
+    overrides: dict[str, Any] = option(default_factory=dict, help="Sections of this config, as in the file.")
 
 
 @dataclass
 class RunConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    reward: RewardSection = field(default_factory=RewardSection)
-    curriculum: Union[CurriculumSection, None] = None  #: None: TRL's random order.
-    pcgrad: bool = False  #: Project conflicting accuracy/reasoning gradients (SPEC section 9).
-    pcgrad_objective_std: bool = False  #: Scale each objective's advantage by its own group std.
-    validation: ValidationSection = field(default_factory=ValidationSection)
-    stability: StabilitySection = field(default_factory=StabilitySection)
-    #: Any field of ``trl.GRPOConfig`` (which extends ``transformers.TrainingArguments``).
-    training: dict[str, Any] = field(default_factory=dict)
-    phases: list[PhaseSection] = field(default_factory=list)  #: Empty: one phase.
-    #: Multi-process on CPU for tests and CI: ``gloo`` runs DDP/ZeRO-3 without a GPU.
-    cpu_backend: Union[Literal["gloo"], None] = None
+    """One run: each section is the config class of the code that reads it."""
+
+    model: ModelSection = option(default_factory=ModelSection, help="The policy (train/models.py).")
+    data: DataSection = option(default_factory=DataSection, help="Training data (train/data.py).")
+    reward: RewardSection = option(default_factory=RewardSection, help="The reward (rewards/).")
+    curriculum: Union[CurriculumSection, None] = option(None, "Step-count curriculum (curricula/sampler.py); "
+                                                        "None: TRL's random order.")
+    pcgrad: bool = option(False, "Project conflicting accuracy/reasoning gradients (SPEC section 9).")
+    pcgrad_objective_std: bool = option(False, "Scale each objective's advantage by its own group std.")
+    validation: ValidationSection = option(default_factory=ValidationSection, help="Greedy validation "
+                                           "(train/callbacks.py).")
+    stability: StabilitySection = option(default_factory=StabilitySection, help="Non-finite updates "
+                                         "(train/trainer.py).")
+    training: dict[str, Any] = option(default_factory=dict, help="Any field of trl.GRPOConfig (which extends "
+                                      "transformers.TrainingArguments).")
+    phases: list[PhaseSection] = option(default_factory=list, help="Empty: one phase.")
+    cpu_backend: Union[Literal["gloo"], None] = option(None, "Multi-process on CPU for tests and CI: gloo runs "
+                                                       "DDP/ZeRO-3 without a GPU.")
 
 
 # --- values: types and ranges -----------------------------------------------------
@@ -164,113 +88,6 @@ TRAINING_RANGES: dict[str, Range] = {
     "temperature": Range(gt=0), "top_p": Range(gt=0, le=1), "top_k": Range(ge=0), "min_p": Range(ge=0, le=1),
     "beta": Range(ge=0), "epsilon": Range(ge=0), "epsilon_high": Range(ge=0), "seed": Range(ge=0),
 }
-#: Ranges of reward parameters (the names are shared by every reward module).
-REWARD_PARAM_RANGES: dict[str, Range] = {
-    "threshold": Range(ge=-1, le=1), "order_alpha": Range(ge=0, le=1), "scorer_batch_size": Range(ge=1),
-    "cache_size": Range(ge=0), "guard_k": Range(gt=0), "guard_window": Range(ge=1),
-    "guard_factor": Range(ge=0, le=1), "guard_min_history": Range(ge=1), "rel_tol": Range(ge=0),
-    "abs_tol": Range(ge=0), "delta": Range(gt=0),
-}
-
-
-def _type_ok(value: Any, tp: Any) -> bool:
-    """Does a YAML value fit a type hint? Floats must be finite; an int field takes 1e3."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True
-    if origin in (Union, types.UnionType):
-        return any(_type_ok(value, t) for t in typing.get_args(tp))
-    if origin is Literal:
-        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if origin is list:
-        (item,) = typing.get_args(tp) or (Any,)
-        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
-    if origin is dict or tp is dict:
-        return isinstance(value, dict)
-    if dataclasses.is_dataclass(tp):
-        return isinstance(value, dict)
-    if isinstance(value, bool):  # bool is an int subclass; YAML true/false only fits bool
-        return tp is bool
-    if tp is float:
-        return isinstance(value, (int, float)) and math.isfinite(value)
-    if tp is int:
-        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return isinstance(value, tp) or value in {m.value for m in tp}
-    if origin is not None:  # collections.abc.Callable[...] and other generics
-        return isinstance(origin, type) and isinstance(value, origin)
-    return isinstance(tp, type) and isinstance(value, tp)
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    """int -> float for float fields, 1e3 -> 1000 for int fields; everything else as is."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return value
-    kinds = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
-    if isinstance(value, float):
-        return int(value) if int in kinds and float not in kinds and value.is_integer() else value
-    return float(value) if float in kinds and int not in kinds else value
-
-
-def _describe(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(t) for t in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if tp is float:
-        return "float (a finite number)"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
-    if origin is not None:
-        return str(tp).replace("typing.", "")
-    return getattr(tp, "__name__", str(tp))
-
-
-def check_value(path: str, value: Any, tp: Any, bounds: Range | None = None) -> Any:
-    """The value, coerced to the hinted type, or a ConfigError naming key, value and type."""
-    if not _type_ok(value, tp):
-        raise ConfigError(f"{path}: invalid value {value!r}; expected {_describe(tp)}")
-    coerced = _coerce(value, tp)
-    if bounds is not None and isinstance(coerced, (int, float)) and not isinstance(coerced, bool) \
-            and not bounds.holds(coerced):
-        raise ConfigError(f"{path}: invalid value {value!r}; expected {bounds}")
-    return coerced
-
-
-def from_dict(cls: type, data: Any, where: str = ""):
-    """Build dataclass ``cls`` from a mapping, checking every key and value."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else str(key)
-        if key not in fields:
-            near = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ConfigError(f"unknown key {path!r}{hint}; allowed keys: {', '.join(fields)}")
-        value = check_value(path, value, hints[key], fields[key].metadata.get("range"))
-        kwargs[key] = _build(hints[key], value, path)
-    return cls(**kwargs)
-
-
-def _build(tp: Any, value: Any, path: str):
-    if value is None:
-        return None
-    candidates = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
-    for t in candidates:
-        if dataclasses.is_dataclass(t) and isinstance(value, dict):
-            return from_dict(t, value, path)
-        if typing.get_origin(t) is list and dataclasses.is_dataclass(typing.get_args(t)[0]):
-            return [from_dict(typing.get_args(t)[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
-    return value
-
 
 # --- YAML ------------------------------------------------------------------------------
 class _Loader(yaml.SafeLoader):
@@ -397,21 +214,14 @@ def _check_training(training: dict[str, Any], where: str) -> None:
 
 
 def _check_reward_params(reward: RewardSection, where: str) -> None:
-    """Every parameter is one the reward module takes, of the type its signature says."""
-    from crystal_grpo.rewards import REWARDS, reward_params
+    """The reward exists and its params build its typed config (coerced values kept)."""
+    from crystal_grpo.rewards import REWARDS
 
     if reward.name not in REWARDS:
         raise ConfigError(f"{where}reward.name: invalid value {reward.name!r}; expected one of "
                           + ", ".join(map(repr, REWARDS)))
-    accepted = reward_params(reward.name)
-    unknown = sorted(set(reward.params) - set(accepted))
-    if unknown:
-        raise ConfigError(
-            f"{where}reward.params: unknown key(s) {', '.join(map(repr, unknown))} for reward "
-            f"{reward.name!r}; allowed: {', '.join(sorted(accepted))}")
-    for key, value in list(reward.params.items()):
-        reward.params[key] = check_value(f"{where}reward.params.{key}", value, accepted[key],
-                                         REWARD_PARAM_RANGES.get(key))
+    typed = REWARDS[reward.name].make_config(reward.params, where=f"{where}reward.params")
+    reward.params.update({k: getattr(typed, k) for k in reward.params})
 
 
 def validate(cfg: RunConfig) -> None:

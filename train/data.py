@@ -11,17 +11,31 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 from datasets import Dataset
 
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
+from crystal_grpo.typed import option
 
 SYSTEM_PROMPT = (
     "Solve the problem step by step. Reply with exactly one JSON object and nothing else: "
     '{"reasoning_steps": ["<step 1>", "<step 2>", "..."], "answer": "<final answer>"}. '
     "Each step is one short sentence. For multiple choice, answer with the option letter."
 )
+
+
+@dataclass
+class DataSection:
+    """Training and validation data (``data:`` in a run config)."""
+
+    train: str = option("", "JSONL file (SPEC section 1) or a datasets folder saved with save_to_disk.")
+    validation: Union[str, None] = option(None, "Same formats; when absent a fraction of train is held out.")
+    validation_fraction: float = option(0.1, "Held-out share of train when validation is not given.", ge=0, lt=1)
+    skip_invalid: bool = option(False, "Drop (and count) bad rows instead of stopping with their file:line.")
+    max_errors_shown: int = option(20, "How many bad rows a data error lists.", ge=0)
+    system_prompt: Union[str, None] = option(None, "Overrides the instruction asking for the JSON output.")
+    max_train_samples: Union[int, None] = option(None, "Use only the first N training rows (smoke runs).", ge=1)
 
 
 class DataError(ValueError):
@@ -166,7 +180,7 @@ def load_split(path: str | Path, *, skip_invalid: bool = False, max_errors_shown
     return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(path))
 
 
-def load_datasets(data_cfg, seed: int = 42) -> tuple[LoadedSplit, LoadedSplit | None]:
+def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, LoadedSplit | None]:
     """Train and validation splits from files, or validation held out from train."""
     opts = dict(skip_invalid=data_cfg.skip_invalid, max_errors_shown=data_cfg.max_errors_shown,
                 system_prompt=data_cfg.system_prompt)

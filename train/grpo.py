@@ -249,7 +249,12 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from crystal_grpo.typed import describe
+
+    epilog = ("config fields (any of them also as --section.key VALUE; reward.params are the fields of the "
+              "reward's config class, training any field of trl.GRPOConfig):\n" + "\n".join(describe(RunConfig)))
+    ap = argparse.ArgumentParser(description=__doc__, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML file, or a name in configs/")
     ap.add_argument("--resume_from_checkpoint", default=None,
                     help="'latest' (the newest complete checkpoint of the run folder) or a checkpoint folder")

@@ -22,8 +22,8 @@ The model is returned *without* PEFT wrapping: pass ``peft_config(model_cfg)`` t
 when ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` is set; a failure names the path or id
 that was tried and how to point at a local folder.
 
-``ModelConfig`` mirrors ``train.config.ModelSection`` (any object with the same
-attributes works, so the YAML section can be passed directly).
+``ModelSection`` (the ``model:`` section of a run config) is defined here, beside the code
+that reads it.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ import copy
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union
 
-from crystal_grpo.train.config import LoraSection, ModelSection
+from crystal_grpo.typed import option
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,27 @@ class ModelLoadError(RuntimeError):
     """A model or processor could not be loaded; the message says what was tried and what to do."""
 
 
-# The model section of a run config is the one definition of these settings (documented
-# field by field in train/config.py); the names below are what this module calls them.
-ModelConfig = ModelSection
-LoraSettings = LoraSection
+@dataclass
+class LoraSection:
+    """LoRA through PEFT; TRL's GRPOTrainer wraps the model itself."""
+
+    r: int = option(16, "LoRA rank.", ge=1)
+    alpha: int = option(32, "LoRA scaling numerator (peft's lora_alpha).", gt=0)
+    dropout: float = option(0.05, "Dropout on the LoRA branch.", ge=0, lt=1)
+    target_modules: Union[list[str], str] = option("all-linear", "Modules to adapt (names or 'all-linear').")
+
+
+@dataclass
+class ModelSection:
+    """The policy model (``model:`` in a run config)."""
+
+    name_or_path: str = option("", "HF folder, hub id (local cache only offline), or folder holding a GGUF file.")
+    gguf_file: Union[str, None] = option(None, "GGUF file name inside name_or_path (dequantised on load).")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = option("float32", "Weights dtype.")
+    attn_implementation: Union[str, None] = option(None, "e.g. sdpa, eager, flash_attention_2.")
+    trust_remote_code: bool = option(False, "Needed for InternVL3.5; off unless asked for.")
+    gradient_checkpointing: bool = option(False, "Also sets TRL's flag of the same name.")
+    lora: Union[LoraSection, None] = option(None, "Set to train a LoRA adapter instead of all weights.")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -71,13 +89,9 @@ def _torch_dtype(name: str):
     return "auto" if name == "auto" else getattr(torch, name)
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
-
-
-def model_source(cfg: Any) -> tuple[str, bool]:
+def model_source(cfg: ModelSection) -> tuple[str, bool]:
     """(what to pass to from_pretrained, is it a local folder)."""
-    raw = str(_get(cfg, "name_or_path") or "").strip()
+    raw = str(cfg.name_or_path or "").strip()
     if not raw:
         raise ModelLoadError("model.name_or_path is empty: set it to a local model folder "
                              "(e.g. .cache/models/SmolLM2-135M-Instruct) or a cached hub id")
@@ -94,8 +108,8 @@ def model_source(cfg: Any) -> tuple[str, bool]:
     return raw, False
 
 
-def _load_kwargs(cfg: Any, local: bool) -> dict:
-    kw: dict[str, Any] = {"trust_remote_code": bool(_get(cfg, "trust_remote_code", False))}
+def _load_kwargs(cfg: ModelSection, local: bool) -> dict:
+    kw: dict[str, Any] = {"trust_remote_code": bool(cfg.trust_remote_code)}
     if not local and _offline():
         kw["local_files_only"] = True
     return kw
@@ -331,15 +345,15 @@ def load_gguf_plain(folder: str, gguf_file: str, dtype="float32", **kw):
 
 
 # --------------------------------------------------------------------------- public API
-def load_policy(model_cfg: Any) -> tuple[Any, Any]:
+def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
     """Load ``(model, processing_class)`` as described in the module docstring."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src, local = model_source(model_cfg)
     kw = _load_kwargs(model_cfg, local)
-    gguf_file = _get(model_cfg, "gguf_file")
-    dtype = _torch_dtype(_get(model_cfg, "dtype", "float32") or "float32")
-    attn = _get(model_cfg, "attn_implementation")
+    gguf_file = model_cfg.gguf_file
+    dtype = _torch_dtype(model_cfg.dtype or "float32")
+    attn = model_cfg.attn_implementation
     trust = kw["trust_remote_code"]
 
     if gguf_file:
@@ -409,7 +423,7 @@ def _load_vlm(src: str, config: Any, model_kw: dict):
     return cls.from_pretrained(src, **model_kw)
 
 
-def _finish(model, processing, model_cfg: Any) -> None:
+def _finish(model, processing, model_cfg: ModelSection) -> None:
     tok = getattr(processing, "tokenizer", processing)
     gen = getattr(model, "generation_config", None)
     if gen is not None and gen.pad_token_id is None and tok.pad_token_id is not None:
@@ -417,7 +431,7 @@ def _finish(model, processing, model_cfg: Any) -> None:
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(text_cfg, "pad_token_id", None) is None and tok.pad_token_id is not None:
         text_cfg.pad_token_id = tok.pad_token_id
-    if _get(model_cfg, "gradient_checkpointing", False):
+    if model_cfg.gradient_checkpointing:
         # transformers 5 renamed it (activation_checkpointing_enable); the old name still works, with a warning.
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
@@ -427,20 +441,20 @@ def _finish(model, processing, model_cfg: Any) -> None:
         model.config.use_cache = False
 
 
-def peft_config(model_cfg: Any):
+def peft_config(model_cfg: ModelSection):
     """``peft.LoraConfig`` from ``model_cfg.lora`` (None when LoRA is off); for TRL's ``peft_config=``."""
-    lora = _get(model_cfg, "lora")
+    lora = model_cfg.lora
     if lora is None:
         return None
     from peft import LoraConfig
 
-    target = _get(lora, "target_modules", "all-linear")
+    target = lora.target_modules
     if isinstance(target, (list, tuple)):
         target = list(target)
     return LoraConfig(
-        r=int(_get(lora, "r", 16)),
-        lora_alpha=int(_get(lora, "alpha", 32)),
-        lora_dropout=float(_get(lora, "dropout", 0.05)),
+        r=int(lora.r),
+        lora_alpha=int(lora.alpha),
+        lora_dropout=float(lora.dropout),
         target_modules=target,
         bias="none",
         task_type="CAUSAL_LM",

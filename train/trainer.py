@@ -23,6 +23,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,10 +32,18 @@ from trl import GRPOTrainer
 from crystal_grpo.rewards.base import Batch, RewardModule
 from crystal_grpo.train.checkpoints import optimizer_settings, remove_marker, write_marker
 from crystal_grpo.train.interrupt import GracefulStop
+from crystal_grpo.typed import option
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "crystal_state.json"
+
+
+@dataclass
+class StabilitySection:
+    """What to do about non-finite updates (``stability:`` in a run config)."""
+
+    max_consecutive_nonfinite: int = option(5, "Save and stop after this many skipped non-finite updates.", ge=1)
 
 
 def trainer_class(pcgrad: bool) -> type["CrystalGRPOTrainer"]:
