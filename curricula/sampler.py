@@ -17,7 +17,8 @@ order, and a resumed run that skips chunks continues the identical sequence.
 iteration that runs to its end also moves to the next epoch, as RepeatSampler's
 advancing generator does.
 
-Modes:
+Modes (one :class:`Schedule` subclass each; a new subclass with a ``mode`` name is a new
+mode, no other change):
 
 - ``competence`` (Platanios et al. 2019): at chunk t the pool is the easiest
   ``c(t) = min(1, c0 + (1 - c0) t / T)`` share of the data (``pacing="sqrt"``:
@@ -48,11 +49,10 @@ replays it from chunk 0 when needed (O(samples drawn / c0), cached for sequentia
 from __future__ import annotations
 
 import math
-import typing
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -60,10 +60,8 @@ from torch.utils.data import Sampler
 from crystal_grpo.curricula.complexity import TIERS, annotate, rows
 from crystal_grpo.typed import option
 
-Mode = Literal["competence", "sorted", "buckets"]
 Pacing = Literal["linear", "sqrt"]
 Difficulty = Literal["steps", "complexity"]
-MODES: tuple[str, ...] = typing.get_args(Mode)
 _RECENT = 512  # chunks kept for logging calls right after iteration
 
 
@@ -71,8 +69,8 @@ _RECENT = 512  # chunks kept for logging calls right after iteration
 class CurriculumSection:
     """The step-count curriculum (``curriculum:`` in a run config; CPR-Curriculum, SPEC section 8)."""
 
-    mode: Mode = option("competence", "competence: pool grows from the easiest c0 share; buckets: "
-                        "complexity tiers open in turn; sorted: the whole data easiest-first.")
+    mode: str = option("competence", "A Schedule's mode: competence (the pool grows from the easiest c0 share), "
+                       "buckets (complexity tiers open in turn), sorted (the whole data easiest-first).")
     c0: float = option(0.25, "Initial competence: share of the easiest data available at step 0.", gt=0, le=1)
     total_steps: Union[int, None] = option(None, "Pacing horizon T in optimizer steps (default: max_steps).", ge=1)
     difficulty: Difficulty = option("steps", "Order by reference step count or by complexity score.")
@@ -98,8 +96,137 @@ def _default_bucket_order(labels: Sequence[Hashable]) -> list[Hashable]:
     return sorted(present)
 
 
+class Schedule:
+    """A curriculum mode: which examples chunk t may draw from, and its pacing.
+
+    Example i is in the pool of chunk t iff ``key[i] < threshold(t)``; the sampler draws
+    chunks from the pool (the pass walk of the module docstring) unless the mode fixes them
+    itself (:meth:`fixed_chunk`). A subclass with a ``mode`` name registers itself: adding a
+    mode is one class, usable as ``curriculum.mode: <name>``.
+    """
+
+    mode: ClassVar[str] = ""
+    needs_horizon: ClassVar[bool] = True
+    registry: ClassVar[dict[str, type[Schedule]]] = {}
+    key: list[int]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.mode:
+            Schedule.registry[cls.mode] = cls
+
+    def __init__(self, order: list[int], batch_size: int, total_steps: int | None, **options: Any) -> None:
+        self.order, self.batch_size, self.total_steps = order, batch_size, total_steps
+        self.n = len(order)
+
+    def threshold(self, t: int) -> int:
+        raise NotImplementedError
+
+    def competence(self, t: int) -> float:
+        """Scheduled share of the data at chunk t (logged as ``curriculum/competence``)."""
+        raise NotImplementedError
+
+    def pool_size(self, t: int) -> int:
+        thr = self.threshold(t)
+        return sum(k < thr for k in self.key)
+
+    def fixed_chunk(self, t: int) -> list[int] | None:
+        return None
+
+
+class CompetenceSchedule(Schedule):
+    """Platanios et al. 2019: the easiest ``c(t)`` share of the data, never under one chunk."""
+
+    mode = "competence"
+
+    def __init__(self, order, batch_size, total_steps, *, c0: float = 0.25, pacing: Pacing = "linear",
+                 **options: Any) -> None:
+        super().__init__(order, batch_size, total_steps)
+        if not 0.0 < c0 <= 1.0:
+            raise ValueError(f"c0 must be in (0, 1], got {c0}")
+        if pacing not in ("linear", "sqrt"):
+            raise ValueError(f"pacing {pacing!r} is unknown: allowed values are linear, sqrt")
+        self.c0, self.pacing = c0, pacing
+        self.key = [0] * self.n
+        for r, i in enumerate(order):
+            self.key[i] = r
+
+    def competence(self, t: int) -> float:
+        x = t / self.total_steps
+        if self.pacing == "sqrt":
+            return min(1.0, math.sqrt(self.c0 ** 2 + (1.0 - self.c0 ** 2) * x))
+        return min(1.0, self.c0 + (1.0 - self.c0) * x)
+
+    def threshold(self, t: int) -> int:
+        # 1e-9: c0 * n = 25.000000000000004 must give 25, not 26.
+        return min(self.n, max(self.batch_size, math.ceil(self.competence(t) * self.n - 1e-9)))
+
+    def pool_size(self, t: int) -> int:
+        return self.threshold(t)
+
+
+class BucketSchedule(Schedule):
+    """Labelled buckets (e.g. complexity tiers) open in ``bucket_order``: bucket k of K from
+    chunk ``k T / K`` on; later ones open early rather than leave a chunk short."""
+
+    mode = "buckets"
+
+    def __init__(self, order, batch_size, total_steps, *, buckets: Sequence[Hashable] | None = None,
+                 bucket_order: Sequence[Hashable] | None = None, **options: Any) -> None:
+        super().__init__(order, batch_size, total_steps)
+        if buckets is None or len(buckets) != self.n:
+            raise ValueError("mode 'buckets' needs one bucket label per example")
+        self.bucket_order = list(bucket_order) if bucket_order is not None else _default_bucket_order(buckets)
+        rank = {b: k for k, b in enumerate(self.bucket_order)}
+        missing = sorted({str(b) for b in buckets if b not in rank})
+        if missing:
+            raise ValueError(f"bucket label(s) {', '.join(missing)} not in bucket_order {self.bucket_order}")
+        self.key = [rank[b] for b in buckets]
+        sizes = np.bincount(self.key, minlength=len(self.bucket_order))
+        self._open_size = [0, *np.cumsum(sizes).tolist()]  # items in the first k buckets
+
+    def _open(self, t: int) -> int:
+        """Buckets scheduled open at chunk t: bucket k opens once t >= k T / K."""
+        k = len(self.bucket_order)
+        return min(k, t * k // self.total_steps + 1)
+
+    def competence(self, t: int) -> float:
+        return self._open(t) / len(self.bucket_order)
+
+    def threshold(self, t: int) -> int:
+        k = self._open(t)
+        while self._open_size[k] < self.batch_size:  # open later buckets early rather than starve
+            k += 1
+        return k
+
+    def pool_size(self, t: int) -> int:
+        return self._open_size[self.threshold(t)]
+
+
+class SortedSchedule(Schedule):
+    """The whole data easiest-first as one endless stream cut into chunks: chunk t holds
+    sorted positions t*B .. t*B+B-1 modulo N (every example once per cycle)."""
+
+    mode = "sorted"
+    needs_horizon = False
+
+    def __init__(self, order, batch_size, total_steps, **options: Any) -> None:
+        super().__init__(order, batch_size, total_steps)
+        self.key = [0] * self.n
+
+    def competence(self, t: int) -> float:
+        return 1.0
+
+    def threshold(self, t: int) -> int:
+        return 1
+
+    def fixed_chunk(self, t: int) -> list[int]:
+        return [self.order[(t * self.batch_size + j) % self.n] for j in range(self.batch_size)]
+
+
 class CurriculumSampler(Sampler[int]):
-    """RepeatSampler's layout with a difficulty curriculum (see the module docstring)."""
+    """RepeatSampler's layout with a difficulty curriculum (see the module docstring); the
+    mode's :class:`Schedule` decides the pool, this class the layout and the draw."""
 
     def __init__(
         self,
@@ -108,7 +235,7 @@ class CurriculumSampler(Sampler[int]):
         batch_size: int = 1,
         repeat_count: int = 1,
         *,
-        mode: Mode = "competence",
+        mode: str = "competence",
         c0: float = 0.25,
         total_steps: int | None = None,
         pacing: Pacing = "linear",
@@ -118,51 +245,34 @@ class CurriculumSampler(Sampler[int]):
         start_chunk: int = 0,
     ) -> None:
         n = len(difficulty)
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r} is unknown: allowed values are {', '.join(MODES)}")
+        if mode not in Schedule.registry:
+            raise ValueError(f"mode {mode!r} is unknown: allowed values are {', '.join(Schedule.registry)}")
         if min(mini_repeat_count, batch_size, repeat_count) < 1:
             raise ValueError("mini_repeat_count, batch_size and repeat_count must be >= 1")
         if n < batch_size:
             raise ValueError(f"{n} examples cannot fill one chunk of batch_size={batch_size}")
-        if mode != "sorted" and (total_steps is None or total_steps < 1):
+        if Schedule.registry[mode].needs_horizon and (total_steps is None or total_steps < 1):
             raise ValueError(f"mode {mode!r} needs total_steps >= 1 (pacing horizon T, in chunks)")
-        if not 0.0 < c0 <= 1.0:
-            raise ValueError(f"c0 must be in (0, 1], got {c0}")
-        if pacing not in ("linear", "sqrt"):
-            raise ValueError(f"pacing {pacing!r} is unknown: allowed values are linear, sqrt")
         if seed < 0 or start_chunk < 0:
             raise ValueError("seed and start_chunk must be >= 0")
         self.num_samples = n
         self.mini_repeat_count = mini_repeat_count
         self.batch_size = batch_size
         self.repeat_count = repeat_count
-        self.mode: Mode = mode
-        self.c0 = c0
+        self.mode = mode
         self.total_steps = total_steps
-        self.pacing: Pacing = pacing
         self.seed = seed
         self.start_chunk = start_chunk
         self.epoch = 0
         self.order: list[int] = sorted(range(n), key=lambda i: (float(difficulty[i]), i))
-        # An index is in the pool at chunk t iff key[index] < threshold(t).
-        self.bucket_order: list[Hashable] | None = None
-        if mode == "buckets":
-            if buckets is None or len(buckets) != n:
-                raise ValueError("mode 'buckets' needs one bucket label per example")
-            self.bucket_order = list(bucket_order) if bucket_order is not None else _default_bucket_order(buckets)
-            rank = {b: k for k, b in enumerate(self.bucket_order)}
-            missing = sorted({str(b) for b in buckets if b not in rank})
-            if missing:
-                raise ValueError(f"bucket label(s) {', '.join(missing)} not in bucket_order {self.bucket_order}")
-            self._key = [rank[b] for b in buckets]
-            sizes = np.bincount(self._key, minlength=len(self.bucket_order))
-            self._open_size = [0, *np.cumsum(sizes).tolist()]  # items in the first k buckets
-        else:
-            self._key = [0] * n
-            for r, i in enumerate(self.order):
-                self._key[i] = r
+        self.schedule = Schedule.registry[mode](self.order, batch_size, total_steps, c0=c0, pacing=pacing,
+                                                buckets=buckets, bucket_order=bucket_order)
         self._walk = _Walk()
         self._recent: OrderedDict[int, list[int]] = OrderedDict()
+
+    @property
+    def bucket_order(self) -> list[Hashable] | None:
+        return getattr(self.schedule, "bucket_order", None)
 
     # -- layout, as RepeatSampler ----------------------------------------------------
     @property
@@ -192,58 +302,28 @@ class CurriculumSampler(Sampler[int]):
                         yield index
         self.epoch = epoch + 1
 
-    # -- pacing ----------------------------------------------------------------------
+    # -- the pool (the schedule's) ------------------------------------------------------
     def competence(self, t: int) -> float:
-        """Scheduled share of the data at chunk t: c(t) for competence, the open
-        buckets' share of all buckets for buckets, 1 for sorted."""
-        if self.mode == "sorted":
-            return 1.0
-        if self.mode == "buckets":
-            return self._open_buckets(t) / len(self.bucket_order or [])
-        assert self.total_steps is not None
-        x = t / self.total_steps
-        if self.pacing == "sqrt":
-            return min(1.0, math.sqrt(self.c0 ** 2 + (1.0 - self.c0 ** 2) * x))
-        return min(1.0, self.c0 + (1.0 - self.c0) * x)
-
-    def _open_buckets(self, t: int) -> int:
-        """Buckets scheduled open at chunk t: bucket k opens once t >= k T / K."""
-        assert self.total_steps is not None and self.bucket_order is not None
-        k = len(self.bucket_order)
-        return min(k, t * k // self.total_steps + 1)
-
-    def _threshold(self, t: int) -> int:
-        n, b = self.num_samples, self.batch_size
-        if self.mode == "competence":
-            # 1e-9: c0 * n = 25.000000000000004 must give 25, not 26.
-            return min(n, max(b, math.ceil(self.competence(t) * n - 1e-9)))
-        k = self._open_buckets(t)
-        while self._open_size[k] < b:  # open later buckets early rather than starve
-            k += 1
-        return k
+        """Scheduled share of the data at chunk t."""
+        return self.schedule.competence(t)
 
     def pool_size(self, t: int) -> int:
         """How many indices chunk t may draw from."""
-        if self.mode == "sorted":
-            return self.num_samples
-        thr = self._threshold(t)
-        return thr if self.mode == "competence" else self._open_size[thr]
+        return self.schedule.pool_size(t)
 
     def available(self, t: int) -> list[int]:
         """The pool of chunk t (sorted by index)."""
-        if self.mode == "sorted":
-            return list(range(self.num_samples))
-        thr = self._threshold(t)
-        return [i for i, k in enumerate(self._key) if k < thr]
+        thr = self.schedule.threshold(t)
+        return [i for i, k in enumerate(self.schedule.key) if k < thr]
 
     # -- chunks ----------------------------------------------------------------------
     def chunk_indices(self, t: int) -> list[int]:
         """The ``batch_size`` distinct indices of global chunk t (pure in (seed, t))."""
         if t < 0:
             raise ValueError("chunk index must be >= 0")
-        if self.mode == "sorted":
-            n, b = self.num_samples, self.batch_size
-            return [self.order[(t * b + j) % n] for j in range(b)]
+        fixed = self.schedule.fixed_chunk(t)
+        if fixed is not None:
+            return fixed
         if t in self._recent:
             return list(self._recent[t])
         if t < self._walk.t:
@@ -262,7 +342,7 @@ class CurriculumSampler(Sampler[int]):
         return np.random.default_rng([self.seed, pass_no]).permutation(self.num_samples)
 
     def _draw(self, walk: _Walk) -> list[int]:
-        thr = self._threshold(walk.t)
+        thr, key = self.schedule.threshold(walk.t), self.schedule.key
         chunk = walk.deferred  # earlier pool members stay in the (growing) pool
         taken = set(chunk)
         walk.deferred = []
@@ -272,7 +352,7 @@ class CurriculumSampler(Sampler[int]):
                 walk.perm, walk.pos = self._permutation(walk.pass_no), 0
             i = int(walk.perm[walk.pos])
             walk.pos += 1
-            if self._key[i] >= thr:
+            if key[i] >= thr:
                 continue
             if i in taken:
                 walk.deferred.append(i)
@@ -307,7 +387,7 @@ class CurriculumSamplerFactory:
     steps (1 with TRL's defaults). Without a horizon (``max_steps <= 0``) T is one epoch.
     """
 
-    def __init__(self, dataset: Any, *, mode: Mode = "competence", c0: float = 0.25,
+    def __init__(self, dataset: Any, *, mode: str = "competence", c0: float = 0.25,
                  total_steps: int | None = None, difficulty: Difficulty = "steps",
                  pacing: Pacing = "linear", start_chunk: int = 0) -> None:
         if difficulty not in ("steps", "complexity"):
@@ -333,7 +413,7 @@ class CurriculumSamplerFactory:
         self.sampler = CurriculumSampler(
             self.difficulty, mini_repeat_count, batch_size, repeat_count, mode=self.mode, c0=self.c0,
             total_steps=t_chunks, pacing=self.pacing, seed=seed,
-            buckets=self.tiers if self.mode == "buckets" else None, start_chunk=self.start_chunk)
+            buckets=self.tiers, start_chunk=self.start_chunk)
         return self.sampler
 
     def callback(self) -> Any:

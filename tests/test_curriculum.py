@@ -319,3 +319,36 @@ def test_epoch_callback_reselects_the_epoch_on_resume():
     s = factory(None, mini_repeat_count=1, batch_size=4)
     factory.callback().on_epoch_begin(None, SimpleNamespace(epoch=1.4), None)
     assert s.epoch == 1 and s.first_chunk() == 5
+
+
+def test_a_new_mode_is_one_schedule_class(monkeypatch):
+    from crystal_grpo.curricula.sampler import Schedule
+    from crystal_grpo.train.config import ConfigError, load_config
+
+    monkeypatch.setattr(Schedule, "registry", dict(Schedule.registry))  # registered for this test only
+
+    class HardestHalf(Schedule):
+        """The pool is always the harder half of the data."""
+
+        mode = "hardest_half"
+
+        def __init__(self, order, batch_size, total_steps, **options):
+            super().__init__(order, batch_size, total_steps)
+            self.key = [0] * self.n
+            for r, i in enumerate(reversed(order)):
+                self.key[i] = r
+
+        def threshold(self, t):
+            return self.n // 2
+
+        def competence(self, t):
+            return 0.5
+
+    d = _difficulty(40)
+    s = CurriculumSampler(d, 2, 4, mode="hardest_half", total_steps=10, seed=1)
+    hard = set(sorted(range(40), key=lambda i: (d[i], i))[20:])
+    assert all(set(s.chunk_indices(t)) <= hard for t in range(30))
+    assert s.pool_size(0) == 20 and s.competence(3) == 0.5
+    assert load_config("tiny", ["--curriculum", "{mode: hardest_half}"])[0].curriculum.mode == "hardest_half"
+    with pytest.raises(ConfigError, match="curriculum.mode: invalid value 'hardest_third'; expected one of"):
+        load_config("tiny", ["--curriculum", "{mode: hardest_third}"])

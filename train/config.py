@@ -25,7 +25,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from crystal_grpo.curricula.sampler import CurriculumSection
+from crystal_grpo.curricula.sampler import CurriculumSection, Schedule
 from crystal_grpo.train.callbacks import ValidationSection
 from crystal_grpo.train.data import DataSection
 from crystal_grpo.train.models import LoraSection, ModelSection  # noqa: F401 - part of the run config
@@ -234,6 +234,9 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{where}model.name_or_path: required (an HF folder, hub id or GGUF folder)")
         if not c.data.train:
             raise ConfigError(f"{where}data.train: required (a JSONL file or a datasets folder)")
+        if c.curriculum is not None and c.curriculum.mode not in Schedule.registry:
+            raise ConfigError(f"{where}curriculum.mode: invalid value {c.curriculum.mode!r}; expected one of "
+                              + ", ".join(map(repr, Schedule.registry)))
         if c.pcgrad and c.training.get("use_liger_kernel"):
             from crystal_grpo.train.pcgrad import LIGER_REFUSED
 
