@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_decorator
 
 from crystal_grpo.rewards.base import Batch, RewardModule
 from crystal_grpo.train.checkpoints import optimizer_settings, remove_marker, write_marker
@@ -83,6 +84,7 @@ class CrystalGRPOTrainer(GRPOTrainer):
         return self.stopped_nonfinite or self.interrupt.stopped_at is not None
 
     # -- rewards: one evaluation of the batch ---------------------------------------------
+    @profiling_decorator  # as TRL's own: the time goes to wandb/mlflow under profiling/
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """TRL's ``[N_global, F]`` rewards from ONE evaluation of the reward module.
 
