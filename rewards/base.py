@@ -167,8 +167,9 @@ class RewardConfig:
 class RewardModule:
     """A reward made of named, objective-tagged components whose sum is the reward.
 
-    Subclasses set ``name``, ``objectives`` (component -> objective), ``uses_steps`` and
-    implement :meth:`components`. The rest is shared: :meth:`score` (the one evaluation of
+    Subclasses set ``name``, ``objectives`` (component -> objective), ``uses_steps``,
+    ``config_class`` (a :class:`RewardConfig` subclass holding their own weights, under the
+    names configs use) and implement :meth:`components`. The rest is shared: :meth:`score` (the one evaluation of
     completions, used by training, validation and the CLIs), :meth:`rewards` (components
     with the verbosity guard, and the diagnostics), :meth:`metrics` (the ``METRICS``),
     checkpoint state, and :meth:`reward_funcs` for a plain ``trl.GRPOTrainer``.
