@@ -3,16 +3,28 @@
 
     python scripts/make_data.py                      # writes data/wordproblems/{train,val}.jsonl
     python scripts/make_data.py --out-dir /tmp/wp    # same bytes elsewhere
+    python scripts/make_data.py --preset demo        # writes data/demo/{train,val}.jsonl
 
 Five template families (``source``): shopping, sharing, ages, rates, multi_step. Every
 problem has an integer answer and 2 to 8 reference steps, each a short sentence that
 shows its computation ("Tom buys 3 packs of 4 pencils, so he has 3 * 4 = 12 pencils.").
 About 20% of the rows are multiple choice: a ``choices`` list of four numbers and the
 answer as the option letter, with one more step naming the option.
+Questions are kept short (the demo model is tiny; prompts stay well under 80 tokens).
+
+The ``demo`` preset exists because SmolLM2-135M cannot solve any of those: with accuracy 0
+every GRPO group has the same answer reward and nothing is learned. It mixes them with easy
+problems, half and half (320 train rows, 24 val rows, ids ``demo-NNNN``): one or two
+operations (families addition, subtraction, multiplication, division, two_step), numbers
+in the question at most 20, every result at most 100, 1 to 3 reference steps (the last may
+be "The answer is N."), no multiple choice. Rendered as the target JSON the easy rows take
+about 40 SmolLM2 tokens (at most about 60). Every demo row has a ``difficulty`` key, "easy"
+or "hard" (the five families above); the training loader ignores it.
 
 The output depends only on the seed and the counts: running the script twice gives
 byte-identical files (``random.Random(seed)``, fixed key order, ``\\n`` line endings).
-Questions are kept short (the demo model is tiny; prompts stay well under 80 tokens).
+The default run writes exactly the committed data/wordproblems files; the demo preset
+draws from its own seeds and leaves them alone.
 """
 
 from __future__ import annotations
@@ -369,6 +381,140 @@ def generate(n: int, seed: int = SEED, start_id: int = 1, mc_share: float = MC_S
     return rows
 
 
+# --------------------------------------------------------------------------- easy (demo only)
+# One or two operations on numbers up to 20 with results up to 100, so a 135M model after a
+# format warm-up gets some of them right and GRPO groups see answer-reward variance.
+EASY_ITEMS = ["apple", "cookie", "marble", "sticker", "card", "pencil", "shell", "egg", "flower", "book"]
+EDIBLE = {"apples", "cookies", "eggs"}
+EASY_GROUPS = ["bags", "boxes", "packs", "jars", "baskets"]
+EASY_MAX_OPERAND = 20
+EASY_MAX_RESULT = 100
+
+
+def _who(rng: random.Random) -> tuple[str, str, str]:
+    """A name, its pronoun and a plural item noun."""
+    name = rng.choice(NAMES)
+    return name, HE[name], rng.choice(EASY_ITEMS) + "s"
+
+
+def easy_addition(rng: random.Random) -> Problem:
+    name, pro, items = _who(rng)
+    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    if rng.random() < 0.5:
+        other = rng.choice([n for n in NAMES if n != name])
+        q = f"{name} has {a} {items} and {other} has {b}. How many {items} do they have together?"
+        return q, a + b, [f"Together they have {a} + {b} = {a + b} {items}."]
+    verb = rng.choice(["buys", "finds", "gets"])
+    q = f"{name} has {a} {items} and {verb} {b} more. How many {items} does {pro} have now?"
+    return q, a + b, [f"{name} has {a} {items} and {verb} {b} more, so {pro} has {a} + {b} = {a + b} {items}."]
+
+
+def easy_subtraction(rng: random.Random) -> Problem:
+    name, pro, items = _who(rng)
+    a = rng.randint(5, 20)
+    b = rng.randint(1, a - 1)
+    if rng.random() < 0.4:
+        other = rng.choice([n for n in NAMES if n != name])
+        q = f"{name} has {a} {items} and {other} has {b}. How many more {items} does {name} have?"
+        return q, a - b, [f"{name} has {a} - {b} = {a - b} more {items}."]
+    verb = rng.choice(["gives away", "loses", "sells"] + (["eats"] if items in EDIBLE else []))
+    q = f"{name} has {a} {items} and {verb} {b}. How many {items} are left?"
+    return q, a - b, [f"{name} has {a} {items} and {verb} {b}, so {a} - {b} = {a - b} {items} are left."]
+
+
+def easy_multiplication(rng: random.Random) -> Problem:
+    name, pro, items = _who(rng)
+    a, b = rng.randint(2, 10), rng.randint(2, 10)
+    if rng.random() < 0.4:
+        p = rng.randint(1, 9)
+        q = f"{name} buys {a} {items} at ${p} each. How many dollars does {pro} pay?"
+        return q, a * p, [f"{a} {items} at ${p} each cost {a} * {p} = {a * p} dollars."]
+    group = rng.choice(EASY_GROUPS)
+    q = f"{name} has {a} {group} with {b} {items} in each. How many {items} does {pro} have?"
+    return q, a * b, [f"{a} {group} of {b} {items} make {a} * {b} = {a * b} {items}."]
+
+
+def easy_division(rng: random.Random) -> Problem:
+    name, pro, items = _who(rng)
+    k = rng.randint(2, 5)
+    each = rng.randint(2, EASY_MAX_OPERAND // k)
+    total = k * each
+    if rng.random() < 0.4:
+        group = rng.choice(EASY_GROUPS)
+        q = f"{name} packs {total} {items} into {group} of {each}. How many {group} does {pro} fill?"
+        return q, k, [f"{name} fills {total} / {each} = {k} {group}."]
+    q = f"{name} shares {total} {items} equally among {k} friends. How many {items} does each friend get?"
+    return q, each, [f"Each friend gets {total} / {k} = {each} {items}."]
+
+
+def easy_two_step(rng: random.Random) -> Problem:
+    name, pro, items = _who(rng)
+    kind = rng.choice(["more_less", "groups_more", "buy_share", "change", "together"])
+    if kind == "more_less":
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        c = rng.randint(1, min(20, a + b - 1))
+        q = f"{name} has {a} {items}, buys {b} more and gives away {c}. How many {items} are left?"
+        return q, a + b - c, [f"{name} has {a} + {b} = {a + b} {items}.",
+                              f"After giving away {c}, {a + b} - {c} = {a + b - c} {items} are left."]
+    if kind == "groups_more":
+        a, b, c = rng.randint(2, 5), rng.randint(2, 10), rng.randint(2, 20)
+        group = rng.choice(EASY_GROUPS)
+        q = f"{name} has {a} {group} of {b} {items} and {c} more {items}. How many {items} does {pro} have?"
+        return q, a * b + c, [f"{a} {group} of {b} make {a} * {b} = {a * b} {items}.",
+                              f"With {c} more, {pro} has {a * b} + {c} = {a * b + c} {items}."]
+    if kind == "buy_share":
+        k = rng.randint(2, 5)
+        each = rng.randint(2, 8)
+        total = k * each
+        a = rng.randint(max(2, total - 20), min(20, total - 2))
+        b = total - a
+        q = (f"{name} has {a} {items} and buys {b} more. {_cap(pro)} shares them equally among {k} friends. "
+             "How many does each friend get?")
+        return q, each, [f"{name} has {a} + {b} = {total} {items}.",
+                         f"Each friend gets {total} / {k} = {each} {items}."]
+    if kind == "change":
+        bill = rng.choice([10, 20])
+        a = rng.randint(2, 5)
+        p = rng.randint(1, bill // a - (1 if bill % a == 0 else 0))
+        q = f"{name} buys {a} {items} at ${p} each and pays with a ${bill} bill. How much change does {pro} get?"
+        return q, bill - a * p, [f"{a} {items} cost {a} * {p} = {a * p} dollars.",
+                                 f"The change is {bill} - {a * p} = {bill - a * p} dollars."]
+    other = rng.choice([n for n in NAMES if n != name])
+    a, b = rng.randint(2, 20), rng.randint(1, 10)
+    q = f"{name} has {a} {items}. {other} has {b} more than {name}. How many {items} do they have together?"
+    return q, a + (a + b), [f"{other} has {a} + {b} = {a + b} {items}.",
+                            f"Together they have {a} + {a + b} = {2 * a + b} {items}."]
+
+
+EASY_FAMILIES: dict[str, Callable[[random.Random], Problem]] = {
+    "addition": easy_addition, "subtraction": easy_subtraction, "multiplication": easy_multiplication,
+    "division": easy_division, "two_step": easy_two_step,
+}
+# Two-step rows count double: they carry the 2- and 3-step part of the easy spread.
+EASY_WEIGHTS = {"addition": 1.0, "subtraction": 1.0, "multiplication": 1.0, "division": 1.0, "two_step": 2.0}
+# The optional closing step "The answer is N." gives one-operation rows 1 or 2 steps and
+# two-step rows 2 or 3; it stays rare so the rendered targets stay short.
+EASY_ANSWER_STEP_SHARE = 0.3
+
+
+def generate_easy(n: int, seed: int, seen: set[str]) -> list[dict]:
+    """``n`` easy rows (without ids); questions in ``seen`` are skipped (and added)."""
+    rng = random.Random(seed)
+    names, weights = list(EASY_FAMILIES), [EASY_WEIGHTS[k] for k in EASY_FAMILIES]
+    rows = []
+    while len(rows) < n:
+        fam = rng.choices(names, weights)[0]
+        question, answer, steps = EASY_FAMILIES[fam](rng)
+        if rng.random() < EASY_ANSWER_STEP_SHARE:
+            steps = steps + [f"The answer is {answer}."]
+        if question in seen or not 0 < answer <= EASY_MAX_RESULT:
+            continue
+        seen.add(question)
+        rows.append({"question": question, "answer": str(answer), "reference_steps": steps,
+                     "source": fam, "difficulty": "easy"})
+    return rows
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as fh:
@@ -388,23 +534,70 @@ def make(out_dir: Path = DEFAULT_OUT, n_train: int = N_TRAIN, n_val: int = N_VAL
     return paths
 
 
+# --------------------------------------------------------------------------- demo preset
+DEMO_OUT = REPO_ROOT / "data" / "demo"
+DEMO_SEED = 2024
+DEMO_N_TRAIN = 320
+DEMO_N_VAL = 24
+DEMO_EASY_SHARE = 0.5
+
+
+def generate_demo(n: int, seed: int, start_id: int, seen: set[str],
+                  easy_share: float = DEMO_EASY_SHARE) -> list[dict]:
+    """``n`` rows ``demo-<start_id>``...: ``round(n * easy_share)`` easy rows, the rest
+    from the five hard families (``generate``), shuffled; each row gets ``difficulty``."""
+    n_easy = round(n * easy_share)
+    hard = [{**{k: v for k, v in r.items() if k != "id"}, "difficulty": "hard"}
+            for r in generate(n - n_easy, seed=seed, seen=seen)]
+    rows = hard + generate_easy(n_easy, seed=seed + 7, seen=seen)
+    random.Random(seed).shuffle(rows)
+    return [{"id": f"demo-{start_id + i:04d}", **r} for i, r in enumerate(rows)]
+
+
+def make_demo(out_dir: Path = DEMO_OUT, n_train: int = DEMO_N_TRAIN, n_val: int = DEMO_N_VAL,
+              seed: int = DEMO_SEED, easy_share: float = DEMO_EASY_SHARE) -> dict[str, Path]:
+    """Write the demo train.jsonl and val.jsonl (disjoint questions) into ``out_dir``."""
+    out_dir = Path(out_dir)
+    seen: set[str] = set()
+    train = generate_demo(n_train, seed, 1, seen, easy_share)
+    val = generate_demo(n_val, seed + 1, n_train + 1, seen, easy_share)
+    paths = {"train": out_dir / "train.jsonl", "val": out_dir / "val.jsonl"}
+    write_jsonl(train, paths["train"])
+    write_jsonl(val, paths["val"])
+    return paths
+
+
+def target_text(row: dict) -> str:
+    """The JSON answer the model is trained to write (as the format warm-up renders it)."""
+    return json.dumps({"reasoning_steps": row["reference_steps"], "answer": row["answer"]})
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--n-train", type=int, default=N_TRAIN)
-    ap.add_argument("--n-val", type=int, default=N_VAL)
-    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--preset", choices=("wordproblems", "demo"), default="wordproblems",
+                    help="wordproblems: the hard 2-8 step set; demo: half easy, half hard")
+    ap.add_argument("--out-dir", type=Path, default=None, help="default: data/<preset>")
+    ap.add_argument("--n-train", type=int, default=None)
+    ap.add_argument("--n-val", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--easy-share", type=float, default=DEMO_EASY_SHARE, help="demo preset only")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-    paths = make(args.out_dir, args.n_train, args.n_val, args.seed)
+    if args.preset == "demo":
+        paths = make_demo(args.out_dir or DEMO_OUT, args.n_train or DEMO_N_TRAIN, args.n_val or DEMO_N_VAL,
+                          DEMO_SEED if args.seed is None else args.seed, args.easy_share)
+    else:
+        paths = make(args.out_dir or DEFAULT_OUT, args.n_train or N_TRAIN, args.n_val or N_VAL,
+                     SEED if args.seed is None else args.seed)
     if not args.quiet:
         for split, p in paths.items():
             rows = read_jsonl(p)
             steps = Counter(len(r["reference_steps"]) for r in rows)
             fams = Counter(r["source"] for r in rows)
             mc = sum("choices" in r for r in rows)
-            print(f"{p}: {len(rows)} rows, multiple choice {mc}, steps {dict(sorted(steps.items()))}, "
-                  f"families {dict(sorted(fams.items()))}")
+            easy = sum(r.get("difficulty") == "easy" for r in rows)
+            print(f"{p}: {len(rows)} rows, easy {easy}, multiple choice {mc}, "
+                  f"steps {dict(sorted(steps.items()))}, families {dict(sorted(fams.items()))}")
 
 
 if __name__ == "__main__":
