@@ -1,6 +1,10 @@
-"""Draw reward, Match F1, accuracy and KL curves for any run folder.
+"""Draw the training curves of a run folder: reward, Match F1, accuracy, format rate, KL, loss.
 
-    python scripts/plot_run.py runs/demo/phase2-cpr [--out curves.png]
+    python scripts/plot_run.py runs/demo [--out curves.png]
+    python scripts/plot_run.py runs/demo/phase2-cpr
+
+A multi-phase run folder is drawn on one axis of cumulative optimizer steps, with the
+phase boundaries marked; one phase's folder is drawn alone.
 """
 
 import argparse
@@ -10,7 +14,7 @@ from crystal_grpo.train.plot import plot_run
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dir", help="a run folder (one phase's folder for a multi-phase run)")
+    ap.add_argument("run_dir", help="a run folder: a multi-phase run's, or one phase's")
     ap.add_argument("--out", help="PNG to write (default: RUN_DIR/training_curves.png)")
     a = ap.parse_args()
     try:

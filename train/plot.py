@@ -1,10 +1,50 @@
-"""Training curves of a run folder: reward, Match F1, accuracy and KL in one PNG."""
+"""Training curves of a run folder in one PNG: reward, Match F1, accuracy, format rate, KL, loss.
+
+A multi-phase run is drawn on one step axis, the run's cumulative optimizer step: phase k's
+steps are offset by the steps of the phases before it, so its step-0 validation sits on the
+boundary with the previous phase's last one. Boundaries are vertical lines labelled with
+the phase names. A series a phase did not log (KL in an SFT phase) is simply not drawn.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.train.summary import read_phases
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A panel: the training-row key (or ``<reward>/`` suffix) and validation key it draws."""
+
+    title: str
+    train_key: str | None
+    val_key: str | None
+
+
+PANELS = (Panel("reward", "reward", "reward"), Panel("Match F1", "f1", "f1"),
+          Panel("accuracy", "accuracy", "accuracy"), Panel("format rate", "format_rate", "format_rate"),
+          Panel("KL", "kl", None), Panel("training loss", "loss", None))
+
+
+@dataclass
+class Curve:
+    """One phase's points of one series, at cumulative steps."""
+
+    phase: str
+    kind: str  # "train" or "validation"
+    steps: list[int]
+    values: list[float]
+
+
+@dataclass
+class RunCurves:
+    """Everything the figure draws, in numbers (tests check these, not pixels)."""
+
+    title: str
+    boundaries: list[tuple[int, int, str]]  # (first, last cumulative step, phase name); [] for one phase
+    panels: dict[str, list[Curve]] = field(default_factory=dict)
 
 
 def _series(rows: list[dict], suffix: str) -> tuple[list[int], list[float]]:
@@ -18,36 +58,59 @@ def _series(rows: list[dict], suffix: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+def phase_series(run_dir: str | Path) -> RunCurves:
+    """Each panel's curves (training, then validation; phase by phase), shifted to the run's
+    cumulative step; series a phase did not log are left out."""
+    run_dir = Path(run_dir)
+    phases = read_phases(run_dir)
+    multi = phases[0].folder != run_dir  # phase folders (even a first one alone, still running)
+    if not any(p.train or p.validation for p in phases):
+        where = f" in any of its phase folders ({', '.join(p.folder.name for p in phases)})" if multi else ""
+        raise FileNotFoundError(f"{run_dir}: nothing to plot: no training rows in metrics.jsonl and no "
+                                f"validation.jsonl{where} (a run writes them from its first logged step)")
+    curves = RunCurves(run_dir.name, [(p.offset, p.offset + p.steps, p.name) for p in phases] if multi else [])
+    for panel in PANELS:
+        curves.panels[panel.title] = []
+        for kind, key in (("train", panel.train_key), ("validation", panel.val_key)):
+            for p in phases:
+                xs, ys = _series(p.train if kind == "train" else p.validation, key) if key else ([], [])
+                if xs:
+                    curves.panels[panel.title].append(Curve(p.name, kind, [p.offset + x for x in xs], ys))
+    return curves
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw a run folder (one phase or many); writes ``training_curves.png`` in it by default."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir}: no such run folder")
-    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r or "reward" in r]
-    val = read_jsonl(run_dir / "validation.jsonl")
-    if not train and not val:
-        phases = sorted(p.name for p in run_dir.iterdir() if (p / "metrics.jsonl").exists())
-        hint = (f"; this is a multi-phase run: plot one of its phase folders ({', '.join(phases)})" if phases
-                else " (a run writes them from its first logged step)")
-        raise FileNotFoundError(f"{run_dir}: nothing to plot: no training rows in metrics.jsonl and no "
-                                f"validation.jsonl{hint}")
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    panels = [("reward", "reward", "reward"), ("Match F1", "f1", "f1"),
-              ("accuracy", "accuracy", "accuracy"), ("KL", "kl", None)]
-    for ax, (title, train_key, val_key) in zip(axes.flat, panels):
-        ax.plot(*_series(train, train_key), label="train", lw=1.2)
-        if val_key:
-            xs, ys = _series(val, val_key)
-            ax.plot(xs, ys, "o-", label="validation", lw=1.2)
-        ax.set_title(title)
-        ax.set_xlabel("step")
+    curves = phase_series(run_dir)
+    fig, axes = plt.subplots(3, 2, figsize=(11, 10))
+    style = {"train": dict(color="C0", lw=1.2), "validation": dict(color="C1", lw=1.2, marker="o", ms=4)}
+    for ax, panel in zip(axes.flat, PANELS):
+        labelled = set()
+        for c in curves.panels[panel.title]:
+            ax.plot(c.steps, c.values, label=None if c.kind in labelled else c.kind, **style[c.kind])
+            labelled.add(c.kind)
+        for first, last, name in curves.boundaries:
+            if first:
+                ax.axvline(first, color="0.4", ls="--", lw=0.9)
+            ax.text((first + last) / 2, 1.0, name, transform=ax.get_xaxis_transform(), ha="center",
+                    va="bottom", fontsize=8, color="0.3")
+        if not labelled:
+            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="0.5")
+        else:
+            ax.legend(fontsize=8)
+        if curves.boundaries:
+            total = curves.boundaries[-1][1]
+            ax.set_xlim(-0.02 * total, 1.02 * total or 1)
+        ax.set_title(panel.title, pad=14 if curves.boundaries else 6)
+        ax.set_xlabel("optimizer step (cumulative over phases)" if curves.boundaries else "step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(run_dir.name)
+    fig.suptitle(curves.title)
     fig.tight_layout()
     out = Path(out) if out else run_dir / "training_curves.png"
     fig.savefig(out, dpi=90)
