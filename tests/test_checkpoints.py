@@ -159,7 +159,7 @@ def test_sigkill_while_saving_then_resume_latest_picks_the_last_complete_one(tmp
     assert f"skipping {run / 'checkpoint-2'}: incomplete" in proc.stdout
     assert f"resuming from {run / 'checkpoint-1'}" in proc.stdout
     assert _steps(run) == [1, 2, 3]  # step 2 was logged before the kill, and is logged once
-    assert _steps(run, "validation.jsonl", "accuracy") == [1, 2, 3]
+    assert _steps(run, "validation.jsonl", "accuracy") == [0, 1, 2, 3]  # step 0: validation.at_start
     assert all(checkpoint_problem(run / f"checkpoint-{s}") is None for s in (1, 2, 3))
 
 
@@ -192,7 +192,8 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
               "--resume_from_checkpoint latest")
     assert line == [f"interrupted by {sig.name} at step {step}: saved {run / f'checkpoint-{step}'}; {resume}"]
     assert checkpoint_problem(run / f"checkpoint-{step}") is None
-    assert not (run / "final").exists() and not (run / "validation.jsonl").exists()  # no end-of-run work
+    assert not (run / "final").exists()  # no end-of-run work: no final model, no final validation
+    assert _steps(run, "validation.jsonl", "accuracy") == [0]  # only the one before the first step
     if sig == signal.SIGINT:  # the printed command resumes and finishes
         resumed = resume.split(": ", 1)[1].split()[1:]
         resumed[resumed.index("40")] = str(step + 1)
@@ -254,7 +255,7 @@ def test_resume_with_logs_after_the_checkpoint_logs_each_step_once(tmp_path, tin
     assert grpo.main([*common, "--training.max_steps", "4", "--training.save_steps", "2",
                       "--resume_from_checkpoint", str(run / "checkpoint-2")]) == 0
     assert _steps(run) == [1, 2, 3, 4]
-    assert _steps(run, "validation.jsonl", "accuracy") == [1, 2, 3, 4]
+    assert _steps(run, "validation.jsonl", "accuracy") == [0, 1, 2, 3, 4]
     best = json.loads((run / "best_checkpoint.json").read_text())
     assert (run / best["checkpoint"]).is_dir()
 

@@ -109,7 +109,7 @@ def _step_prompts(run: Path, step: int) -> list[str]:
 def test_validation_metrics_and_best_checkpoint(tmp_path, tiny_lm_path):
     run = run_main(tmp_path, tiny_lm_path, "--training.save_steps", "100", "--validation.metric", "format_rate")
     vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
-    assert [v["step"] for v in vals] == [2]
+    assert [v["step"] for v in vals] == [0, 2]  # validation.at_start: step 0 too
     for key in ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate", "steps_mean"):
         assert key in vals[0]
     best = json.loads((run / "best_checkpoint.json").read_text())

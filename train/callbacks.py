@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import torch
 from transformers import TrainerCallback
@@ -28,6 +28,8 @@ class ValidationSection:
     max_new_tokens: int = option(256, "Greedy generation length.", ge=1)
     batch_size: int = option(8, "Generation batch size per process.", ge=1)
     metric: Metric = option("accuracy", "Best checkpoint by this metric (any of rewards.base.METRICS).")
+    at_start: bool = option(True, "Also validate before the first step (step 0), so every curve shows where it "
+                            "began; not a best-checkpoint candidate (no checkpoint holds those weights).")
 
 
 @torch.no_grad()
@@ -85,13 +87,19 @@ class ValidationCallback(TrainerCallback):
             self.best = read_json(best)
             if self.best is None or self.best["step"] > self.last_step:
                 self.best = None
-                for row in rows:  # replay the record up to the resumed step
-                    self._record(row["step"], {k: row[k] for k in METRICS if k in row})
+                for row in rows:  # replay the record up to the resumed step (step 0 is no candidate)
+                    if row["step"] > 0:
+                        self._record(row["step"], {k: row[k] for k in METRICS if k in row})
                 if trainer.is_world_process_zero():
                     if self.best is None:
                         best.unlink()
                     else:
                         atomic_write_text(best, json.dumps(self.best, indent=2))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.cfg.at_start and state.global_step == 0 and self.last_step < 0:
+            self.run(state, control, when="start")
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.cfg.eval_steps and state.global_step % self.cfg.eval_steps == 0:
@@ -100,9 +108,11 @@ class ValidationCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.last_step != state.global_step and not self.trainer.stopped_early:
-            self.run(state, control, final=True)
+            self.run(state, control, when="end")
 
-    def run(self, state, control, final: bool = False) -> dict[str, float]:
+    def run(self, state, control, when: Literal["start", "step", "end"] = "step") -> dict[str, float]:
+        """Validate now. At a step, the metrics join that step's log line and a new best asks for
+        a checkpoint; at the start and the end they are a log line of their own."""
         from trl.models.utils import unwrap_model_for_generation
 
         trainer = self.trainer
@@ -131,15 +141,15 @@ class ValidationCallback(TrainerCallback):
                 for r, c in zip(rows[:20], completions[:20]):
                     fh.write(json.dumps({"id": r["id"], "completion": c}) + "\n")
         logged = {f"val_{k}": v for k, v in metrics.items() if math.isfinite(v)}
-        if final:
-            trainer.log(logged)
-        else:  # joins this step's own log line instead of stealing its training metrics
+        if when == "step":  # joins this step's own log line instead of stealing its training metrics
             for k, v in logged.items():
                 trainer._metrics["train"][k].append(v)
-        if self._record(state.global_step, metrics):
+        else:
+            trainer.log(logged)
+        if when != "start" and self._record(state.global_step, metrics):
             state.best_metric = self.best["value"]
             state.best_model_checkpoint = str(Path(trainer.args.output_dir) / self.best["checkpoint"])
-            if not final:
+            if when == "step":
                 control.should_save = True
             if trainer.is_world_process_zero():
                 atomic_write_text(self.run_dir / "best_checkpoint.json", json.dumps(self.best, indent=2))

@@ -33,6 +33,8 @@ from crystal_grpo.train.trainer import StabilitySection
 from crystal_grpo.typed import ConfigError, Range, check_value, from_dict, option  # noqa: F401 - ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+#: What trains a phase: TRL's GRPOTrainer, or its SFTTrainer for a supervised warm start.
+TrainerKind = Literal["grpo", "sft"]
 
 
 @dataclass
@@ -50,6 +52,8 @@ class PhaseSection:
     """One phase of a multi-phase schedule: any top-level section overridden."""
 
     name: str = option("", "The phase's name (its folder: phase<i>-<name>).")
+    trainer: TrainerKind = option("grpo", "grpo, or sft: a supervised warm start on the training rows rendered "
+                                  "as the target JSON, with GRPO's prompt and the loss on the completion only.")
     init_from: Literal["best", "last", "none"] = option("best", "Which checkpoint of the previous phase to start "
                                                         "from.")
     overrides: dict[str, Any] = option(default_factory=dict, help="Sections of this config, as in the file.")
@@ -59,6 +63,7 @@ class PhaseSection:
 class RunConfig:
     """One run: each section is the config class of the code that reads it."""
 
+    trainer: TrainerKind = option("grpo", "What trains the run (each phase sets its own as phases[].trainer).")
     model: ModelSection = option(default_factory=ModelSection, help="The policy (train/models.py).")
     data: DataSection = option(default_factory=DataSection, help="Training data (train/data.py).")
     reward: RewardSection = option(default_factory=RewardSection, help="The reward (rewards/).")
@@ -194,21 +199,21 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> tuple[
     return cfg, raw
 
 
-@functools.lru_cache(maxsize=1)
-def grpo_field_types() -> dict[str, Any]:
-    """``trl.GRPOConfig``'s fields and their type hints (the ``training`` section's schema)."""
-    from trl import GRPOConfig
+@functools.lru_cache(maxsize=2)
+def training_field_types(kind: TrainerKind = "grpo") -> dict[str, Any]:
+    """The ``training`` section's schema: ``trl.GRPOConfig``'s (or ``SFTConfig``'s) fields and types."""
+    from trl import GRPOConfig, SFTConfig
 
-    return typing.get_type_hints(GRPOConfig)
+    return typing.get_type_hints(GRPOConfig if kind == "grpo" else SFTConfig)
 
 
-def _check_training(training: dict[str, Any], where: str) -> None:
-    """Every ``training`` key is a GRPOConfig field and its value fits that field's type."""
-    types_ = grpo_field_types()
+def _check_training(training: dict[str, Any], where: str, kind: TrainerKind) -> None:
+    """Every ``training`` key is a field of the phase's TRL config and its value fits that field's type."""
+    types_, name = training_field_types(kind), "trl.GRPOConfig" if kind == "grpo" else "trl.SFTConfig"
     for key, value in list(training.items()):
         if key not in types_:
             near = difflib.get_close_matches(key, sorted(types_), n=3)
-            raise ConfigError(f"{where}training: unknown key {key!r}; it must be a field of trl.GRPOConfig"
+            raise ConfigError(f"{where}training: unknown key {key!r}; it must be a field of {name}"
                               + (f" (close: {', '.join(near)})" if near else ""))
         training[key] = check_value(f"{where}training.{key}", value, types_[key], TRAINING_RANGES.get(key))
 
@@ -234,6 +239,10 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{where}model.name_or_path: required (an HF folder, hub id or GGUF folder)")
         if not c.data.train:
             raise ConfigError(f"{where}data.train: required (a JSONL file or a datasets folder)")
+        if c.trainer == "sft":
+            for key, value in (("curriculum", c.curriculum), ("pcgrad", c.pcgrad)):
+                if value:
+                    raise ConfigError(f"{where}{key}: set for an SFT phase; the curriculum and PCGrad are GRPO's")
         if c.curriculum is not None and c.curriculum.mode not in Schedule.registry:
             raise ConfigError(f"{where}curriculum.mode: invalid value {c.curriculum.mode!r}; expected one of "
                               + ", ".join(map(repr, Schedule.registry)))
@@ -251,7 +260,7 @@ def validate(cfg: RunConfig) -> None:
 def check_dict_sections(cfg: RunConfig, where: str = "") -> RunConfig:
     """Type-check (and coerce in place) the two free-form sections: reward.params, training."""
     _check_reward_params(cfg.reward, where)
-    _check_training(cfg.training, where)
+    _check_training(cfg.training, where, cfg.trainer)
     return cfg
 
 
@@ -262,7 +271,14 @@ def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
     over = phase.overrides.get("reward")
     if isinstance(over, dict) and over.get("name", base["reward"]["name"]) != base["reward"]["name"]:
         base["reward"] = {}  # another reward: the base reward's weights do not carry over
-    merged = deep_merge(base, phase.overrides)
+    if phase.trainer != cfg.trainer:  # e.g. an SFT warm start in a GRPO run: GRPO's own settings stay out
+        fields = training_field_types(phase.trainer)
+        base["training"] = {k: v for k, v in base["training"].items() if k in fields}
+        if phase.trainer == "sft":
+            base["curriculum"], base["pcgrad"] = None, False
+    if "trainer" in phase.overrides:
+        raise ConfigError(f"phases[{phase.name}].overrides.trainer: set the phase's kind as phases[].trainer")
+    merged = deep_merge({**base, "trainer": phase.trainer}, phase.overrides)
     where = f"phases[{phase.name}].overrides"
     return check_dict_sections(from_dict(RunConfig, _drop_none_sections(merged), where), where + ".")
 

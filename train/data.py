@@ -8,7 +8,9 @@ and then loaded lazily, when a batch asks for them.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -118,6 +120,71 @@ def build_prompt(row: dict, system_prompt: str | None = None) -> list[dict]:
         text += "\nOptions: " + " ".join(f"({letters[i]}) {c}" for i, c in enumerate(row["choices"]))
     return [{"role": "system", "content": system_prompt or SYSTEM_PROMPT},
             {"role": "user", "content": text}]
+
+
+def render_target(row: Mapping[str, Any]) -> str:
+    """The completion a perfect policy writes for a row (SPEC section 2): what the SFT warm
+    start trains on and what the length check measures."""
+    return json.dumps({"reasoning_steps": list(row["reference_steps"]), "answer": row["answer"]},
+                      ensure_ascii=False)
+
+
+def encode_example(tokenizer: Any, row: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+    """A row's prompt tokens exactly as GRPO generates from them, and the target completion's
+    tokens up to the end of the turn, tokenized APART: joined, a byte-level BPE may merge the
+    prompt's last character with the target's first, and the model would learn a context it
+    never sees when generating (TRL warns about that for prompt-completion data)."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+    target = render_target(row)
+    full = tok.apply_chat_template([*row["prompt"], {"role": "assistant", "content": target}], tokenize=False)
+    completion = full[len(prompt):] if full.startswith(prompt) else target + (tok.eos_token or "")
+    if tok.eos_token and tok.eos_token in completion:  # generation stops there
+        completion = completion[:completion.index(tok.eos_token) + len(tok.eos_token)]
+    return (tok(prompt, add_special_tokens=False)["input_ids"],
+            tok(completion, add_special_tokens=False)["input_ids"])
+
+
+def sft_dataset(ds: Dataset, processing_class: Any) -> Dataset:
+    """Rows for TRL's SFTTrainer with the loss on the target only: text rows pre-tokenized
+    (``input_ids`` and ``labels``, -100 on the prompt; :func:`encode_example`), rows with
+    images as prompt-completion messages (TRL's vision collator tokenizes the two apart)."""
+    raw = ds.with_format(None)  # the image paths, not the loading transform
+    if "images" in raw.column_names:
+        out = raw.map(lambda r: {"completion": [{"role": "assistant", "content": render_target(r)}]},
+                      remove_columns=[c for c in raw.column_names if c not in ("prompt", "images")])
+        return out.with_transform(_load_images)
+
+    def encode(row: dict) -> dict:
+        prompt, completion = encode_example(processing_class, row)
+        return {"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion}
+
+    return raw.map(encode, remove_columns=raw.column_names)
+
+
+#: Share of the targets a length limit may cut off before the run warns (SPEC: no silent truncation).
+MAX_TRUNCATED_SHARE = 0.05
+
+
+def target_lengths(tokenizer: Any, rows: Sequence[Mapping[str, Any]], with_prompt: bool = False) -> list[int]:
+    """Token lengths of the target completions (end of turn included: what generation must
+    fit in), or of prompt + target (SFT's ``max_length``)."""
+    pairs = [encode_example(tokenizer, r) for r in rows]
+    return [len(c) + (len(p) if with_prompt else 0) for p, c in pairs]
+
+
+def truncation_warning(lengths: Sequence[int], limit: int | None, key: str) -> str | None:
+    """A warning when ``limit`` cuts off more than MAX_TRUNCATED_SHARE of the targets, else None."""
+    if limit is None or not lengths or limit <= 0:
+        return None
+    over = sum(n > limit for n in lengths) / len(lengths)
+    if over <= MAX_TRUNCATED_SHARE:
+        return None
+    ordered = sorted(lengths)
+    p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+    return (f"{key}={limit} cuts off {over:.0%} of the reference answers rendered as the target JSON "
+            f"(tokens: mean {sum(lengths) / len(lengths):.0f}, p95 {p95}, max {ordered[-1]}); a completion "
+            f"that long fails the format check. Raise it to at least {p95}.")
 
 
 def _to_record(row: dict, base: Path, no: int, path: Path, system_prompt: str | None) -> dict:

@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 from crystal_grpo.jsonl import read_jsonl
-from crystal_grpo.rewards.base import METRICS
 from crystal_grpo.rewards.match_f1 import EncoderLoadError
 from crystal_grpo.train.checkpoints import (
     CheckpointError,
@@ -87,11 +86,11 @@ def check_zero_resume(checkpoint: str, world_size: int) -> None:
             f"from its consolidated weights: --model.name_or_path {checkpoint}")
 
 
-def grpo_args(cfg: RunConfig, output_dir: Path, extra: dict):
-    """Map the config onto TRL's GRPOConfig; the paper's choices are the defaults here."""
-    from trl import GRPOConfig
+def training_args(cfg: RunConfig, output_dir: Path, extra: dict):
+    """Map the config onto TRL's GRPOConfig (or SFTConfig for an SFT phase); the paper's
+    choices are the GRPO defaults here."""
+    from trl import GRPOConfig, SFTConfig
 
-    t = dict(cfg.training)
     defaults = {
         "output_dir": str(output_dir),
         "logging_steps": 1,
@@ -101,21 +100,24 @@ def grpo_args(cfg: RunConfig, output_dir: Path, extra: dict):
         "bf16": cfg.model.dtype == "bfloat16",
         "fp16": cfg.model.dtype == "float16",
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
-        # Paper recipe under TRL 1.x, whose defaults differ (SPEC section 7).
-        "loss_type": "grpo",
-        "beta": 0.04,
-        "scale_rewards": "group",
-        "epsilon": 0.2,
-        "temperature": 0.9,
-        "top_p": 1.0,
-        "top_k": 50,
         "seed": 42,
-        "remove_unused_columns": False,
         "disable_tqdm": False,
     }
-    t = {**defaults, **t, **extra, "output_dir": str(output_dir)}
+    if cfg.trainer == "grpo":
+        defaults.update({
+            # Paper recipe under TRL 1.x, whose defaults differ (SPEC section 7).
+            "loss_type": "grpo",
+            "beta": 0.04,
+            "scale_rewards": "group",
+            "epsilon": 0.2,
+            "temperature": 0.9,
+            "top_p": 1.0,
+            "top_k": 50,
+            "remove_unused_columns": False,
+        })
+    t = {**defaults, **cfg.training, **extra, "output_dir": str(output_dir)}
     try:
-        return GRPOConfig(**t)
+        return (GRPOConfig if cfg.trainer == "grpo" else SFTConfig)(**t)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"training: {err}") from err
 
@@ -129,16 +131,16 @@ def _sampler_factory(cfg: RunConfig, dataset, max_steps: int):
 
 
 def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callbacks: list | None = None) -> dict:
-    """One GRPO run; returns its final validation metrics."""
+    """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics."""
     from crystal_grpo.rewards import build_reward
     from crystal_grpo.train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
     from crystal_grpo.train.data import load_datasets
-    from crystal_grpo.train.models import load_policy, model_source, peft_config
-    from crystal_grpo.train.trainer import STATE_FILE, trainer_class
+    from crystal_grpo.train.models import load_policy, model_source
+    from crystal_grpo.train.trainer import STATE_FILE
 
     output_dir.mkdir(parents=True, exist_ok=True)
     extra = setup_distributed(cfg)
-    args = grpo_args(cfg, output_dir, extra)  # TRL's own value checks, before anything loads
+    args = training_args(cfg, output_dir, extra)  # TRL's own value checks, before anything loads
     model_source(cfg.model)  # and a missing model folder
     checkpoint = resolve_resume(output_dir, resume, say)
     if checkpoint:
@@ -155,18 +157,9 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
     if train.skipped:
         say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")
     model, processing_class = load_policy(cfg.model)
-    extra_kwargs = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
-    trainer = trainer_class(cfg.pcgrad)(
-        model=model,
-        reward=module,
-        args=args,
-        train_dataset=train.dataset,
-        processing_class=processing_class,
-        peft_config=peft_config(cfg.model),
-        sampler_factory=_sampler_factory(cfg, train.dataset, args.max_steps),
-        max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite,
-        **extra_kwargs,
-    )
+    for line in length_warnings(cfg, args, processing_class, train, val):
+        say(f"warning: {line}")
+    trainer = make_trainer(cfg, args, model, processing_class, module, train.dataset)
     trainer.add_callback(MetricsJsonlCallback(output_dir))
     if val is not None:
         trainer.add_callback(ValidationCallback(trainer, val.dataset, cfg.validation, output_dir, module))
@@ -193,6 +186,45 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
         f"\n  metrics: {output_dir}/metrics.jsonl  validation: {val_file}"
         f"\n  plot: {output_dir}/training_curves.png")
     return last
+
+
+def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset):
+    """The phase's trainer: GRPO (with PCGrad when asked for) or the SFT warm start."""
+    from crystal_grpo.train.models import peft_config
+
+    common = dict(model=model, args=args, processing_class=processing_class, peft_config=peft_config(cfg.model),
+                  max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite)
+    if cfg.trainer == "sft":
+        from crystal_grpo.train.data import sft_dataset
+        from crystal_grpo.train.sft import CrystalSFTTrainer
+
+        return CrystalSFTTrainer(train_dataset=sft_dataset(dataset, processing_class), **common)
+    from crystal_grpo.train.trainer import trainer_class
+
+    extra = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
+    return trainer_class(cfg.pcgrad)(reward=module, train_dataset=dataset,
+                                     sampler_factory=_sampler_factory(cfg, dataset, args.max_steps), **common, **extra)
+
+
+def length_warnings(cfg: RunConfig, args, processing_class, train, val) -> list[str]:
+    """Length limits that would cut off more than 5% of the rendered reference answers: a
+    correct completion cut short fails the format check (the demo once capped 96 tokens for
+    targets of 90-97 on average)."""
+    from crystal_grpo.train.data import target_lengths, truncation_warning
+
+    sample = lambda split: [split.dataset[i] for i in range(min(len(split.dataset), 256))]  # noqa: E731
+    rows = sample(train)
+    checks = []
+    if cfg.trainer == "grpo":
+        checks.append((target_lengths(processing_class, rows), args.max_completion_length,
+                       "training.max_completion_length"))
+    else:
+        checks.append((target_lengths(processing_class, rows, with_prompt=True), args.max_length,
+                       "training.max_length (prompt + target)"))
+    if val is not None:
+        checks.append((target_lengths(processing_class, sample(val)), cfg.validation.max_new_tokens,
+                       "validation.max_new_tokens"))
+    return [w for lengths, limit, key in checks if (w := truncation_warning(lengths, limit, key))]
 
 
 def phase_start(prev_dir: Path, init_from: str) -> str | None:
@@ -241,10 +273,13 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
                                                             "validation": summary[phase.name]}))
         prev = pdir
     if _main_process():
+        from crystal_grpo.train.plot import plot_run
+        from crystal_grpo.train.summary import write_summary
+
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-        say("\nphase summary (final validation)\n" + f"{'phase':<16}" + "".join(f"{k:>12}" for k in METRICS))
-        for name, m in summary.items():
-            say(f"{name:<16}" + "".join(f"{m.get(k, float('nan')):>12.3f}" for k in METRICS))
+        say(f"\nthe run, phase by phase (validation before -> after; {run_dir / 'run_summary.json'}):\n"
+            + write_summary(run_dir))
+        say(f"curves of all phases: {plot_run(run_dir)}")
     return summary
 
 

@@ -19,10 +19,11 @@ def _base_model(trainer) -> str:
     return str(getattr(config, "_name_or_path", "") or "")
 
 
-def model_card(base_model: str, model_name: str, reward_names: list[str], versions: dict[str, str]) -> str:
+def model_card(base_model: str, model_name: str, reward_names: list[str], versions: dict[str, str],
+               method: str = "GRPO") -> str:
     """Markdown with a YAML header; ``base_model`` is a hub id or a local path."""
     local = not base_model or os.path.isdir(base_model) or os.path.isabs(base_model)
-    header = {"library_name": "transformers", "tags": ["trl", "grpo", "crystal-grpo"]}
+    header = {"library_name": "transformers", "tags": ["trl", method.lower(), "crystal-grpo"]}
     if base_model and not local:
         header["base_model"] = base_model
     origin = (f"the local model `{base_model}`" if local and base_model else
@@ -31,8 +32,8 @@ def model_card(base_model: str, model_name: str, reward_names: list[str], versio
     lines = [
         "---", yaml.safe_dump(header, sort_keys=False).strip(), "---", "",
         f"# {model_name}", "",
-        f"Fine-tuned from {origin} with GRPO (TRL) by crystal-grpo: CRYSTAL's step-level rewards "
-        "(Match F1, Causal Process Reward).", "",
+        f"Fine-tuned from {origin} with {method} (TRL) by crystal-grpo: CRYSTAL's step-level rewards "
+        "(Match F1, Causal Process Reward) and the warm start that teaches their output format.", "",
         f"- Reward functions: {', '.join(f'`{r}`' for r in reward_names) or '-'}",
         "- The run folder holds the full configuration (`config.json`), the training log "
         "(`metrics.jsonl`) and validation (`validation.jsonl`, `best_checkpoint.json`).",
@@ -50,5 +51,6 @@ def write_model_card(trainer, model_name: str | None = None) -> Path:
     out = Path(trainer.args.output_dir) / "README.md"
     versions = {"TRL": trl.__version__, "Transformers": transformers.__version__, "PyTorch": torch.__version__}
     out.write_text(model_card(_base_model(trainer), model_name or Path(trainer.args.output_dir).name,
-                              list(trainer.reward_func_names), versions), encoding="utf-8")
+                              list(getattr(trainer, "reward_func_names", [])), versions,
+                              getattr(trainer, "_name", "GRPO")), encoding="utf-8")
     return out

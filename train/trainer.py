@@ -1,5 +1,8 @@
 """``CrystalGRPOTrainer``: TRL's GRPOTrainer with the fewest hooks this project needs.
 
+``CrystalTrainerMixin`` holds what every phase's trainer adds (the SFT phase's too,
+``train/sft.py``): the non-finite guard, checkpoint state and marker, interruption, model card.
+
 - ``_calculate_rewards``: the reward module (the trainer's explicit ``reward`` argument)
   evaluates each generation batch once; TRL's reward functions only name its components.
 - ``_get_train_sampler``: the step-count curriculum, when one is configured.
@@ -56,25 +59,17 @@ def trainer_class(pcgrad: bool) -> type["CrystalGRPOTrainer"]:
     return PCGradGRPOTrainer
 
 
-class CrystalGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer(model, reward=RewardModule, args, ...)``: the reward module is explicit.
+class CrystalTrainerMixin:
+    """What every trainer of a run adds to its TRL trainer (GRPO and SFT phases alike):
+    the non-finite guard, checkpoints with a completion marker and our state, Ctrl-C /
+    SIGTERM handling and the model card. First base, before the TRL trainer class."""
 
-    TRL gets one reward function per component (:meth:`RewardModule.reward_funcs`), for its
-    names and per-component logs (``rewards/<component>/mean``); the trainer does not call
-    them but evaluates the module once per generation batch (``_calculate_rewards``).
-    """
-
-    def __init__(self, model: Any, reward: RewardModule, *args: Any, sampler_factory: Callable | None = None,
-                 max_consecutive_nonfinite: int = 5, **kwargs: Any) -> None:
-        self.reward = reward
-        self.sampler_factory = sampler_factory
+    def __init__(self, *args: Any, max_consecutive_nonfinite: int = 5, **kwargs: Any) -> None:
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
         self.nonfinite_skipped = 0
         self.consecutive_nonfinite = 0
         self.stopped_nonfinite = False
-        super().__init__(model, reward.reward_funcs(), *args, **kwargs)
-        if sampler_factory is not None and hasattr(sampler_factory, "callback"):
-            self.add_callback(sampler_factory.callback())
+        super().__init__(*args, **kwargs)
         self.interrupt = GracefulStop()  # SIGINT/SIGTERM inside ``with self.interrupt.handling()``
         self.add_callback(self.interrupt)
 
@@ -82,40 +77,6 @@ class CrystalGRPOTrainer(GRPOTrainer):
     def stopped_early(self) -> bool:
         """Stopped by a signal or by non-finite updates (not at max_steps)."""
         return self.stopped_nonfinite or self.interrupt.stopped_at is not None
-
-    # -- rewards: one evaluation of the batch ---------------------------------------------
-    @profiling_decorator  # as TRL's own: the time goes to wandb/mlflow under profiling/
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's ``[N_global, F]`` rewards from ONE evaluation of the reward module.
-
-        Each process scores its own rows (parsing, answers, embedding: the costly part); the
-        per-row numbers are gathered so that the components (the composite's batch
-        statistics), the verbosity guard and the diagnostics see the whole generation batch.
-        """
-        start = time.perf_counter()
-        device = self.accelerator.device
-        local = self.reward.score(completions, inputs).batch
-        batch = Batch.from_tensor(self.accelerator.gather(local.as_tensor().to(device)).cpu())
-        comps, metrics = self.reward.rewards(batch, guard=self.model.training)
-        metrics["scoring_seconds"] = time.perf_counter() - start
-        for key, value in metrics.items():
-            if math.isfinite(value):
-                self._log_metric(f"{self.reward.name}/{key}", value)
-        return torch.stack([comps[name] for name in self.reward_func_names], dim=1).to(device, torch.float32)
-
-    # -- curriculum -------------------------------------------------------------------
-    def _get_train_sampler(self, dataset=None):
-        if self.sampler_factory is None:
-            return super()._get_train_sampler(dataset)
-        return self.sampler_factory(
-            dataset if dataset is not None else self.train_dataset,
-            mini_repeat_count=self.num_generations,
-            batch_size=self.args.generation_batch_size // self.num_generations,
-            repeat_count=self.num_iterations * self.args.steps_per_generation,
-            seed=self.args.seed,
-            steps_per_chunk=self.num_iterations * self.args.steps_per_generation
-            / self.args.gradient_accumulation_steps,
-        )
 
     # -- non-finite guard -------------------------------------------------------------
     def create_optimizer(self, model=None):
@@ -157,11 +118,12 @@ class CrystalGRPOTrainer(GRPOTrainer):
 
     # -- checkpoint state -------------------------------------------------------------
     def crystal_state(self) -> dict:
-        return {
-            "rewards": {self.reward.name: self.reward.state_dict()},
-            "nonfinite_skipped": self.nonfinite_skipped,
-            "settings": optimizer_settings(self.optimizer, self.lr_scheduler),
-        }
+        """What travels with a checkpoint besides HF's own state (``crystal_state.json``)."""
+        return {"nonfinite_skipped": self.nonfinite_skipped,
+                "settings": optimizer_settings(self.optimizer, self.lr_scheduler)}
+
+    def load_crystal_state(self, state: dict) -> None:
+        self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
 
     def _save_checkpoint(self, model, trial):
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
@@ -181,10 +143,13 @@ class CrystalGRPOTrainer(GRPOTrainer):
         path = os.path.join(checkpoint, STATE_FILE) if checkpoint else None
         if path and os.path.exists(path):
             with open(path) as fh:
-                state = json.load(fh)
-            if self.reward.name in state.get("rewards", {}):
-                self.reward.load_state_dict(state["rewards"][self.reward.name])
-            self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
+                self.load_crystal_state(json.load(fh))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training:
+            logs["nonfinite_skipped_total"] = float(self.nonfinite_skipped)
+            self._metrics["train"].pop("nonfinite_skipped", None)
+        super().log(logs, start_time)
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None) -> None:
@@ -192,6 +157,65 @@ class CrystalGRPOTrainer(GRPOTrainer):
             from crystal_grpo.train.model_card import write_model_card
 
             write_model_card(self, model_name)
+
+
+class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
+    """``GRPOTrainer(model, reward=RewardModule, args, ...)``: the reward module is explicit.
+
+    TRL gets one reward function per component (:meth:`RewardModule.reward_funcs`), for its
+    names and per-component logs (``rewards/<component>/mean``); the trainer does not call
+    them but evaluates the module once per generation batch (``_calculate_rewards``).
+    """
+
+    def __init__(self, model: Any, reward: RewardModule, *args: Any, sampler_factory: Callable | None = None,
+                 **kwargs: Any) -> None:
+        self.reward = reward
+        self.sampler_factory = sampler_factory
+        super().__init__(model, reward.reward_funcs(), *args, **kwargs)
+        if sampler_factory is not None and hasattr(sampler_factory, "callback"):
+            self.add_callback(sampler_factory.callback())
+
+    def crystal_state(self) -> dict:
+        return {**super().crystal_state(), "rewards": {self.reward.name: self.reward.state_dict()}}
+
+    def load_crystal_state(self, state: dict) -> None:
+        super().load_crystal_state(state)
+        if self.reward.name in state.get("rewards", {}):
+            self.reward.load_state_dict(state["rewards"][self.reward.name])
+
+    # -- rewards: one evaluation of the batch ---------------------------------------------
+    @profiling_decorator  # as TRL's own: the time goes to wandb/mlflow under profiling/
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's ``[N_global, F]`` rewards from ONE evaluation of the reward module.
+
+        Each process scores its own rows (parsing, answers, embedding: the costly part); the
+        per-row numbers are gathered so that the components (the composite's batch
+        statistics), the verbosity guard and the diagnostics see the whole generation batch.
+        """
+        start = time.perf_counter()
+        device = self.accelerator.device
+        local = self.reward.score(completions, inputs).batch
+        batch = Batch.from_tensor(self.accelerator.gather(local.as_tensor().to(device)).cpu())
+        comps, metrics = self.reward.rewards(batch, guard=self.model.training)
+        metrics["scoring_seconds"] = time.perf_counter() - start
+        for key, value in metrics.items():
+            if math.isfinite(value):
+                self._log_metric(f"{self.reward.name}/{key}", value)
+        return torch.stack([comps[name] for name in self.reward_func_names], dim=1).to(device, torch.float32)
+
+    # -- curriculum -------------------------------------------------------------------
+    def _get_train_sampler(self, dataset=None):
+        if self.sampler_factory is None:
+            return super()._get_train_sampler(dataset)
+        return self.sampler_factory(
+            dataset if dataset is not None else self.train_dataset,
+            mini_repeat_count=self.num_generations,
+            batch_size=self.args.generation_batch_size // self.num_generations,
+            repeat_count=self.num_iterations * self.args.steps_per_generation,
+            seed=self.args.seed,
+            steps_per_chunk=self.num_iterations * self.args.steps_per_generation
+            / self.args.gradient_accumulation_steps,
+        )
 
     # -- logging ----------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -204,7 +228,4 @@ class CrystalGRPOTrainer(GRPOTrainer):
             logs.update({f"curriculum/{k}": v for k, v in self.sampler_factory.stats(chunk).items()})
         if mode == "train" and torch.cuda.is_available():
             logs["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        if mode == "train":
-            logs["nonfinite_skipped_total"] = float(self.nonfinite_skipped)
-            self._metrics[mode].pop("nonfinite_skipped", None)
         super().log(logs, start_time)
