@@ -134,3 +134,23 @@ def test_run_warns_about_limits_that_cut_off_targets(tmp_path, tiny_lm_path, cap
     assert grpo.main([*argv[:-1], "200", "--validation.max_new_tokens", "200",
                       "--output_dir", str(tmp_path / "run2")]) == 0
     assert "cuts off" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("variant", ["lora", "vlm"])
+def test_sft_phase_with_lora_and_with_images(tmp_path, tiny_lm_path, tiny_vlm_path, variant):
+    """LoRA and vision-language models work in an SFT phase as in a GRPO phase."""
+    model = tiny_lm_path if variant == "lora" else tiny_vlm_path
+    extra = (["--model.lora", "{r: 4, alpha: 8, dropout: 0.0, target_modules: all-linear}"] if variant == "lora" else
+             ["--data.train", "data/shapes/shapes.jsonl", "--data.validation", "null", "--data.validation_fraction",
+              "0.25", "--data.max_train_samples", "null"])
+    phases = ("[{name: warm, trainer: sft, init_from: none, overrides: {training: {max_steps: 2, "
+              "per_device_train_batch_size: 2, learning_rate: 1.0e-3}}}]")
+    argv = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "run"), "--model.name_or_path", str(model),
+            "--validation.eval_steps", "0", "--validation.max_samples", "2", "--phases", phases, *extra]
+    assert grpo.main(argv) == 0
+    warm = tmp_path / "run" / "phase1-warm"
+    rows = _training_rows(warm)
+    assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    saved = "adapter_model.safetensors" if variant == "lora" else "model.safetensors"
+    assert (warm / "checkpoint-1" / saved).exists() and (warm / "final" / saved).exists()
+    assert [v["step"] for v in read_jsonl(warm / "validation.jsonl")] == [0, 2]
