@@ -271,10 +271,14 @@ class RewardModule:
         self.last_metrics = diagnostics(batch, comps, flagged)
         return comps, self.last_metrics
 
+    def total(self, batch: Batch) -> torch.Tensor:
+        """Each row's reward without the guard (the sum of its applicable components)."""
+        return _total(self.components(batch), len(batch))
+
     def metrics(self, batch: Batch) -> dict[str, float]:
         """The :data:`METRICS` of a batch: what validation and evaluation report."""
         per_row = {"accuracy": batch.correct, "format_rate": batch.format_ok, "steps_mean": batch.n_pred,
-                   "reward": _total(self.components(batch), len(batch))}
+                   "reward": self.total(batch)}
         return {m: _nanmean(per_row[m] if m in per_row else getattr(batch, m)) for m in METRICS}
 
     def _scorer(self) -> MatchF1Scorer:

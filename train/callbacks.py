@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
-import torch
 from transformers import TrainerCallback
 
 from crystal_grpo.distributed import gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards.base import METRICS, Metric, RewardModule
 from crystal_grpo.train.checkpoints import atomic_write_text, read_json
+from crystal_grpo.train.generation import Sampling, generate
 from crystal_grpo.typed import option
 
 
@@ -30,38 +30,6 @@ class ValidationSection:
     metric: Metric = option("accuracy", "Best checkpoint by this metric (any of rewards.base.METRICS).")
     at_start: bool = option(True, "Also validate before the first step (step 0), so every curve shows where it "
                             "began; not a best-checkpoint candidate (no checkpoint holds those weights).")
-
-
-@torch.no_grad()
-def generate_greedy(model, processing_class, prompts: list, images: list | None,
-                    max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy completions for conversational prompts (text or with images)."""
-    from trl.data_utils import prepare_multimodal_messages
-
-    tok = getattr(processing_class, "tokenizer", processing_class)
-    side, tok.padding_side = tok.padding_side, "left"
-    device = next(model.parameters()).device
-    out: list[str] = []
-    try:
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i:i + batch_size]
-            if images is not None:
-                imgs = images[i:i + batch_size]
-                msgs = [prepare_multimodal_messages(p, images=im) for p, im in zip(chunk, imgs)]
-                texts = [processing_class.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
-                         for m in msgs]
-                enc = processing_class(text=texts, images=[x for im in imgs for x in im] or None,
-                                       padding=True, return_tensors="pt")
-            else:
-                texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in chunk]
-                enc = tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
-            enc = {k: v.to(device) for k, v in enc.items()}
-            ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
-            out.extend(tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True))
-    finally:
-        tok.padding_side = side
-    return out
 
 
 class ValidationCallback(TrainerCallback):
@@ -125,8 +93,8 @@ class ValidationCallback(TrainerCallback):
         was_training = model.training
         with unwrap_model_for_generation(model, trainer.accelerator) as unwrapped:
             unwrapped.eval()
-            completions = generate_greedy(unwrapped, trainer.processing_class, [r["prompt"] for r in rows],
-                                          images, self.cfg.max_new_tokens, self.cfg.batch_size)
+            completions = [c[0] for c in generate(unwrapped, trainer.processing_class, [r["prompt"] for r in rows],
+                                                  images, Sampling(self.cfg.max_new_tokens), self.cfg.batch_size)]
         model.train(was_training)
         completions, _ = gather_objects(completions)
         rows, _ = gather_objects([{k: r[k] for k in ("answer", "reference_steps", "choices", "id")}

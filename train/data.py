@@ -196,6 +196,7 @@ def _to_record(row: dict, base: Path, no: int, path: Path, system_prompt: str | 
         "reference_sets": row.get("reference_sets"),
         "choices": row.get("choices"),
         "source": str(row.get("source", "")),
+        "difficulty": str(row.get("difficulty", "")),  # a label for evaluation breakdowns (data/demo has it)
         "images": [str(p) for p in _image_paths(row, base)],
     }
 

@@ -459,3 +459,19 @@ def peft_config(model_cfg: ModelSection):
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+def load_checkpoint(path: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
+                    device: Any = None) -> tuple[Any, Any]:
+    """A checkpoint the trainer wrote (full weights, or a LoRA adapter, which transformers
+    loads onto its base) ready to generate: ``(model in eval mode, processing class)``.
+    A folder that holds no model is a one-line :class:`ModelLoadError`."""
+    folder = Path(path)
+    if not folder.is_dir() or not any((folder / f).exists() for f in ("config.json", "adapter_config.json")):
+        raise ModelLoadError(f"{str(path)!r} is not a model folder (expected config.json with weights, or a LoRA "
+                             "adapter_config.json, as in a run's checkpoint-N/ or final/)")
+    model, processing = load_policy(ModelSection(name_or_path=str(folder), dtype=dtype,
+                                                 trust_remote_code=trust_remote_code))
+    if device is not None:
+        model.to(device)
+    return model.eval(), processing

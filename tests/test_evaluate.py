@@ -1,0 +1,192 @@
+"""scripts/evaluate.py: a model and its predictions file give the same metrics, a partly
+written evaluation resumes without regenerating, several processes merge in data order,
+a run folder evaluates each phase's best checkpoint, and bad input is one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.rewards import score as score_cli
+from crystal_grpo.train import evaluate as ev
+from crystal_grpo.train import grpo
+from crystal_grpo.train.eval_report import compare
+
+DATA = "data/wordproblems/val.jsonl"
+N = 6
+COMMON = ["--data", DATA, "--max_samples", str(N), "--max_new_tokens", "32", "--batch_size", "4",
+          "--bootstrap", "200", "--reward", "cpr"]
+
+
+def overall(folder: Path) -> dict:
+    return {k: v["value"] for k, v in json.loads((folder / "report.json").read_text())["overall"].items()}
+
+
+@pytest.fixture(scope="module")
+def model_eval(tmp_path_factory, tiny_lm_path) -> Path:
+    out = tmp_path_factory.mktemp("eval") / "model"
+    assert ev.main(["--model", str(tiny_lm_path), "--out", str(out), *COMMON]) == 0
+    return out
+
+
+def test_model_evaluation_writes_every_output(model_eval):
+    rows = read_jsonl(model_eval / "predictions.jsonl")
+    data_ids = [r["id"] for r in read_jsonl(DATA)[:N]]
+    assert [r["id"] for r in rows] == data_ids  # data order, one greedy sample each
+    assert all(set(r) >= {"completion", "reasoning_steps", "answer", "f1", "accuracy", "matched_pairs"} for r in rows)
+    report = json.loads((model_eval / "report.json").read_text())
+    assert report["rows"] == N and report["samples_per_row"] == 1
+    f1 = report["overall"]["f1"]
+    assert f1["ci_low"] <= f1["value"] <= f1["ci_high"]
+    assert sum(g["n"] for g in report["breakdowns"]["source"].values()) == N
+    assert set(report["breakdowns"]) >= {"source", "complexity tier", "reference steps"}
+    assert "| Match F1 |" in (model_eval / "report.md").read_text()
+    assert (model_eval / "report.png").stat().st_size > 0
+    # The per-row numbers are the report's numbers.
+    mean_f1 = sum(r["f1"] for r in rows) / N
+    assert f1["value"] == pytest.approx(mean_f1)
+
+
+def test_predictions_file_gives_identical_metrics(model_eval, tmp_path):
+    out = tmp_path / "again"
+    assert ev.main(["--predictions", str(model_eval / "predictions.jsonl"), "--out", str(out), *COMMON]) == 0
+    assert overall(out) == overall(model_eval)
+
+
+def test_crystal_metrics_file_rescored_by_the_scorer_cli(model_eval, tmp_path):
+    """The authors'-format file carries what was scored: the scorer CLI finds the same Match F1."""
+    out = tmp_path / "cli.json"
+    assert score_cli.main(["--predictions", str(model_eval / ev.CRYSTAL_METRICS), "--data", DATA, "--out",
+                           str(out), "--device", "cpu"]) == 0
+    examples = {e["id"]: e for e in json.loads(out.read_text())["examples"]}
+    rows = read_jsonl(model_eval / "predictions.jsonl")
+    assert len(examples) == len(rows) == N
+    for r in rows:
+        assert examples[r["id"]]["f1"] == pytest.approx(r["f1"], abs=1e-6)
+        assert examples[r["id"]]["pairs"] == r["matched_pairs"]
+
+
+def test_killed_evaluation_resumes_without_regenerating_and_finished_is_not_redone(
+        model_eval, tiny_lm_path, tmp_path, repo_root, capsys):
+    """SIGKILL an evaluation once it has written two rows; the rows it wrote are kept as
+    they are (marked here with another completion, which must survive the resume)."""
+    out = tmp_path / "resumed"
+    argv = ["--model", str(tiny_lm_path), "--out", str(out), *COMMON]
+    proc = subprocess.Popen([sys.executable, "scripts/evaluate.py", *argv, "--batch_size", "1"], cwd=repo_root,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    preds = out / "predictions.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (preds.exists() and preds.read_text().count("\n") >= 2):
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    written = read_jsonl(preds)
+    assert 2 <= len(written) < N and not (out / "report.json").exists()
+    marked = '{"reasoning_steps": ["a marked step"], "answer": "0"}'
+    preds.write_text("".join(json.dumps({**r, "completion": marked}) + "\n" for r in written))
+    assert ev.main(argv) == 0
+    rows = read_jsonl(preds)
+    ids = [r["id"] for r in read_jsonl(DATA)[:N]]
+    assert [r["id"] for r in rows] == ids
+    assert [r["completion"] for r in rows[:len(written)]] == [marked] * len(written)
+    reference = read_jsonl(model_eval / "predictions.jsonl")
+    assert [r["completion"] for r in rows[len(written):]] == [r["completion"] for r in reference[len(written):]]
+    stamp = preds.stat().st_mtime_ns
+    capsys.readouterr()
+    assert ev.main(argv) == 0
+    assert "already evaluated" in capsys.readouterr().out
+    assert preds.stat().st_mtime_ns == stamp
+    # A different evaluation into the same folder is refused, not mixed in.
+    assert ev.main([*argv, "--max_new_tokens", "8"]) == 2
+    assert "holds an evaluation of something else" in capsys.readouterr().err
+
+
+def test_a_cut_off_line_and_a_row_with_some_samples_are_generated_again(tmp_path):
+    path = tmp_path / "predictions.jsonl"
+    line = lambda i, k: json.dumps({"id": i, "sample": k, "completion": "x"}) + "\n"  # noqa: E731
+    path.write_text(line("a", 0) + line("a", 1) + line("b", 0) + line("c", 0)[:-9])
+    assert ev._resume_point(path, ["a", "b", "c"], num_samples=2) == [1, 2]
+    assert path.read_text() == line("a", 0) + line("a", 1)
+
+
+def test_sampling_k_per_row_reports_pass_at_k(tiny_lm_path, tmp_path):
+    out = tmp_path / "k2"
+    assert ev.main(["--model", str(tiny_lm_path), "--out", str(out), *COMMON, "--max_samples", "3",
+                    "--num_samples", "2", "--temperature", "1.0"]) == 0
+    rows = read_jsonl(out / "predictions.jsonl")
+    assert [(r["id"], r["sample"]) for r in rows][:2] == [(rows[0]["id"], 0), (rows[0]["id"], 1)] and len(rows) == 6
+    report = json.loads((out / "report.json").read_text())
+    assert report["samples_per_row"] == 2 and "pass_at_k" in report["overall"]
+    assert report["overall"]["pass_at_k"]["value"] >= report["overall"]["accuracy"]["value"]
+
+
+def test_compare_pairs_rows_and_intervals(model_eval, tmp_path, capsys):
+    other = tmp_path / "other"
+    preds = read_jsonl(model_eval / "predictions.jsonl")
+    perfect = read_jsonl(DATA)[:3]  # the first three rows answered with their own references
+    for p, row in zip(preds, perfect):
+        p["completion"] = json.dumps({"reasoning_steps": row["reference_steps"], "answer": row["answer"]})
+    path = tmp_path / "edited.jsonl"
+    path.write_text("".join(json.dumps({"id": p["id"], "completion": p["completion"]}) + "\n" for p in preds))
+    assert ev.main(["--predictions", str(path), "--out", str(other), *COMMON]) == 0
+    capsys.readouterr()
+    assert ev.main(["--compare", str(model_eval), str(other), "--bootstrap", "200"]) == 0
+    table = capsys.readouterr().out
+    line = next(x for x in table.splitlines() if x.startswith("| Accuracy |"))
+    result = compare([model_eval, other], bootstrap=200)
+    diff = result["metrics"]["accuracy"]["diffs"][0]
+    assert diff["value"] == pytest.approx(3 / N - overall(model_eval)["accuracy"])
+    assert diff["ci_low"] <= diff["value"] <= diff["ci_high"]
+    assert f"{diff['value']:.3f}" in line
+
+
+def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
+    assert ev.main(["--model", str(tmp_path), "--out", str(tmp_path / "o"), *COMMON]) == 2
+    assert "is not a model folder" in capsys.readouterr().err
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"id": "nope", "completion": "{}"}) + "\n")
+    assert ev.main(["--predictions", str(preds), "--out", str(tmp_path / "o2"), *COMMON]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the data" in err and "nope" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "question": "q", "answer": "1", "reference_steps": []}) + "\n")
+    assert ev.main(["--predictions", str(preds), "--out", str(tmp_path / "o3"), "--data", str(bad)]) == 2
+    assert f"{bad}:1:" in capsys.readouterr().err
+
+
+def test_run_folder_evaluates_each_phase_best_checkpoint(tmp_path, tiny_lm_path, capsys):
+    phases = ("[{name: a, init_from: none, overrides: {training: {max_steps: 1}}}, "
+              "{name: b, init_from: best, overrides: {training: {max_steps: 1}}}]")
+    run = tmp_path / "run"
+    assert grpo.main(["--config", "tiny.yaml", "--output_dir", str(run), "--model.name_or_path", str(tiny_lm_path),
+                      "--validation.eval_steps", "1", "--validation.max_samples", "2", "--validation.at_start", "false",
+                      "--phases", phases]) == 0
+    capsys.readouterr()
+    assert ev.main(["--run", str(run), "--max_samples", "2", "--max_new_tokens", "16", "--bootstrap", "50"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("phase1-a", "phase2-b"):
+        report = json.loads((run / "eval" / name / "report.json").read_text())
+        best = json.loads((run / name / "best_checkpoint.json").read_text())["checkpoint"]
+        assert report["model"] == str(run / name / best)
+        assert report["reward"] == json.loads((run / name / "config.json").read_text())["reward"]["name"]
+    assert "Paired over the 2 rows" in printed
+
+
+def test_two_processes_split_rows_and_merge_in_data_order(model_eval, tiny_lm_path, tmp_path, repo_root, free_port):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
+           "scripts/evaluate.py", "--model", str(tiny_lm_path), "--out", str(out), *COMMON, "--batch_size", "2"]
+    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, single = read_jsonl(out / "predictions.jsonl"), read_jsonl(model_eval / "predictions.jsonl")
+    assert [r["id"] for r in rows] == [r["id"] for r in single]
+    assert [r["completion"] for r in rows] == [r["completion"] for r in single]
+    assert overall(out) == overall(model_eval)

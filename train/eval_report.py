@@ -1,0 +1,217 @@
+"""What an evaluation reports: overall metrics with bootstrap intervals, breakdowns, a table
+a person can paste into a paper, a plot, and paired comparisons of several evaluations.
+
+Every figure is a macro average over data rows (SPEC section 3: dataset Match F1 is the
+mean of per-example F1); with several samples a row first averages its samples, and the
+bootstrap resamples rows, so the interval reflects the data, not the sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from crystal_grpo.curricula.complexity import complexity_tier, step_count
+from crystal_grpo.train.checkpoints import atomic_write_text
+
+ROW_METRICS = ("accuracy", "f1", "precision", "recall", "lis_ratio", "ordered_f1", "format_rate", "steps_mean",
+               "reward")
+LABELS = {"accuracy": "Accuracy", "f1": "Match F1", "precision": "Precision", "recall": "Recall",
+          "lis_ratio": "LIS ratio", "ordered_f1": "Ordered F1", "format_rate": "Format rate",
+          "steps_mean": "Mean steps", "reward": "Reward", "pass_at_k": "pass@k"}
+#: Reference-step-count buckets (CRYSTAL's references have 3-42 steps, mean 11.6).
+STEP_BUCKETS = ((1, 2), (3, 5), (6, 10), (11, 20), (21, None))
+
+
+def step_bucket(n: int) -> str:
+    for lo, hi in STEP_BUCKETS:
+        if n >= lo and (hi is None or n <= hi):
+            return f"{lo}+" if hi is None else (f"{lo}-{hi}" if hi != lo else str(lo))
+    return "0"
+
+
+def per_row_values(rows: Sequence[dict], scored: Sequence[dict]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Row ids, ``[rows, metrics]`` means over each row's samples (NaN where undefined, e.g.
+    step metrics of a row without references), and pass@k (1 if any sample is correct)."""
+    by_id: dict[str, list[dict]] = defaultdict(list)
+    for s in scored:
+        by_id[s["id"]].append(s)
+    ids = [r["id"] for r in rows]
+    values = np.full((len(ids), len(ROW_METRICS)), np.nan)
+    passed = np.zeros(len(ids))
+    for n, rid in enumerate(ids):
+        samples = by_id.get(rid, [])
+        for m, name in enumerate(ROW_METRICS):
+            xs = [s[name] for s in samples if s.get(name) is not None]
+            if xs:
+                values[n, m] = float(np.mean(xs))
+        passed[n] = float(any((s.get("accuracy") or 0) > 0 for s in samples))
+    return ids, values, passed
+
+
+def _nanmean(x: np.ndarray, axis=0):
+    with np.errstate(invalid="ignore"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmean(x, axis=axis)
+
+
+def bootstrap_ci(values: np.ndarray, resamples: int, seed: int, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile interval of the column means over ``resamples`` resamplings of the rows."""
+    n = values.shape[0]
+    if n == 0 or resamples <= 0:
+        nan = np.full(values.shape[1:], np.nan)
+        return nan, nan
+    rng = np.random.default_rng(seed)
+    means = np.stack([_nanmean(values[rng.integers(0, n, n)]) for _ in range(resamples)])
+    tail = (1 - level) / 2 * 100
+    return np.nanpercentile(means, tail, axis=0), np.nanpercentile(means, 100 - tail, axis=0)
+
+
+def _finite(x) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def build_report(rows: Sequence[dict], scored: Sequence[dict], identity: dict, bootstrap: int = 1000,
+                 seed: int = 0) -> dict:
+    """Overall figures with 95% intervals, and breakdowns by source, complexity tier,
+    reference step count (and the data's ``difficulty`` label when it has one)."""
+    ids, values, passed = per_row_values(rows, scored)
+    k = max((s["sample"] for s in scored), default=0) + 1
+    table = np.column_stack([values, passed]) if k > 1 else values
+    names = list(ROW_METRICS) + (["pass_at_k"] if k > 1 else [])
+    lo, hi = bootstrap_ci(table, bootstrap, seed)
+    mean = _nanmean(table)
+    overall = {m: {"value": _finite(mean[i]), "ci_low": _finite(lo[i]), "ci_high": _finite(hi[i])}
+               for i, m in enumerate(names)}
+    groups = {
+        "source": [r.get("source") or "-" for r in rows],
+        "complexity tier": [complexity_tier(r) for r in rows],
+        "reference steps": [step_bucket(step_count(r)) for r in rows],
+    }
+    if any(r.get("difficulty") for r in rows):
+        groups["difficulty"] = [r.get("difficulty") or "-" for r in rows]
+    breakdowns = {}
+    for name, labels in groups.items():
+        out = {}
+        for label in sorted(set(labels), key=_label_order):
+            sel = np.array([lab == label for lab in labels])
+            out[label] = {"n": int(sel.sum()), **{m: _finite(v) for m, v in zip(names, _nanmean(table[sel]))}}
+        breakdowns[name] = out
+    return {**identity, "rows": len(ids), "samples_per_row": k, "bootstrap_resamples": bootstrap,
+            "overall": overall, "breakdowns": breakdowns}
+
+
+def _label_order(label: str):
+    tiers = {"easy": 0, "medium": 1, "hard": 2}
+    head = label.split("-")[0].rstrip("+")
+    return (0, tiers[label], "") if label in tiers else (1, int(head), "") if head.isdigit() else (2, 0, label)
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown tables."""
+    what = report.get("model") or report.get("predictions")
+    lines = [f"# Evaluation of `{what}`", "",
+             f"Data: `{report['data']}`, {report['rows']} rows, {report['samples_per_row']} sample(s) a row "
+             f"(temperature {report['sampling']['temperature']}); reward `{report['reward']}`. "
+             f"95% bootstrap intervals over rows ({report['bootstrap_resamples']} resamples).", "",
+             "| metric | value | 95% CI |", "|---|---|---|"]
+    for m, v in report["overall"].items():
+        lines.append(f"| {LABELS[m]} | {_fmt(v['value'])} | [{_fmt(v['ci_low'])}, {_fmt(v['ci_high'])}] |")
+    cols = ("accuracy", "f1", "ordered_f1", "format_rate", "steps_mean")
+    for name, groups in report["breakdowns"].items():
+        lines += ["", f"## By {name}", "", f"| {name} | n | " + " | ".join(LABELS[c] for c in cols) + " |",
+                  "|---|---|" + "---|" * len(cols)]
+        for label, g in groups.items():
+            lines.append(f"| {label} | {g['n']} | " + " | ".join(_fmt(g.get(c)) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> Path:
+    """Accuracy, Match F1, Ordered F1 and format rate per complexity tier and per step bucket."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = ("accuracy", "f1", "ordered_f1", "format_rate")
+    panels = [n for n in ("complexity tier", "reference steps", "difficulty") if n in report["breakdowns"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        groups = report["breakdowns"][name]
+        x = np.arange(len(groups))
+        width = 0.8 / len(cols)
+        for j, c in enumerate(cols):
+            ax.bar(x + j * width, [g.get(c) or 0 for g in groups.values()], width, label=LABELS[c])
+        ax.set_xticks(x + 0.4 - width / 2, [f"{label}\n(n={g['n']})" for label, g in groups.items()])
+        ax.set_ylim(0, 1)
+        ax.set_title(f"by {name}")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(out: Path, report: dict) -> None:
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2))
+    atomic_write_text(out / "report.md", markdown(report))
+    plot(report, out / "report.png")
+
+
+# ------------------------------------------------------------------------------ comparing
+def load_scored(folder: Path) -> dict[str, dict[str, float]]:
+    """Per-row metric means of a finished evaluation folder (its scored predictions)."""
+    if not (folder / "report.json").exists():
+        raise ValueError(f"{folder}: not a finished evaluation (no report.json)")
+    by_id: dict[str, list[dict]] = defaultdict(list)
+    with open(folder / "predictions.jsonl", encoding="utf-8") as fh:
+        for line in fh:
+            row = json.loads(line)
+            by_id[row["id"]].append(row)
+    return {rid: {m: _finite(np.mean([s[m] for s in ss if s.get(m) is not None]))
+                  if any(s.get(m) is not None for s in ss) else None for m in ROW_METRICS}
+            for rid, ss in by_id.items()}
+
+
+def compare(folders: Sequence[Path], bootstrap: int = 1000, seed: int = 0) -> dict:
+    """Each evaluation's means on the rows all of them scored, and each one's paired
+    difference from the first with a bootstrap interval (rows resampled together)."""
+    runs = [load_scored(Path(f)) for f in folders]
+    common = sorted(set.intersection(*(set(r) for r in runs)))
+    if not common:
+        raise ValueError("the evaluations share no rows: compare evaluations of the same data")
+    arr = np.array([[[np.nan if r[i][m] is None else r[i][m] for m in ROW_METRICS] for i in common] for r in runs])
+    out = {"rows": len(common), "folders": [str(f) for f in folders], "metrics": {}}
+    for m, name in enumerate(ROW_METRICS):
+        entry = {"means": [_finite(_nanmean(arr[j, :, m])) for j in range(len(runs))], "diffs": []}
+        for j in range(1, len(runs)):
+            diff = arr[j, :, m] - arr[0, :, m]
+            lo, hi = bootstrap_ci(diff[:, None], bootstrap, seed)
+            entry["diffs"].append({"value": _finite(_nanmean(diff)), "ci_low": _finite(lo[0]),
+                                   "ci_high": _finite(hi[0])})
+        out["metrics"][name] = entry
+    return out
+
+
+def compare_markdown(result: dict) -> str:
+    names = [Path(f).name or str(f) for f in result["folders"]]
+    head = "| metric | " + " | ".join(names) + " | " + " | ".join(f"{n} - {names[0]} [95% CI]" for n in names[1:])
+    lines = [f"Paired over the {result['rows']} rows all evaluations scored.", "", head + " |",
+             "|---|" + "---|" * (2 * len(names) - 1)]
+    for m, e in result["metrics"].items():
+        diffs = [f"{_fmt(d['value'], 3)} [{_fmt(d['ci_low'])}, {_fmt(d['ci_high'])}]" for d in e["diffs"]]
+        lines.append(f"| {LABELS[m]} | " + " | ".join(_fmt(v) for v in e["means"]) + " | " + " | ".join(diffs) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,564 @@
+"""Evaluate a checkpoint, or a predictions file, on a data set with the trainer's own scorer.
+
+Generation is :mod:`crystal_grpo.train.generation` (the validation callback's code), rows are
+read and checked by :mod:`crystal_grpo.train.data` (the same ``file:line`` errors as
+training), scoring is :meth:`RewardModule.score` (the one evaluation). Completions are
+appended to ``predictions.jsonl`` chunk by chunk, so an interrupted evaluation continues
+where it stopped; several processes split the pending rows and the main process writes
+them in the data's order. Scoring and the report come once every row has its completions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from crystal_grpo.distributed import gather_objects, rank_and_world
+from crystal_grpo.jsonl import Unreadable, iter_jsonl
+from crystal_grpo.rewards import build_reward
+from crystal_grpo.rewards.base import RewardModule
+from crystal_grpo.rewards.parsing import ParsedOutput
+from crystal_grpo.train.checkpoints import atomic_write_text
+from crystal_grpo.train.generation import Sampling
+
+PREDICTIONS = "predictions.jsonl"
+REPORT = "report.json"
+#: The per-example format of the scorer CLI (``crystal-grpo-score``) and of CRYSTAL's
+#: ``crystal-metrics`` tool: one ``{"id", "reasoning_steps", "answer"}`` object a line.
+CRYSTAL_METRICS = "crystal_metrics_predictions.jsonl"
+
+
+class EvalError(ValueError):
+    """Bad input for an evaluation (not a model, ids that do not match the data, ...)."""
+
+
+@dataclass
+class EvalSetup:
+    """What an evaluation scores with: the run's reward, prompt and data, when there is a run."""
+
+    reward: str = "cpr"
+    reward_params: dict[str, Any] = field(default_factory=dict)
+    system_prompt: str | None = None
+    data: str | None = None
+    dtype: str | None = None
+    trust_remote_code: bool = False
+    max_new_tokens: int = 256
+    run_config: str | None = None  # the config.json this came from
+
+    @classmethod
+    def from_run_config(cls, path: Path) -> "EvalSetup":
+        return cls.from_config_dict(json.loads(path.read_text()), str(path))
+
+    @classmethod
+    def from_config_dict(cls, cfg: dict, where: str | None = None) -> "EvalSetup":
+        """From a resolved run config (a phase's ``config.json``, or a loaded YAML config)."""
+        data, model, reward = cfg.get("data") or {}, cfg.get("model") or {}, cfg.get("reward") or {}
+        return cls(reward=reward.get("name", "cpr"), reward_params=dict(reward.get("params") or {}),
+                   system_prompt=data.get("system_prompt"), data=data.get("validation"), dtype=model.get("dtype"),
+                   trust_remote_code=bool(model.get("trust_remote_code")),
+                   max_new_tokens=int((cfg.get("validation") or {}).get("max_new_tokens") or 256),
+                   run_config=where)
+
+
+def find_run_config(checkpoint: str | Path) -> Path | None:
+    """The ``config.json`` of the run phase a checkpoint belongs to (its folder or the one above)."""
+    for folder in (Path(checkpoint), Path(checkpoint).parent):
+        cfg = folder / "config.json"
+        if cfg.is_file() and "trainer" in _json_keys(cfg):
+            return cfg
+    return None
+
+
+def _json_keys(path: Path) -> set[str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return set()
+    return set(data) if isinstance(data, dict) else set()
+
+
+# ----------------------------------------------------------------------------- predictions
+def read_predictions(path: Path) -> list[dict]:
+    """Prediction rows of a file: each needs ``id`` and either the raw ``completion`` or the
+    scorer CLI's ``reasoning_steps`` and ``answer``; a bad line is an error naming it."""
+    out = []
+    for no, row in iter_jsonl(path):
+        where = f"{path}:{no}"
+        if isinstance(row, Unreadable):
+            raise EvalError(f"{where}: {row.problem}")
+        if not isinstance(row, dict) or not isinstance(row.get("id"), (str, int)) or isinstance(row.get("id"), bool):
+            raise EvalError(f"{where}: expected a JSON object with an 'id' (a string or integer)")
+        if not isinstance(row.get("completion"), str) and not isinstance(row.get("reasoning_steps"), list):
+            raise EvalError(f"{where}: expected 'completion' (the model's text) or 'reasoning_steps' and 'answer'")
+        out.append({**row, "id": str(row["id"]), "sample": int(row.get("sample", 0))})
+    return out
+
+
+def check_ids(predictions: Sequence[dict], ids: Sequence[str], source: str, data: str, complete: bool = True) -> None:
+    """Every prediction names a data row; with ``complete``, every data row has a prediction."""
+    known = set(ids)
+    unknown = sorted({p["id"] for p in predictions} - known)
+    predicted = {p["id"] for p in predictions}
+    missing = [i for i in ids if i not in predicted] if complete else []
+    if unknown or missing:
+        parts = []
+        if unknown:
+            parts.append(f"{len(unknown)} id(s) not in {data} (e.g. {', '.join(unknown[:3])})")
+        if missing:
+            parts.append(f"{len(missing)} row(s) of {data} without a prediction (e.g. {', '.join(missing[:3])})")
+        raise EvalError(f"{source} does not match the data: " + "; ".join(parts))
+
+
+def _as_completion(pred: dict) -> str | ParsedOutput:
+    """The raw completion when there is one (parsed as in training), else the given steps
+    and answer as a well-formed output."""
+    if isinstance(pred.get("completion"), str):
+        return pred["completion"]
+    answer = pred.get("answer")
+    return ParsedOutput(steps=[str(s).strip() for s in pred.get("reasoning_steps") or [] if str(s).strip()],
+                        answer=None if answer is None else str(answer), format_ok=True)
+
+
+# ------------------------------------------------------------------------------ generation
+def _pending(path: Path, ids: Sequence[str], num_samples: int) -> list[int]:
+    """Indices of rows still without all their completions (a resumed evaluation)."""
+    done: dict[str, int] = {}
+    if path.exists():
+        for row in read_predictions(path):
+            done[row["id"]] = done.get(row["id"], 0) + 1
+    return [i for i, rid in enumerate(ids) if done.get(rid, 0) < num_samples]
+
+
+def _drop_partial(path: Path, num_samples: int) -> None:
+    """What a kill can leave: a last line cut off mid-write, a row with only some of its
+    samples. Both go (the row is generated again); whole rows stay as written."""
+    if not path.exists():
+        return
+    text = path.read_text(encoding="utf-8")
+    lines = [x for x in text.split("\n")[:-1] if x.strip()]  # after the last newline: an unfinished line
+    try:
+        parsed = [json.loads(x) for x in lines]
+    except ValueError:
+        return  # damaged in the middle: not a kill; reading it names the line
+    if not all(isinstance(row, dict) for row in parsed):
+        return
+    counts: dict[str, int] = {}
+    for row in parsed:
+        counts[str(row.get("id"))] = counts.get(str(row.get("id")), 0) + 1
+    kept = [x for x, row in zip(lines, parsed) if counts[str(row.get("id"))] >= num_samples]
+    new = "".join(x + "\n" for x in kept)
+    if new != text:
+        atomic_write_text(path, new)
+
+
+def _resume_point(path: Path, ids: Sequence[str], num_samples: int) -> list[int]:
+    """The rows to generate, the same on every process (the main one tidies the file first)."""
+    rank, world = rank_and_world()
+    if rank == 0:
+        _drop_partial(path, num_samples)
+    _barrier(world)
+    pending = _pending(path, ids, num_samples)
+    _barrier(world)  # everyone has read the file before the main process appends to it
+    return pending
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def generate_predictions(model, processing_class, dataset, out_dir: Path, sampling: Sampling, batch_size: int,
+                         progress: bool = True) -> int:
+    """Append the missing completions of ``dataset`` to ``out_dir/predictions.jsonl``; returns
+    how many rows were generated now. Rows are split over processes round by round (every
+    process runs the same number of rounds), and the main process writes each round in
+    the data's order, so a kill loses at most the round in flight."""
+    from crystal_grpo.train.generation import generate
+
+    rank, world = rank_and_world()
+    path = out_dir / PREDICTIONS
+    ids = list(dataset["id"])
+    pending = _resume_point(path, ids, sampling.num_samples)
+    bar = _progress(len(pending), enabled=progress and rank == 0)
+    per_round = batch_size * world
+    for start in range(0, len(pending), per_round):
+        mine = pending[start:start + per_round][rank::world]
+        rows = [dataset[i] for i in mine]
+        images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
+        texts = generate(model, processing_class, [r["prompt"] for r in rows], images, sampling,
+                         batch_size) if rows else []
+        done, _ = gather_objects(list(zip(mine, texts)))
+        if rank == 0:
+            with open(path, "a", encoding="utf-8") as fh:
+                for i, completions in sorted(done):
+                    for k, text in enumerate(completions):
+                        fh.write(json.dumps({"id": ids[i], "sample": k, "completion": text}, ensure_ascii=False)
+                                 + "\n")
+            bar.update(len(done))
+    bar.close()
+    return len(pending)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="row", desc="generating", disable=not enabled or total == 0)
+
+
+def generate_with_vllm(model_path: str, dataset, out_dir: Path, sampling: Sampling, setup: EvalSetup) -> int:
+    """The pending rows through vLLM (one process; vLLM does its own parallelism). Text and
+    images go in as the training prompt through the model's chat template."""
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError as err:
+        raise EvalError("--backend vllm: vLLM is not installed (pip install vllm; it needs a CUDA GPU)") from err
+    path = out_dir / PREDICTIONS
+    ids = list(dataset["id"])
+    pending = _resume_point(path, ids, sampling.num_samples)
+    if not pending:
+        return 0
+    llm = LLM(model=model_path, dtype=setup.dtype or "auto", trust_remote_code=setup.trust_remote_code)
+    params = SamplingParams(n=sampling.num_samples, temperature=max(sampling.temperature, 0.0),
+                            top_p=sampling.top_p, max_tokens=sampling.max_new_tokens)
+    tok = llm.get_tokenizer()
+    requests = []
+    for i in pending:
+        row = dataset[i]
+        text = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        requests.append({"prompt": text, **({"multi_modal_data": {"image": row["images"]}}
+                                            if row.get("images") else {})})
+    outputs = llm.generate(requests, params)
+    with open(path, "a", encoding="utf-8") as fh:
+        for i, out in zip(pending, outputs):
+            for k, o in enumerate(out.outputs):
+                fh.write(json.dumps({"id": ids[i], "sample": k, "completion": o.text}, ensure_ascii=False) + "\n")
+    return len(pending)
+
+
+# --------------------------------------------------------------------------------- scoring
+def score_predictions(module: RewardModule, rows: Sequence[dict], predictions: Sequence[dict]) -> list[dict]:
+    """Per-example results (one per prediction, in the data's order, then by sample): what
+    the completion says, the metrics, the reward of ``module`` and the matched step pairs."""
+    by_id = {r["id"]: r for r in rows}
+    order = {r["id"]: n for n, r in enumerate(rows)}
+    preds = sorted(predictions, key=lambda p: (order[p["id"]], p["sample"]))
+    data_rows = [by_id[p["id"]] for p in preds]
+    scored = module.score([_as_completion(p) for p in preds], data_rows, with_steps=True)
+    b = scored.batch
+    reward = module.total(b)
+    pairs: dict[int, tuple[list, int]] = {}
+    if scored.steps is not None:
+        for n, i in enumerate(scored.step_rows):
+            best = scored.steps.best_reference
+            pairs[i] = (scored.steps.pairs[n].tolist(), int(best[n]) if best is not None else 0)
+    out = []
+    for i, (p, parsed) in enumerate(zip(preds, scored.parsed)):
+        num = lambda t: None if math.isnan(float(t[i])) else float(t[i])  # noqa: E731
+        matched, chain = pairs.get(i, ([], None))
+        out.append({
+            "id": p["id"], "sample": p["sample"], "completion": p.get("completion"),
+            "reasoning_steps": parsed.steps, "answer": parsed.answer,
+            "accuracy": num(b.correct), "format_rate": num(b.format_ok), "steps_mean": num(b.n_pred),
+            "precision": num(b.precision), "recall": num(b.recall), "f1": num(b.f1), "lis_ratio": num(b.lis_ratio),
+            "ordered_f1": num(b.ordered_f1), "reward": num(reward),
+            "matched_pairs": matched, "reference_chain": chain,
+        })
+    return out
+
+
+def write_scored(out_dir: Path, scored: Sequence[dict]) -> None:
+    """``predictions.jsonl`` with the scores (atomically: the raw file is the resume state),
+    and the first sample of each row in the ``crystal-metrics`` input format."""
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in scored)
+    atomic_write_text(out_dir / PREDICTIONS, lines)
+    firsts = "".join(json.dumps({"id": r["id"], "reasoning_steps": r["reasoning_steps"], "answer": r["answer"]},
+                                ensure_ascii=False) + "\n" for r in scored if r["sample"] == 0)
+    atomic_write_text(out_dir / CRYSTAL_METRICS, firsts)
+
+
+# ------------------------------------------------------------------------------- one call
+Backend = Literal["auto", "hf", "vllm"]
+
+
+@dataclass
+class EvalRequest:
+    """One evaluation: a model or a predictions file, on a data file, into a folder."""
+
+    data: str
+    out: Path
+    model: str | None = None
+    predictions: str | None = None
+    setup: EvalSetup = field(default_factory=EvalSetup)
+    sampling: Sampling = field(default_factory=Sampling)
+    batch_size: int = 8
+    backend: Backend = "auto"
+    max_samples: int | None = None
+    bootstrap: int = 1000
+    seed: int = 0
+    force: bool = False
+
+
+def evaluate(req: EvalRequest) -> dict | None:
+    """Generate what is missing, score, write the report; returns it (None on other ranks).
+
+    A finished evaluation of the same model, data and sampling is not redone (``force``
+    does); a different one in the same folder is refused rather than mixed in.
+    """
+    from crystal_grpo.train.data import load_split
+    from crystal_grpo.train.eval_report import build_report, write_report
+
+    rank, world = rank_and_world()
+    out = Path(req.out)
+    identity = {"model": req.model, "predictions": req.predictions, "data": str(req.data),
+                "sampling": vars(req.sampling), "reward": req.setup.reward, "reward_params": req.setup.reward_params,
+                "max_samples": req.max_samples}
+    previous = _read_identity(out)
+    if previous is not None and previous != identity and not req.force:
+        raise EvalError(f"{out} holds an evaluation of something else ({_differs(previous, identity)}); "
+                        "choose another --out or pass --force to start it again")
+    report_path = out / REPORT
+    if report_path.exists() and previous == identity and not req.force:
+        if rank == 0:
+            print(f"{out}: already evaluated (report.json); --force evaluates again")
+        return json.loads(report_path.read_text()) if rank == 0 else None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if req.force:
+            for name in (PREDICTIONS, REPORT, CRYSTAL_METRICS):
+                (out / name).unlink(missing_ok=True)
+        atomic_write_text(out / "evaluation.json", json.dumps(identity, indent=2))
+    _barrier(world)
+    ds = load_split(req.data, system_prompt=req.setup.system_prompt).dataset
+    all_ids = list(ds["id"])
+    if req.max_samples is not None:
+        ds = ds.select(range(min(req.max_samples, len(ds))))
+    rows = ds.with_format(None).remove_columns([c for c in ("images",) if c in ds.column_names]).to_list()
+    if req.predictions is not None:
+        predictions = read_predictions(Path(req.predictions))
+        check_ids(predictions, all_ids, req.predictions, req.data, complete=False)
+        keep = {r["id"] for r in rows}
+        predictions = [p for p in predictions if p["id"] in keep]
+        check_ids(predictions, [r["id"] for r in rows], req.predictions, req.data)
+        seconds = 0.0
+    else:
+        start = time.perf_counter()
+        backend = _backend(req.backend, world)
+        if backend == "vllm":
+            if rank == 0:
+                generate_with_vllm(req.model, ds, out, req.sampling, req.setup)
+        else:
+            from transformers import set_seed
+
+            from crystal_grpo.train.models import load_checkpoint
+
+            set_seed(req.seed + rank)  # sampled completions are reproducible
+            model, processing = load_checkpoint(req.model, dtype=req.setup.dtype,
+                                                trust_remote_code=req.setup.trust_remote_code, device=_device())
+            generate_predictions(model, processing, ds, out, req.sampling, req.batch_size)
+        seconds = time.perf_counter() - start
+        _barrier(world)
+        if rank != 0:
+            return None
+        predictions = read_predictions(out / PREDICTIONS)
+        check_ids(predictions, [r["id"] for r in rows], str(out / PREDICTIONS), req.data)
+    if rank != 0:
+        return None
+    module = build_reward(req.setup.reward, **req.setup.reward_params)
+    scored = score_predictions(module, rows, predictions)
+    write_scored(out, scored)
+    report = build_report(rows, scored, identity, bootstrap=req.bootstrap, seed=req.seed)
+    report["generation_seconds"] = seconds
+    write_report(out, report)
+    return report
+
+
+def _backend(requested: Backend, world: int) -> str:
+    if requested != "auto":
+        return requested
+    import importlib.util
+
+    import torch
+
+    return "vllm" if world == 1 and torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
+
+
+def _device():
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _read_identity(out: Path) -> dict | None:
+    path = out / "evaluation.json"
+    try:
+        return json.loads(path.read_text()) if path.exists() else None
+    except ValueError:
+        return None
+
+
+def _differs(a: dict, b: dict) -> str:
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return ", ".join(f"{k}: {a.get(k)!r} there, {b.get(k)!r} now" for k in keys[:3])
+
+
+# ------------------------------------------------------------------------------------ CLI
+def run_targets(run_dir: Path) -> list[tuple[str, Path, Path]]:
+    """(phase name, checkpoint, its config.json) for every phase of a run folder: the best
+    checkpoint, or ``final/`` when the phase has no usable best."""
+    phases = sorted((p for p in run_dir.glob("phase*-*") if (p / "config.json").is_file()),
+                    key=lambda p: int(p.name[5:].split("-")[0]) if p.name[5:].split("-")[0].isdigit() else 0)
+    if not phases and (run_dir / "config.json").is_file():
+        phases = [run_dir]
+    if not phases:
+        raise EvalError(f"{run_dir}: not a run folder (no config.json, no phaseN-name/ folders)")
+    out = []
+    for p in phases:
+        best = p / "best_checkpoint.json"
+        ckpt = None
+        if best.exists():
+            ckpt = p / json.loads(best.read_text())["checkpoint"]
+        if ckpt is None or not ckpt.is_dir():
+            ckpt = p / "final"
+        if not ckpt.is_dir():
+            raise EvalError(f"{p}: neither a best checkpoint nor final/ (did the phase finish?)")
+        out.append((p.name, ckpt, p / "config.json"))
+    return out
+
+
+def build_parser():
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="evaluate.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Score a checkpoint (or a predictions file) on a data set with the trainer's scorer.",
+        epilog="examples:\n"
+               "  python scripts/evaluate.py --model runs/cpr/final --data data/wordproblems/val.jsonl --out eval/cpr\n"
+               "  python scripts/evaluate.py --run runs/demo                      # every phase's best checkpoint\n"
+               "  python scripts/evaluate.py --predictions eval/cpr/predictions.jsonl --data ... --out ...\n"
+               "  python scripts/evaluate.py --compare eval/a eval/b\n"
+               "  accelerate launch scripts/evaluate.py --model ... --data ... --out ...   # rows split over processes")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="a model folder: a run's checkpoint-N/ or final/, or any HF model folder")
+    what.add_argument("--run", help="a run folder: evaluates every phase's best checkpoint")
+    what.add_argument("--predictions", help="score these completions instead of generating (JSONL: id and "
+                      "completion, or id, reasoning_steps and answer)")
+    what.add_argument("--compare", nargs="+", metavar="EVAL_DIR", help="side by side: finished evaluation folders "
+                      "of the same rows, with paired differences from the first")
+    ap.add_argument("--data", help="JSONL data (SPEC section 1); default with --run: the run's validation data")
+    ap.add_argument("--out", help="output folder (default with --run: RUN/eval/PHASE)")
+    ap.add_argument("--config", help="a run config (name or path) whose reward and system prompt to use; default: "
+                    "the run config next to the checkpoint, else the cpr reward")
+    ap.add_argument("--reward", help="reward whose value is reported (default: the run's)")
+    ap.add_argument("--num_samples", type=int, default=1, help="completions per row (pass@k with k > 1)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default, the paper's)")
+    ap.add_argument("--top_p", type=float, default=1.0)
+    ap.add_argument("--max_new_tokens", type=int, help="default: the run's validation.max_new_tokens, else 256")
+    ap.add_argument("--batch_size", type=int, default=8, help="prompts per generate call and process")
+    ap.add_argument("--backend", choices=["auto", "hf", "vllm"], default="auto",
+                    help="auto: vLLM when installed and on a GPU (one process), else transformers")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the run's model.dtype")
+    ap.add_argument("--max_samples", type=int, help="only the first N data rows")
+    ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="evaluate again even if the folder holds a finished one")
+    return ap
+
+
+def _setup(args, checkpoint: str | None, run_config: Path | None) -> EvalSetup:
+    if args.config:
+        import dataclasses
+
+        from crystal_grpo.train.config import load_config
+
+        setup = EvalSetup.from_config_dict(dataclasses.asdict(load_config(args.config)[0]), args.config)
+    else:
+        found = run_config or (find_run_config(checkpoint) if checkpoint else None)
+        setup = EvalSetup.from_run_config(found) if found else EvalSetup()
+    if args.reward:
+        setup.reward, setup.reward_params = args.reward, {k: v for k, v in setup.reward_params.items()
+                                                          if k in ("encoder", "device", "threshold")}
+    if args.dtype:
+        setup.dtype = args.dtype
+    if args.max_new_tokens:
+        setup.max_new_tokens = args.max_new_tokens
+    return setup
+
+
+def _check_numbers(args) -> None:
+    for key, low in (("num_samples", 1), ("batch_size", 1), ("max_new_tokens", 1), ("max_samples", 1),
+                     ("bootstrap", 0)):
+        v = getattr(args, key)
+        if v is not None and v < low:
+            raise EvalError(f"--{key} {v}: expected an integer >= {low}")
+    if args.num_samples > 1 and args.temperature <= 0:
+        raise EvalError(f"--num_samples {args.num_samples} with greedy decoding gives identical samples: "
+                        "set --temperature > 0")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import sys
+
+    from crystal_grpo.train.data import DataError
+    from crystal_grpo.train.eval_report import compare, compare_markdown
+    from crystal_grpo.train.models import ModelLoadError
+    from crystal_grpo.typed import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        _check_numbers(args)
+        if args.compare:
+            print(compare_markdown(compare([Path(f) for f in args.compare], args.bootstrap, args.seed)), end="")
+            return 0
+        _init_distributed()
+        if args.run:
+            run_dir = Path(args.run)
+            targets = run_targets(run_dir)
+            base = Path(args.out) if args.out else run_dir / "eval"
+            jobs = [(str(ckpt), base / name, cfg) for name, ckpt, cfg in targets]
+        else:
+            if not args.out:
+                raise EvalError("--out is required with --model and --predictions")
+            jobs = [(args.model, Path(args.out), None)]
+        folders = []
+        for model, out, cfg in jobs:
+            setup = _setup(args, model, cfg)
+            data = args.data or setup.data
+            if not data:
+                raise EvalError("--data is required (the run config names no validation data)")
+            sampling = Sampling(setup.max_new_tokens, args.temperature, args.top_p, args.num_samples)
+            req = EvalRequest(data=data, out=out, model=model if not args.predictions else None,
+                              predictions=args.predictions, setup=setup, sampling=sampling, batch_size=args.batch_size,
+                              backend=args.backend, max_samples=args.max_samples, bootstrap=args.bootstrap,
+                              seed=args.seed, force=args.force)
+            report = evaluate(req)
+            folders.append(out)
+            if report is not None:
+                from crystal_grpo.train.eval_report import markdown
+
+                print(markdown(report).split("\n## ")[0].rstrip() + f"\n\n(full report: {out / 'report.md'})\n")
+        if len(folders) > 1 and rank_and_world()[0] == 0:
+            print(compare_markdown(compare(folders, args.bootstrap, args.seed)), end="")
+        return 0
+    except (EvalError, DataError, ModelLoadError, ConfigError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _init_distributed() -> None:
+    """Under ``accelerate launch``/``torchrun``: a process group (gloo without a GPU)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch
+        from accelerate import PartialState
+
+        cuda = torch.cuda.is_available()
+        PartialState(cpu=not cuda, backend=None if cuda else "gloo")
