@@ -190,3 +190,25 @@ def test_two_processes_split_rows_and_merge_in_data_order(model_eval, tiny_lm_pa
     assert [r["id"] for r in rows] == [r["id"] for r in single]
     assert [r["completion"] for r in rows] == [r["completion"] for r in single]
     assert overall(out) == overall(model_eval)
+
+
+def test_lora_checkpoint_loads_merged_onto_its_base(tiny_lm_path, tmp_path):
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from crystal_grpo.train.models import load_checkpoint
+
+    adapter = tmp_path / "adapter"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)  # B != 0
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_lm_path), lora).save_pretrained(adapter)
+    merged, _ = load_checkpoint(adapter)
+    assert not hasattr(merged, "peft_config")  # merged: generation runs at full-model speed
+    ids = torch.tensor([[1, 5, 9, 23, 42]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_lm_path).eval()
+    with torch.no_grad():
+        plain = base(ids).logits
+        unmerged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_lm_path), adapter).eval()(
+            ids).logits
+        got = merged(ids).logits
+    assert torch.allclose(got, unmerged, atol=1e-4) and not torch.allclose(got, plain, atol=1e-3)

@@ -461,17 +461,49 @@ def peft_config(model_cfg: ModelSection):
     )
 
 
+def adapter_base(folder: str | Path, override: str | None = None) -> str:
+    """The base model of a LoRA adapter folder: ``override`` or its adapter config's
+    ``base_model_name_or_path`` (a path relative to where training ran, or a hub id)."""
+    config = Path(folder) / "adapter_config.json"
+    try:
+        name = override or json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"{config}: unreadable ({err})") from err
+    if not name:
+        raise ModelLoadError(f"{config}: no base_model_name_or_path; pass the base model folder")
+    path = Path(os.path.expanduser(name))
+    if path.is_dir():
+        return str(path.resolve())
+    if override or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ModelLoadError(f"LoRA base model {name!r} ({'given' if override else str(config)}) is not a folder seen "
+                             f"from {os.getcwd()}: run from the folder training ran in, or pass the base model folder")
+    return name  # a hub id; offline, from the local cache
+
+
 def load_checkpoint(path: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
-                    device: Any = None) -> tuple[Any, Any]:
-    """A checkpoint the trainer wrote (full weights, or a LoRA adapter, which transformers
-    loads onto its base) ready to generate: ``(model in eval mode, processing class)``.
-    A folder that holds no model is a one-line :class:`ModelLoadError`."""
+                    device: Any = None, base_model: str | None = None) -> tuple[Any, Any]:
+    """A checkpoint the trainer wrote ready to generate: ``(model in eval mode, processing
+    class)``. A LoRA adapter is loaded onto its base and merged (PEFT ``merge_and_unload``),
+    so generation runs at full-model speed. A folder without a model is a one-line
+    :class:`ModelLoadError`."""
     folder = Path(path)
-    if not folder.is_dir() or not any((folder / f).exists() for f in ("config.json", "adapter_config.json")):
+    adapter = (folder / "adapter_config.json").is_file()
+    if not folder.is_dir() or not (adapter or (folder / "config.json").is_file()):
         raise ModelLoadError(f"{str(path)!r} is not a model folder (expected config.json with weights, or a LoRA "
                              "adapter_config.json, as in a run's checkpoint-N/ or final/)")
-    model, processing = load_policy(ModelSection(name_or_path=str(folder), dtype=dtype,
+    source = adapter_base(folder, base_model) if adapter else str(folder)
+    model, processing = load_policy(ModelSection(name_or_path=source, dtype=dtype or "float32",
                                                  trust_remote_code=trust_remote_code))
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+        if any((folder / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")) and not _is_processor(
+                processing):
+            from transformers import AutoTokenizer
+
+            processing = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+            _prepare_tokenizer(processing)
     if device is not None:
         model.to(device)
     return model.eval(), processing

@@ -1,0 +1,517 @@
+"""Turn any checkpoint a run writes into a standalone Hugging Face folder.
+
+    python scripts/export.py runs/cpr/checkpoint-2800 --out exports/cpr-2800 [--keep_adapter] [--dtype bfloat16]
+
+Evaluation tools (vLLM, lmms-eval, the CRYSTAL authors' crystal-metrics) load a plain model
+folder; a run leaves three kinds of checkpoint, and none of them should need this repository
+to be read:
+
+- full (``model.safetensors`` + ``config.json``): re-saved in the asked dtype;
+- LoRA (``adapter_model.safetensors`` + ``adapter_config.json``, whose
+  ``base_model_name_or_path`` names the base): merged into the base weights with PEFT's
+  ``merge_and_unload`` (in float32, so the base is rounded once, to the output dtype), or
+  kept as an adapter (``--keep_adapter``) whose config names the base by absolute path;
+- DeepSpeed ZeRO (``latest`` naming ``global_stepN/`` with ``*zero_pp_rank_*optim_states.pt``
+  shards): consolidated by DeepSpeed's own ``zero_to_fp32`` on CPU, in one process, whatever
+  the world size that wrote them. The shards hold the optimizer's fp32 master weights, the
+  true weights; the ``model.safetensors`` the trainer gathers beside them
+  (``stage3_gather_16bit_weights_on_model_save``) is a 16-bit copy when training in
+  bf16/fp16, so it is never used.
+
+The folder gets sharded safetensors with an index, config, generation config, the
+tokenizer or processor with its chat template, and a model card made from the run folder's
+records (``train/model_card.py``). It is written under a temporary name beside ``--out``,
+reloaded with transformers (PEFT for an adapter), made to generate once from a training
+prompt, and only then renamed into place: a failed or interrupted export never leaves a
+half-written folder, and an existing ``--out`` (replaced only with ``--overwrite``) is
+swapped out only after the new folder passed that check. Remote code stays off unless the
+run's config (``model.trust_remote_code``) asked for it; weights are read and written as
+safetensors only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from crystal_grpo.jsonl import iter_jsonl
+from crystal_grpo.train.checkpoints import MARKER, checkpoint_problem, safetensors_problem
+from crystal_grpo.train.model_card import RunRecord, export_card, framework_versions, read_run_record
+
+DTYPES = ("float32", "bfloat16", "float16")
+#: Asked when the run's config names no readable training file (or the folder has no run records).
+FALLBACK_QUESTION = {"question": "A shop packs 12 pencils in a box. How many pencils are in 3 boxes?"}
+EXPECTED = ("expected a checkpoint folder: model.safetensors + config.json (a full checkpoint), "
+            "adapter_model.safetensors + adapter_config.json (LoRA), or a DeepSpeed ZeRO checkpoint "
+            "(a `latest` file naming global_stepN/ with *zero_pp_rank_*optim_states.pt shards, + config.json)")
+Kind = Literal["full", "lora", "zero"]
+
+
+class ExportError(ValueError):
+    """Input that cannot be exported (not a checkpoint, ``--out`` taken, base model missing);
+    the message is one line that names what was expected."""
+
+
+@dataclass
+class Checkpoint:
+    """What kind of checkpoint a folder is, found from its files alone (nothing loaded)."""
+
+    path: Path
+    kind: Kind
+    zero_tag: str | None = None  # global_stepN
+    zero_ranks: int = 0  # processes that wrote the shards
+    adapter: dict | None = None  # adapter_config.json
+
+    def describe(self) -> str:
+        shards = f"{self.zero_ranks} rank shards in {self.zero_tag}/"
+        if self.kind == "zero":
+            return f"DeepSpeed ZeRO checkpoint ({shards})"
+        if self.kind == "lora":
+            return "LoRA adapter checkpoint" + (f" with DeepSpeed ZeRO shards ({shards})" if self.zero_tag else "")
+        return "full checkpoint"
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    kind: str  # full | lora-merged | lora-adapter | zero
+    dtype: str
+    files: list[str]
+    prompt_source: str
+    completion: str
+
+
+# --- what the folder is ---------------------------------------------------------------
+def inspect_checkpoint(path: str | Path) -> Checkpoint:
+    """The checkpoint's kind, after checking its files are complete (sizes against the
+    trainer's completion marker when there is one, safetensors headers always)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ExportError(f"{p}: no such folder; {EXPECTED}")
+    if (p / MARKER).exists():
+        problem = checkpoint_problem(p)
+    else:
+        problem = next(filter(None, map(safetensors_problem, sorted(p.rglob("*.safetensors")))), None)
+    if problem:
+        raise ExportError(f"broken checkpoint: {problem}")
+    has = lambda name: (p / name).is_file()  # noqa: E731
+    tag, ranks = None, 0
+    if has("latest"):
+        tag = (p / "latest").read_text(encoding="utf-8").strip()
+        ranks = len(list((p / tag).glob("*zero_pp_rank_*optim_states.pt"))) if tag else 0
+        if not ranks:
+            raise ExportError(f"{p}: `latest` names {tag!r}, but {p / tag} holds no *zero_pp_rank_*optim_states.pt "
+                              "shards (an incomplete DeepSpeed checkpoint)")
+    if has("adapter_config.json"):
+        if not has("adapter_model.safetensors"):
+            raise ExportError(f"{p}: adapter_config.json without adapter_model.safetensors (only safetensors "
+                              "weights are read)")
+        try:
+            adapter = json.loads((p / "adapter_config.json").read_text(encoding="utf-8"))
+        except ValueError as err:
+            raise ExportError(f"{p / 'adapter_config.json'}: unreadable ({err})") from err
+        return Checkpoint(p, "lora", tag, ranks, adapter)
+    if tag:
+        if not has("config.json"):
+            raise ExportError(f"{p}: DeepSpeed shards without the model's config.json")
+        return Checkpoint(p, "zero", tag, ranks)
+    if has("config.json") and (has("model.safetensors") or has("model.safetensors.index.json")):
+        return Checkpoint(p, "full")
+    pickled = sorted(x.name for x in p.glob("*.bin") if x.name != "training_args.bin")
+    if pickled:
+        raise ExportError(f"{p}: holds {', '.join(pickled)} (pickle) but no safetensors weights; only safetensors "
+                          f"are read. {EXPECTED}")
+    raise ExportError(f"{p}: not a checkpoint; {EXPECTED}")
+
+
+def resolve_base(ckpt: Checkpoint, override: str | None = None) -> str:
+    """The LoRA base (``--base_model`` or the adapter config's path, resolved from here)."""
+    from crystal_grpo.train.models import ModelLoadError, adapter_base
+
+    try:
+        return adapter_base(ckpt.path, override)
+    except ModelLoadError as err:
+        raise ExportError(f"{err} (--base_model PATH)") from err
+
+
+def _raw_config(source: str) -> dict:
+    path = Path(source) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except ValueError as err:
+        raise ExportError(f"{path}: unreadable ({err})") from err
+
+
+def default_dtype(raw: dict) -> str:
+    """The dtype the checkpoint's config records (``dtype``, or ``torch_dtype`` before
+    transformers 5; a VLM may record it in its text config); float32 when none."""
+    for cfg in (raw, raw.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if cfg.get(key) in DTYPES:
+                return cfg[key]
+    return "float32"
+
+
+# --- loading ----------------------------------------------------------------------------
+def model_class(config: Any):
+    """AutoModelForCausalLM for language models; the class that wrote a VLM (its
+    ``architectures``), or the auto class for its type."""
+    import transformers
+
+    from crystal_grpo.train.models import REMOTE_CODE_MODEL_TYPES, is_vision_language
+
+    if not is_vision_language(config):
+        return transformers.AutoModelForCausalLM
+    if getattr(config, "model_type", "") in REMOTE_CODE_MODEL_TYPES:
+        return transformers.AutoModel
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    return getattr(transformers, arch, None) or transformers.AutoModelForImageTextToText
+
+
+def load_config(source: str, trust: bool):
+    from transformers import AutoConfig
+
+    from crystal_grpo.train.models import _check_remote_code
+
+    _check_remote_code(_raw_config(source) if Path(source).is_dir() else None, trust, source)
+    return AutoConfig.from_pretrained(source, trust_remote_code=trust)
+
+
+def load_processing(sources: list[str], config: Any, trust: bool):
+    """The tokenizer, or for a VLM the processor (never a bare tokenizer), from the first
+    source that has tokenizer files (a LoRA checkpoint's own, else its base's)."""
+    from transformers import AutoTokenizer
+
+    from crystal_grpo.train.models import is_vision_language, load_processor
+
+    local = [s for s in sources if any((Path(s) / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json"))]
+    src = (local or sources)[0]
+    kw = {"trust_remote_code": trust}
+    if is_vision_language(config):
+        return load_processor(src, Path(src).is_dir(), config, kw)
+    return AutoTokenizer.from_pretrained(src, **kw)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def concrete_class(cls, config: Any, trust: bool):
+    """The model class an auto class picks for ``config`` (an auto class needs a folder or
+    hub id to load from, not a bare state dict)."""
+    if getattr(cls, "_model_mapping", None) is None:
+        return cls
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust and cls.__name__ in auto_map:  # the checkpoint's own modeling code, as the auto class would load it
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(auto_map[cls.__name__], config._name_or_path)
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    return _get_model_class(config, cls._model_mapping)
+
+
+def _from_pretrained(cls, source: str | None, dtype: str, trust: bool, **kw):
+    """``from_pretrained`` that refuses to fill missing weights with random ones; with
+    ``source`` None, from ``state_dict=`` and ``config=`` in ``kw``."""
+    if source is None:
+        cls = concrete_class(cls, kw["config"], trust)
+    model, info = cls.from_pretrained(source, dtype=_torch_dtype(dtype), trust_remote_code=trust,
+                                      output_loading_info=True, **kw)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise RuntimeError(f"weights missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return model
+
+
+def zero_state_dict(ckpt: Checkpoint) -> dict:
+    """The fp32 master weights, consolidated from every rank's shards by DeepSpeed."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        # (its progress lines and bars; the export's own line says what was consolidated)
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.path), tag=ckpt.zero_tag)
+
+
+def adapter_weights(ckpt: Checkpoint, say) -> dict:
+    """The adapter's tensors, named as in ``adapter_model.safetensors``: the fp32 master
+    weights from the ZeRO shards when the checkpoint has them (the file then holds the
+    copies gathered at save time, 16-bit in bf16/fp16 training), else the file's."""
+    from safetensors.torch import load_file
+
+    saved = load_file(ckpt.path / "adapter_model.safetensors")
+    if not ckpt.zero_tag:
+        return saved
+    # DeepSpeed names them as the PeftModel's parameters: <module>.lora_A.<adapter name>.weight
+    name = ".default."
+    master = {k.replace(name, "."): v for k, v in zero_state_dict(ckpt).items() if "lora_" in k}
+    if set(master) != set(saved):
+        say(f"  note: the ZeRO shards' LoRA tensors do not line up with adapter_model.safetensors ({len(master)} vs "
+            f"{len(saved)}); using the file ({_safetensors_dtype(ckpt.path / 'adapter_model.safetensors')})")
+        return saved
+    say(f"  adapter weights: the fp32 master weights of the ZeRO shards, consolidated by DeepSpeed (zero_to_fp32) "
+        f"on CPU from {ckpt.zero_ranks} ranks; the {_safetensors_dtype(ckpt.path / 'adapter_model.safetensors')} "
+        "adapter_model.safetensors beside them is not used")
+    return master
+
+
+def _safetensors_dtype(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        code = next(v["dtype"] for k, v in header.items() if k != "__metadata__")
+        return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(code, code)
+    except (OSError, ValueError, StopIteration, KeyError, struct.error):
+        return None
+
+
+# --- the check before success ------------------------------------------------------------
+def training_prompt(config: dict | None, max_rows: int = 1000) -> tuple[str, list[dict], list | None]:
+    """(where it came from, the conversational prompt, images or None): the first valid row
+    of the run's training file, prompted exactly as in training, else a fixed question."""
+    from crystal_grpo.train.data import _image_paths, build_prompt, row_problems
+
+    data = (config or {}).get("data") or {}
+    system = data.get("system_prompt")
+    path = Path(str(data.get("train") or ""))
+    if data.get("train") and path.is_file():
+        with contextlib.suppress(OSError):
+            for no, row in iter_jsonl(path):
+                if isinstance(row, dict) and not row_problems(row, path.parent):
+                    from PIL import Image
+
+                    images = [Image.open(p).convert("RGB") for p in _image_paths(row, path.parent)]
+                    return f"{path}:{no}", build_prompt(row, system), images or None
+                if no >= max_rows:
+                    break
+    return "a fixed question (no run config naming a readable training file)", build_prompt(FALLBACK_QUESTION,
+                                                                                             system), None
+
+
+def generate_once(model, processing, prompt: list[dict], images: list | None, max_new_tokens: int) -> str:
+    """Greedy, with the generation code validation and evaluation use (same chat template path)."""
+    from crystal_grpo.train.generation import Sampling, generate
+
+    vlm = getattr(processing, "image_processor", None) is not None
+    return generate(model.eval(), processing, [prompt], [images] if images and vlm else None,
+                    Sampling(max_new_tokens=max_new_tokens), batch_size=1)[0][0]
+
+
+# --- the export -------------------------------------------------------------------------
+def _weight_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.suffix == ".safetensors")
+
+
+def _size(folder: Path) -> str:
+    n = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return f"{n / 2**20:.1f} MB" if n < 2**30 else f"{n / 2**30:.2f} GB"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename the finished folder to ``out`` (a fresh name for os.replace); an existing
+    ``out`` is moved aside first and deleted only once the new one is in place."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = False, dtype: str | None = None,
+           max_shard_size: str = "5GB", overwrite: bool = False, base_model: str | None = None,
+           max_new_tokens: int = 16, say=print) -> ExportResult:
+    """Export ``checkpoint`` to ``out`` as described in the module docstring."""
+    ckpt = inspect_checkpoint(checkpoint)
+    out = Path(out)
+    here, there = ckpt.path.resolve(), out.resolve()
+    if here == there or here.is_relative_to(there) or there.is_relative_to(here):
+        raise ExportError(f"--out {out} overlaps the checkpoint {ckpt.path}: export to a folder outside it")
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out} exists: pass --overwrite to replace it (swapped in only after the new export "
+                          "has passed its check)")
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if keep_adapter and ckpt.kind != "lora":
+        raise ExportError(f"--keep_adapter: {ckpt.path} is a {ckpt.describe()}, not a LoRA adapter checkpoint")
+    rec = read_run_record(ckpt.path)
+    trust = bool(rec.model_section.get("trust_remote_code", False))
+    base = resolve_base(ckpt, base_model) if ckpt.kind == "lora" else None
+    source = base or str(ckpt.path)
+    dtype_note = "" if dtype else " (the checkpoint's config)"
+    dtype = dtype or default_dtype(_raw_config(source))
+    kind = {"lora": "lora-adapter" if keep_adapter else "lora-merged"}.get(ckpt.kind, ckpt.kind)
+    say(f"export {ckpt.path} -> {out}")
+    say(f"  checkpoint: {ckpt.describe()}" + (f", base model {base}" if base else "")
+        + (f"; run records: {ckpt.path.parent} (step {rec.step})" if rec.config else "; no run records beside it"))
+    created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]  # removed again on failure
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would become --out's mode
+        how = _write(ckpt, tmp, base, dtype, trust, keep_adapter, max_shard_size, say)
+        say(f"  dtype: {dtype}{dtype_note}")
+        (tmp / "README.md").write_text(export_card(rec, out.name, how, dtype, framework_versions(),
+                                                   adapter_base=base if keep_adapter else None), encoding="utf-8")
+        files = sorted(p.name for p in tmp.iterdir())
+        weights = _weight_files(tmp)
+        index = [f for f in files if f.endswith(".safetensors.index.json")]
+        shards = "" if keep_adapter else f" (max_shard_size {max_shard_size})"
+        say(f"  wrote {len(weights)} safetensors file(s){' + ' + index[0] if index else ''}{shards}, "
+            + ", ".join(f for f in files if not f.endswith(".safetensors") and f not in index))
+        source_desc, completion, cls_name = _check(tmp, rec, base if keep_adapter else None, trust, max_new_tokens)
+        say(f"  check: reloaded with {cls_name} and generated up to {max_new_tokens} greedy tokens from {source_desc}:")
+        say(f"         {completion!r}")
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    say(f"exported {out} ({kind}, {dtype}, {_size(out)})")
+    return ExportResult(out, kind, dtype, files, source_desc, completion)
+
+
+def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, trust: bool, keep_adapter: bool,
+           max_shard_size: str, say) -> str:
+    """Write the weights and the processing class into ``tmp``; returns how (for the card)."""
+    if keep_adapter:
+        return _write_adapter(ckpt, tmp, base, dtype, trust, say)
+    config = load_config(base or str(ckpt.path), trust)
+    cls = model_class(config)
+    processing = load_processing([str(ckpt.path), *([base] if base else [])], config, trust)
+    if ckpt.kind == "full":
+        model = _from_pretrained(cls, str(ckpt.path), dtype, trust)
+        how = "full checkpoint"
+    elif ckpt.kind == "zero":
+        model = _from_pretrained(cls, None, dtype, trust, config=config, state_dict=zero_state_dict(ckpt))
+        if (ckpt.path / "generation_config.json").is_file():  # (from a state dict it is derived from the config)
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(ckpt.path)
+        beside = ckpt.path / "model.safetensors"
+        other = (f"; the {_safetensors_dtype(beside) or '16-bit'} model.safetensors gathered beside them is not used"
+                 if beside.is_file() else "")
+        say(f"  weights: the fp32 master weights of the ZeRO shards, consolidated by DeepSpeed (zero_to_fp32) on CPU "
+            f"from {ckpt.zero_ranks} ranks{other}")
+        how = f"fp32 master weights consolidated by DeepSpeed from {ckpt.zero_ranks} ZeRO shards"
+    else:
+        from peft import PeftModel
+
+        base_model = _from_pretrained(cls, base, "float32", trust)
+        peft_model = PeftModel.from_pretrained(base_model, str(ckpt.path))
+        if ckpt.zero_tag:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(peft_model, adapter_weights(ckpt, say))
+            if result.unexpected_keys:
+                raise RuntimeError(f"adapter tensors the model has no place for: {result.unexpected_keys[:5]}")
+        model = peft_model.merge_and_unload().to(_torch_dtype(dtype))
+        say(f"  weights: the LoRA adapter merged into {base} (PEFT merge_and_unload, in float32)")
+        how = f"LoRA adapter merged into `{base}`"
+    model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    processing.save_pretrained(tmp)
+    return how
+
+
+def _write_adapter(ckpt: Checkpoint, tmp: Path, base: str, dtype: str, trust: bool, say) -> str:
+    """The adapter as trained (cast to ``dtype``), its config naming the base by a path that
+    loads from anywhere, and the checkpoint's tokenizer or processor."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.to(_torch_dtype(dtype)) for k, v in adapter_weights(ckpt, say).items()}
+    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps({**ckpt.adapter, "base_model_name_or_path": base}, indent=2),
+                                             encoding="utf-8")
+    load_processing([str(ckpt.path), base], load_config(base, trust), trust).save_pretrained(tmp)
+    say(f"  weights: the LoRA adapter kept as an adapter ({dtype}); adapter_config.json names the base as {base}")
+    return f"LoRA adapter for `{base}` (not merged)"
+
+
+def _check(folder: Path, rec: RunRecord, adapter_base: str | None, trust: bool, max_new_tokens: int):
+    """Reload ``folder`` the way a user would and generate once; returns (prompt source,
+    completion, the class that loaded it)."""
+    if adapter_base:
+        from peft import PeftModel
+
+        config = load_config(adapter_base, trust)
+        cls = model_class(config)
+        model = PeftModel.from_pretrained(_from_pretrained(cls, adapter_base, "float32", trust), str(folder))
+        name = f"PeftModel over {cls.__name__}"
+    else:
+        config = load_config(str(folder), trust)
+        cls = model_class(config)
+        model, info = cls.from_pretrained(folder, dtype="auto", trust_remote_code=trust, output_loading_info=True)
+        if info.get("missing_keys"):
+            raise RuntimeError(f"the exported folder reloads without {sorted(info['missing_keys'])[:5]}")
+        name = cls.__name__
+    processing = load_processing([str(folder)], config, trust)
+    source, prompt, images = training_prompt(rec.config)
+    return source, generate_once(model, processing, prompt, images, max_new_tokens), name
+
+
+# --- command line -----------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="a checkpoint-N or final/ folder of a run phase (full, LoRA or DeepSpeed ZeRO)")
+    ap.add_argument("--out", required=True, help="the folder to create")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--merge_lora", action="store_true", help="LoRA: merge the adapter into the base (default)")
+    mode.add_argument("--keep_adapter", action="store_true",
+                      help="LoRA: write the adapter (+ tokenizer, card), to load with PEFT over the base")
+    ap.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="weights dtype (default: the dtype in the checkpoint's config)")
+    ap.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default 5GB)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an existing --out, only once the new export has passed its check")
+    ap.add_argument("--base_model", default=None,
+                    help="LoRA: the base model folder, when adapter_config.json's path does not resolve from here")
+    ap.add_argument("--max_new_tokens", type=int, default=16, help="tokens generated by the check (default 16)")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars would bury the report
+    try:
+        export(a.checkpoint, a.out, keep_adapter=a.keep_adapter, dtype=a.dtype, max_shard_size=a.max_shard_size,
+               overwrite=a.overwrite, base_model=a.base_model, max_new_tokens=a.max_new_tokens)
+    except ExportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing written to {a.out}", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - any failure: what it means for --out
+        from crystal_grpo.train.models import ModelLoadError  # (imports transformers: not before it is needed)
+
+        if isinstance(err, ModelLoadError):  # a base model or processor that does not load: bad input too
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        traceback.print_exc()
+        print(f"export failed, nothing written to {a.out}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
