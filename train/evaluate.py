@@ -220,6 +220,9 @@ def generate_with_vllm(model_path: str, dataset, out_dir: Path, sampling: Sampli
         from vllm import LLM, SamplingParams
     except ImportError as err:
         raise EvalError("--backend vllm: vLLM is not installed (pip install vllm; it needs a CUDA GPU)") from err
+    if (Path(model_path) / "adapter_config.json").is_file():
+        raise EvalError(f"--backend vllm: {model_path} is a LoRA adapter; merge it first (scripts/export.py "
+                        f"{model_path} --out FOLDER) or use --backend hf")
     path = out_dir / PREDICTIONS
     ids = list(dataset["id"])
     pending = _resume_point(path, ids, sampling.num_samples)
