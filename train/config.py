@@ -250,6 +250,13 @@ def validate(cfg: RunConfig) -> None:
             from crystal_grpo.train.pcgrad import LIGER_REFUSED
 
             raise ConfigError(f"{where}training.use_liger_kernel: {LIGER_REFUSED}")
+        if c.trainer == "grpo" and c.training.get("use_vllm"):
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
+                raise ConfigError(f"{where}training.use_vllm: true, but vLLM is not installed; pip install "
+                                  "'trl[vllm]' (TRL 1.16 supports vllm>=0.22.0,<=0.31.0; it needs a CUDA GPU), or "
+                                  "set it false to generate with transformers")
         aggregation = c.training.get("multi_objective_aggregation", "sum_then_normalize")
         if c.pcgrad and aggregation != "sum_then_normalize":
             raise ConfigError(
