@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from crystal_grpo.curricula.complexity import complexity_tier, step_count
+from crystal_grpo.rewards.base import METRICS
 from crystal_grpo.train.checkpoints import atomic_write_text
 
-ROW_METRICS = ("accuracy", "f1", "precision", "recall", "lis_ratio", "ordered_f1", "format_rate", "steps_mean",
-               "reward")
+#: Per-example numbers a report aggregates: the metric names of rewards/base.py, and the LIS ratio.
+ROW_METRICS = (*METRICS, "lis_ratio")
 LABELS = {"accuracy": "Accuracy", "f1": "Match F1", "precision": "Precision", "recall": "Recall",
           "lis_ratio": "LIS ratio", "ordered_f1": "Ordered F1", "format_rate": "Format rate",
           "steps_mean": "Mean steps", "reward": "Reward", "pass_at_k": "pass@k"}
@@ -55,12 +57,10 @@ def per_row_values(rows: Sequence[dict], scored: Sequence[dict]) -> tuple[list[s
 
 
 def _nanmean(x: np.ndarray, axis=0):
-    with np.errstate(invalid="ignore"):
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return np.nanmean(x, axis=axis)
+    """Column means ignoring NaN; an all-NaN column is NaN without numpy's warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(x, axis=axis)
 
 
 def bootstrap_ci(values: np.ndarray, resamples: int, seed: int, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
