@@ -29,3 +29,11 @@ def gather_objects(values: list[Any]) -> tuple[list[Any], int]:
     parts: list[list[Any]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(parts, list(values))
     return [v for p in parts for v in p], sum(len(p) for p in parts[:rank])
+
+
+def barrier() -> None:
+    """Wait for every process (a no-op in one process)."""
+    import torch.distributed as dist
+
+    if rank_and_world()[1] > 1:
+        dist.barrier()

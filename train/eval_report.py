@@ -172,18 +172,14 @@ def write_report(out: Path, report: dict) -> None:
 
 
 # ------------------------------------------------------------------------------ comparing
-def load_scored(folder: Path) -> dict[str, dict[str, float]]:
-    """Per-row metric means of a finished evaluation folder (its scored predictions)."""
+def load_scored(folder: Path) -> dict[str, np.ndarray]:
+    """Per-row metric means (:func:`per_row_values`) of a finished evaluation folder, by row id."""
     if not (folder / "report.json").exists():
         raise ValueError(f"{folder}: not a finished evaluation (no report.json)")
-    by_id: dict[str, list[dict]] = defaultdict(list)
     with open(folder / "predictions.jsonl", encoding="utf-8") as fh:
-        for line in fh:
-            row = json.loads(line)
-            by_id[row["id"]].append(row)
-    return {rid: {m: _finite(np.mean([s[m] for s in ss if s.get(m) is not None]))
-                  if any(s.get(m) is not None for s in ss) else None for m in ROW_METRICS}
-            for rid, ss in by_id.items()}
+        scored = [json.loads(line) for line in fh]
+    ids, values, _ = per_row_values([{"id": i} for i in dict.fromkeys(s["id"] for s in scored)], scored)
+    return dict(zip(ids, values))
 
 
 def compare(folders: Sequence[Path], bootstrap: int = 1000, seed: int = 0) -> dict:
@@ -193,7 +189,7 @@ def compare(folders: Sequence[Path], bootstrap: int = 1000, seed: int = 0) -> di
     common = sorted(set.intersection(*(set(r) for r in runs)))
     if not common:
         raise ValueError("the evaluations share no rows: compare evaluations of the same data")
-    arr = np.array([[[np.nan if r[i][m] is None else r[i][m] for m in ROW_METRICS] for i in common] for r in runs])
+    arr = np.array([[r[i] for i in common] for r in runs])
     out = {"rows": len(common), "folders": [str(f) for f in folders], "metrics": {}}
     for m, name in enumerate(ROW_METRICS):
         entry = {"means": [_finite(_nanmean(arr[j, :, m])) for j in range(len(runs))], "diffs": []}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from crystal_grpo.distributed import gather_objects, rank_and_world
+from crystal_grpo.distributed import barrier, gather_objects, rank_and_world
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.base import RewardModule
@@ -159,20 +159,21 @@ def _drop_partial(path: Path, num_samples: int) -> None:
 
 def _resume_point(path: Path, ids: Sequence[str], num_samples: int) -> list[int]:
     """The rows to generate, the same on every process (the main one tidies the file first)."""
-    rank, world = rank_and_world()
+    rank = rank_and_world()[0]
     if rank == 0:
         _drop_partial(path, num_samples)
-    _barrier(world)
+    barrier()
     pending = _pending(path, ids, num_samples)
-    _barrier(world)  # everyone has read the file before the main process appends to it
+    barrier()  # everyone has read the file before the main process appends to it
     return pending
 
 
-def _barrier(world: int) -> None:
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
+def _append(path: Path, rows: Sequence[tuple[str, Sequence[str]]]) -> None:
+    """Append each row's completions, one ``{"id", "sample", "completion"}`` line a sample."""
+    with open(path, "a", encoding="utf-8") as fh:
+        for rid, completions in rows:
+            for k, text in enumerate(completions):
+                fh.write(json.dumps({"id": rid, "sample": k, "completion": text}, ensure_ascii=False) + "\n")
 
 
 def generate_predictions(model, processing_class, dataset, out_dir: Path, sampling: Sampling, batch_size: int,
@@ -197,11 +198,7 @@ def generate_predictions(model, processing_class, dataset, out_dir: Path, sampli
                          batch_size) if rows else []
         done, _ = gather_objects(list(zip(mine, texts)))
         if rank == 0:
-            with open(path, "a", encoding="utf-8") as fh:
-                for i, completions in sorted(done):
-                    for k, text in enumerate(completions):
-                        fh.write(json.dumps({"id": ids[i], "sample": k, "completion": text}, ensure_ascii=False)
-                                 + "\n")
+            _append(path, [(ids[i], completions) for i, completions in sorted(done)])
             bar.update(len(done))
     bar.close()
     return len(pending)
@@ -239,10 +236,7 @@ def generate_with_vllm(model_path: str, dataset, out_dir: Path, sampling: Sampli
         requests.append({"prompt": text, **({"multi_modal_data": {"image": row["images"]}}
                                             if row.get("images") else {})})
     outputs = llm.generate(requests, params)
-    with open(path, "a", encoding="utf-8") as fh:
-        for i, out in zip(pending, outputs):
-            for k, o in enumerate(out.outputs):
-                fh.write(json.dumps({"id": ids[i], "sample": k, "completion": o.text}, ensure_ascii=False) + "\n")
+    _append(path, [(ids[i], [o.text for o in out.outputs]) for i, out in zip(pending, outputs)])
     return len(pending)
 
 
@@ -338,7 +332,7 @@ def evaluate(req: EvalRequest) -> dict | None:
             for name in (PREDICTIONS, REPORT, CRYSTAL_METRICS):
                 (out / name).unlink(missing_ok=True)
         atomic_write_text(out / "evaluation.json", json.dumps(identity, indent=2))
-    _barrier(world)
+    barrier()
     ds = load_split(req.data, system_prompt=req.setup.system_prompt).dataset
     all_ids = list(ds["id"])
     if req.max_samples is not None:
@@ -367,7 +361,7 @@ def evaluate(req: EvalRequest) -> dict | None:
                                                 trust_remote_code=req.setup.trust_remote_code, device=_device())
             generate_predictions(model, processing, ds, out, req.sampling, req.batch_size)
         seconds = time.perf_counter() - start
-        _barrier(world)
+        barrier()
         if rank != 0:
             return None
         predictions = read_predictions(out / PREDICTIONS)
