@@ -93,3 +93,25 @@ def test_zero3_resumes_from_shards_and_refuses_another_world_size(zero3_run, rep
                     "--resume_from_checkpoint", str(zero3_run / "checkpoint-3"), nproc=1)
     assert proc.returncode != 0  # the worker exits 2; torchrun reports it as a failure
     assert "written by 2 process(es), but this run has 1" in proc.stderr
+
+
+@pytest.mark.slow
+def test_zero3_lora_generates_through_merged_adapters_bit_identically(repo_root, tiny_lm_path, tmp_path):
+    """ZeRO-3 gathers the weights for generation; the adapters are merged there (gathered
+    buffers in place, persistent ones in a copy) and training stays exactly what it is unmerged."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for i, merge in enumerate(("true", "false")):
+        out = tmp_path / merge
+        lora = f"{{r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear, merge_for_generation: {merge}}}"
+        proc = torchrun(repo_root, 29615 + i, out, tiny_lm_path, *ZERO3, "--model.lora", lora,
+                        "--reward.name", "answer_only", "--reward.params", "{}", "--training.learning_rate", "1e-2",
+                        "--validation.eval_steps", "2", "--validation.at_start", "false")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[merge] = out
+    on, off = runs["true"], runs["false"]
+    assert losses(on) == losses(off) and len(losses(on)) == 2
+    a, b = (load_file(r / "final" / "adapter_model.safetensors") for r in (on, off))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (on / "validation.jsonl").read_text() == (off / "validation.jsonl").read_text()

@@ -39,6 +39,10 @@ def test_installed_trl_is_the_tested_minor_and_pyproject_pins_it():
 SIGNATURES = {
     (GRPOTrainer, "_calculate_rewards"): ["self", "inputs", "prompts", "completions", "completion_ids_list"],
     (GRPOTrainer, "_generate_and_score_completions"): ["self", "inputs"],
+    # train/trainer.py merges LoRA adapters around the ``generate`` call inside it; that TRL's
+    # generation really goes through that call is checked by tests/test_lora_merge.py.
+    (GRPOTrainer, "_generate_single_turn"): ["self", "prompt_ids", "images", "multimodal_fields", "num_generations",
+                                             "has_tool_images"],
     (GRPOTrainer, "_compute_loss"): ["self", "model", "inputs"],
     (GRPOTrainer, "compute_loss"): ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
     (GRPOTrainer, "training_step"): ["self", "model", "inputs", "num_items_in_batch"],

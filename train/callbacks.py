@@ -16,6 +16,7 @@ from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards.base import METRICS, Metric, RewardModule
 from crystal_grpo.train.checkpoints import atomic_write_text, read_json
 from crystal_grpo.train.generation import Sampling, generate
+from crystal_grpo.train.lora_merge import merged_adapters
 from crystal_grpo.typed import option
 
 
@@ -91,7 +92,8 @@ class ValidationCallback(TrainerCallback):
         images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
         model = trainer.model_wrapped
         was_training = model.training
-        with unwrap_model_for_generation(model, trainer.accelerator) as unwrapped:
+        with (unwrap_model_for_generation(model, trainer.accelerator) as unwrapped,
+              merged_adapters(unwrapped, getattr(trainer, "merge_lora_for_generation", True))):
             unwrapped.eval()
             completions = [c[0] for c in generate(unwrapped, trainer.processing_class, [r["prompt"] for r in rows],
                                                   images, Sampling(self.cfg.max_new_tokens), self.cfg.batch_size)]

@@ -193,7 +193,8 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset)
     from crystal_grpo.train.models import peft_config
 
     common = dict(model=model, args=args, processing_class=processing_class, peft_config=peft_config(cfg.model),
-                  max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite)
+                  max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite,
+                  merge_lora_for_generation=cfg.model.lora is not None and cfg.model.lora.merge_for_generation)
     if cfg.trainer == "sft":
         from crystal_grpo.train.data import sft_dataset
         from crystal_grpo.train.sft import CrystalSFTTrainer

@@ -60,6 +60,10 @@ class LoraSection:
     alpha: int = option(32, "LoRA scaling numerator (peft's lora_alpha).", gt=0)
     dropout: float = option(0.05, "Dropout on the LoRA branch.", ge=0, lt=1)
     target_modules: Union[list[str], str] = option("all-linear", "Modules to adapt (names or 'all-linear').")
+    merge_for_generation: bool = option(
+        True, "Generate (training rollouts, validation) through adapters merged into a copy of the base weights: "
+        "as fast as the base model, at the memory of one more copy of the adapted weights while generating "
+        "(none under ZeRO-3). Off: unmerged, with LoRA dropout applied while sampling, as before.")
 
 
 @dataclass

@@ -12,6 +12,8 @@
   guard's window) and the optimizer settings travel with every checkpoint, and a
   completion marker is written last (``train/checkpoints.py``), so an interrupted save is
   never resumed from. The curriculum order is a pure function of (seed, step).
+- ``_generate_single_turn``: with LoRA, TRL's ``generate`` runs through adapters merged
+  into (a copy of) the base weights (``train/lora_merge.py``), as fast as the base model.
 - ``log``: adds the KL maximum over the logging window (SPEC section 6 diagnostics).
 - ``create_model_card``: names the real base model (TRL writes "[None]" for a local folder).
 PCGrad touches TRL internals, so it lives in a subclass (``train/pcgrad.py``) that
@@ -36,6 +38,7 @@ from trl.extras.profiling import profiling_decorator
 from crystal_grpo.rewards.base import Batch, RewardModule
 from crystal_grpo.train.checkpoints import optimizer_settings, remove_marker, write_marker
 from crystal_grpo.train.interrupt import GracefulStop
+from crystal_grpo.train.lora_merge import merged_generate
 from crystal_grpo.typed import option
 
 logger = logging.getLogger(__name__)
@@ -64,8 +67,10 @@ class CrystalTrainerMixin:
     the non-finite guard, checkpoints with a completion marker and our state, Ctrl-C /
     SIGTERM handling and the model card. First base, before the TRL trainer class."""
 
-    def __init__(self, *args: Any, max_consecutive_nonfinite: int = 5, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_consecutive_nonfinite: int = 5, merge_lora_for_generation: bool = True,
+                 **kwargs: Any) -> None:
         self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.merge_lora_for_generation = merge_lora_for_generation  # read by ValidationCallback too
         self.nonfinite_skipped = 0
         self.consecutive_nonfinite = 0
         self.stopped_nonfinite = False
@@ -98,8 +103,11 @@ class CrystalTrainerMixin:
     def _grads_finite(self, optimizer) -> bool:
         """All ranks agree: under ZeRO each rank only sees its own gradient partition."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        ok = torch.tensor(1.0 if all(bool(torch.isfinite(g).all()) for g in grads) else 0.0,
-                          device=grads[0].device if grads else "cpu")
+        if not grads:
+            ok = torch.ones((), device=self.accelerator.device)
+        else:  # reduced on the device: one host sync a step (``.item()`` below), not one per parameter
+            device = grads[0].device
+            ok = torch.stack([torch.isfinite(g).all().to(device) for g in grads]).all().float()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
         return bool(ok.item() > 0)
@@ -202,6 +210,14 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
             if math.isfinite(value):
                 self._log_metric(f"{self.reward.name}/{key}", value)
         return torch.stack([comps[name] for name in self.reward_func_names], dim=1).to(device, torch.float32)
+
+    # -- generation -------------------------------------------------------------------
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generation, its ``generate`` call through merged LoRA adapters: the merge has to
+        happen inside TRL's context, where ZeRO-3 weights are gathered (``merged_generate``)."""
+        with merged_generate(self.accelerator.unwrap_model(self.model_wrapped), self.merge_lora_for_generation):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
 
     # -- curriculum -------------------------------------------------------------------
     def _get_train_sampler(self, dataset=None):
