@@ -1,50 +1,60 @@
 #!/usr/bin/env python
-"""Benchmark GRPO training through the real entry point: one process without DeepSpeed
-(the baseline) against DeepSpeed ZeRO-3, full fine-tuning and LoRA (one table, one run).
+"""Benchmark GRPO training: this framework against plain TRL, LoRA against full fine-tuning,
+DeepSpeed ZeRO-3 against one process (one table, every ratio measured in the same run).
 
-    python scripts/bench_train.py [--model tiny|mid|PATH] [--settings plain-full,plain-lora,zero3-full,...]
-        [--steps 5] [--warmup 2] [--batch 8] [--completion_length 128]
-        [--encoder packaged:all-MiniLM-L6-v2] [--dtype bfloat16|float32]
+    python scripts/bench_train.py [--model tiny|mid|PATH] [--device cpu|cuda]
+        [--settings trl-full,plain-full-answer,plain-full,plain-full-pcgrad,...] [--rounds 2]
+        [--steps 5] [--warmup 2] [--batch 8] [--completion_length 128] [--learning_rate 0]
+        [--encoder packaged:all-MiniLM-L6-v2] [--dtype bfloat16|float32] [--threads N]
 
-Each setting is its own run of ``train/grpo.py --config tiny.yaml`` with overrides (CPR
-reward with the sentence encoder on the training device, no validation, no checkpoints),
-``--warmup + --steps`` optimizer steps of ``--batch`` completions (``--batch`` / 8 prompts
-x 8 generations) of at most ``--completion_length`` tokens:
-  plain    ``python train/grpo.py`` (one process, no DeepSpeed);
-  zero3    CUDA: ``accelerate launch --config_file configs/accelerate/zero3_1x1.yaml``;
-           CPU: ``torchrun --nproc_per_node 1 ... --cpu_backend gloo`` with zero3.json;
-  -lora    adds ``model.lora`` (r 16, all linear layers); ``-pcgrad`` adds ``pcgrad: true``.
+A setting is ``trl-(full|lora)`` (plain ``trl.GRPOTrainer``, trivial reward: the baseline) or
+``(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad]`` (``train/grpo.py`` in one
+process or under ZeRO-3; LoRA generates through merged adapters, ``-unmerged`` as before; CPR
+by default, answer-only with ``-answer``; the encoder on the device);
+``crystal_grpo/train/bench.py`` says exactly what each runs. Every run has the same model,
+data, batch (``--batch`` completions = ``--batch`` / 8 prompts x 8 generations), generation
+length, seed and GRPOConfig, and does ``--warmup + --steps`` optimizer steps. With the
+default learning rate 0 the policy never changes, so every setting samples the same
+completions and the ratios compare equal work (ratios are per generated token anyway).
+``--rounds`` repeats all settings in turn (A B C A B C ...), so that a machine's load drifts
+over all of them alike; ratios pair runs of the same round.
+
 Models: ``tiny`` is the tests' tiny Qwen2 (built if missing); ``mid`` a Qwen2.5-0.5B-shaped
 Qwen2 (about 360M parameters, random weights warmed up on the JSON format, built on the
 first use: ``scripts/make_tiny_models.py build_mid_lm``); or any model folder.
 
-Columns (medians over the measured steps, from the run's metrics.jsonl):
-  step s     TRL's ``step_time``: generation + rewards + loss + backward + optimizer;
-  ratio      step s / the same mode's ``plain`` step s measured in this run;
-  peak GiB   CUDA max_memory_allocated over the run (not measured on CPU);
-  score s    ``cpr/scoring_seconds``: parsing, answer checks, embedding and matching;
-  share      score s / step s;
-  format, steps   format rate and mean predicted steps of the completions (what the
-             scorer had to embed).
+Columns (medians over the measured steps of a run, then over rounds):
+  step s     TRL's ``step_time``: generation + rewards + loss + backward (``training_step``);
+  spread     (max - min) / median of step s over rounds;
+  wall s     the whole optimizer step, end to end (also clipping, optimizer, callbacks, logging);
+  tokens     mean completion length (equal across settings when the work is equal);
+  step/trl, wall/trl   per-token step s / wall s over the same weights' ``trl-`` run of the
+             same round: median (min-max over rounds);
+  net/trl    the same for step s less the reward's scoring: the framework's own overhead;
+  cpu/trl    the same for the process CPU time of a whole step (all threads): the work done,
+             steadier than wall time on a shared machine (``--threads 1`` makes it cleaner);
+  lora/full  a ``-lora`` setting's per-token step s over the same setting with full weights;
+  peak GiB   CUDA max_memory_allocated (not measured on CPU);
+  score s, share   the reward's ``scoring_seconds`` (parsing, answers, embedding, matching)
+             and its share of step s; format, steps: format rate and mean predicted steps.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
+import platform
 import shutil
-import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.train.bench import command, summarise, table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = REPO_ROOT / ".cache" / "models"
-GENERATIONS = 8
+DEFAULT_SETTINGS = "trl-full,plain-full-answer,plain-full,plain-full-pcgrad,trl-lora,plain-lora"
 
 
 def build_model(name: str) -> str:
@@ -57,89 +67,55 @@ def build_model(name: str) -> str:
     return str(build(MODELS / ("tiny-qwen2" if name == "tiny" else "mid-qwen2")))
 
 
-def command(setting: str, model: str, out: Path, a: argparse.Namespace, cuda: bool) -> list[str]:
-    parts = setting.split("-")
-    if parts[0] not in ("plain", "zero3") or parts[1] not in ("full", "lora") or not set(parts[2:]) <= {"pcgrad"}:
-        raise SystemExit(f"setting {setting!r}: allowed are (plain|zero3)-(full|lora)[-pcgrad]")
-    py = [sys.executable]
-    if parts[0] == "plain":
-        launch, extra = py, []
-    elif cuda:
-        launch = py + ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/zero3_1x1.yaml"]
-        extra = []
-    else:
-        launch = py + ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
-        extra = ["--cpu_backend", "gloo", "--training.deepspeed", "configs/accelerate/zero3.json"]
-    device = "cuda" if cuda else "cpu"
-    args = [
-        "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(out),
-        "--model.name_or_path", model, "--model.dtype", a.dtype,
-        "--data.validation", "null", "--data.validation_fraction", "0", "--data.max_train_samples", "null",
-        "--reward.params", json.dumps({"encoder": a.encoder, "device": device}),
-        "--training.max_steps", str(a.warmup + a.steps), "--training.save_strategy", "'no'",
-        "--training.per_device_train_batch_size", str(a.batch), "--training.num_generations", str(GENERATIONS),
-        "--training.max_completion_length", str(a.completion_length), "--training.logging_steps", "1",
-        "--training.disable_tqdm", "true", "--training.use_cpu", str(not cuda).lower(),
-    ]
-    if parts[1] == "lora":
-        args += ["--model.lora", "{r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}"]
-    if "pcgrad" in parts:
-        args += ["--pcgrad", "true"]
-    return launch + args + extra
-
-
-def summarise(out: Path, warmup: int) -> dict[str, float]:
-    rows = read_jsonl(out / "metrics.jsonl")
-    steps = [r for r in rows if "step_time" in r][warmup:]
-    if not steps:
-        raise SystemExit(f"{out}: no measured steps in metrics.jsonl")
-    med = lambda key: statistics.median([r[key] for r in steps if key in r] or [math.nan])  # noqa: E731
-    peak = [r["memory/max_allocated_gb"] for r in rows if "memory/max_allocated_gb" in r]
-    return {"step": med("step_time"), "score": med("cpr/scoring_seconds"), "format": med("cpr/format_rate"),
-            "steps": med("cpr/steps_mean"), "peak": max(peak, default=math.nan)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--settings", default="plain-full,plain-lora,zero3-full,zero3-lora")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    ap.add_argument("--settings", default=DEFAULT_SETTINGS)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8, help="completions per step (a multiple of 8)")
     ap.add_argument("--completion_length", type=int, default=128)
+    ap.add_argument("--learning_rate", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--encoder", default="packaged:all-MiniLM-L6-v2")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads per run (OMP_NUM_THREADS)")
     ap.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench_train"))
     a = ap.parse_args()
     import torch
 
-    cuda = torch.cuda.is_available()
+    cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    if a.threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(a.threads)
     model = build_model(a.model)
-    device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
-    print(f"GRPO steps on {device}: model {Path(model).name}, {a.dtype}, {a.batch} completions x "
-          f"<= {a.completion_length} tokens, CPR reward ({a.encoder}), median of {a.steps} steps "
-          f"after {a.warmup}")
-    cols = ("setting", "step s", "ratio", "peak GiB", "score s", "share", "format", "steps")
-    print(f"{cols[0]:<20}" + "".join(f"{c:>10}" for c in cols[1:]), flush=True)
-    base: dict[str, float] = {}
-    for setting in a.settings.split(","):  # a row as soon as its run ends (plain before zero3)
-        out = Path(a.out) / f"{Path(model).name}-{setting}"
-        shutil.rmtree(out, ignore_errors=True)
-        proc = subprocess.run(command(setting, model, out, a, cuda), cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stdout[-3000:] + proc.stderr[-6000:], file=sys.stderr)
-            raise SystemExit(f"{setting}: exit {proc.returncode}")
-        r = summarise(out, a.warmup)
-        mode = setting.split("-")[1]
-        if setting.startswith("plain-"):
-            base.setdefault(mode, r["step"])
-        print(f"{setting:<20}{r['step']:>10.3f}{r['step'] / base.get(mode, math.nan):>10.2f}{r['peak']:>10.2f}"
-              f"{r['score']:>10.3f}{r['score'] / r['step']:>10.1%}{r['format']:>10.2f}{r['steps']:>10.1f}",
-              flush=True)
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {platform.machine()})"
+    settings = a.settings.split(",")
+    print(f"GRPO steps on {device}, {time.strftime('%Y-%m-%d')}: model {Path(model).name}, {a.dtype}, "
+          f"{a.batch} completions x <= {a.completion_length} tokens, lr {a.learning_rate}, seed {a.seed}, "
+          f"encoder {a.encoder}, threads {a.threads or 'default'}; median of {a.steps} steps after {a.warmup}, "
+          f"{a.rounds} round(s) of "
+          f"{len(settings)} settings", flush=True)
+    results: dict[str, list[dict]] = {s: [] for s in settings}
+    for rnd in range(a.rounds):
+        for setting in settings:
+            out = Path(a.out) / f"{Path(model).name}-{setting}"
+            shutil.rmtree(out, ignore_errors=True)
+            proc = subprocess.run(command(setting, model, out, a, cuda), cwd=REPO_ROOT, env=env,
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stdout[-3000:] + proc.stderr[-6000:], file=sys.stderr)
+                raise SystemExit(f"{setting}: exit {proc.returncode}")
+            r = summarise(out, a.warmup)
+            results[setting].append(r)
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+            print(f"  round {rnd + 1} {setting:<22} step {r['step']:.3f} s  wall {r['wall']:.3f} s  "
+                  f"tokens {r['tokens']:.1f}  (load {load:.2f})", file=sys.stderr, flush=True)
+    print(table(results))
 
 
 if __name__ == "__main__":

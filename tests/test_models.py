@@ -315,27 +315,40 @@ def test_mid_lm_builder_at_small_size_warms_up_on_full_answers(tmp_path):
 @pytest.mark.parametrize("cuda", [False, True])
 def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     """Every setting bench_train.py launches parses into a valid run config (the overrides
-    name real keys), with the launcher and the switches the setting names."""
+    name real keys), with the launcher, entry and switches the setting names; the plain-TRL
+    baseline gets exactly the same overrides as the framework's runs."""
     import argparse
 
+    from crystal_grpo.train import bench
     from crystal_grpo.train.config import load_config
 
-    bench = _script("bench_train")
     a = argparse.Namespace(dtype="bfloat16", encoder="packaged:all-MiniLM-L6-v2", warmup=1, steps=2,
-                           batch=16, completion_length=64)
-    for setting in ("plain-full", "plain-lora", "zero3-full", "zero3-lora", "zero3-full-pcgrad"):
+                           batch=16, completion_length=64, learning_rate=0.0, seed=7)
+    names = ("trl-full", "trl-lora", "plain-full", "plain-lora", "plain-full-answer", "plain-full-pcgrad",
+             "zero3-full", "zero3-lora", "zero3-full-pcgrad", "zero3-lora-answer-pcgrad", "plain-lora-unmerged")
+    configs = {}
+    for setting in names:
         cmd = bench.command(setting, "some/model", tmp_path / setting, a, cuda)
-        at = cmd.index("train/grpo.py")
-        overrides = cmd[at + 1:]
-        for flag in ("--config", "--output_dir"):  # train/grpo.py's own arguments, not config keys
+        at = cmd.index("crystal_grpo.train.bench")
+        assert cmd[at + 1] == ("trl" if setting.startswith("trl") else "grpo")
+        overrides = cmd[at + 2:]
+        for flag in ("--config", "--output_dir"):  # the entry's own arguments, not config keys
             i = overrides.index(flag)
             del overrides[i:i + 2]
         cfg, _ = load_config("tiny.yaml", overrides)
+        configs[setting] = cfg
         assert cfg.model.name_or_path == "some/model" and cfg.training["max_steps"] == 3
+        assert cfg.training["learning_rate"] == 0 and cfg.training["seed"] == 7
         assert (cfg.model.lora is not None) == ("lora" in setting) and cfg.pcgrad == ("pcgrad" in setting)
+        assert cfg.model.lora is None or cfg.model.lora.merge_for_generation == ("unmerged" not in setting)
+        assert cfg.reward.name == ("answer_only" if "answer" in setting else "cpr")
         assert cfg.training["use_cpu"] is (not cuda) and cfg.reward.params["device"] == ("cuda" if cuda else "cpu")
         zero3 = setting.startswith("zero3")
         assert ("zero3_1x1.yaml" in " ".join(cmd[:at])) == (zero3 and cuda)
         assert (cfg.training.get("deepspeed") == "configs/accelerate/zero3.json") == (zero3 and not cuda)
-    with pytest.raises(SystemExit, match="allowed are"):
-        bench.command("zero2-full", "m", tmp_path, a, cuda)
+    assert configs["trl-full"].training == configs["plain-full"].training
+    assert configs["trl-lora"].model == configs["plain-lora"].model
+    for bad in ("zero2-full", "trl-full-pcgrad", "plain-full-pcgrad-answer", "plain", "trl-lora-unmerged",
+                "plain-full-unmerged"):
+        with pytest.raises(SystemExit, match="allowed are"):
+            bench.command(bad, "m", tmp_path, a, cuda)
