@@ -64,8 +64,9 @@ def _is_text(x: Any) -> bool:
     return isinstance(x, str) and bool(x.strip())
 
 
-def row_problems(row: Any, base: Path) -> list[str]:
-    """What is wrong with one row (empty when it is fine)."""
+def row_problems(row: Any, base: Path, require_references: bool = True) -> list[str]:
+    """What is wrong with one row (empty when it is fine). Without ``require_references`` a row
+    may lack reference steps (what ``build_references`` fills in); given ones are still checked."""
     if isinstance(row, Unreadable):
         return [row.problem]
     if not isinstance(row, dict):
@@ -79,7 +80,8 @@ def row_problems(row: Any, base: Path) -> list[str]:
     elif isinstance(ans, bool) or not (_is_text(ans) or isinstance(ans, (int, float))):
         out.append("missing or empty 'answer' (a string or number)")
     steps = row.get("reference_steps")
-    if not isinstance(steps, list) or not steps or not all(_is_text(s) for s in steps):
+    if (require_references or steps not in (None, [])) and (
+            not isinstance(steps, list) or not steps or not all(_is_text(s) for s in steps)):
         out.append("'reference_steps' must be a non-empty list of non-empty strings")
     sets = row.get("reference_sets")
     if sets is not None and not (isinstance(sets, list) and all(
@@ -192,7 +194,7 @@ def _to_record(row: dict, base: Path, no: int, path: Path, system_prompt: str | 
         "id": str(row.get("id", f"{path.name}:{no}")),
         "prompt": build_prompt(row, system_prompt),
         "answer": str(row["answer"]),
-        "reference_steps": [s.strip() for s in row["reference_steps"]],
+        "reference_steps": [s.strip() for s in row.get("reference_steps") or []],
         "reference_sets": row.get("reference_sets"),
         "choices": row.get("choices"),
         "source": str(row.get("source", "")),
@@ -211,14 +213,15 @@ def _load_images(batch: dict) -> dict:
 
 
 def load_split(path: str | Path, *, skip_invalid: bool = False, max_errors_shown: int = 20,
-               system_prompt: str | None = None, limit: int | None = None) -> LoadedSplit:
+               system_prompt: str | None = None, limit: int | None = None,
+               require_references: bool = True) -> LoadedSplit:
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
     base = path if path.is_dir() else path.parent
     records, errors, bad_rows = [], [], 0
     for no, row in _read(path):
-        problems = row_problems(row, base)
+        problems = row_problems(row, base, require_references)
         if problems:
             errors.extend(f"{path}:{no}: {p}" for p in problems)
             bad_rows += 1
