@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from crystal_grpo.rewards.answer_only import AnswerOnlyConfig, AnswerOnlyReward, FormatConfig, FormatReward
+from crystal_grpo.rewards.authors_code import AuthorsCodeConfig, AuthorsCodeReward
 from crystal_grpo.rewards.base import RewardConfig, RewardModule
 from crystal_grpo.rewards.composite import CompositeConfig, CompositeReward
 from crystal_grpo.rewards.cpr import CPRConfig, CPRReward, cpr_reward
@@ -25,6 +26,7 @@ REWARDS: dict[str, type[RewardModule]] = {
     "answer_only": AnswerOnlyReward,
     "composite": CompositeReward,
     "cpr": CPRReward,
+    "authors_code": AuthorsCodeReward,  # the released code's word-overlap reward, an ablation arm (not Eq. 7)
 }
 
 
@@ -54,6 +56,6 @@ def get_reward_funcs(name: str, **params) -> list[Callable]:
 
 
 __all__ = [
-    "REWARDS", "RewardConfig", "RewardModule", "CPRConfig", "CompositeConfig", "AnswerOnlyConfig", "FormatConfig", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
+    "REWARDS", "RewardConfig", "RewardModule", "CPRConfig", "CompositeConfig", "AnswerOnlyConfig", "FormatConfig", "AuthorsCodeConfig", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
     "MatchF1Scorer", "StepScores", "PACKAGED_MINILM", "PAPER_ENCODER",
 ]

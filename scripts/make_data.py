@@ -3,7 +3,7 @@
 
     python scripts/make_data.py                      # writes data/wordproblems/{train,val}.jsonl
     python scripts/make_data.py --out-dir /tmp/wp    # same bytes elsewhere
-    python scripts/make_data.py --preset demo        # writes data/demo/{train,val}.jsonl
+    python scripts/make_data.py --preset demo        # writes data/demo/{train,val,test}.jsonl
 
 Five template families (``source``): shopping, sharing, ages, rates, multi_step. Every
 problem has an integer answer and 2 to 8 reference steps, each a short sentence that
@@ -539,6 +539,9 @@ DEMO_OUT = REPO_ROOT / "data" / "demo"
 DEMO_SEED = 2024
 DEMO_N_TRAIN = 320
 DEMO_N_VAL = 24
+#: A held-out test split for evaluations that must not reuse the rows validation picks
+#: checkpoints on (the small reward ablation, configs/sweeps/reward_ablation_small.yaml).
+DEMO_N_TEST = 96
 DEMO_EASY_SHARE = 0.5
 
 
@@ -555,15 +558,17 @@ def generate_demo(n: int, seed: int, start_id: int, seen: set[str],
 
 
 def make_demo(out_dir: Path = DEMO_OUT, n_train: int = DEMO_N_TRAIN, n_val: int = DEMO_N_VAL,
-              seed: int = DEMO_SEED, easy_share: float = DEMO_EASY_SHARE) -> dict[str, Path]:
-    """Write the demo train.jsonl and val.jsonl (disjoint questions) into ``out_dir``."""
+              seed: int = DEMO_SEED, easy_share: float = DEMO_EASY_SHARE,
+              n_test: int = DEMO_N_TEST) -> dict[str, Path]:
+    """Write the demo train.jsonl, val.jsonl and test.jsonl (disjoint questions) into ``out_dir``."""
     out_dir = Path(out_dir)
     seen: set[str] = set()
     train = generate_demo(n_train, seed, 1, seen, easy_share)
     val = generate_demo(n_val, seed + 1, n_train + 1, seen, easy_share)
-    paths = {"train": out_dir / "train.jsonl", "val": out_dir / "val.jsonl"}
-    write_jsonl(train, paths["train"])
-    write_jsonl(val, paths["val"])
+    test = generate_demo(n_test, seed + 2, n_train + n_val + 1, seen, easy_share)  # after val: both unchanged
+    paths = {"train": out_dir / "train.jsonl", "val": out_dir / "val.jsonl", "test": out_dir / "test.jsonl"}
+    for split, rows in (("train", train), ("val", val), ("test", test)):
+        write_jsonl(rows, paths[split])
     return paths
 
 

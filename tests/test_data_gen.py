@@ -82,25 +82,27 @@ def test_demo_files_match_the_generator_and_the_default_is_unchanged(tmp_path):
     mk.main(["--preset", "demo", "--out-dir", str(tmp_path / "a"), "--quiet"])
     mk.make_demo(tmp_path / "b")
     mk.main(["--out-dir", str(tmp_path / "wp"), "--quiet"])  # no preset: the hard set as before
-    for name in ("train.jsonl", "val.jsonl"):
+    for name in ("train.jsonl", "val.jsonl", "test.jsonl"):
         committed = (DEMO / name).read_bytes()
         assert (tmp_path / "a" / name).read_bytes() == committed, f"{name}: re-run make_data.py --preset demo"
         assert (tmp_path / "b" / name).read_bytes() == committed
-        assert (tmp_path / "wp" / name).read_bytes() == (WORDPROBLEMS / name).read_bytes()
+        if name != "test.jsonl":
+            assert (tmp_path / "wp" / name).read_bytes() == (WORDPROBLEMS / name).read_bytes()
 
 
 def test_demo_rows_are_valid_labelled_and_half_easy():
     from crystal_grpo.train.data import row_problems
 
-    train, val = _rows(DEMO / "train.jsonl"), _rows(DEMO / "val.jsonl")
-    assert (len(train), len(val)) == (320, 24)
-    ids = [r["id"] for r in train + val]
-    assert ids == [f"demo-{i:04d}" for i in range(1, 345)]
-    assert not {r["question"] for r in train} & {r["question"] for r in val}
-    for split in (train, val):
+    train, val, test = _rows(DEMO / "train.jsonl"), _rows(DEMO / "val.jsonl"), _rows(DEMO / "test.jsonl")
+    assert (len(train), len(val), len(test)) == (320, 24, 96)
+    ids = [r["id"] for r in train + val + test]
+    assert ids == [f"demo-{i:04d}" for i in range(1, 441)]
+    questions = [{r["question"] for r in split} for split in (train, val, test)]
+    assert not questions[0] & questions[1] and not questions[0] & questions[2] and not questions[1] & questions[2]
+    for split in (train, val, test):
         assert sum(r["difficulty"] == "easy" for r in split) == len(split) // 2
         assert {r["difficulty"] for r in split} == {"easy", "hard"}
-    for r in train + val:
+    for r in train + val + test:
         assert row_problems(r, DEMO) == [], r["id"]
         assert r["source"] in (EASY_FAMILIES if r["difficulty"] == "easy" else HARD_FAMILIES), r["id"]
         if r["difficulty"] == "hard":

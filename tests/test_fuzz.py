@@ -89,7 +89,7 @@ def test_answers_match_is_total(predicted, truth, choices):
 # --- every reward module -------------------------------------------------------------
 
 MODULES = {name: build_reward(name, encoder="packaged:all-MiniLM-L6-v2", device="cpu")
-           for name in ("format", "answer_only", "composite", "cpr")}
+           for name in ("format", "answer_only", "composite", "cpr", "authors_code")}
 reference_chains = st.none() | st.lists(any_text, max_size=3) | st.just(["Tom has 12 pencils.", "So 12."])
 
 

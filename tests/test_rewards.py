@@ -76,6 +76,32 @@ def test_cpr_custom_weights():
     assert torch.allclose(total(out), cpr_reward(F1, C, 0.6, 0.4, 0.5), atol=1e-6)
 
 
+def test_authors_code_reward_is_gated_additive_on_word_overlap():
+    """Their released code: 0.6 + 0.4 F1 when correct, 0.4 x 0.3 x F1 otherwise, F1 by word overlap.
+    On ROWS word overlap and the encoder agree (steps are copied or off-topic)."""
+    funcs, out = call("authors_code")
+    assert [f.__name__ for f in funcs] == ["authors_code_accuracy", "authors_code_reasoning"]
+    assert torch.allclose(total(out), cpr_reward(F1, C, 0.6, 0.4, 0.3), atol=1e-6)
+
+
+def test_authors_code_scores_steps_by_words_not_meaning():
+    from crystal_grpo.rewards.authors_code import overlap_scores, word_overlap, words
+
+    assert word_overlap(words("He has 12 pencils."), words("he has 12 pencils")) == 1.0
+    assert word_overlap(words("a b c d"), words("a b x y")) == 0.5  # Dice: 2 * 2 / (4 + 4)
+    assert word_overlap(frozenset(), frozenset()) == 0.0
+    # a paraphrase the encoder matches (cosine >= 0.35) shares too few words (Dice 0.48 < 0.5)
+    paraphrase = "Tom has twelve pencils after buying three packs of four."
+    module = build_reward("authors_code", device="cpu", verbosity_guard=False)
+    scored = module.score([completion([paraphrase], "9")], [{"answer": "9", "reference_steps": REFS}])
+    assert scored.batch.f1.item() == pytest.approx(0.4)  # encoder Match F1: 1 of 4 reference steps
+    assert scored.batch.step.item() == 0.0  # what the reward trains on
+    assert module.total(scored.batch).item() == pytest.approx(0.6)
+    # several reference chains: the best wins, as with the encoder
+    best = overlap_scores([["the answer is 9"]], [[["unrelated words"], ["The answer is 9."]]], threshold=0.5)
+    assert best.f1.item() == 1.0 and best.best_reference.item() == 1
+
+
 def test_answer_only_and_format():
     _, out = call("answer_only", accuracy_weight=1.0, format_weight=0.1)
     assert torch.allclose(total(out), C + 0.1 * F, atol=1e-9)
@@ -303,7 +329,8 @@ texty = st.one_of(
     st.lists(st.fixed_dictionaries({"role": st.just("assistant"), "content": junk}), max_size=2),
     junk,
 )
-FUZZ_FUNCS = {name: get_reward_funcs(name, device="cpu") for name in ("format", "answer_only", "composite", "cpr")}
+REWARD_NAMES = ("format", "answer_only", "composite", "cpr", "authors_code")
+FUZZ_FUNCS = {name: get_reward_funcs(name, device="cpu") for name in REWARD_NAMES}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -320,7 +347,7 @@ def test_fuzz_every_reward_is_finite_and_never_raises(completions, answers):
 # --- model output that used to crash or stall a reward call ---------------------------
 
 MODULES = {name: build_reward(name, encoder="packaged:all-MiniLM-L6-v2", device="cpu")
-           for name in ("format", "answer_only", "composite", "cpr")}
+           for name in REWARD_NAMES}
 
 
 def call_module(module, comps, answers, refs=REFS):

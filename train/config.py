@@ -42,7 +42,7 @@ class RewardSection:
     """The reward (``reward:``): its name and the fields of its config class as ``params``."""
 
     name: str = option("cpr", "A reward registered in crystal_grpo.rewards.REWARDS: format, answer_only, "
-                       "composite, cpr, or your own (register_reward).")
+                       "composite, cpr, authors_code, or your own (register_reward).")
     params: dict[str, Any] = option(default_factory=dict, help="Fields of the reward's config (RewardConfig and "
                                     "e.g. CPRConfig: answer_weight, step_weight, wrong_answer_discount).")
 

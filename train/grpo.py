@@ -250,7 +250,10 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
     was given), and later phases start as usual.
     """
     if not cfg.phases:
-        return {"run": run_phase(cfg, run_dir, resume, callbacks)}
+        summary = {"run": run_phase(cfg, run_dir, resume, callbacks)}
+        if _main_process():  # written last: a finished run (scripts/sweep.py skips it)
+            atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+        return summary
     summary, prev = {}, None
     for i, phase in enumerate(cfg.phases):
         pcfg = apply_phase(cfg, phase)

@@ -1,0 +1,201 @@
+"""scripts/sweep.py: expansion and validation of sweep files, and the whole path on the tiny
+model (configs/sweeps/tiny.yaml): run, skip on re-run, resume, a failing point, the report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from crystal_grpo.train import sweep as sw
+from crystal_grpo.train.sweep_report import build, point_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
+
+
+def write(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------ expansion
+def test_grid_points_seeds_and_zipped_axes(tmp_path):
+    path = write(tmp_path, """
+base: tiny.yaml
+overrides: {training: {max_steps: 3}}
+points:
+  - {name: a, overrides: {reward.name: cpr}}
+  - {name: b, overrides: {reward.name: cpr, pcgrad: true}}
+grid:
+  reward.params.answer_weight,reward.params.step_weight: [[0.8, 0.2], [0.6, 0.4]]
+  training.learning_rate: [1.0e-5, 2.0e-5]
+seeds: [1, 2]
+""")
+    sweep = sw.load_sweep(path, tmp_path / "out")
+    assert len(sweep.points) == 2 * 2 * 2 * 2
+    first = sweep.points[0]
+    assert first.name == "a_answer_weight=0.8_step_weight=0.2_learning_rate=1e-05_seed1"
+    assert first.arm == "a_answer_weight=0.8_step_weight=0.2_learning_rate=1e-05"
+    assert first.overrides == {"training.max_steps": 3, "reward.name": "cpr", "reward.params.answer_weight": 0.8,
+                               "reward.params.step_weight": 0.2, "training.learning_rate": 1e-5, "training.seed": 1}
+    assert {p.arm for p in sweep.points if p.seed == 2} == {p.arm for p in sweep.points if p.seed == 1}
+    # what train/grpo.py is given resolves to exactly those values
+    resolved = sw.resolved(sweep.points[-1])
+    assert resolved["reward"]["params"]["answer_weight"] == 0.6 and resolved["training"]["seed"] == 2
+    assert resolved["pcgrad"] is True and resolved["training"]["learning_rate"] == 2e-5
+    cmd = sw.command(sweep, first)
+    assert cmd[:2] == ["python", "train/grpo.py"] and cmd[cmd.index("--reward.name") + 1] == "cpr"
+    assert cmd[cmd.index("--output_dir") + 1] == str(tmp_path / "out" / first.name)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("base: tiny.yaml\npoints: [{name: a, overrides: {training.learnin_rate: 1.0e-5}}]",
+     "point a: training: unknown key 'learnin_rate'"),
+    ("base: tiny.yaml\ngrid: {reward.params.answer_weight: [0.6, oops]}",
+     "point answer_weight=oops: reward.params.answer_weight"),
+    ("base: tiny.yaml\npoints: [{name: a}, {name: a}]", "points named more than once: a"),
+    ("base: tiny.yaml\ngrid: {reward.name: [cpr]}\nseeds: [1, -2]", "seeds: expected a list of integers >= 0"),
+    ("base: tiny.yaml\ngrid: {\"a.b,c.d\": [[1, 2], [3]]}", "grid.a.b,c.d: [3] must be a list of 2 values"),
+    ("base: tiny.yaml\npoint: [{name: a}]", "unknown key(s) 'point'"),
+    ("points: [{name: a}]", "points[0]: no config"),
+    ("base: tiny.yaml\npoints: [{name: a}]\neval: {max_samples: 3}", "eval: expected a mapping with `data`"),
+    ("base: tiny.yaml\npoints: [{name: a}]\ninit_from: /nonexistent/run/phase1", "init_from: /nonexistent"),
+])
+def test_invalid_sweeps_are_rejected_before_anything_runs(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(sw.SweepError, match=None) as err:
+        sw.load_sweep(path, tmp_path / "out")
+    assert message in str(err.value)
+    assert not (tmp_path / "out").exists()
+    assert sw.main([str(path), "--output_dir", str(tmp_path / "out")]) == 2
+
+
+def test_shipped_sweeps_expand_and_validate(tmp_path):
+    sizes = {"reward_ablation": 5, "cpr_weights": 6, "tiny": 2}
+    for name, n in sizes.items():
+        sweep = sw.load_sweep(REPO / "configs" / "sweeps" / f"{name}.yaml", tmp_path / name)
+        assert len(sweep.points) == n, name
+    weights = sw.load_sweep(REPO / "configs" / "sweeps" / "cpr_weights.yaml", tmp_path / "w")
+    pairs = [(p.overrides["reward.params.answer_weight"], p.overrides["reward.params.step_weight"])
+             for p in weights.points]
+    assert pairs[0] == (0.8, 0.2) and pairs[-1] == (0.4, 0.6) and all(abs(a + s - 1) < 1e-9 for a, s in pairs)
+    ablation = sw.load_sweep(REPO / "configs" / "sweeps" / "reward_ablation.yaml", tmp_path / "r")
+    authors = sw.resolved(ablation.points[-1])
+    assert authors["reward"]["name"] == "authors_code"
+    assert (authors["reward"]["params"]["answer_weight"], authors["reward"]["params"]["step_weight"]) == (0.6, 0.4)
+
+
+def test_emit_slurm_is_valid_bash_with_one_task_a_point(tmp_path):
+    sweep = sw.load_sweep(REPO / "configs" / "sweeps" / "cpr_weights.yaml", tmp_path / "w")
+    script = sw.emit(sweep, "slurm")
+    path = write(tmp_path, script, "job.sbatch")
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    assert f"#SBATCH --array=0-{len(sweep.points) - 1}\n" in script
+    assert script.count("train/grpo.py") == len(sweep.points) == 6
+    assert (tmp_path / "w" / "slurm").is_dir()  # sbatch opens --output before the script runs
+    lines = sw.emit(sweep, "commands").splitlines()
+    assert len(lines) == 6 and all("--resume_from_checkpoint latest" in line for line in lines)
+    for p in sweep.points:  # every point's resolved config is saved with its folder
+        record = json.loads((tmp_path / "w" / p.name / sw.POINT_FILE).read_text())
+        assert record["resolved"]["reward"]["params"]["answer_weight"] == p.overrides["reward.params.answer_weight"]
+
+
+# ------------------------------------------------------------------ the whole path, tiny
+@pytest.fixture(scope="module")
+def tiny_model():
+    """configs/tiny.yaml's model folder (scripts/make_tiny_models.py writes it; built if absent)."""
+    from conftest import _make_tiny_models
+
+    path = REPO / ".cache" / "models" / "tiny-qwen2"
+    if not (path / "config.json").is_file():
+        _make_tiny_models().build_tiny_lm(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "tiny"
+    assert sw.main([str(TINY_SWEEP), "--output_dir", str(out)]) == 0
+    return sw.load_sweep(TINY_SWEEP, out)
+
+
+def test_tiny_sweep_report_equals_the_points_own_files(tiny_sweep):
+    out = tiny_sweep.output_dir
+    for name in ("report.md", "report.csv", "report.json", "report.png"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "report.json").read_text())
+    assert [p["status"] for p in report["points"]] == ["done", "done"]
+    for point, arm in zip(tiny_sweep.points, report["arms"]):
+        best = json.loads((out / point.name / "best_checkpoint.json").read_text())
+        for metric in ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate", "steps_mean"):
+            assert arm["mean"][metric] == pytest.approx(best["metrics"][metric]), (point.name, metric)
+        logged = [json.loads(x) for x in (out / point.name / "metrics.jsonl").read_text().splitlines()]
+        kl = [r["kl_max"] for r in logged if "kl_max" in r]
+        assert arm["mean"]["kl_max"] == pytest.approx(max(kl))
+        record = json.loads((out / point.name / sw.POINT_FILE).read_text())
+        assert record["resolved"]["reward"]["name"] == point.overrides["reward.name"]
+        assert record["resolved"]["training"]["max_steps"] == 2
+    rows = (out / "report.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("arm,seeds_done,accuracy_mean,accuracy_std")
+    md = (out / "report.md").read_text()
+    assert "| reward=answer_only | 1 |" in md and "| reward=cpr | 1 |" in md
+
+
+def test_rerun_skips_finished_points(tiny_sweep):
+    logs = {p.name: (tiny_sweep.output_dir / p.name / sw.LOG_FILE).read_bytes() for p in tiny_sweep.points}
+    assert sw.run_sweep(tiny_sweep, say=lambda _: None) == {p.name: "skipped" for p in tiny_sweep.points}
+    for p in tiny_sweep.points:
+        assert (tiny_sweep.output_dir / p.name / sw.LOG_FILE).read_bytes() == logs[p.name]
+
+
+def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tmp_path):
+    sweep = sw.load_sweep(TINY_SWEEP, tmp_path / "copy")
+    point = sweep.points[1]
+    folder = sweep.output_dir / point.name
+    shutil.copytree(tiny_sweep.output_dir / point.name, folder)
+    # as if killed after checkpoint-1 was written: later checkpoints and the end markers are gone
+    for gone in ("checkpoint-2", "final"):
+        shutil.rmtree(folder / gone)
+    (folder / sw.DONE_FILE).unlink()
+    assert sw.run_point(sweep, point, say=lambda _: None) == "done"
+    log = (folder / sw.LOG_FILE).read_text()
+    assert f"resuming from {folder / 'checkpoint-1'}" in log
+    assert (folder / "final").is_dir() and (folder / "checkpoint-2").is_dir()
+
+
+def test_a_failing_point_does_not_stop_the_others(tiny_model, tmp_path):
+    path = write(tmp_path, f"""
+base: {REPO / 'configs' / 'tiny.yaml'}
+overrides: {{training.max_steps: 1, validation.eval_steps: 1}}
+points:
+  - {{name: broken, overrides: {{model.name_or_path: {tmp_path / 'no-such-model'}}}}}
+  - {{name: fine, overrides: {{reward.name: answer_only}}}}
+""")
+    sweep = sw.load_sweep(path, tmp_path / "out")
+    assert sw.run_sweep(sweep, say=lambda _: None) == {"broken": "failed", "fine": "done"}
+    status = json.loads((sweep.output_dir / sw.STATUS_FILE).read_text())
+    assert status["broken"]["returncode"] == 2 and "no-such-model" in status["broken"]["log_tail"]
+    report = build(sweep)
+    assert [p["status"] for p in report["points"]] == ["failed", "done"]
+    assert [a["seeds_done"] for a in report["arms"]] == [0, 1]
+    assert point_metrics(sweep.output_dir / "fine")["best_step"] is not None
+    # the CLI reports the failure (exit 1) after running the rest, and lists it in report.md
+    assert sw.main([str(path), "--output_dir", str(tmp_path / "out")]) == 1
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "- broken: failed (exit code 2)" in md and "no-such-model" in md
+
+
+def test_collapse_and_divergence_are_reported():
+    from crystal_grpo.train.sweep_report import collapse_step, divergence
+
+    val = [{"step": 0, "format_rate": 0.9}, {"step": 4, "format_rate": 0.6}, {"step": 8, "format_rate": 0.3}]
+    assert collapse_step(val) == 8
+    assert collapse_step([{"step": 0, "format_rate": 0.2}, {"step": 4, "format_rate": 0.05}]) is None
+    assert divergence({"nonfinite_skipped": 3.0, "format_collapse_step": 8}) == \
+        "3 non-finite updates skipped; format collapsed at step 8"
+    assert divergence({"nonfinite_skipped": 0.0, "format_collapse_step": None}) == "no"

@@ -1,0 +1,438 @@
+"""Sweeps: many runs of train/grpo.py that differ in a few overrides (the paper's Tables 4 and 5).
+
+A sweep file (YAML, see configs/sweeps/) names::
+
+    base: demo_ablation.yaml          # run config of every point (a point may name its own `config`)
+    launcher: python                  # what starts train/grpo.py, e.g. "accelerate launch --config_file ..."
+    init_from: runs/demo/phase1-warm_start   # optional: every point starts from this phase's best checkpoint
+    output_dir: runs/sweeps/NAME      # the sweep folder (default: runs/sweeps/<file stem>)
+    overrides: {training.max_steps: 8}            # every point, in the command line's section.key syntax
+    points:                           # named points ...
+      - {name: cpr, overrides: {reward.name: cpr}}
+    grid:                             # ... and/or the product of lists ("a,b": a list of zipped pairs)
+      reward.params.answer_weight,reward.params.step_weight: [[0.8, 0.2], [0.65, 0.35]]
+    seeds: [1, 2]                     # one more axis (training.seed); each point runs once per seed
+    eval: {data: data/demo/val.jsonl, max_samples: 24}   # score each best checkpoint (scripts/evaluate.py)
+    x: reward.params.answer_weight    # a weight sweep: plot the metrics against this key
+
+Every point becomes a run folder ``<sweep folder>/<point>`` holding ``sweep_point.json`` (its
+overrides, command and resolved config) and its ``train.log``. Every point's overrides are
+validated before anything runs. Re-running skips finished points (their ``summary.json``
+exists), resumes an interrupted one from its last checkpoint, and a failed point is
+reported with the tail of its log without stopping the others. The report lives in
+train/sweep_report.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from crystal_grpo.train.checkpoints import atomic_write_text, read_json
+from crystal_grpo.train.config import ConfigError, load_config, parse_yaml, resolve_config_path
+
+ROOT = Path(__file__).resolve().parents[1]
+POINT_FILE = "sweep_point.json"
+STATUS_FILE = "sweep_status.json"
+#: What a finished run leaves in its folder (train/grpo.py writes it last).
+DONE_FILE = "summary.json"
+LOG_FILE = "train.log"
+KEYS = {"base", "launcher", "init_from", "output_dir", "overrides", "points", "grid", "seeds", "eval", "x"}
+EVAL_KEYS = {"data", "max_samples", "batch_size", "max_new_tokens"}
+
+
+class SweepError(ValueError):
+    """A sweep file that cannot run; the message names the key or point."""
+
+
+@dataclass
+class Point:
+    """One run of the sweep: ``arm`` is what the report groups over seeds."""
+
+    name: str
+    arm: str
+    config: str
+    overrides: dict[str, Any]
+    seed: int | None = None
+
+    def overrides_argv(self) -> list[str]:
+        """``--section.key value`` pairs, each value as the config reader parses it back (YAML)."""
+        return [a for k, v in self.overrides.items() for a in (f"--{k}", _as_yaml(v))]
+
+
+def _as_yaml(value: Any) -> str:
+    """A plain word stays as it is; anything else is JSON (which YAML reads back unchanged)."""
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z_][\w./:-]*", value) and parse_yaml(value, "") == value:
+        return value
+    return json.dumps(value)
+
+
+@dataclass
+class Sweep:
+    name: str
+    base: str
+    launcher: str
+    output_dir: Path
+    points: list[Point]
+    eval: dict[str, Any] = field(default_factory=dict)
+    x: str | None = None
+
+
+def _flat(overrides: Any, where: str) -> dict[str, Any]:
+    """``{a: {b: 1}}`` and ``{a.b: 1}`` alike become ``{"a.b": 1}``."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise SweepError(f"{where}: expected a mapping of section.key: value, got {overrides!r}")
+    out = {}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and value:
+            out.update({f"{key}.{k}": v for k, v in _flat(value, f"{where}.{key}").items()})
+        else:
+            out[str(key)] = value
+    return out
+
+
+def _slug(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return re.sub(r"[^\w.=+-]+", "-", Path(text).name if "/" in str(text) else text).strip("-")
+
+
+def _short(key: str) -> str:
+    """``reward.params.answer_weight`` -> ``answer_weight``; ``reward.name`` -> ``reward``."""
+    parts = key.split(".")
+    return parts[-2] if parts[-1] == "name" and len(parts) > 1 else parts[-1]
+
+
+def _grid(grid: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """(name, overrides) for each combination; a key ``a,b`` takes a list of (a, b) pairs."""
+    if not grid:
+        return [("", {})]
+    if not isinstance(grid, dict):
+        raise SweepError(f"{where}: expected a mapping of section.key: [values]")
+    axes = []
+    for key, values in grid.items():
+        keys = [k.strip() for k in str(key).split(",")]
+        if not isinstance(values, list) or not values:
+            raise SweepError(f"{where}.{key}: expected a non-empty list of values, got {values!r}")
+        combos = []
+        for v in values:
+            vs = v if len(keys) > 1 else [v]
+            if not isinstance(vs, list) or len(vs) != len(keys):
+                raise SweepError(f"{where}.{key}: {v!r} must be a list of {len(keys)} values ({', '.join(keys)})")
+            combos.append(dict(zip(keys, vs)))
+        axes.append(combos)
+    out = []
+    for combo in itertools.product(*axes):
+        merged = {k: v for part in combo for k, v in part.items()}
+        out.append(("_".join(f"{_short(k)}={_slug(v)}" for k, v in merged.items()), merged))
+    return out
+
+
+def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_init: bool = True) -> Sweep:
+    """Read a sweep file, expand it into points, and validate every point's config.
+
+    ``resolve_init=False`` (reporting) leaves ``init_from`` as written: a report needs no
+    starting checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError(f"{path}: no such sweep file")
+    raw = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+    if not isinstance(raw, dict):
+        raise SweepError(f"{path}: the top level must be a mapping")
+    unknown = sorted(set(raw) - KEYS)
+    if unknown:
+        raise SweepError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(KEYS))}")
+    if not raw.get("points") and not raw.get("grid"):
+        raise SweepError(f"{path}: a sweep needs `points` or `grid`")
+    base = raw.get("base")
+    common = _flat(raw.get("overrides"), "overrides")
+    if raw.get("init_from"):
+        init = Path(raw["init_from"])
+        common["model.name_or_path"] = _rel(start_checkpoint(init)) if resolve_init else str(init)
+    seeds = raw.get("seeds") or [None]
+    if not isinstance(seeds, list) or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
+        raise SweepError(f"seeds: expected a list of integers >= 0, got {raw.get('seeds')!r}")
+    named = raw.get("points") or [{"name": ""}]
+    if not isinstance(named, list):
+        raise SweepError("points: expected a list of {name, overrides, config}")
+    points: list[Point] = []
+    for i, p in enumerate(named):
+        if not isinstance(p, dict) or set(p) - {"name", "overrides", "config"}:
+            raise SweepError(f"points[{i}]: expected a mapping with name, overrides and optional config, got {p!r}")
+        if raw.get("points") and not p.get("name"):
+            raise SweepError(f"points[{i}]: `name` is required")
+        config = p.get("config") or base
+        if not config:
+            raise SweepError(f"points[{i}]: no config (set `base`, or the point's `config`)")
+        for gname, gover in _grid(raw.get("grid"), "grid"):
+            arm = "_".join(x for x in (str(p.get("name") or ""), gname) if x)
+            overrides = {**common, **_flat(p.get("overrides"), f"points[{i}].overrides"), **gover}
+            for seed in seeds:
+                over = {**overrides, **({"training.seed": seed} if seed is not None else {})}
+                name = arm if seed is None else f"{arm}_seed{seed}"
+                points.append(Point(name, arm, str(config), over, seed))
+    names = [p.name for p in points]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise SweepError(f"points named more than once: {', '.join(dupes)}")
+    ev = raw.get("eval") or {}
+    if not isinstance(ev, dict) or set(ev) - EVAL_KEYS or (ev and not ev.get("data")):
+        optional = ", ".join(sorted(EVAL_KEYS - {"data"}))
+        raise SweepError(f"eval: expected a mapping with `data` and optional {optional}, "
+                         f"got {ev!r}")
+    launcher = raw.get("launcher") or "python"
+    if not isinstance(launcher, str):
+        raise SweepError(f"launcher: expected a command line (str), got {launcher!r}")
+    sweep = Sweep(name=path.stem, base=str(base or ""), launcher=launcher,
+                  output_dir=Path(output_dir or raw.get("output_dir") or ROOT / "runs/sweeps" / path.stem).resolve(),
+                  points=points, eval=ev, x=raw.get("x"))
+    for p in points:
+        resolved(p)  # every point's config and overrides checked before anything runs
+    return sweep
+
+
+def start_checkpoint(folder: Path) -> Path:
+    """A run's phase folder -> its best checkpoint (``final/`` without a usable best); a model
+    folder stays as it is."""
+    is_phase = (folder / "best_checkpoint.json").is_file() or (folder / "final").is_dir()
+    if not is_phase and (folder / "config.json").is_file():
+        return folder
+    ckpt = best_checkpoint(folder) if is_phase else None
+    if ckpt is None:
+        raise SweepError(f"init_from: {folder} is neither a model folder nor a finished run phase (best "
+                         f"checkpoint or final/); `make demo` writes runs/demo/phase1-warm_start")
+    return ckpt
+
+
+def resolved(point: Point) -> dict:
+    """The point's full run config (every override applied and checked), as train/grpo.py sees it."""
+    try:
+        cfg, _ = load_config(point.config, point.overrides_argv())
+    except ConfigError as err:
+        raise SweepError(f"point {point.name}: {err}") from None
+    return dataclasses.asdict(cfg)
+
+
+# ------------------------------------------------------------------------------- running
+def command(sweep: Sweep, point: Point, python: str = "python") -> list[str]:
+    """The point's launch line. It always asks to resume: a fresh folder starts from scratch,
+    an interrupted one from its newest complete checkpoint, a finished phase is skipped."""
+    launcher = shlex.split(sweep.launcher)
+    if launcher == ["python"]:
+        launcher = [python]
+    return [*launcher, "train/grpo.py", "--config", _rel(resolve_config_path(point.config)),
+            "--output_dir", _rel(sweep.output_dir / point.name), "--resume_from_checkpoint", "latest",
+            *point.overrides_argv()]
+
+
+def _rel(path: Path) -> str:
+    """Relative to the repository (where every command runs) when inside it, else absolute."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def shell_line(sweep: Sweep, point: Point) -> str:
+    """One self-contained shell line: make the folder, run, append to its log."""
+    folder = shlex.quote(_rel(sweep.output_dir / point.name))
+    return (f"mkdir -p {folder} && {shlex.join(command(sweep, point))} >> {folder}/{LOG_FILE} 2>&1")
+
+
+def prepare(sweep: Sweep, point: Point) -> Path:
+    """The point's folder with its ``sweep_point.json`` (overrides, command, resolved config)."""
+    folder = sweep.output_dir / point.name
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"name": point.name, "arm": point.arm, "seed": point.seed, "config": point.config,
+              "overrides": point.overrides, "command": shell_line(sweep, point), "resolved": resolved(point)}
+    atomic_write_text(folder / POINT_FILE, json.dumps(record, indent=2, default=str))
+    return folder
+
+
+def is_done(folder: Path) -> bool:
+    return (folder / DONE_FILE).is_file()
+
+
+def log_tail(folder: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join((folder / LOG_FILE).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def read_status(sweep: Sweep) -> dict[str, dict]:
+    return read_json(sweep.output_dir / STATUS_FILE) or {}
+
+
+_STATUS_LOCK = threading.Lock()
+
+
+def _record(sweep: Sweep, name: str, entry: dict) -> None:
+    with _STATUS_LOCK:  # points may finish together (--jobs)
+        status = read_status(sweep)
+        status[name] = entry
+        atomic_write_text(sweep.output_dir / STATUS_FILE, json.dumps(status, indent=2))
+
+
+def run_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print) -> str:
+    """Run one point unless finished: ``"skipped"``, ``"done"`` or ``"failed"`` (recorded with
+    the log's tail in the sweep folder's ``sweep_status.json``)."""
+    folder = sweep.output_dir / point.name
+    if is_done(folder):
+        say(f"[{point.name}] finished earlier: skipped")
+        return "skipped"
+    resuming = (folder / POINT_FILE).is_file()
+    prepare(sweep, point)
+    say(f"[{point.name}] {'resuming' if resuming else 'starting'} (log: {folder / LOG_FILE})")
+    start = time.time()
+    with open(folder / LOG_FILE, "ab") as log:
+        rc = subprocess.run(command(sweep, point, sys.executable), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL).returncode
+    seconds = round(time.time() - start, 1)
+    if rc == 0 and is_done(folder):
+        _record(sweep, point.name, {"status": "done", "seconds": seconds})
+        if sweep.eval:
+            evaluate_point(sweep, point, say)
+        say(f"[{point.name}] done in {seconds:.0f} s")
+        return "done"
+    tail = log_tail(folder)
+    _record(sweep, point.name, {"status": "failed", "returncode": rc, "seconds": seconds, "log_tail": tail})
+    say(f"[{point.name}] FAILED (exit code {rc}) after {seconds:.0f} s; the end of its log:\n{tail}\n")
+    return "failed"
+
+
+def run_sweep(sweep: Sweep, only: list[str] | None = None, say: Callable[[str], None] = print,
+              jobs: int = 1) -> dict[str, str]:
+    """Every point (or those named in ``only``), one after another, or ``jobs`` at a time (small
+    runs sharing one large GPU); a failure stops none."""
+    points = select(sweep, only)
+    if jobs <= 1:
+        return {p.name: run_point(sweep, p, say) for p in points}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda p: run_point(sweep, p, say), points))
+    return {p.name: r for p, r in zip(points, results)}
+
+
+def select(sweep: Sweep, only: list[str] | None) -> list[Point]:
+    if not only:
+        return sweep.points
+    known = {p.name: p for p in sweep.points}
+    missing = [n for n in only if n not in known]
+    if missing:
+        raise SweepError(f"no point named {', '.join(missing)}; points: {', '.join(known)}")
+    return [known[n] for n in only]
+
+
+# ------------------------------------------------------------------------------ evaluation
+def best_checkpoint(folder: Path) -> Path | None:
+    """The best checkpoint of the run's last phase (its ``final/`` when it has no usable best)."""
+    from crystal_grpo.train.evaluate import EvalError, run_targets
+
+    try:
+        return run_targets(folder)[-1][1]
+    except (EvalError, OSError, ValueError, KeyError):
+        return None
+
+
+def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print) -> bool:
+    """Score the point's best checkpoint on ``eval.data`` into ``<point>/eval`` (resumable)."""
+    folder = sweep.output_dir / point.name
+    if (folder / "eval" / "report.json").is_file():
+        return True  # evaluated earlier (scripts/evaluate.py --force re-scores)
+    ckpt = best_checkpoint(folder)
+    if ckpt is None:
+        return False
+    ev = sweep.eval
+    argv = [sys.executable, "scripts/evaluate.py", "--model", str(ckpt), "--data", str(ev["data"]),
+            "--out", str(folder / "eval")]
+    for key in sorted(EVAL_KEYS - {"data"}):
+        if ev.get(key) is not None:
+            argv += [f"--{key}", str(ev[key])]
+    with open(folder / "eval.log", "ab") as log:
+        rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+    if rc != 0:
+        say(f"[{point.name}] evaluation FAILED (exit code {rc}); see {folder / 'eval.log'}")
+    return rc == 0
+
+
+# ------------------------------------------------------------------------------- emitting
+def emit(sweep: Sweep, kind: str) -> str:
+    """``commands``: one shell line a point; ``slurm``: an sbatch job array, one task a point.
+
+    Folders and their ``sweep_point.json`` are written now, so the report knows every point.
+    """
+    lines = []
+    for p in sweep.points:
+        prepare(sweep, p)
+        lines.append(shell_line(sweep, p))
+    if kind == "commands":
+        return "".join(f"cd {shlex.quote(str(ROOT))} && {line}\n" for line in lines)
+    if kind != "slurm":
+        raise SweepError(f"--emit {kind!r}: expected 'slurm' or 'commands'")
+    (sweep.output_dir / "slurm").mkdir(parents=True, exist_ok=True)  # sbatch opens --output before the script runs
+    logs = shlex.quote(str((sweep.output_dir / "slurm").resolve()))
+    body = "\n".join(f"  {shlex.quote(line)}" for line in lines)
+    return (
+        "#!/bin/bash\n"
+        f"#SBATCH --job-name=sweep-{sweep.name}\n"
+        f"#SBATCH --array=0-{len(lines) - 1}\n"
+        f"#SBATCH --output={sweep.output_dir.resolve()}/slurm/%A_%a.out\n"
+        "# Add your cluster's --partition, --gres=gpu:N, --time, --cpus-per-task here.\n"
+        "set -euo pipefail\n"
+        f"mkdir -p {logs}\n"
+        f"cd {shlex.quote(str(ROOT))}\n"
+        "POINTS=(\n" + body + "\n)\n"
+        'eval "${POINTS[$SLURM_ARRAY_TASK_ID]}"\n'
+    )
+
+
+# ------------------------------------------------------------------------------------ CLI
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="sweep.py", description="Run, emit or report a sweep of train/grpo.py runs.",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("sweep", help="a sweep YAML (configs/sweeps/*.yaml)")
+    ap.add_argument("--output_dir", help="the sweep folder (default: its output_dir, else runs/sweeps/<name>)")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument("--emit", choices=["slurm", "commands"], help="print an sbatch job-array script, or one "
+                      "shell line a point, instead of running")
+    what.add_argument("--report", action="store_true", help="only aggregate what has finished")
+    ap.add_argument("--point", action="append", help="run only this point (repeatable)")
+    ap.add_argument("--jobs", type=int, default=1, help="points run at once on this machine (default 1: one after "
+                    "another); several small runs can share one large GPU")
+    args = ap.parse_args(argv)
+    from crystal_grpo.train.sweep_report import write_report
+
+    try:
+        sweep = load_sweep(args.sweep, args.output_dir, resolve_init=not (args.report and not args.point))
+        if args.emit:
+            print(emit(sweep, args.emit), end="")
+            return 0
+        print(f"sweep {sweep.name}: {len(sweep.points)} point(s) in {sweep.output_dir}")
+        results = {} if args.report else run_sweep(sweep, args.point, jobs=args.jobs)
+        if sweep.eval and args.report:
+            for p in sweep.points:
+                if is_done(sweep.output_dir / p.name):
+                    evaluate_point(sweep, p)
+        text, plots = write_report(sweep)
+    except SweepError as err:
+        print(f"sweep error: {err}", file=sys.stderr)
+        return 2
+    print("\n" + text)
+    print(f"report: {sweep.output_dir / 'report.md'} (.csv, .json)" + "".join(f"\nplot: {p}" for p in plots))
+    failed = [n for n, s in results.items() if s == "failed"]
+    if failed:
+        print(f"{len(failed)} point(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,300 @@
+"""The report of a sweep: one row a point (mean and spread over seeds), a CSV, a JSON and plots.
+
+Everything is read from the points' own run folders (train/summary.py's reader), so a
+report can be made at any time from whatever has finished:
+
+- the best checkpoint's validation metrics (``best_checkpoint.json`` of the last phase; every
+  reward validates the same METRICS, so arms compare like with like);
+- the reward-weight diagnostics the trainer logs (SPEC section 6: discrimination gap, r(F1),
+  KL max), the grad-norm trend (least-squares slope per step) and whether the run diverged
+  (non-finite updates skipped; validation format rate collapsing below half its best);
+- with ``eval.data`` in the sweep, the best checkpoint's scores from scripts/evaluate.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from crystal_grpo.rewards.base import METRICS
+from crystal_grpo.train.checkpoints import atomic_write_text, read_json
+from crystal_grpo.train.summary import Phase, read_phases, slope
+from crystal_grpo.train.sweep import Sweep, is_done, read_status
+
+#: The validation metrics of the table (the best checkpoint's), in METRICS order.
+BEST = tuple(m for m in METRICS if m != "reward")
+DIAGNOSTICS = ("discrimination_gap", "r_f1", "kl_max", "grad_norm_slope", "nonfinite_skipped")
+EVAL = ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate", "steps_mean")
+COLLAPSE_SHARE = 0.5  # format rate below this share of its best so far = collapsed
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _train_values(phase: Phase, suffix: str) -> list[tuple[int, float]]:
+    """(step, value) of the training key ``suffix`` (or ``<reward>/<suffix>``)."""
+    out = []
+    for r in phase.train:
+        key = next((k for k in r if k == suffix or k.endswith("/" + suffix)), None)
+        if key is not None and _finite(r[key]):
+            out.append((r["step"], float(r[key])))
+    return out
+
+
+def collapse_step(validation: list[dict]) -> int | None:
+    """First validated step whose format rate fell below half of the best before it."""
+    best = None
+    for r in validation:
+        f = r.get("format_rate")
+        if not _finite(f):
+            continue
+        if best is not None and best >= 0.5 and f < COLLAPSE_SHARE * best:
+            return int(r["step"])
+        best = f if best is None else max(best, f)
+    return None
+
+
+def point_metrics(folder: Path) -> dict[str, Any]:
+    """One finished run's numbers (its last phase: the one the sweep varies)."""
+    phase = read_phases(folder)[-1]
+    best = read_json(phase.folder / "best_checkpoint.json")
+    val = best["metrics"] if best else (phase.validation[-1] if phase.validation else {})
+    out: dict[str, Any] = {"best_step": best["step"] if best else (val.get("step") if val else None)}
+    out.update({m: val.get(m) for m in BEST})
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    out["discrimination_gap"] = mean([v for _, v in _train_values(phase, "discrimination_gap")])
+    out["r_f1"] = mean([v for _, v in _train_values(phase, "r_f1")])
+    kl = [v for _, v in _train_values(phase, "kl_max")]
+    out["kl_max"] = max(kl) if kl else None
+    grad = _train_values(phase, "grad_norm")
+    out["grad_norm_slope"] = slope([s for s, _ in grad], [v for _, v in grad]) if grad else None
+    skipped = [v for _, v in _train_values(phase, "nonfinite_skipped_total")]
+    out["nonfinite_skipped"] = max(skipped) if skipped else 0.0
+    out["format_collapse_step"] = collapse_step(phase.validation)
+    report = read_json(folder / "eval" / "report.json")
+    if report:
+        out.update({f"eval_{m}": (report["overall"].get(m) or {}).get("value") for m in EVAL})
+    return out
+
+
+def divergence(m: dict[str, Any]) -> str:
+    parts = []
+    if m.get("nonfinite_skipped"):
+        parts.append(f"{m['nonfinite_skipped']:.0f} non-finite updates skipped")
+    if m.get("format_collapse_step") is not None:
+        parts.append(f"format collapsed at step {m['format_collapse_step']}")
+    return "; ".join(parts) or "no"
+
+
+def _spread(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (None with fewer than two values)."""
+    xs = [v for v in values if _finite(v)]
+    if not xs:
+        return None, None
+    mu = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None
+    return mu, sd
+
+
+PAIRED = ("accuracy", "f1", "ordered_f1", "format_rate", "steps_mean")
+
+
+def paired_on_eval(sweep: Sweep, arms: list[str], bootstrap: int = 1000, seed: int = 0) -> dict[str, Any] | None:
+    """Every arm against the first on the evaluation rows: per row, the mean over the arm's
+    seeds, then the paired difference with a 95% bootstrap interval (rows resampled together).
+    Pairing by row removes the rows' difficulty from the comparison; seeds enter as a mean."""
+    from crystal_grpo.train.eval_report import ROW_METRICS, bootstrap_ci, load_scored
+
+    per_arm = {}
+    for arm in arms:
+        runs = [load_scored(sweep.output_dir / p.name / "eval") for p in sweep.points
+                if p.arm == arm and (sweep.output_dir / p.name / "eval" / "report.json").is_file()]
+        if runs:
+            rows = sorted(set.intersection(*(set(r) for r in runs)))
+            per_arm[arm] = {i: np.nanmean([r[i] for r in runs], axis=0) for i in rows}
+    if len(per_arm) < 2 or arms[0] not in per_arm:
+        return None
+    common = sorted(set.intersection(*(set(v) for v in per_arm.values())))
+    cols = [ROW_METRICS.index(m) for m in PAIRED]
+    base = np.array([per_arm[arms[0]][i][cols] for i in common])
+    out = {"baseline": arms[0], "rows": len(common), "arms": {}}
+    for arm, values in per_arm.items():
+        table = np.array([values[i][cols] for i in common])
+        diff = table - base
+        lo, hi = bootstrap_ci(diff, bootstrap, seed)
+        out["arms"][arm] = {m: {"mean": float(np.nanmean(table[:, k])), "diff": float(np.nanmean(diff[:, k])),
+                                "ci_low": float(lo[k]), "ci_high": float(hi[k])} for k, m in enumerate(PAIRED)}
+    return out
+
+
+def build(sweep: Sweep) -> dict[str, Any]:
+    """Per point: status and numbers; per arm: mean/std over its finished seeds."""
+    status = read_status(sweep)
+    points, arms = [], {}
+    for p in sweep.points:
+        folder = sweep.output_dir / p.name
+        entry: dict[str, Any] = {"point": p.name, "arm": p.arm, "seed": p.seed, "overrides": p.overrides}
+        if is_done(folder):
+            entry["status"] = "done"
+            entry["metrics"] = point_metrics(folder)
+        elif status.get(p.name, {}).get("status") == "failed":
+            entry.update({k: status[p.name].get(k) for k in ("returncode", "log_tail")}, status="failed")
+        else:
+            entry["status"] = "running or interrupted" if folder.is_dir() else "not started"
+        points.append(entry)
+        arms.setdefault(p.arm, {"arm": p.arm, "overrides": {k: v for k, v in p.overrides.items()
+                                                            if k != "training.seed"}, "runs": []})
+        if entry["status"] == "done":
+            arms[p.arm]["runs"].append(entry["metrics"])
+    keys = (*BEST, *DIAGNOSTICS, *(f"eval_{m}" for m in EVAL))
+    for arm in arms.values():
+        runs = arm.pop("runs")
+        arm["seeds_done"] = len(runs)
+        arm["mean"], arm["std"] = {}, {}
+        for k in keys:
+            arm["mean"][k], arm["std"][k] = _spread([r.get(k) for r in runs])
+        arm["diverged"] = "; ".join(sorted({divergence(r) for r in runs} - {"no"})) or ("no" if runs else "-")
+    return {"sweep": sweep.name, "folder": str(sweep.output_dir), "points": points, "arms": list(arms.values()),
+            "paired_eval": paired_on_eval(sweep, list(arms)) if sweep.eval else None}
+
+
+# --------------------------------------------------------------------------------- output
+HEADERS = {"accuracy": "accuracy", "f1": "Match F1", "precision": "precision", "recall": "recall",
+           "ordered_f1": "Ordered F1", "format_rate": "format", "steps_mean": "steps",
+           "discrimination_gap": "disc. gap", "r_f1": "r(F1)", "kl_max": "KL max", "grad_norm_slope": "grad-norm slope"}
+
+
+def _cell(mu: float | None, sd: float | None, spec: str = ".3f") -> str:
+    if mu is None:
+        return "-"
+    return format(mu, spec) + (f" ± {format(sd, spec)}" if sd is not None else "")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    cols = [k for k in HEADERS]
+    evals = [f"eval_{m}" for m in ("accuracy", "f1") if any(a["mean"].get(f"eval_{m}") is not None
+                                                          for a in report["arms"])]
+    head = ["arm", "seeds", *(HEADERS[k] for k in cols), *(f"eval {HEADERS[k[5:]]}" for k in evals), "diverged"]
+    lines = [f"# Sweep {report['sweep']}", "",
+             "Best-checkpoint validation metrics and training diagnostics, mean ± sample std over seeds.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for a in report["arms"]:
+        spec = lambda k: "+.4f" if k == "grad_norm_slope" else ".3f"  # noqa: E731
+        cells = [a["arm"], str(a["seeds_done"]), *(_cell(a["mean"][k], a["std"][k], spec(k)) for k in cols),
+                 *(_cell(a["mean"][k], a["std"][k]) for k in evals), a["diverged"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    paired = report.get("paired_eval")
+    if paired:
+        lines += ["", f"## On the evaluation data: each arm against {paired['baseline']}", "",
+                  f"Paired over {paired['rows']} rows (per row the mean over the arm's seeds); 95% bootstrap "
+                  "intervals of the difference.", "",
+                  "| arm | " + " | ".join(f"{HEADERS.get(m, m)} (diff [95% CI])" for m in PAIRED) + " |",
+                  "|---|" + "---|" * len(PAIRED)]
+        for arm, ms in paired["arms"].items():
+            cells = [f"{v['mean']:.3f} ({v['diff']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}])"
+                     for v in ms.values()]
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    bad = [p for p in report["points"] if p["status"] != "done"]
+    if bad:
+        lines += ["", "## Points not finished", ""]
+        for p in bad:
+            lines.append(f"- {p['point']}: {p['status']}" + (f" (exit code {p.get('returncode')})"
+                                                              if p["status"] == "failed" else ""))
+            if p.get("log_tail"):
+                lines += ["", "```", p["log_tail"], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(report: dict[str, Any]) -> str:
+    keys = (*BEST, *DIAGNOSTICS, *(f"eval_{m}" for m in EVAL))
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["arm", "seeds_done", *(f"{k}_{s}" for k in keys for s in ("mean", "std")), "diverged"])
+    for a in report["arms"]:
+        w.writerow([a["arm"], a["seeds_done"], *(a[s][k] if a[s][k] is not None else "" for k in keys
+                                                   for s in ("mean", "std")), a["diverged"]])
+    return buf.getvalue()
+
+
+#: Curves overlaid in report.png: (title, validation key or None, training key or None).
+CURVES = (("validation Match F1", "f1", None), ("validation accuracy", "accuracy", None),
+          ("training reward", None, "reward"), ("KL", None, "kl"))
+
+
+def plot(sweep: Sweep, report: dict[str, Any]) -> list[Path]:
+    """``report.png``: each finished point's last-phase curves, one colour an arm; for a weight
+    sweep (``x``) also ``report_weights.png``: the arms' metrics against the swept weight."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    arms = [a["arm"] for a in report["arms"]]
+    colors = {arm: plt.get_cmap("tab10")(i % 10) for i, arm in enumerate(arms)}
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4))
+    labelled = set()
+    for p in report["points"]:
+        if p["status"] != "done":
+            continue
+        phase = read_phases(sweep.output_dir / p["point"])[-1]
+        label = p["arm"] if p["arm"] not in labelled else None
+        labelled.add(p["arm"])
+        for ax, (title, vkey, tkey) in zip(axes, CURVES):
+            rows = ([(r["step"], r[vkey]) for r in phase.validation if _finite(r.get(vkey))] if vkey
+                    else _train_values(phase, tkey))
+            if rows:
+                ax.plot(*zip(*rows), color=colors[p["arm"]], marker="o" if vkey else None, ms=3, lw=1.2,
+                        alpha=0.85, label=label)
+    for ax, (title, *_rest) in zip(axes, CURVES):
+        ax.set_title(title)
+        ax.set_xlabel("step (last phase)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"sweep {report['sweep']}: one line a run, one colour an arm")
+    fig.tight_layout()
+    path = sweep.output_dir / "report.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    out.append(path)
+    if sweep.x:
+        xs = [(a["overrides"].get(sweep.x), a) for a in report["arms"]]
+        xs = sorted(((x, a) for x, a in xs if _finite(x)), key=lambda t: t[0])
+        if xs:
+            keys = ("accuracy", "f1", "discrimination_gap", "r_f1", "kl_max", "grad_norm_slope")
+            fig, axes = plt.subplots(1, len(keys), figsize=(3.3 * len(keys), 3.2))
+            for ax, k in zip(axes, keys):
+                pts = [(x, a["mean"][k], a["std"][k] or 0.0) for x, a in xs if a["mean"][k] is not None]
+                if pts:
+                    ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
+                                capsize=3)
+                ax.set_title(HEADERS[k])
+                ax.set_xlabel(sweep.x.rsplit(".", 1)[-1])
+                ax.grid(alpha=0.3)
+            fig.tight_layout()
+            path = sweep.output_dir / "report_weights.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            out.append(path)
+    return out
+
+
+def write_report(sweep: Sweep) -> tuple[str, list[Path]]:
+    """``report.md``, ``report.csv``, ``report.json`` and the plots in the sweep folder; returns
+    the Markdown and the plots."""
+    sweep.output_dir.mkdir(parents=True, exist_ok=True)
+    report = build(sweep)
+    text = markdown(report)
+    atomic_write_text(sweep.output_dir / "report.json", json.dumps(report, indent=2, default=str))
+    atomic_write_text(sweep.output_dir / "report.csv", to_csv(report))
+    atomic_write_text(sweep.output_dir / "report.md", text)
+    plots = plot(sweep, report) if any(p["status"] == "done" for p in report["points"]) else []
+    return text, plots
+
