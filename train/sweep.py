@@ -80,7 +80,6 @@ def _as_yaml(value: Any) -> str:
 @dataclass
 class Sweep:
     name: str
-    base: str
     launcher: str
     output_dir: Path
     points: list[Point]
@@ -159,6 +158,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
     common = _flat(raw.get("overrides"), "overrides")
     if raw.get("init_from"):
         init = Path(raw["init_from"])
+        init = init if init.exists() or init.is_absolute() else ROOT / init  # like the configs' paths
         common["model.name_or_path"] = _rel(start_checkpoint(init)) if resolve_init else str(init)
     seeds = raw.get("seeds") or [None]
     if not isinstance(seeds, list) or not all(s is None or (isinstance(s, int) and s >= 0) for s in seeds):
@@ -194,7 +194,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
     launcher = raw.get("launcher") or "python"
     if not isinstance(launcher, str):
         raise SweepError(f"launcher: expected a command line (str), got {launcher!r}")
-    sweep = Sweep(name=path.stem, base=str(base or ""), launcher=launcher,
+    sweep = Sweep(name=path.stem, launcher=launcher,
                   output_dir=Path(output_dir or raw.get("output_dir") or ROOT / "runs/sweeps" / path.stem).resolve(),
                   points=points, eval=ev, x=raw.get("x"))
     for p in points:
