@@ -126,7 +126,7 @@ def tiny_sweep(tiny_model, tmp_path_factory):
 
 def test_tiny_sweep_report_equals_the_points_own_files(tiny_sweep):
     out = tiny_sweep.output_dir
-    for name in ("report.md", "report.csv", "report.json", "report.png"):
+    for name in ("report.md", "report.csv", "report.json", "report.png", "report_weights.png"):
         assert (out / name).is_file(), name
     report = json.loads((out / "report.json").read_text())
     assert [p["status"] for p in report["points"]] == ["done", "done"]
@@ -138,12 +138,15 @@ def test_tiny_sweep_report_equals_the_points_own_files(tiny_sweep):
         kl = [r["kl_max"] for r in logged if "kl_max" in r]
         assert arm["mean"]["kl_max"] == pytest.approx(max(kl))
         record = json.loads((out / point.name / sw.POINT_FILE).read_text())
-        assert record["resolved"]["reward"]["name"] == point.overrides["reward.name"]
+        weight = record["resolved"]["reward"]["params"]["answer_weight"]
+        key = "reward.params.answer_weight"
+        assert weight == point.overrides[key] == arm["overrides"][key]
         assert record["resolved"]["training"]["max_steps"] == 2
     rows = (out / "report.csv").read_text().splitlines()
     assert len(rows) == 3 and rows[0].startswith("arm,seeds_done,accuracy_mean,accuracy_std")
     md = (out / "report.md").read_text()
-    assert "| reward=answer_only | 1 |" in md and "| reward=cpr | 1 |" in md
+    for arm in ("answer_weight=0.65_step_weight=0.35", "answer_weight=0.8_step_weight=0.2"):
+        assert f"| {arm} | 1 |" in md
 
 
 def test_rerun_skips_finished_points(tiny_sweep):
