@@ -140,17 +140,11 @@ def run_trl(argv: list[str]) -> None:
     from trl import GRPOTrainer
 
     from crystal_grpo.train.callbacks import MetricsJsonlCallback
-    from crystal_grpo.train.config import load_config
     from crystal_grpo.train.data import load_datasets
     from crystal_grpo.train.grpo import training_args
     from crystal_grpo.train.models import load_policy, peft_config
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--output_dir", required=True)
-    known, overrides = ap.parse_known_args(argv)
-    cfg, _ = load_config(known.config, overrides)
-    out = Path(known.output_dir)
+    cfg, out = _config_and_folder(argv)
     out.mkdir(parents=True, exist_ok=True)
     args = training_args(cfg, out, {})
     train, _ = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
@@ -165,15 +159,21 @@ def run_trl(argv: list[str]) -> None:
 def run_grpo(argv: list[str]) -> int:
     """``train/grpo.py`` with the :class:`StepClock`."""
     from crystal_grpo.train import grpo
+
+    cfg, out = _config_and_folder(argv)
+    grpo.run(cfg, out, callbacks=[StepClock(out)])
+    return 0
+
+
+def _config_and_folder(argv: list[str]):
+    """``--config NAME --output_dir DIR [--section.key value ...]``, as train/grpo.py reads them."""
     from crystal_grpo.train.config import load_config
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--output_dir", required=True)
     known, overrides = ap.parse_known_args(argv)
-    cfg, _ = load_config(known.config, overrides)
-    grpo.run(cfg, Path(known.output_dir), callbacks=[StepClock(known.output_dir)])
-    return 0
+    return load_config(known.config, overrides)[0], Path(known.output_dir)
 
 
 def summarise(out: Path, warmup: int) -> dict[str, float]:

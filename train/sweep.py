@@ -64,6 +64,7 @@ class Point:
     config: str
     overrides: dict[str, Any]
     seed: int | None = None
+    run_config: dict | None = field(default=None, repr=False)  # set once by resolved()
 
     def overrides_argv(self) -> list[str]:
         """``--section.key value`` pairs, each value as the config reader parses it back (YAML)."""
@@ -216,12 +217,15 @@ def start_checkpoint(folder: Path) -> Path:
 
 
 def resolved(point: Point) -> dict:
-    """The point's full run config (every override applied and checked), as train/grpo.py sees it."""
-    try:
-        cfg, _ = load_config(point.config, point.overrides_argv())
-    except ConfigError as err:
-        raise SweepError(f"point {point.name}: {err}") from None
-    return dataclasses.asdict(cfg)
+    """The point's full run config (every override applied and checked), as train/grpo.py sees it;
+    checked once per point (at load) and reused."""
+    if point.run_config is None:
+        try:
+            cfg, _ = load_config(point.config, point.overrides_argv())
+        except ConfigError as err:
+            raise SweepError(f"point {point.name}: {err}") from None
+        point.run_config = dataclasses.asdict(cfg)
+    return point.run_config
 
 
 # ------------------------------------------------------------------------------- running
