@@ -281,6 +281,18 @@ class RewardModule:
                    "reward": self.total(batch)}
         return {m: _nanmean(per_row[m] if m in per_row else getattr(batch, m)) for m in METRICS}
 
+    def pin_references(self, rows: Any) -> int:
+        """Embed every reference step of ``rows`` (a ``datasets.Dataset`` or a list of
+        mappings) once, before training, when this reward scores steps
+        (:meth:`MatchF1Scorer.pin`). Returns how many texts were encoded."""
+        if not self.uses_steps:
+            return 0
+        names = getattr(rows, "column_names", None)
+        column = ((lambda k: rows[k] if k in names else [None] * len(rows)) if names is not None
+                  else (lambda k: [r.get(k) for r in rows]))
+        chains = map(_chains, column("reference_steps"), column("reference_sets"))
+        return self._scorer().pin(step for cs in chains for chain in cs or [] for step in chain)
+
     def _scorer(self) -> MatchF1Scorer:
         if self.scorer is None:  # a reward without step terms, asked for Match F1 (validation)
             self.scorer = shared_scorer(**self._scorer_settings)

@@ -10,14 +10,17 @@ DeepSpeed ZeRO-3 against one process (one table, every ratio measured in the sam
 A setting is ``trl-(full|lora)`` (plain ``trl.GRPOTrainer``, trivial reward: the baseline) or
 ``(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad]`` (``train/grpo.py`` in one
 process or under ZeRO-3; LoRA generates through merged adapters, ``-unmerged`` as before; CPR
-by default, answer-only with ``-answer``; the encoder on the device);
+by default, answer-only with ``-answer``; the encoder on the device), either with a generation
+suffix: ``-static`` (``cache_implementation: static``) or ``-cb`` (transformers' continuous
+batching, ``use_transformers_continuous_batching: true``);
 ``crystal_grpo/train/bench.py`` says exactly what each runs. Every run has the same model,
 data, batch (``--batch`` completions = ``--batch`` / 8 prompts x 8 generations), generation
 length, seed and GRPOConfig, and does ``--warmup + --steps`` optimizer steps. With the
 default learning rate 0 the policy never changes, so every setting samples the same
 completions and the ratios compare equal work (ratios are per generated token anyway).
-``--rounds`` repeats all settings in turn (A B C A B C ...), so that a machine's load drifts
-over all of them alike; ratios pair runs of the same round.
+``--rounds`` repeats all settings in turn, each round starting one setting later (A B C,
+B C A, ...), so that a machine's load drift and any first-run effect fall on all of them
+alike; ratios pair runs of the same round.
 
 Models: ``tiny`` is the tests' tiny Qwen2 (built if missing); ``mid`` a Qwen2.5-0.5B-shaped
 Qwen2 (about 360M parameters, random weights warmed up on the JSON format, built on the
@@ -34,6 +37,8 @@ Columns (medians over the measured steps of a run, then over rounds):
   cpu/trl    the same for the process CPU time of a whole step (all threads): the work done,
              steadier than wall time on a shared machine (``--threads 1`` makes it cleaner);
   lora/full  a ``-lora`` setting's per-token step s over the same setting with full weights;
+  gen/default  a ``-static`` / ``-cb`` setting's per-token step s over the same setting with
+             default generation (the inverse of the tokens-per-second ratio);
   peak GiB   CUDA max_memory_allocated (not measured on CPU);
   score s, share   the reward's ``scoring_seconds`` (parsing, answers, embedding, matching)
              and its share of step s; format, steps: format rate and mean predicted steps.
@@ -102,7 +107,7 @@ def main() -> None:
           f"{len(settings)} settings", flush=True)
     results: dict[str, list[dict]] = {s: [] for s in settings}
     for rnd in range(a.rounds):
-        for setting in settings:
+        for setting in settings[rnd % len(settings):] + settings[:rnd % len(settings)]:  # no setting always first
             out = Path(a.out) / f"{Path(model).name}-{setting}"
             shutil.rmtree(out, ignore_errors=True)
             proc = subprocess.run(command(setting, model, out, a, cuda), cwd=REPO_ROOT, env=env,

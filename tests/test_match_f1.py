@@ -259,6 +259,21 @@ def test_cache_reuse_and_lru_eviction():
     assert off.last_encoded == 1 and not off._cache
 
 
+def test_pinned_references_are_never_evicted_and_score_the_same():
+    sc = MatchF1Scorer(PACKAGED_MINILM, device="cpu", cache_size=2)
+    refs = [["Tom has 3 boxes of 4 apples.", "3 * 4 = 12"], ["12 - 2 = 10", "3 * 4 = 12"]]
+    preds = [["He has 12 apples.", "So 3 * 4 = 12."], ["10 apples are left."]]
+    plain = sc.score(preds, refs)
+    pinned = MatchF1Scorer(sc.model, device="cpu", cache_size=0)
+    assert pinned.pin(s for chain in refs for s in chain) == 3  # unique texts only
+    assert pinned.pin(["3 * 4 = 12"]) == 0
+    for _ in range(2):  # no LRU: the predictions are encoded every time, the references never
+        again = pinned.score(preds, refs)
+        assert pinned.last_encoded == 3  # the predictions' steps only
+    for f in ("precision", "recall", "f1", "ordered_f1"):
+        assert torch.allclose(getattr(again, f), getattr(plain, f), atol=1e-6), f
+
+
 def test_score_embeddings_equals_score(scorer):
     preds = [["one plus one is two", "so the answer is two"], ["apples are red"]]
     refs = [["1 + 1 = 2", "answer: 2"], ["red apples", "green pears"]]

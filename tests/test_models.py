@@ -325,7 +325,8 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     a = argparse.Namespace(dtype="bfloat16", encoder="packaged:all-MiniLM-L6-v2", warmup=1, steps=2,
                            batch=16, completion_length=64, learning_rate=0.0, seed=7)
     names = ("trl-full", "trl-lora", "plain-full", "plain-lora", "plain-full-answer", "plain-full-pcgrad",
-             "zero3-full", "zero3-lora", "zero3-full-pcgrad", "zero3-lora-answer-pcgrad", "plain-lora-unmerged")
+             "zero3-full", "zero3-lora", "zero3-full-pcgrad", "zero3-lora-answer-pcgrad", "plain-lora-unmerged",
+             "trl-full-static", "plain-full-static", "trl-lora-cb", "plain-lora-answer-pcgrad-cb")
     configs = {}
     for setting in names:
         cmd = bench.command(setting, "some/model", tmp_path / setting, a, cuda)
@@ -342,13 +343,18 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
         assert (cfg.model.lora is not None) == ("lora" in setting) and cfg.pcgrad == ("pcgrad" in setting)
         assert cfg.model.lora is None or cfg.model.lora.merge_for_generation == ("unmerged" not in setting)
         assert cfg.reward.name == ("answer_only" if "answer" in setting else "cpr")
+        assert cfg.training.get("cache_implementation") == ("static" if setting.endswith("-static") else None)
+        assert cfg.training.get("use_transformers_continuous_batching", False) == setting.endswith("-cb")
+        assert bench.Setting.parse(setting).name() == setting
         assert cfg.training["use_cpu"] is (not cuda) and cfg.reward.params["device"] == ("cuda" if cuda else "cpu")
         zero3 = setting.startswith("zero3")
         assert ("zero3_1x1.yaml" in " ".join(cmd[:at])) == (zero3 and cuda)
         assert (cfg.training.get("deepspeed") == "configs/accelerate/zero3.json") == (zero3 and not cuda)
     assert configs["trl-full"].training == configs["plain-full"].training
     assert configs["trl-lora"].model == configs["plain-lora"].model
+    assert configs["trl-full-static"].training == configs["plain-full-static"].training
+    assert bench.Setting.parse("plain-lora-answer-cb").baseline == "trl-lora-cb"
     for bad in ("zero2-full", "trl-full-pcgrad", "plain-full-pcgrad-answer", "plain", "trl-lora-unmerged",
-                "plain-full-unmerged"):
+                "plain-full-unmerged", "plain-full-static-pcgrad", "trl-full-cb-static"):
         with pytest.raises(SystemExit, match="allowed are"):
             bench.command(bad, "m", tmp_path, a, cuda)

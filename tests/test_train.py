@@ -55,6 +55,27 @@ def test_grpo_run_logs_every_component(tmp_path, tiny_lm_path, reward, component
     assert "[None]" not in card and f"Fine-tuned from the local model `{tiny_lm_path}`" in card
 
 
+def test_reference_steps_are_embedded_before_the_first_step(tmp_path, tiny_lm_path, monkeypatch):
+    """Every reference the reward meets is already pinned, so no step encodes a reference."""
+    from crystal_grpo.rewards.match_f1 import MatchF1Scorer
+
+    calls = []
+    score = MatchF1Scorer.score
+
+    def recording_score(self, predicted, references):
+        refs = {s for chains in references for chain in chains for s in chain}
+        calls.append((len(refs), refs - set(self._pinned)))
+        return score(self, predicted, references)
+
+    monkeypatch.setattr(MatchF1Scorer, "score", recording_score)
+    run_main(tmp_path, tiny_lm_path, "--reward.name", "cpr", "--validation.eval_steps", "0",
+             "--validation.at_start", "false")
+    train_calls, (_, val_unpinned) = calls[:-1], calls[-1]  # 2 steps, then the final validation
+    assert len(train_calls) == 2 and all(n > 0 and not unpinned for n, unpinned in train_calls)
+    assert val_unpinned  # validation rows are not the training set's: the check can fail
+    assert RewardModule.pin_references(rewards_pkg.build_reward("format"), [{"reference_steps": ["a"]}]) == 0
+
+
 class BrevityReward(RewardModule):
     """A reward defined in this file alone: fewer steps score higher (objective: accuracy)."""
 

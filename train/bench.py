@@ -1,6 +1,6 @@
 """What ``scripts/bench_train.py`` runs: GRPO steps of this framework against plain TRL.
 
-A setting names one run: ``<launcher>-<weights>[-<reward>][-pcgrad]``
+A setting names one run: ``<launcher>-<weights>[-<reward>][-pcgrad][-<generation>]``
 
 - launcher ``trl``: plain ``trl.GRPOTrainer`` with a trivial reward function (the baseline),
   ``plain``: ``train/grpo.py`` in one process, ``zero3``: ``train/grpo.py`` under DeepSpeed
@@ -8,7 +8,9 @@ A setting names one run: ``<launcher>-<weights>[-<reward>][-pcgrad]``
 - weights ``full`` or ``lora`` (r 16, all linear layers, adapters merged for generation;
   ``lora-unmerged``: generation through unmerged adapters, as before merging existed);
 - reward ``cpr`` (default) or ``answer`` (answer-only), the sentence encoder on the device;
-- ``pcgrad``: PCGrad on the accuracy and reasoning objectives.
+- ``pcgrad``: PCGrad on the accuracy and reasoning objectives;
+- generation ``static`` (``cache_implementation: static``) or ``cb`` (transformers' continuous
+  batching); without it, ``generate`` with the dynamic KV cache.
 
 Every run is ``python -m crystal_grpo.train.bench ENTRY --config tiny.yaml <overrides>``
 with the same overrides, so model, data, batch, generation length, seed and every
@@ -39,6 +41,10 @@ CLOCK_FILE = "step_clock.json"
 LORA = "{r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}"
 
 
+ENGINES = {"static": ["--training.cache_implementation", "static"],
+           "cb": ["--training.use_transformers_continuous_batching", "true"]}
+
+
 @dataclass(frozen=True)
 class Setting:
     """One benchmarked configuration, parsed from its name."""
@@ -48,12 +54,14 @@ class Setting:
     reward: str  # cpr | answer | trivial (trl)
     pcgrad: bool
     unmerged: bool = False
+    engine: str = ""  # "" (generate, dynamic KV cache) | static | cb (continuous batching)
 
     @classmethod
     def parse(cls, name: str) -> "Setting":
         parts = name.split("-")
         ok = len(parts) >= 2 and parts[0] in ("trl", "plain", "zero3") and parts[1] in ("full", "lora")
         rest = parts[2:] if ok else []
+        engine = rest.pop() if rest and rest[-1] in ENGINES else ""
         unmerged = ok and parts[1] == "lora" and rest[:1] == ["unmerged"]
         rest = rest[1:] if unmerged else rest
         reward = "trivial" if ok and parts[0] == "trl" else "cpr"
@@ -61,19 +69,22 @@ class Setting:
             reward, rest = rest[0], rest[1:]
         pcgrad = rest == ["pcgrad"] and reward != "trivial"
         if not ok or (rest and not pcgrad) or (unmerged and parts[0] == "trl"):
-            raise SystemExit(f"setting {name!r}: allowed are trl-(full|lora) and "
-                             "(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad]")
-        return cls(parts[0], parts[1], reward, pcgrad, unmerged)
+            raise SystemExit(f"setting {name!r}: allowed are trl-(full|lora)[-static|-cb] and "
+                             "(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad][-static|-cb]")
+        return cls(parts[0], parts[1], reward, pcgrad, unmerged, engine)
 
     @property
     def baseline(self) -> str:
-        """The plain-TRL setting this one is compared with."""
-        return f"trl-{self.weights}"
+        """The plain-TRL setting this one is compared with (same weights, same generation)."""
+        return "-".join(["trl", self.weights] + ([self.engine] if self.engine else []))
 
-    def with_weights(self, weights: str) -> str:
-        """The name of this setting with other weights (``full``, ``lora``, ``lora-unmerged``)."""
+    def name(self, weights: str | None = None, engine: str | None = None) -> str:
+        """This setting's name with other weights (``full``, ``lora``, ``lora-unmerged``) or
+        another generation engine (``""``: default ``generate``)."""
+        weights = weights or (self.weights + ("-unmerged" if self.unmerged else ""))
+        engine = self.engine if engine is None else engine
         return "-".join([self.launcher, weights] + ([] if self.reward in ("cpr", "trivial") else [self.reward])
-                        + (["pcgrad"] if self.pcgrad else []))
+                        + (["pcgrad"] if self.pcgrad else []) + ([engine] if engine else []))
 
 
 def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool) -> list[str]:
@@ -105,6 +116,7 @@ def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool)
         args += ["--model.lora", LORA.replace("}", f", merge_for_generation: {str(not s.unmerged).lower()}}}")]
     if s.pcgrad:
         args += ["--pcgrad", "true"]
+    args += ENGINES.get(s.engine, [])
     entry = ["-m", "crystal_grpo.train.bench", "trl" if s.launcher == "trl" else "grpo"]
     return launch + entry + args + extra
 
@@ -208,26 +220,28 @@ def ratio(results: dict[str, list[dict]], name: str, other: str | None, key: str
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    """One line per setting: medians over rounds, spread, ratios against plain TRL and full weights."""
+    """One line per setting: medians over rounds, spread, ratios against plain TRL, full weights
+    and default generation."""
     def fmt_ratio(r: tuple[float, float, float]) -> str:
         return "-" if math.isnan(r[0]) else f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
 
     head = (f"{'setting':<24}{'step s':>8}{'spread':>8}{'wall s':>8}{'tokens':>8}{'step/trl':>18}"
-            f"{'net/trl':>18}{'wall/trl':>18}{'cpu/trl':>18}{'lora/full':>18}{'peak GiB':>9}{'score s':>9}{'share':>7}"
-            f"{'format':>7}{'steps':>6}")
+            f"{'net/trl':>18}{'wall/trl':>18}{'cpu/trl':>18}{'lora/full':>18}{'gen/default':>18}{'peak GiB':>9}"
+            f"{'score s':>9}{'share':>7}{'format':>7}{'steps':>6}")
     lines = [head, "-" * len(head)]
     for name, runs in results.items():
         s = Setting.parse(name)
         med = lambda k: statistics.median([r[k] for r in runs])  # noqa: E731
         steps = [r["step"] for r in runs]
         spread = (max(steps) - min(steps)) / med("step") if len(runs) > 1 else 0.0
-        lora_vs = ratio(results, name, s.with_weights("full"), "step") if s.weights == "lora" else (math.nan,) * 3
+        lora_vs = ratio(results, name, s.name(weights="full"), "step") if s.weights == "lora" else (math.nan,) * 3
+        gen_vs = ratio(results, name, s.name(engine=""), "step") if s.engine else (math.nan,) * 3
         lines.append(
             f"{name:<24}{med('step'):>8.3f}{spread:>8.1%}{med('wall'):>8.3f}{med('tokens'):>8.1f}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'step')):>18}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'net')):>18}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'wall')):>18}"
-            f"{fmt_ratio(ratio(results, name, s.baseline, 'cpu')):>18}{fmt_ratio(lora_vs):>18}"
+            f"{fmt_ratio(ratio(results, name, s.baseline, 'cpu')):>18}{fmt_ratio(lora_vs):>18}{fmt_ratio(gen_vs):>18}"
             f"{med('peak'):>9.2f}{med('score'):>9.3f}{med('score') / med('step'):>7.1%}{med('format'):>7.2f}"
             f"{med('steps'):>6.1f}")
     return "\n".join(lines)

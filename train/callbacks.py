@@ -15,7 +15,7 @@ from crystal_grpo.distributed import gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards.base import METRICS, Metric, RewardModule
 from crystal_grpo.train.checkpoints import atomic_write_text, read_json
-from crystal_grpo.train.generation import Sampling, generate
+from crystal_grpo.train.generation import Engine, Sampling, generate
 from crystal_grpo.train.lora_merge import merged_adapters
 from crystal_grpo.typed import option
 
@@ -38,7 +38,8 @@ class ValidationCallback(TrainerCallback):
 
     The best record (``best_checkpoint.json`` in the run folder) names the checkpoint
     saved at that step; a save is requested when the metric improves, and the trainer's
-    ``best_model_checkpoint`` is set so checkpoint rotation never deletes it.
+    ``best_model_checkpoint`` is set so checkpoint rotation never deletes it. Generation takes
+    training's path (``cache_implementation``, continuous batching: :class:`Engine`).
     """
 
     def __init__(self, trainer, dataset, cfg: ValidationSection, run_dir: str | Path, module: RewardModule) -> None:
@@ -96,7 +97,8 @@ class ValidationCallback(TrainerCallback):
               merged_adapters(unwrapped, getattr(trainer, "merge_lora_for_generation", True))):
             unwrapped.eval()
             completions = [c[0] for c in generate(unwrapped, trainer.processing_class, [r["prompt"] for r in rows],
-                                                  images, Sampling(self.cfg.max_new_tokens), self.cfg.batch_size)]
+                                                  images, Sampling(self.cfg.max_new_tokens), self.cfg.batch_size,
+                                                  Engine.from_trainer(trainer))]
         model.train(was_training)
         completions, _ = gather_objects(completions)
         rows, _ = gather_objects([{k: r[k] for k in ("answer", "reference_steps", "choices", "id")}

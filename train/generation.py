@@ -30,6 +30,31 @@ class Sampling:
                 "num_return_sequences": self.num_samples}
 
 
+@dataclass(frozen=True)
+class Engine:
+    """How transformers runs generation; the choices TRL's GRPOConfig offers for training
+    (``cache_implementation``, ``use_transformers_continuous_batching``), so validation takes
+    the path training takes (:meth:`from_trainer`).
+
+    ``generate`` with the default dynamic KV cache, with a preallocated one
+    (``cache_implementation: static``), or continuous batching (``generate_batch``: paged KV
+    cache, finished sequences replaced by waiting ones; text-only models). Greedy output is
+    the same token for token on the tests' model in fp32 (tests/test_generation.py); in bf16
+    kernels differ, so ties may break differently.
+    """
+
+    cache_implementation: str | None = None
+    continuous_batching: bool = False
+    continuous_batching_config: Any = None  # transformers' ContinuousBatchingConfig; None: its defaults
+
+    @classmethod
+    def from_trainer(cls, trainer) -> "Engine":
+        args = trainer.args
+        return cls(getattr(args, "cache_implementation", None),
+                   bool(getattr(args, "use_transformers_continuous_batching", False)),
+                   getattr(trainer, "continuous_batching_config", None))
+
+
 def _encode(processing_class, prompts: Sequence, images: Sequence | None) -> dict[str, torch.Tensor]:
     from trl.data_utils import prepare_multimodal_messages
 
@@ -45,10 +70,12 @@ def _encode(processing_class, prompts: Sequence, images: Sequence | None) -> dic
 
 @torch.no_grad()
 def generate_batches(model, processing_class, prompts: Sequence, images: Sequence | None, sampling: Sampling,
-                     batch_size: int) -> Iterator[list[list[str]]]:
+                     batch_size: int, engine: Engine = Engine()) -> Iterator[list[list[str]]]:
     """For each chunk of ``batch_size`` prompts, ``num_samples`` completions per prompt (left
     padding, special tokens dropped); yields chunk by chunk so callers can save as they go."""
     tok = getattr(processing_class, "tokenizer", processing_class)
+    if engine.continuous_batching and images is not None:
+        raise ValueError("continuous batching generates text-only prompts; this model takes images")
     side, tok.padding_side = tok.padding_side, "left"
     device = next(model.parameters()).device
     k = sampling.num_samples
@@ -56,17 +83,40 @@ def generate_batches(model, processing_class, prompts: Sequence, images: Sequenc
         for i in range(0, len(prompts), batch_size):
             enc = _encode(processing_class, prompts[i:i + batch_size],
                           None if images is None else images[i:i + batch_size])
-            enc = {key: v.to(device) for key, v in enc.items()}
-            ids = model.generate(**enc, max_new_tokens=sampling.max_new_tokens, pad_token_id=tok.pad_token_id,
-                                 **sampling.generate_kwargs())
-            texts = tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            if engine.continuous_batching:
+                ids = _generate_continuous(model, tok, enc, sampling, engine)
+            else:
+                enc = {key: v.to(device) for key, v in enc.items()}
+                ids = model.generate(**enc, max_new_tokens=sampling.max_new_tokens, pad_token_id=tok.pad_token_id,
+                                     cache_implementation=engine.cache_implementation, **sampling.generate_kwargs())
+                ids = ids[:, enc["input_ids"].shape[1]:]
+            texts = tok.batch_decode(ids, skip_special_tokens=True)
             yield [texts[j:j + k] for j in range(0, len(texts), k)]
     finally:
         tok.padding_side = side
 
 
+def _generate_continuous(model, tok, enc: dict[str, torch.Tensor], sampling: Sampling,
+                         engine: Engine) -> list[list[int]]:
+    """``generate_batch`` on the unpadded prompts; its results come back in request order
+    (samples of one prompt together), and a request that failed fails the call."""
+    from transformers import GenerationConfig
+
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"])]
+    config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, pad_token_id=tok.pad_token_id,
+                              eos_token_id=model.generation_config.eos_token_id, **sampling.generate_kwargs())
+    out = model.generate_batch(prompts, generation_config=config,
+                               continuous_batching_config=engine.continuous_batching_config, progress_bar=False)
+    expected = len(prompts) * sampling.num_samples
+    failed = [r.request_id for r in out.values() if r.error is not None]
+    if len(out) != expected or failed:
+        raise RuntimeError(f"continuous batching returned {len(out) - len(failed)} of {expected} completions "
+                           f"(failed: {failed[:3]})")
+    return [list(r.generated_tokens) for r in out.values()]
+
+
 def generate(model, processing_class, prompts: Sequence, images: Sequence | None, sampling: Sampling,
-             batch_size: int) -> list[list[str]]:
+             batch_size: int, engine: Engine = Engine()) -> list[list[str]]:
     """All completions at once: ``num_samples`` per prompt, in prompt order."""
-    return [c for chunk in generate_batches(model, processing_class, prompts, images, sampling, batch_size)
+    return [c for chunk in generate_batches(model, processing_class, prompts, images, sampling, batch_size, engine)
             for c in chunk]

@@ -86,23 +86,29 @@ def merged_adapters(model, enabled: bool = True) -> Iterator[bool]:
 
 @contextlib.contextmanager
 def merged_generate(model, enabled: bool = True) -> Iterator[None]:
-    """Within: every ``model.generate(...)`` call runs under :func:`merged_adapters`.
+    """Within: every ``model.generate(...)`` (and continuous batching's ``generate_batch``)
+    call runs under :func:`merged_adapters`.
 
     For generation that happens inside someone else's context (TRL gathers ZeRO-3 weights
     and removes DeepSpeed's hooks around its ``generate`` call): the merge must happen
     there, between the gather and the call, not around it.
     """
-    if not enabled or not _is_peft(model) or "generate" in vars(model):
+    names = [n for n in ("generate", "generate_batch") if n not in vars(model)]
+    if not enabled or not _is_peft(model) or len(names) < 2:
         yield
         return
-    generate = model.generate
-
-    def merged(*args, **kwargs):
-        with merged_adapters(model):
-            return generate(*args, **kwargs)
-
-    model.generate = merged
+    for name in names:
+        setattr(model, name, _merging(model, getattr(model, name)))
     try:
         yield
     finally:
-        del model.generate
+        for name in names:
+            delattr(model, name)
+
+
+def _merging(model, method):
+    def merged(*args, **kwargs):
+        with merged_adapters(model):
+            return method(*args, **kwargs)
+
+    return merged

@@ -5,6 +5,7 @@
 
 - ``_calculate_rewards``: the reward module (the trainer's explicit ``reward`` argument)
   evaluates each generation batch once; TRL's reward functions only name its components.
+  The training set's reference steps are embedded once, when the trainer is built.
 - ``_get_train_sampler``: the step-count curriculum, when one is configured.
 - ``create_optimizer``: a guard that skips an update whose gradients are not finite and
   stops the run (after saving) when that happens too many times in a row.
@@ -180,6 +181,10 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
         self.reward = reward
         self.sampler_factory = sampler_factory
         super().__init__(model, reward.reward_funcs(), *args, **kwargs)
+        start = time.perf_counter()
+        pinned = reward.pin_references(self.train_dataset)  # out of the steps, once (MatchF1Scorer.pin)
+        if pinned:
+            logger.info("embedded %d reference steps before training in %.1f s", pinned, time.perf_counter() - start)
         if sampler_factory is not None and hasattr(sampler_factory, "callback"):
             self.add_callback(sampler_factory.callback())
 

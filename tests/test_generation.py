@@ -1,0 +1,71 @@
+"""Generation paths (train/generation.py): a static KV cache and continuous batching give
+greedy completions token for token equal to plain ``generate`` (tiny model, fp32), keep each
+prompt's samples together, and validation takes the path the training config names."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
+from trl import GRPOConfig
+
+from crystal_grpo.train import grpo
+from crystal_grpo.train.config import load_config
+from crystal_grpo.train.generation import Engine, Sampling, generate
+
+PROMPTS = [[{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many now?"}],
+           [{"role": "user", "content": "A train leaves at 9 and arrives at 11. How long?"}],
+           [{"role": "user", "content": "5 friends share 20 flowers."}]]
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_lm_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_lm_path).eval(), AutoTokenizer.from_pretrained(tiny_lm_path)
+
+
+@pytest.mark.parametrize("engine", [Engine(cache_implementation="static"), Engine(continuous_batching=True)],
+                         ids=["static-cache", "continuous-batching"])
+def test_greedy_completions_equal_plain_generate(lm, engine):
+    model, tok = lm
+    greedy = Sampling(max_new_tokens=32)
+    plain = generate(model, tok, PROMPTS, None, greedy, batch_size=3)
+    assert generate(model, tok, PROMPTS, None, greedy, batch_size=3, engine=engine) == plain
+    assert len({c[0] for c in plain}) == len(PROMPTS), "prompts must give different completions"
+    # Two samples per prompt at a temperature so low that both are the greedy completion: they
+    # come back in prompt order, each prompt's samples together.
+    near_greedy = Sampling(max_new_tokens=32, temperature=1e-4, num_samples=2)
+    assert generate(model, tok, PROMPTS, None, near_greedy, batch_size=3, engine=engine) == [c * 2 for c in plain]
+
+
+def test_continuous_batching_refuses_images(lm):
+    model, tok = lm
+    with pytest.raises(ValueError, match="text-only"):
+        generate(model, tok, PROMPTS[:1], [[object()]], Sampling(8), 1, Engine(continuous_batching=True))
+
+
+def test_engine_follows_the_grpo_config():
+    args = GRPOConfig(output_dir="unused", cache_implementation="static", use_transformers_continuous_batching=True,
+                      use_cpu=True, report_to=[])
+    engine = Engine.from_trainer(SimpleNamespace(args=args, continuous_batching_config="cfg"))
+    assert engine == Engine("static", True, "cfg")
+    assert Engine.from_trainer(SimpleNamespace(args=GRPOConfig(output_dir="unused", use_cpu=True,
+                                                               report_to=[]))) == Engine()
+
+
+def test_validation_generates_with_the_training_cache(tmp_path, tiny_lm_path, monkeypatch):
+    seen = []
+    original = GenerationMixin.generate
+
+    def recording(self, *args, **kwargs):
+        if not torch.is_grad_enabled() and "cache_implementation" in kwargs:  # validation passes it by name
+            seen.append(kwargs["cache_implementation"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", recording)
+    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(tiny_lm_path), "--training.max_steps", "1",
+                                       "--training.cache_implementation", "static", "--validation.eval_steps", "1"])
+    grpo.run(cfg, tmp_path / "run")
+    assert seen and set(seen) == {"static"}
+    assert (tmp_path / "run" / "validation.jsonl").read_text().count("\n") >= 2  # start and step 1
