@@ -37,3 +37,33 @@ def barrier() -> None:
 
     if rank_and_world()[1] > 1:
         dist.barrier()
+
+
+def launcher() -> list[str]:
+    """How this process was started, up to its script: ``python`` for a plain run; for a worker,
+    its launcher's own command line (torchrun, ``accelerate launch`` ...), read from the parent
+    process, so a printed resume command repeats the launcher actually used."""
+    import os
+    import sys
+    from pathlib import Path
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ["python"]
+    script = Path(sys.argv[0]).name
+    try:
+        parent = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+    except (OSError, UnicodeDecodeError):
+        parent = []
+    for i, arg in enumerate(parent):
+        if i and Path(arg).name == script:
+            return parent[:i]
+    return ["accelerate", "launch", "..."]  # a launcher we cannot see (srun without torchrun, ...)
+
+
+def launch_command(script: str = "train/grpo.py", argv: list[str] | None = None) -> str:
+    """This process's command line, its launcher included (:func:`launcher`)."""
+    import shlex
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join([*launcher(), script, *args])

@@ -45,9 +45,10 @@ class Range:
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *,
-           default_factory: Any = dataclasses.MISSING, **bounds: float) -> Any:
-    """A dataclass field with its help text and, for a number, the range it must lie in."""
-    metadata: dict[str, Any] = {"help": help}
+           default_factory: Any = dataclasses.MISSING, weight: bool = False, **bounds: float) -> Any:
+    """A dataclass field with its help text and, for a number, the range it must lie in.
+    ``weight``: a reward weight (negative only when the config opts in: ``negative_weights``)."""
+    metadata: dict[str, Any] = {"help": help, "weight": weight}
     if bounds:
         metadata["range"] = Range(**bounds)
     return field(default=default, default_factory=default_factory, metadata=metadata)

@@ -13,7 +13,7 @@ from crystal_grpo.typed import option
 
 @dataclass
 class FormatConfig(RewardConfig):
-    format_weight: float = option(1.0, "w_f: reward of a completion in the JSON format.")
+    format_weight: float = option(1.0, "w_f: reward of a completion in the JSON format.", weight=True)
 
 
 class FormatReward(RewardModule):
@@ -31,8 +31,8 @@ class FormatReward(RewardModule):
 
 @dataclass
 class AnswerOnlyConfig(RewardConfig):
-    accuracy_weight: float = option(1.0, "w_a: reward of a correct answer.")
-    format_weight: float = option(0.1, "w_f: reward of a completion in the JSON format.")
+    accuracy_weight: float = option(1.0, "w_a: reward of a correct answer.", weight=True)
+    format_weight: float = option(0.1, "w_f: reward of a completion in the JSON format.", weight=True)
     score_steps: bool = option(True, "Still score the steps, for the diagnostics (not rewarded).")
     verbosity_guard: Union[bool, None] = option(False, "Penalise over-long step lists (off: steps earn nothing).")
 

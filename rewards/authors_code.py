@@ -64,9 +64,9 @@ def overlap_scores(predicted: Sequence[Sequence[str]], references: Sequence[Any]
 
 @dataclass
 class AuthorsCodeConfig(CPRConfig):
-    answer_weight: float = option(0.6, "Reward of a correct answer (their code: 0.6).")
-    step_weight: float = option(0.4, "Weight of the word-overlap F1 (their code: 0.4).")
-    wrong_answer_discount: float = option(0.3, "Share of the step reward kept when the answer is wrong.")
+    answer_weight: float = option(0.6, "Reward of a correct answer (their code: 0.6).", weight=True)
+    step_weight: float = option(0.4, "Weight of the word-overlap F1 (their code: 0.4).", weight=True)
+    wrong_answer_discount: float = option(0.3, "Share of the step reward kept when the answer is wrong.", weight=True)
     overlap_threshold: float = option(0.5, "Minimum word-overlap F1 for two steps to match.", ge=0, le=1)
 
 

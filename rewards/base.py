@@ -162,6 +162,8 @@ class RewardConfig:
     guard_min_history: int = option(64, "Counts the window needs before the guard acts.", ge=1)
     rel_tol: float = option(1e-2, "Relative tolerance of numeric answers.", ge=0)
     abs_tol: float = option(1e-6, "Absolute tolerance of numeric answers.", ge=0)
+    negative_weights: bool = option(False, "Allow negative reward weights (a penalty term on purpose); without "
+                                    "this a negative weight is refused as a likely typo.")
 
 
 class RewardModule:
@@ -212,7 +214,14 @@ class RewardModule:
             hint = f": did you mean {near[0]!r}?" if near else ""
             raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} for reward {cls.name!r} "
                               f"(unknown parameter {unknown[0]!r}{hint}); allowed: {', '.join(sorted(names))}")
-        return from_dict(cls.config_class, dict(params), where)
+        config = from_dict(cls.config_class, dict(params), where)
+        if not config.negative_weights:
+            for f in dataclasses.fields(config):
+                value = getattr(config, f.name)
+                if f.metadata.get("weight") and isinstance(value, (int, float)) and value < 0:
+                    raise ConfigError(f"{where}.{f.name}: invalid value {value!r}; a reward weight must be >= 0 (set "
+                                      f"{where}.negative_weights: true if the penalty is meant)")
+        return config
 
     # -- to implement -----------------------------------------------------------------
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:

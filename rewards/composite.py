@@ -18,9 +18,9 @@ from crystal_grpo.typed import option
 
 @dataclass
 class CompositeConfig(RewardConfig):
-    alpha: float = option(0.35, "Weight of the batch-normalised F1 term.")
-    beta: float = option(0.65, "Weight of answer correctness C.")
-    gamma: float = option(0.1, "Weight of the format indicator F.")
+    alpha: float = option(0.35, "Weight of the batch-normalised F1 term.", weight=True)
+    beta: float = option(0.65, "Weight of answer correctness C.", weight=True)
+    gamma: float = option(0.1, "Weight of the format indicator F.", weight=True)
     delta: float = option(1e-6, "Added to the batch std of F1 before dividing.", gt=0)
 
 

@@ -26,9 +26,10 @@ def cpr_reward(f1: torch.Tensor, correct: torch.Tensor, a_w: float = 0.65, s_w: 
 class CPRConfig(RewardConfig):
     """The paper's best weights (its public code used 0.6/0.4 for plain CPR)."""
 
-    answer_weight: float = option(0.65, "a_w: reward of a correct answer.")
-    step_weight: float = option(0.35, "s_w: weight of the step score (Match F1).")
-    wrong_answer_discount: float = option(0.3, "lambda: share of the step reward kept when the answer is wrong.")
+    answer_weight: float = option(0.65, "a_w: reward of a correct answer.", weight=True)
+    step_weight: float = option(0.35, "s_w: weight of the step score (Match F1).", weight=True)
+    wrong_answer_discount: float = option(0.3, "lambda: share of the step reward kept when the answer is wrong.",
+                                          weight=True)
 
 
 class CPRReward(RewardModule):

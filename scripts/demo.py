@@ -2,6 +2,9 @@
 then run the main job on configs/demo.yaml: SFT warm start, answer-only GRPO, then CPR-Curriculum GRPO, on CPU.
 
     python scripts/demo.py [--output_dir runs/demo] [extra train/grpo.py overrides ...]
+
+A second `make demo` leaves a finished demo as it is and resumes a stopped one;
+``--overwrite_output_dir`` runs it again from scratch.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ def main() -> int:
     args = sys.argv[1:]
     if "--output_dir" not in args:
         args = ["--output_dir", "runs/demo", *args]
+    if "--resume_from_checkpoint" not in args and "--overwrite_output_dir" not in args:
+        args += ["--resume_from_checkpoint", "latest"]  # `make demo` again: finished is finished, stopped resumes
     start = time.time()
     subprocess.run([sys.executable, "scripts/prepare_smollm2.py"], cwd=ROOT, check=True)
     rc = subprocess.run([sys.executable, "train/grpo.py", "--config", "demo.yaml", *args], cwd=ROOT).returncode

@@ -176,6 +176,16 @@ def test_bad_input_is_one_line(inputs, tmp_path, capsys):
     assert "greedy decoding gives identical solutions" in capsys.readouterr().err
 
 
+def test_a_failed_start_does_not_block_the_retry(inputs, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = tmp_path / "refs.jsonl"
+    assert br.main(["--data", str(empty), "--out", str(out), "--trajectories", str(inputs["a"])]) == 2
+    assert "no valid rows" in capsys.readouterr().err
+    assert br.main(["--data", str(inputs["data"]), "--out", str(out), "--trajectories", str(inputs["a"])]) == 0
+    assert out.is_file()
+
+
 def test_a_model_generator_with_the_training_prompt_resumes_its_generation(inputs, tiny_lm_path, tmp_path):
     """The tiny random model writes no JSON, so its solutions never count; the files' do. Its
     completions are kept, and a rerun does not generate them again."""

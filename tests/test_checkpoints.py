@@ -29,8 +29,7 @@ from crystal_grpo.train.checkpoints import (
 )
 from crystal_grpo.train.config import load_config
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
-
-REPO = Path(__file__).resolve().parents[1]
+from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, wait_for
 
 
 # --- the marker and what "complete" means ------------------------------------------------------
@@ -81,28 +80,32 @@ def test_explicit_checkpoint_is_checked_file_by_file(tmp_path):
 
 
 def test_a_marker_is_removed_before_a_checkpoint_is_rewritten(tmp_path, tiny_lm_path):
-    """The trainer's save: marker last, and an overwritten folder never looks complete midway."""
-    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(tiny_lm_path), "--validation.eval_steps", "0",
-                                       "--training.max_steps", "1", "--training.save_steps", "1"])
+    """The trainer's save: marker last, and an overwritten folder never looks complete midway
+    (resumed from checkpoint-1, the run writes checkpoint-2 again)."""
+    args = ["--model.name_or_path", str(tiny_lm_path), "--validation.eval_steps", "0", "--training.save_steps", "1"]
+    run = tmp_path / "run"
+    grpo.run(load_config("tiny.yaml", [*args, "--training.max_steps", "2"])[0], run)
+    folder = run / "checkpoint-2"
+    stale = json.loads((folder / MARKER).read_text())
     seen = {}
 
     class Spy(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
-            seen["marker"] = json.loads((tmp_path / "run" / "checkpoint-1" / MARKER).read_text())
+            seen["marker"] = json.loads((folder / MARKER).read_text())
 
-    folder = _fake_checkpoint(tmp_path / "run", 1)  # a stale complete checkpoint-1 in the way
     original = CrystalGRPOTrainer._save_optimizer_and_scheduler
 
     def save_opt(trainer, output_dir):
-        seen["marker_during_save"] = (Path(output_dir) / MARKER).exists()
+        seen.setdefault("marker_during_save", (Path(output_dir) / MARKER).exists())
         return original(trainer, output_dir)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CrystalGRPOTrainer, "_save_optimizer_and_scheduler", save_opt)
-        grpo.run(cfg, tmp_path / "run", callbacks=[Spy()])
-    assert seen["marker_during_save"] is False
-    assert seen["marker"]["step"] == 1 and "model.safetensors" in seen["marker"]["files"]
-    assert "crystal_state.json" in seen["marker"]["files"] and checkpoint_problem(folder) is None
+        grpo.run(load_config("tiny.yaml", [*args, "--training.max_steps", "3"])[0], run, str(run / "checkpoint-1"),
+                 callbacks=[Spy()])
+    assert stale["step"] == 2 and seen["marker_during_save"] is False
+    assert "model.safetensors" in seen["marker"]["files"] and "crystal_state.json" in seen["marker"]["files"]
+    assert checkpoint_problem(folder) is None and checkpoint_problem(run / "checkpoint-3") is None
 
 
 def test_truncate_logs_keeps_rows_up_to_the_step(tmp_path):
@@ -113,26 +116,7 @@ def test_truncate_logs_keeps_rows_up_to_the_step(tmp_path):
 
 
 # --- real runs -----------------------------------------------------------------------------------
-def _steps(run: Path, name: str = "metrics.jsonl", key: str = "loss") -> list[int]:
-    rows = [json.loads(x) for x in (run / name).read_text().splitlines()]
-    return [r["step"] for r in rows if key in r]
-
-
-def _cmd(run: Path, model: Path, *extra: str) -> list[str]:
-    return [sys.executable, "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(run),
-            "--model.name_or_path", str(model), *extra]
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-
-
-def _grpo_with(patch: str) -> str:
-    """A ``python -c`` program: ``patch`` (which wraps one method), then train/grpo.py's main."""
-    return f"import os, signal, sys, time\n{patch}\nfrom crystal_grpo.train import grpo\nsys.exit(grpo.main(sys.argv[1:]))\n"
-
-
-KILL_DURING_SAVE = _grpo_with("""
+KILL_DURING_SAVE = grpo_with("""
 from transformers import Trainer
 original = Trainer._save_optimizer_and_scheduler
 def dying(self, output_dir):
@@ -145,46 +129,38 @@ Trainer._save_optimizer_and_scheduler = dying
 
 def test_sigkill_while_saving_then_resume_latest_picks_the_last_complete_one(tmp_path, tiny_lm_path):
     run = tmp_path / "run"
-    args = _cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
+    args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
                 "--validation.eval_steps", "1")[2:]
-    proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, *args], cwd=REPO, env={**_env(), "KILL_AT_STEP": "2"},
+    proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, *args], cwd=REPO, env={**env(), "KILL_AT_STEP": "2"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (run / "checkpoint-2" / "model.safetensors").exists() and not (run / "checkpoint-2" / MARKER).exists()
     # Before the fix, latest picked checkpoint-2 and crashed (no trainer_state.json there).
-    proc = subprocess.run(_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
+    proc = subprocess.run(grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
                                "--validation.eval_steps", "1", "--resume_from_checkpoint", "latest"),
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"skipping {run / 'checkpoint-2'}: incomplete" in proc.stdout
     assert f"resuming from {run / 'checkpoint-1'}" in proc.stdout
-    assert _steps(run) == [1, 2, 3]  # step 2 was logged before the kill, and is logged once
-    assert _steps(run, "validation.jsonl", "accuracy") == [0, 1, 2, 3]  # step 0: validation.at_start
+    assert logged_steps(run) == [1, 2, 3]  # step 2 was logged before the kill, and is logged once
+    assert logged_steps(run, "validation.jsonl", "accuracy") == [0, 1, 2, 3]  # step 0: validation.at_start
     assert all(checkpoint_problem(run / f"checkpoint-{s}") is None for s in (1, 2, 3))
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
-    end = time.time() + timeout
-    while not (path.exists() and path.read_text().strip()):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.time() < end, "timed out"
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, tiny_lm_path, sig):
     run = tmp_path / "run"
-    cmd = _cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
+    cmd = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
                "--validation.eval_steps", "0")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(run / "metrics.jsonl", proc)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(run / "metrics.jsonl", proc)
     proc.send_signal(sig)
     if sig == signal.SIGINT:  # delivered twice at once (terminal + a launcher that forwards it): one interrupt
         time.sleep(0.05)
         proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + sig, err[-3000:]
-    step = max(_steps(run))
+    step = max(logged_steps(run))
     assert step < 40
     line = [x for x in out.splitlines() if x.startswith("interrupted by")]
     resume = (f"resume with: python train/grpo.py --config tiny.yaml --output_dir {run} --model.name_or_path "
@@ -193,15 +169,15 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
     assert line == [f"interrupted by {sig.name} at step {step}: saved {run / f'checkpoint-{step}'}; {resume}"]
     assert checkpoint_problem(run / f"checkpoint-{step}") is None
     assert not (run / "final").exists()  # no end-of-run work: no final model, no final validation
-    assert _steps(run, "validation.jsonl", "accuracy") == [0]  # only the one before the first step
+    assert logged_steps(run, "validation.jsonl", "accuracy") == [0]  # only the one before the first step
     if sig == signal.SIGINT:  # the printed command resumes and finishes
         resumed = resume.split(": ", 1)[1].split()[1:]
         resumed[resumed.index("40")] = str(step + 1)
         assert grpo.main(resumed[1:]) == 0
-        assert _steps(run) == list(range(1, step + 2))
+        assert logged_steps(run) == list(range(1, step + 2))
 
 
-SLOW_SAVE = _grpo_with("""
+SLOW_SAVE = grpo_with("""
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
 original = CrystalGRPOTrainer._save_checkpoint
 def slow(self, model, trial):
@@ -213,11 +189,11 @@ CrystalGRPOTrainer._save_checkpoint = slow
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_lm_path):
     run = tmp_path / "run"
-    args = _cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
+    args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
                 "--validation.eval_steps", "0")[2:]
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *args], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    _wait_for(run / "metrics.jsonl", proc)
+    wait_for(run / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGINT)
     time.sleep(1.5)  # the step ends, the graceful save starts (5 s); two signals within a second are one
     start = time.time()
@@ -254,8 +230,8 @@ def test_resume_with_logs_after_the_checkpoint_logs_each_step_once(tmp_path, tin
     run = tmp_path / "run"
     assert grpo.main([*common, "--training.max_steps", "4", "--training.save_steps", "2",
                       "--resume_from_checkpoint", str(run / "checkpoint-2")]) == 0
-    assert _steps(run) == [1, 2, 3, 4]
-    assert _steps(run, "validation.jsonl", "accuracy") == [0, 1, 2, 3, 4]
+    assert logged_steps(run) == [1, 2, 3, 4]
+    assert logged_steps(run, "validation.jsonl", "accuracy") == [0, 1, 2, 3, 4]
     best = json.loads((run / "best_checkpoint.json").read_text())
     assert (run / best["checkpoint"]).is_dir()
 
@@ -266,16 +242,16 @@ def test_ctrl_c_on_a_torchrun_job_stops_gracefully(tmp_path, tiny_lm_path, free_
     workers (in sessions of their own) and SIGKILLs them after its shutdown timeout."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           *_cmd(run, tiny_lm_path, "--cpu_backend", "gloo", "--training.max_steps", "40",
+           *grpo_cmd(run, tiny_lm_path, "--cpu_backend", "gloo", "--training.max_steps", "40",
                  "--training.save_steps", "100", "--validation.eval_steps", "0")[1:]]
-    env = {**_env(), "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    run_env = env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    _wait_for(run / "metrics.jsonl", proc)
+    wait_for(run / "metrics.jsonl", proc)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
-    step = max(_steps(run))
+    step = max(logged_steps(run))
     assert f"interrupted by SIGINT at step {step}" in out, err[-3000:]
     assert "aborted" not in out and checkpoint_problem(run / f"checkpoint-{step}") is None
 
@@ -285,11 +261,11 @@ def test_two_processes_stop_at_the_same_step_when_only_one_gets_the_signal(tmp_p
     """Only rank 1 receives SIGTERM; both ranks agree (all-reduce) and save one checkpoint."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           *_cmd(run, tiny_lm_path, "--cpu_backend", "gloo", "--training.max_steps", "40",
+           *grpo_cmd(run, tiny_lm_path, "--cpu_backend", "gloo", "--training.max_steps", "40",
                  "--training.save_steps", "100", "--validation.eval_steps", "0")[1:]]
-    env = {**_env(), "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(run / "metrics.jsonl", proc)
+    run_env = env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(run / "metrics.jsonl", proc)
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     rank1 = [pid for pid in children
              if "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b" ").decode(errors="replace")]
@@ -297,6 +273,10 @@ def test_two_processes_stop_at_the_same_step_when_only_one_gets_the_signal(tmp_p
     os.kill(int(rank1[0]), signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
-    step = max(_steps(run))
+    step = max(logged_steps(run))
     assert f"interrupted by SIGTERM at step {step}" in out, err[-3000:]
     assert checkpoint_problem(run / f"checkpoint-{step}") is None
+    # the hint repeats the launcher actually used (it said `accelerate launch` for torchrun jobs)
+    launcher = f"{sys.executable} -m torch.distributed.run --nproc_per_node 2 --master_port {free_port}"
+    assert f"resume with: {launcher} train/grpo.py --config tiny.yaml --output_dir {run} " in out
+    assert out.rstrip().endswith("--resume_from_checkpoint latest")

@@ -59,6 +59,12 @@ def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_pa
     (["--pcgrad", "true", "--training.multi_objective_aggregation", "normalize_then_sum"],
      "training.multi_objective_aggregation: 'normalize_then_sum' cannot be combined with pcgrad: true"),
     (["--training.seed", "{a: 1"], "override --training.seed:1:6: invalid YAML"),
+    (["--training.max_steps", "0"], "training.max_steps: invalid value 0; expected -1 (train num_train_epochs) or "
+                                    "an integer >= 1"),  # transformers trains one step
+    (["--reward.params.step_weight", "-0.35"], "reward.params.step_weight: invalid value -0.35; a reward weight "
+                                               "must be >= 0 (set reward.params.negative_weights: true"),
+    (["--training.reward_weights", "[1, -1]"], "training.reward_weights: invalid value [1, -1]; a reward weight"),
+    (["--data.long_prompts", "truncate"], "data.long_prompts: invalid value 'truncate'; expected one of 'skip'"),
 ])
 def test_bad_values_stop_with_one_line_naming_key_value_and_type(override, message, capsys):
     assert grpo.main(["--config", "tiny.yaml", *override]) == 2
@@ -72,6 +78,12 @@ def test_use_vllm_without_vllm_is_one_line_before_anything_loads(capsys):
     assert grpo.main(["--config", "tiny.yaml", "--training.use_vllm", "true"]) == 2
     err = capsys.readouterr().err.strip()
     assert "training.use_vllm: true, but vLLM is not installed" in err and "\n" not in err
+
+
+def test_negative_weights_pass_when_the_config_says_they_are_meant():
+    cfg, _ = load_config("tiny.yaml", ["--reward.params.step_weight", "-0.35", "--reward.params.negative_weights",
+                                       "true", "--training.reward_weights", "[1, -1]"])
+    assert cfg.reward.params["step_weight"] == -0.35
 
 
 def test_values_of_any_grpo_config_type_pass():

@@ -161,6 +161,28 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
     assert f"{bad}:1:" in capsys.readouterr().err
 
 
+def test_a_failed_start_does_not_block_the_corrected_command(model_eval, tiny_lm_path, tmp_path, capsys):
+    out = tmp_path / "o"
+    assert ev.main(["--model", str(tmp_path / "nonexistent"), "--out", str(out), *COMMON]) == 2
+    capsys.readouterr()
+    assert ev.main(["--model", str(tiny_lm_path), "--out", str(out), *COMMON]) == 0  # no --force needed
+    assert overall(out) == overall(model_eval)
+
+
+def test_bad_data_rows_name_the_evaluation_option_that_skips_them(model_eval, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    rows = Path(DATA).read_text().splitlines()[:N]
+    data.write_text("\n".join(rows) + "\n" + json.dumps({"id": "bad", "question": "q"}) + "\n")
+    preds = model_eval / "predictions.jsonl"
+    argv = ["--predictions", str(preds), "--data", str(data), "--max_new_tokens", "32"]
+    assert ev.main([*argv, "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "(set --skip_invalid to drop them)" in err and "data.skip_invalid" not in err
+    assert ev.main([*argv, "--out", str(tmp_path / "b"), "--skip_invalid"]) == 0
+    assert "skipped 1 invalid row(s)" in capsys.readouterr().out
+    assert overall(tmp_path / "b") == overall(model_eval)
+
+
 def test_run_folder_evaluates_each_phase_best_checkpoint(tmp_path, tiny_lm_path, capsys):
     phases = ("[{name: a, init_from: none, overrides: {training: {max_steps: 1}}}, "
               "{name: b, init_from: best, overrides: {training: {max_steps: 1}}}]")

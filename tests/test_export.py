@@ -111,6 +111,15 @@ def test_full_checkpoint_becomes_a_sharded_folder_with_the_same_logits(run, full
     assert_same(logits(causal_lm(out), tok), logits(causal_lm(ckpt), tokenizer(ckpt)), atol=1e-6)
     assert any(line.startswith("  check: reloaded with AutoModelForCausalLM") for line in lines)
     assert lines[-1].startswith(f"exported {out} (full, float32")
+    assert not any("warning" in line for line in lines)
+
+
+def test_a_checkpoint_without_its_completion_marker_is_exported_with_a_warning(run, tmp_path):
+    ckpt = shutil.copytree(run / "phase1-grpo" / "checkpoint-1", tmp_path / "run" / "checkpoint-1")
+    (ckpt / "checkpoint_complete.json").unlink()  # as if the run was killed before the marker
+    lines: list[str] = []
+    export(ckpt, tmp_path / "out", say=lines.append)
+    assert lines[1].startswith(f"  warning: {ckpt} has no checkpoint_complete.json: the run may have been stopped")
 
 
 def test_card_names_base_model_reward_step_and_validation(run, full_export, tiny_lm_path):

@@ -99,6 +99,21 @@ def test_malformed_rows_exit_2_with_file_and_line(scorer, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("preds, data, message", [
+    ([], [GOOD_DATA], "p.jsonl holds no rows; nothing scored"),
+    ([GOOD_PRED], [], "d.jsonl holds no rows; nothing scored"),
+    ([{**GOOD_PRED, "id": "other"}], [GOOD_DATA], "no prediction id of"),
+], ids=["no_predictions", "no_data", "no_shared_ids"])
+def test_nothing_to_score_is_one_line(scorer, tmp_path, capsys, preds, data, message):
+    p, d = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
+    write(p, [json.dumps(x) for x in preds])
+    write(d, [json.dumps(x) for x in data])
+    assert main(["--predictions", str(p), "--data", str(d), "--out", str(tmp_path / "r.json")],
+                      scorer=scorer) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "AssertionError" not in err
+
+
 def test_at_most_20_errors_are_listed(scorer, tmp_path, capsys):
     preds = write(tmp_path / "p.jsonl", ["{bad"] * 25)
     data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA)])

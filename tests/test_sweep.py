@@ -4,13 +4,16 @@ model (configs/sweeps/tiny.yaml): run, skip on re-run, resume, a failing point, 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from crystal_grpo.train import sweep as sw
+from crystal_grpo.train.run_folder import PHASE_DONE
 from crystal_grpo.train.sweep_report import build, point_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +93,15 @@ def test_shipped_sweeps_expand_and_validate(tmp_path):
     assert (authors["reward"]["params"]["answer_weight"], authors["reward"]["params"]["step_weight"]) == (0.6, 0.4)
 
 
+def test_emit_prints_only_the_script_on_stdout(tmp_path):
+    """WANDB_MODE=offline (the Makefile's) makes transformers print a note on import: not into the script."""
+    proc = subprocess.run([sys.executable, "scripts/sweep.py", str(TINY_SWEEP), "--emit", "slurm", "--output_dir",
+                           str(tmp_path / "w")], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("#!/bin/bash\n") and "[INFO]" not in proc.stdout
+
+
 def test_emit_slurm_is_valid_bash_with_one_task_a_point(tmp_path):
     sweep = sw.load_sweep(REPO / "configs" / "sweeps" / "cpr_weights.yaml", tmp_path / "w")
     script = sw.emit(sweep, "slurm")
@@ -165,6 +177,7 @@ def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tmp_p
     for gone in ("checkpoint-2", "final"):
         shutil.rmtree(folder / gone)
     (folder / sw.DONE_FILE).unlink()
+    (folder / PHASE_DONE).unlink()
     assert sw.run_point(sweep, point, say=lambda _: None) == "done"
     log = (folder / sw.LOG_FILE).read_text()
     assert f"resuming from {folder / 'checkpoint-1'}" in log

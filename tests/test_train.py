@@ -228,7 +228,52 @@ def test_unloadable_encoder_is_one_line_before_the_policy_loads(tmp_path, tiny_l
             "--reward.params.encoder", str(tmp_path / "no-encoder")]
     assert grpo.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"EncoderLoadError: could not load sentence encoder '{tmp_path / 'no-encoder'}'")
+    assert err == ["cannot start: 1 problem(s)", f"  reward.params.encoder: no such folder '{tmp_path / 'no-encoder'}'"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_prompts_longer_than_the_context_are_counted_and_skipped_or_refused(tmp_path, tiny_lm_path, capsys):
+    rows = [json.loads(x) for x in Path("data/wordproblems/train.jsonl").read_text().splitlines()[:8]]
+    rows[2]["question"] = "x" * 51_000  # past the tiny model's 2,048 positions
+    rows[5]["question"] = "How many apples? " + "apples and pears " * 3000
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--data.train", str(data), "--validation.eval_steps", "0", "--training.max_steps", "1"]
+    run = run_main(tmp_path, tiny_lm_path, *argv)
+    out = capsys.readouterr().out
+    assert (f"warning: 2 of 8 prompt(s) of {data} leave no room for training.max_completion_length (48) in the "
+            f"model's 2048 positions: longer than 2000 tokens (e.g. {rows[2]['id']}, {rows[5]['id']}); skipped") in out
+    assert (run / "final").is_dir()
+    argv += ["--output_dir", str(tmp_path / "refused"), "--data.long_prompts", "error"]
+    assert grpo.main(["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), *argv]) == 2
+    assert "DataError: 2 of 8 prompt(s)" in capsys.readouterr().err
+
+
+class DeleteImages(TrainerCallback):
+    """After step 1, every image file but one disappears (a cleaned-up scratch disk)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            for p in sorted(self.folder.glob("*.png"))[1:]:
+                p.unlink()
+
+
+def test_an_image_deleted_mid_run_skips_its_row_with_a_warning(tmp_path, tiny_vlm_path, caplog):
+    import shutil
+
+    data = shutil.copytree("data/shapes", tmp_path / "shapes")
+    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(tiny_vlm_path), "--data.train",
+                                       str(data / "shapes.jsonl"), "--data.validation", "null",
+                                       "--data.validation_fraction", "0", "--data.max_train_samples", "null",
+                                       "--training.max_steps", "4", "--training.save_steps", "100"])
+    with caplog.at_level("WARNING", logger="crystal_grpo.train.data"):
+        grpo.run(cfg, tmp_path / "run", callbacks=[DeleteImages(data / "images")])
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4]
+    skipped = [r.getMessage() for r in caplog.records if "image is unreadable now" in r.getMessage()]
+    assert skipped and "skipped, the next readable row takes its place (1 row(s) skipped so far)" in skipped[0]
 
 
 def test_vision_language_run_with_images(tmp_path, tiny_vlm_path):

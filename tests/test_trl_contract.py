@@ -54,6 +54,8 @@ SIGNATURES = {
     (GRPOTrainer, "create_model_card"): ["self", "model_name", "dataset_name", "tags"],
     (GRPOTrainer, "log"): ["self", "logs", "start_time"],
     (GRPOTrainer, "_log_metric"): ["self", "name", "value"],
+    # train/trainer.py drops tied weights (lm_head of tied embeddings) from the resume warning
+    (GRPOTrainer, "_issue_warnings_after_load"): ["self", "load_result"],
 }
 
 

@@ -14,10 +14,12 @@ logged once, and warns about overrides the restored optimizer state silently und
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import shutil
 import struct
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,11 @@ _STEP = re.compile(r"^checkpoint-(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed from; the message names the folder or file."""
+
+
+class DiskFull(RuntimeError):
+    """A save that does not fit (or did not): the message says how much is free, how much a
+    checkpoint takes and which complete checkpoint remains."""
 
 
 # --- run-folder files that a kill must not leave half-written ---------------------------
@@ -205,3 +212,59 @@ def settings_undone(saved: dict[str, float], args: Any) -> list[str]:
                        "To change it, start a new run from the checkpoint's weights (--model.name_or_path "
                        "CHECKPOINT) instead of resuming.")
     return out
+
+
+# --- disk space -------------------------------------------------------------------------
+#: What torch's zip writer and safetensors say when a write fails for lack of space (torch
+#: reports ENOSPC as "[enforce fail at inline_container.cc] unexpected pos ...").
+_WRITE_FAILED = ("unexpected pos", "file write failed", "No space left on device", "Disk quota exceeded")
+#: Room kept beyond a checkpoint's measured size before a save is attempted.
+SPACE_MARGIN = 1.02
+
+
+def checkpoint_bytes(run_dir: str | Path) -> int | None:
+    """The size of the newest complete checkpoint in ``run_dir`` (from its marker), or None."""
+    newest, _ = latest_complete(run_dir)
+    marker = read_json(newest / MARKER) if newest else None
+    return sum(marker["files"].values()) if marker else None
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free space on the file system holding ``path`` (or its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def gb(n: int | float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def space_report(run_dir: str | Path, need: int | None = None) -> str:
+    """``N GB free on DIR, a checkpoint takes M; newest complete checkpoint: X``."""
+    run_dir = Path(run_dir)
+    folders = [run_dir, *sorted(p for p in run_dir.glob("phase*-*") if p.is_dir())] if run_dir.is_dir() else []
+    newest = [c for c in (latest_complete(f)[0] for f in folders) if c is not None]
+    need = need if need is not None else next((checkpoint_bytes(f) for f in reversed(folders)
+                                               if checkpoint_bytes(f)), None)
+    return (f"{gb(free_bytes(run_dir))} free on the file system of {run_dir}"
+            + (f", a checkpoint of this run takes {gb(need)}" if need else "")
+            + f"; newest complete checkpoint: {newest[-1] if newest else 'none'}")
+
+
+def disk_full(err: BaseException, run_dir: str | Path) -> str | None:
+    """One line for an error that is a full disk (ENOSPC/EDQUOT anywhere in its chain, or
+    torch's failed-write message), else None."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, DiskFull):
+            return str(seen)
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            break
+        if isinstance(seen, RuntimeError) and any(m in str(seen) for m in _WRITE_FAILED):
+            break
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        return None
+    return f"{type(seen).__name__}: {str(seen).strip().splitlines()[0][:200]}; {space_report(run_dir)}"

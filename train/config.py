@@ -193,10 +193,47 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> tuple[
     raw = parse_yaml(text, str(path)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    raw = deep_merge(raw, parse_overrides(overrides or []))
+    cli = parse_overrides(overrides or [])
+    raw = deep_merge(raw, cli)
+    if isinstance(raw.get("phases"), list):
+        raw["phases"] = [_cli_wins(p, cli, raw.get("reward")) for p in raw["phases"]]
     cfg = from_dict(RunConfig, raw)
     validate(cfg)
     return cfg, raw
+
+
+def _leaves(d: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    return [leaf for k, v in d.items() for leaf in (_leaves(v, (*prefix, k)) if isinstance(v, dict) and v
+                                                     else [((*prefix, k), v)])]
+
+
+def _cli_wins(phase: Any, cli: dict, base_reward: Any) -> Any:
+    """A phase's overrides with the command line's values where the phase sets the same key
+    (the command line wins over the file, phases included), and the command line's
+    ``reward.params`` in a phase that switches to another reward, where that reward has them."""
+    over = phase.get("overrides") if isinstance(phase, dict) else None
+    if not isinstance(over, dict):
+        return phase
+    have = {path for path, _ in _leaves(over)}
+    reward = over.get("reward") if isinstance(over.get("reward"), dict) else {}
+    base_name = base_reward.get("name", "cpr") if isinstance(base_reward, dict) else "cpr"
+    switched = reward.get("name", base_name) != base_name
+    fields = _reward_fields(reward.get("name")) if switched else set()
+    set_ = {}
+    for path, value in _leaves({k: v for k, v in cli.items() if k != "phases"}):
+        if path in have or (path[:2] == ("reward", "params") and len(path) == 3 and path[2] in fields):
+            node = set_
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = value
+    return {**phase, "overrides": deep_merge(over, set_)} if set_ else phase
+
+
+def _reward_fields(name: Any) -> set[str]:
+    from crystal_grpo.rewards import REWARDS
+
+    cls = REWARDS.get(name) if isinstance(name, str) else None
+    return {f.name for f in dataclasses.fields(cls.config_class)} if cls else set()
 
 
 @functools.lru_cache(maxsize=2)
@@ -216,6 +253,9 @@ def _check_training(training: dict[str, Any], where: str, kind: TrainerKind) -> 
             raise ConfigError(f"{where}training: unknown key {key!r}; it must be a field of {name}"
                               + (f" (close: {', '.join(near)})" if near else ""))
         training[key] = check_value(f"{where}training.{key}", value, types_[key], TRAINING_RANGES.get(key))
+    if training.get("max_steps") == 0:  # transformers would train one step
+        raise ConfigError(f"{where}training.max_steps: invalid value 0; expected -1 (train num_train_epochs) or an "
+                          "integer >= 1")
 
 
 def _check_reward_params(reward: RewardSection, where: str) -> None:
@@ -257,6 +297,10 @@ def validate(cfg: RunConfig) -> None:
                 raise ConfigError(f"{where}training.use_vllm: true, but vLLM is not installed; pip install "
                                   "'trl[vllm]' (TRL 1.16 supports vllm>=0.22.0,<=0.31.0; it needs a CUDA GPU), or "
                                   "set it false to generate with transformers")
+        weights = c.training.get("reward_weights") or []
+        if any(w < 0 for w in weights) and not c.reward.params.get("negative_weights"):
+            raise ConfigError(f"{where}training.reward_weights: invalid value {weights!r}; a reward weight must be >= 0 "
+                              "(set reward.params.negative_weights: true if the penalty is meant)")
         aggregation = c.training.get("multi_objective_aggregation", "sum_then_normalize")
         if c.pcgrad and aggregation != "sum_then_normalize":
             raise ConfigError(

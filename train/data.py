@@ -9,15 +9,18 @@ and then loaded lazily, when a batch asks for them.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from datasets import Dataset
 
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
+
+logger = logging.getLogger(__name__)
 from crystal_grpo.typed import option
 
 SYSTEM_PROMPT = (
@@ -38,6 +41,9 @@ class DataSection:
     max_errors_shown: int = option(20, "How many bad rows a data error lists.", ge=0)
     system_prompt: Union[str, None] = option(None, "Overrides the instruction asking for the JSON output.")
     max_train_samples: Union[int, None] = option(None, "Use only the first N training rows (smoke runs).", ge=1)
+    long_prompts: Literal["skip", "error", "keep"] = option(
+        "skip", "Prompts whose tokens leave no room for the completion in the model's context "
+        "(max_position_embeddings): skip them (counted and named), stop with an error, or keep them.")
 
 
 class DataError(ValueError):
@@ -155,7 +161,7 @@ def sft_dataset(ds: Dataset, processing_class: Any) -> Dataset:
     if "images" in raw.column_names:
         out = raw.map(lambda r: {"completion": [{"role": "assistant", "content": render_target(r)}]},
                       remove_columns=[c for c in raw.column_names if c not in ("prompt", "images")])
-        return out.with_transform(_load_images)
+        return out.with_transform(ImageLoader(out))
 
     def encode(row: dict) -> dict:
         prompt, completion = encode_example(processing_class, row)
@@ -203,18 +209,57 @@ def _to_record(row: dict, base: Path, no: int, path: Path, system_prompt: str | 
     }
 
 
-def _load_images(batch: dict) -> dict:
-    """``datasets`` transform: open image files only when a batch is read."""
-    from PIL import Image
+class ImageLoader:
+    """``datasets`` transform: open image files only when a batch is read.
 
-    if "images" in batch:
-        batch["images"] = [[Image.open(p).convert("RGB") for p in paths] for paths in batch["images"]]
-    return batch
+    Images are checked at start-up, but a file can vanish or break during a long run. Such
+    a row is skipped (like ``data.skip_invalid``): it is replaced by the next row whose
+    images open, with one warning per row and a count, instead of crashing the run. The
+    replacement depends on the row alone, so every generation of a prompt gets the same one.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.raw = dataset.with_format(None)
+        self.position = {tuple(p): i for i, p in reversed(list(enumerate(self.raw["images"])))}
+        self.skipped: set[tuple] = set()
+
+    def __call__(self, batch: dict) -> dict:
+        from PIL import Image
+
+        if "images" not in batch:
+            return batch
+        out = {k: list(v) for k, v in batch.items()}
+        for j, paths in enumerate(batch["images"]):
+            try:
+                out["images"][j] = [Image.open(p).convert("RGB") for p in paths]
+            except (OSError, ValueError) as err:
+                row, images = self._replacement(tuple(paths), err)
+                for k in out:
+                    out[k][j] = images if k == "images" else row.get(k)
+        return out
+
+    def _replacement(self, paths: tuple, err: Exception) -> tuple[dict, list]:
+        from PIL import Image
+
+        start = self.position.get(paths, 0)
+        if paths not in self.skipped:
+            self.skipped.add(paths)
+            logger.warning("a row's image is unreadable now (%s: %s); row %d skipped, the next readable row takes "
+                           "its place (%d row(s) skipped so far)", type(err).__name__, err, start, len(self.skipped))
+        for k in range(1, len(self.raw) + 1):
+            row = self.raw[(start + k) % len(self.raw)]
+            try:
+                return row, [Image.open(p).convert("RGB") for p in row["images"]]
+            except (OSError, ValueError):
+                self.skipped.add(tuple(row["images"]))
+        raise DataError("no row's images can be read any more (were the image files removed?)")
 
 
 def load_split(path: str | Path, *, skip_invalid: bool = False, max_errors_shown: int = 20,
                system_prompt: str | None = None, limit: int | None = None,
-               require_references: bool = True) -> LoadedSplit:
+               require_references: bool = True, skip_option: str | None = "data.skip_invalid: true") -> LoadedSplit:
+    """Rows of one file, each checked; ``skip_option`` is how the caller's user asks to drop bad
+    ones (None: the caller has no such option)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file or folder")
@@ -230,7 +275,8 @@ def load_split(path: str | Path, *, skip_invalid: bool = False, max_errors_shown
     if errors and not skip_invalid:
         shown = "\n  ".join(errors[:max_errors_shown])
         more = f"\n  ... and {len(errors) - max_errors_shown} more" if len(errors) > max_errors_shown else ""
-        raise DataError(f"{bad_rows} invalid row(s) in {path} (set data.skip_invalid: true to drop them):"
+        hint = f"set {skip_option} to drop them" if skip_option else "fix or remove them"
+        raise DataError(f"{bad_rows} invalid row(s) in {path} ({hint}):"
                         f"\n  {shown}{more}")
     if not records:
         raise DataError(f"{path}: no valid rows")
@@ -247,7 +293,7 @@ def load_split(path: str | Path, *, skip_invalid: bool = False, max_errors_shown
         r["choices"] = r["choices"] or []
     ds = Dataset.from_list(records)
     if has_images:
-        ds = ds.with_transform(_load_images)
+        ds = ds.with_transform(ImageLoader(ds))
     return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(path))
 
 
@@ -263,3 +309,40 @@ def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, L
     split = train.dataset.train_test_split(test_size=data_cfg.validation_fraction, seed=seed)
     return (LoadedSplit(split["train"], train.skipped, train.source),
             LoadedSplit(split["test"], 0, train.source + " (held out)"))
+
+
+def context_length(model: Any) -> int | None:
+    """The model's positions (``max_position_embeddings``, of its text model for a VLM), or None."""
+    config = getattr(model, "config", None)
+    for c in (config, getattr(config, "text_config", None)):
+        n = getattr(c, "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def limit_prompt_lengths(split: LoadedSplit, tokenizer: Any, room: int, mode: str, key: str) -> tuple[LoadedSplit, str | None]:
+    """Prompts longer than ``room`` tokens (the context minus the completion's tokens), per
+    ``data.long_prompts``: dropped, an error, or kept; returns the split and a warning line.
+    Image tokens are not counted (their number depends on the processor's resizing)."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    raw = split.dataset.with_format(None)
+    prompts = raw["prompt"]
+    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+    long = [i for i, n in enumerate(lengths) if n > room]
+    if not long:
+        return split, None
+    ids = ", ".join(str(raw[i]["id"]) for i in long[:5]) + (" ..." if len(long) > 5 else "")
+    what = (f"{len(long)} of {len(prompts)} prompt(s) of {split.source} leave no room for {key}: longer than "
+            f"{room} tokens (e.g. {ids})")
+    if mode == "error":
+        raise DataError(f"{what}; shorten them, or set data.long_prompts: skip")
+    if mode == "keep":
+        return split, f"{what}; kept (data.long_prompts: keep): their completions run past the model's context"
+    dropped = set(long)
+    keep = [i for i in range(len(prompts)) if i not in dropped]
+    if not keep:
+        raise DataError(f"{what}: none is left")
+    return (LoadedSplit(split.dataset.select(keep), split.skipped, split.source),
+            f"{what}; skipped (data.long_prompts: skip)")

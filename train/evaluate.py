@@ -301,6 +301,7 @@ class EvalRequest:
     bootstrap: int = 1000
     seed: int = 0
     force: bool = False
+    skip_invalid: bool = False
 
 
 def evaluate(req: EvalRequest) -> dict | None:
@@ -318,6 +319,8 @@ def evaluate(req: EvalRequest) -> dict | None:
                 "sampling": vars(req.sampling), "reward": req.setup.reward, "reward_params": req.setup.reward_params,
                 "max_samples": req.max_samples}
     previous = _read_identity(out)
+    if previous is not None and previous != identity and not _has_work(out):
+        previous = None  # an attempt that failed before its first prediction blocks nothing
     if previous is not None and previous != identity and not req.force:
         raise EvalError(f"{out} holds an evaluation of something else ({_differs(previous, identity)}); "
                         "choose another --out or pass --force to start it again")
@@ -333,7 +336,11 @@ def evaluate(req: EvalRequest) -> dict | None:
                 (out / name).unlink(missing_ok=True)
         atomic_write_text(out / "evaluation.json", json.dumps(identity, indent=2))
     barrier()
-    ds = load_split(req.data, system_prompt=req.setup.system_prompt).dataset
+    split = load_split(req.data, system_prompt=req.setup.system_prompt, skip_invalid=req.skip_invalid,
+                       skip_option="--skip_invalid")
+    if split.skipped and rank == 0:
+        print(f"skipped {split.skipped} invalid row(s) of {req.data} (--skip_invalid)")
+    ds = split.dataset
     all_ids = list(ds["id"])
     if req.max_samples is not None:
         ds = ds.select(range(min(req.max_samples, len(ds))))
@@ -403,6 +410,10 @@ def _read_identity(out: Path) -> dict | None:
         return None
 
 
+def _has_work(out: Path) -> bool:
+    return any((out / name).is_file() and (out / name).stat().st_size > 0 for name in (PREDICTIONS, REPORT))
+
+
 def _differs(a: dict, b: dict) -> str:
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return ", ".join(f"{k}: {a.get(k)!r} there, {b.get(k)!r} now" for k in keys[:3])
@@ -468,6 +479,7 @@ def build_parser():
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="evaluate again even if the folder holds a finished one")
+    ap.add_argument("--skip_invalid", action="store_true", help="drop (and count) bad data rows instead of stopping")
     return ap
 
 
@@ -536,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             req = EvalRequest(data=data, out=out, model=model if not args.predictions else None,
                               predictions=args.predictions, setup=setup, sampling=sampling, batch_size=args.batch_size,
                               backend=args.backend, max_samples=args.max_samples, bootstrap=args.bootstrap,
-                              seed=args.seed, force=args.force)
+                              seed=args.seed, force=args.force, skip_invalid=args.skip_invalid)
             report = evaluate(req)
             folders.append(out)
             if report is not None:

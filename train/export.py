@@ -368,6 +368,9 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     dtype = dtype or default_dtype(_raw_config(source))
     kind = {"lora": "lora-adapter" if keep_adapter else "lora-merged"}.get(ckpt.kind, ckpt.kind)
     say(f"export {ckpt.path} -> {out}")
+    if ckpt.path.name.startswith("checkpoint-") and not (ckpt.path / MARKER).exists():
+        say(f"  warning: {ckpt.path} has no {MARKER}: the run may have been stopped while saving it (or an older "
+            "version wrote it); only its safetensors headers could be checked, not that every file is there")
     say(f"  checkpoint: {ckpt.describe()}" + (f", base model {base}" if base else "")
         + (f"; run records: {ckpt.path.parent} (step {rec.step})" if rec.config else "; no run records beside it"))
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]  # removed again on failure

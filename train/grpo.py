@@ -11,13 +11,16 @@ phase's best (or last) checkpoint; an interrupted run resumes inside the right p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
-import shlex
+import shutil
 import signal
 import sys
 from pathlib import Path
+
+from crystal_grpo.distributed import launch_command
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards.match_f1 import EncoderLoadError
@@ -26,18 +29,30 @@ from crystal_grpo.train.checkpoints import (
     atomic_write_text,
     checkpoint_problem,
     checkpoint_step,
+    disk_full,
     latest_complete,
     read_json,
     resolve_resume,
     settings_undone,
     truncate_logs,
 )
-from crystal_grpo.train.config import ConfigError, RunConfig, apply_phase, load_config
+from crystal_grpo.train.config import ConfigError, PhaseSection, RunConfig, apply_phase, load_config
 from crystal_grpo.train.data import DataError
 from crystal_grpo.train.interrupt import Interrupted
 from crystal_grpo.train.models import ModelLoadError
-
-PHASE_DONE = "phase_done.json"
+from crystal_grpo.train.preflight import preflight
+from crystal_grpo.train.run_folder import (
+    SUMMARY,
+    RunFolderError,
+    RunLock,
+    as_record,
+    clear_attempt,
+    holds_run,
+    mark_phase_done,
+    phase_dir,
+    phase_state,
+    plan_launch,
+)
 
 
 def _main_process() -> bool:
@@ -130,15 +145,16 @@ def _sampler_factory(cfg: RunConfig, dataset, max_steps: int):
     return make_sampler_factory(cfg.curriculum, dataset, max_steps)
 
 
-def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callbacks: list | None = None) -> dict:
-    """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics."""
+def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
+              callbacks: list | None = None) -> tuple[dict, int]:
+    """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics and
+    the step it reached."""
     from crystal_grpo.rewards import build_reward
     from crystal_grpo.train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
     from crystal_grpo.train.data import load_datasets
     from crystal_grpo.train.models import load_policy, model_source
     from crystal_grpo.train.trainer import STATE_FILE
 
-    output_dir.mkdir(parents=True, exist_ok=True)
     extra = setup_distributed(cfg)
     args = training_args(cfg, output_dir, extra)  # TRL's own value checks, before anything loads
     model_source(cfg.model)  # and a missing model folder
@@ -151,14 +167,21 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
         with args.main_process_first(desc="truncating the run's logs to the checkpoint"):
             if _main_process():  # every rank then reads the same logs (validation record)
                 truncate_logs(output_dir, checkpoint_step(checkpoint))
+    else:
+        with args.main_process_first(desc="starting the phase over"):
+            if _main_process() and output_dir.is_dir() and "metrics.jsonl" in clear_attempt(output_dir):
+                say(f"{output_dir}: no complete checkpoint, so the phase starts over at step 0; the logs of "
+                    "the attempt that was stopped before its first checkpoint are removed")
     # The sentence encoder loads outside DeepSpeed's partitioning (rewards/match_f1.py).
     module = build_reward(cfg.reward.name, **cfg.reward.params)
     train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
     if train.skipped:
         say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")
     model, processing_class = load_policy(cfg.model)
+    train, val = limit_prompts(cfg, args, model, processing_class, train, val)
     for line in length_warnings(cfg, args, processing_class, train, val):
         say(f"warning: {line}")
+    output_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no phase folder
     trainer = make_trainer(cfg, args, model, processing_class, module, train.dataset)
     trainer.add_callback(MetricsJsonlCallback(output_dir))
     if val is not None:
@@ -185,7 +208,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
     say(f"\nrun folder: {output_dir}\n  checkpoints: {output_dir}/checkpoint-*  final model: {output_dir}/final"
         f"\n  metrics: {output_dir}/metrics.jsonl  validation: {val_file}"
         f"\n  plot: {output_dir}/training_curves.png")
-    return last
+    return last, trainer.state.global_step
 
 
 def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset):
@@ -205,6 +228,29 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset)
     extra = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
     return trainer_class(cfg.pcgrad)(reward=module, train_dataset=dataset,
                                      sampler_factory=_sampler_factory(cfg, dataset, args.max_steps), **common, **extra)
+
+
+def limit_prompts(cfg: RunConfig, args, model, processing_class, train, val):
+    """Training and validation prompts that fit the model's context with their completion
+    (``data.long_prompts``); one warning line per split that had any that do not."""
+    from crystal_grpo.train.data import context_length, limit_prompt_lengths
+
+    context = context_length(model)
+    if context is None:
+        return train, val
+    if cfg.trainer == "grpo":
+        train, line = limit_prompt_lengths(train, processing_class, context - args.max_completion_length,
+                                           cfg.data.long_prompts, f"training.max_completion_length "
+                                           f"({args.max_completion_length}) in the model's {context} positions")
+        if line:
+            say(f"warning: {line}")
+    if val is not None:
+        val, line = limit_prompt_lengths(val, processing_class, context - cfg.validation.max_new_tokens,
+                                         cfg.data.long_prompts, f"validation.max_new_tokens "
+                                         f"({cfg.validation.max_new_tokens}) in the model's {context} positions")
+        if line:
+            say(f"warning: {line}")
+    return train, val
 
 
 def length_warnings(cfg: RunConfig, args, processing_class, train, val) -> list[str]:
@@ -242,48 +288,65 @@ def phase_start(prev_dir: Path, init_from: str) -> str | None:
     return str(prev_dir / "final")
 
 
-def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: list | None = None) -> dict:
+def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: list | None = None,
+        overwrite: bool = False) -> dict:
     """All phases of a run (one when the config has none); returns validation per phase.
 
-    With ``resume``, a phase that already finished its configured steps is skipped, the
-    first unfinished one resumes from its latest checkpoint (with the starting weights it
-    was given), and later phases start as usual.
+    The folder holds this run only (train/run_folder.py): a live run elsewhere in it is
+    refused, a finished run is left as it is, a fresh start in a folder holding another run
+    is refused unless ``overwrite``. With ``resume``, a phase that finished its configured
+    steps is skipped, the first unfinished one resumes from its latest checkpoint (with the
+    starting weights it was given), and later phases start as usual.
     """
-    if not cfg.phases:
-        summary = {"run": run_phase(cfg, run_dir, resume, callbacks)}
-        if _main_process():  # written last: a finished run (scripts/sweep.py skips it)
-            atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-        return summary
+    phases = [apply_phase(cfg, p) for p in cfg.phases] or [cfg]
+    max_steps = [p.training.get("max_steps") for p in phases]
+    main, created = _main_process(), not run_dir.exists()
+    try:
+        with RunLock(run_dir, launch_command(), say) if main else contextlib.nullcontext():
+            launch = plan_launch(run_dir, as_record(cfg), max_steps, resume, overwrite, say, write=main)
+            if launch.action == "finished":
+                return launch.summary or {}
+            return _run_phases(cfg, phases, run_dir, launch.action == "resume", callbacks)
+    except BaseException:
+        if main and created and run_dir.is_dir() and not holds_run(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)  # a failed start leaves no folder behind
+        raise
+
+
+def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: bool,
+                callbacks: list | None) -> dict:
     summary, prev = {}, None
-    for i, phase in enumerate(cfg.phases):
-        pcfg = apply_phase(cfg, phase)
-        pdir = run_dir / f"phase{i + 1}-{phase.name or i + 1}"
-        done = read_json(pdir / PHASE_DONE)
-        if resume and done and done["max_steps"] == pcfg.training.get("max_steps"):
+    for i, pcfg in enumerate(phases):
+        phase = cfg.phases[i] if cfg.phases else PhaseSection(name="run")
+        pdir = phase_dir(run_dir, i, phase.name, len(cfg.phases))
+        state = phase_state(pdir, max_steps=pcfg.training.get("max_steps"))
+        if state.status == "done":
             say(f"phase {phase.name}: already done, skipping")
-            summary[phase.name], prev = done["validation"], pdir
+            summary[phase.name], prev = (state.record or {}).get("validation", {}), pdir
             continue
-        started = bool(resume) and latest_complete(pdir)[0] is not None
+        started = resume and latest_complete(pdir)[0] is not None
         if prev is not None:
             start = (read_json(pdir / "config.json")["model"]["name_or_path"] if started
                      else phase_start(prev, phase.init_from))
             if start:
                 pcfg.model.name_or_path, pcfg.model.gguf_file = start, None
                 say(f"phase {phase.name}: starting from {start}")
-        say(f"\n=== phase {i + 1}/{len(cfg.phases)}: {phase.name} ===")
-        summary[phase.name] = run_phase(pcfg, pdir, "latest" if started else None, callbacks)
+        if cfg.phases:
+            say(f"\n=== phase {i + 1}/{len(cfg.phases)}: {phase.name} ===")
+        validation, step = run_phase(pcfg, pdir, "latest" if started else None, callbacks)
+        summary[phase.name] = validation
         if _main_process():
-            atomic_write_text(pdir / PHASE_DONE, json.dumps({"max_steps": pcfg.training.get("max_steps"),
-                                                            "validation": summary[phase.name]}))
+            mark_phase_done(pdir, pcfg.training.get("max_steps"), step, validation)
         prev = pdir
     if _main_process():
-        from crystal_grpo.train.plot import plot_run
-        from crystal_grpo.train.summary import write_summary
+        atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2))  # last: the run is finished
+        if cfg.phases:
+            from crystal_grpo.train.plot import plot_run
+            from crystal_grpo.train.summary import write_summary
 
-        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
-        say(f"\nthe run, phase by phase (validation before -> after; {run_dir / 'run_summary.json'}):\n"
-            + write_summary(run_dir))
-        say(f"curves of all phases: {plot_run(run_dir)}")
+            say(f"\nthe run, phase by phase (validation before -> after; {run_dir / 'run_summary.json'}):\n"
+                + write_summary(run_dir))
+            say(f"curves of all phases: {plot_run(run_dir)}")
     return summary
 
 
@@ -298,17 +361,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume_from_checkpoint", default=None,
                     help="'latest' (the newest complete checkpoint of the run folder) or a checkpoint folder")
     ap.add_argument("--output_dir", default=None, help="run folder (default: training.output_dir or runs/<config>)")
+    ap.add_argument("--overwrite_output_dir", action="store_true",
+                    help="start again in a folder that holds a run: its checkpoints and logs are removed first")
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg, _ = load_config(args.config, overrides)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    missing = preflight(cfg)
+    if missing:  # every missing piece at once, before any folder, lock or model
+        if _main_process():
+            print("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing), file=sys.stderr)
+        return 2
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
     try:
-        run(cfg, run_dir, args.resume_from_checkpoint)
-    except (ConfigError, DataError, ModelLoadError, EncoderLoadError, CheckpointError) as err:
-        print(f"{type(err).__name__}: {err}", file=sys.stderr)
+        run(cfg, run_dir, args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
+    except (ConfigError, DataError, ModelLoadError, EncoderLoadError, CheckpointError, RunFolderError) as err:
+        if _main_process() or not isinstance(err, RunFolderError):
+            print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
         say(f"interrupted by {signal.Signals(stop.signum).name} at step {stop.step}: saved {stop.checkpoint}; "
@@ -317,18 +388,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         say(f"aborted: the newest complete checkpoint is used by: {resume_command(argv)}")
         return 130
+    except (OSError, RuntimeError) as err:
+        full = disk_full(err, run_dir)
+        if full is None:
+            raise
+        print(f"\ndisk full: {full}; after freeing space: {resume_command(argv)}", file=sys.stderr)  # \n: after tqdm
+        return 1
     return 0
 
 
 def resume_command(argv: list[str] | None) -> str:
-    """This run's command line with ``--resume_from_checkpoint latest``."""
+    """This run's command line, with the launcher actually used, and ``--resume_from_checkpoint latest``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--resume_from_checkpoint" in argv:
         i = argv.index("--resume_from_checkpoint")
         del argv[i:i + 2]
-    argv = [a for a in argv if not a.startswith("--resume_from_checkpoint=")]
-    launcher = "accelerate launch ... " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "python "
-    return launcher + " ".join(shlex.quote(a) for a in ["train/grpo.py", *argv, "--resume_from_checkpoint", "latest"])
+    argv = [a for a in argv if not a.startswith("--resume_from_checkpoint=") and a != "--overwrite_output_dir"]
+    return launch_command(argv=[*argv, "--resume_from_checkpoint", "latest"])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from crystal_grpo.rewards.references import (
     distinct_step_similarities,
     suggest_threshold,
 )
-from crystal_grpo.train.checkpoints import atomic_write_text
+from crystal_grpo.train.checkpoints import atomic_write_text, read_json
 from crystal_grpo.train.evaluate import (
     PREDICTIONS,
     EvalError,
@@ -53,6 +53,7 @@ from crystal_grpo.train.evaluate import (
 from crystal_grpo.train.generation import Sampling
 
 SETTINGS = "build.json"
+GENERATION = "generation.json"
 
 
 @dataclass
@@ -107,7 +108,8 @@ def read_rows(req: BuildRequest) -> tuple[list[dict], Any]:
     images) from the training loader; a row without ``id`` gets the loader's ``file:line``."""
     from crystal_grpo.train.data import load_split
 
-    ds = load_split(req.data, system_prompt=req.system_prompt, limit=req.max_rows, require_references=False).dataset
+    ds = load_split(req.data, system_prompt=req.system_prompt, limit=req.max_rows, require_references=False,
+                    skip_option=None).dataset
     path = Path(req.data)
     raw = [({"id": f"{path.name}:{no}", **row} if "id" not in row else row)
            for no, row in iter_jsonl(path) if not isinstance(row, Unreadable)][:len(ds)]
@@ -131,7 +133,7 @@ def generate_trajectories(req: BuildRequest, name: str, ds, folder: Path) -> Non
 
     identity = {"generator": name, "data": str(Path(req.data).resolve()), "system_prompt": req.system_prompt,
                 "sampling": asdict(req.sampling)}
-    _check_identity(folder / "generation.json", identity, "--work_dir")
+    _check_identity(folder / GENERATION, identity, "--work_dir")
     if _backend(req.backend, 1) == "vllm":
         generate_with_vllm(name, ds, folder, req.sampling, EvalSetup(dtype=req.dtype))
         return
@@ -234,8 +236,11 @@ def written_ids(path: Path) -> set[str]:
 
 def _check_identity(path: Path, identity: dict, what: str) -> None:
     """Refuse to mix two different builds (or generations) in one place."""
-    if path.exists():
-        previous = json.loads(path.read_text())
+    previous = read_json(path)
+    if previous is not None and previous != identity and not any(
+            p.is_file() and p.name not in (SETTINGS, GENERATION) for p in path.parent.rglob("*")):
+        previous = None  # an attempt that failed before any work blocks nothing
+    if previous is not None:
         if previous != identity:
             keys = [k for k in identity if previous.get(k) != identity[k]]
             raise EvalError(f"{path.parent} holds a build with other settings ({', '.join(keys)}); "
@@ -256,12 +261,12 @@ def build(req: BuildRequest) -> dict:
         notes.append(f"no measured --cluster_threshold for encoder {req.encoder!r}: using the paper's "
                      f"{threshold}; watch the collapse warnings and measure one (README)")
     out, folder = Path(req.out), req.folder
+    raw, ds = read_rows(req)  # bad data stops the build before it claims a folder
     _check_identity(folder / SETTINGS, {
         "data": str(Path(req.data).resolve()), "generators": req.generators, "trajectories": req.trajectories,
         "sampling": asdict(req.sampling), "encoder": req.encoder, "cluster_threshold": threshold,
         "min_support": req.min_support, "keep_incorrect": req.keep_incorrect, "reference_sets": req.reference_sets,
         "rebuild": req.rebuild, "keep_collapsed": req.keep_collapsed}, "--out (or --work_dir)")
-    raw, ds = read_rows(req)
     records = ds.with_format(None)  # answers and choices; images stay unopened
     done = written_ids(out)
     todo = [i for i, r in enumerate(raw) if str(r["id"]) not in done]

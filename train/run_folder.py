@@ -1,0 +1,284 @@
+"""One run per folder: the lock, the run's record, and what "finished" means.
+
+A run folder (``--output_dir``) holds exactly one run; three files keep it that way.
+
+- ``run.lock``: the live run's lock. ``flock`` on the file, so the kernel releases it when
+  the process dies (SIGKILL, OOM, a lost node); the file names the holder (pid, host,
+  command, start), so a second launch into a busy folder is refused with that name, and a
+  lock whose holder is gone is taken over with one line.
+- ``run.json``: the run's config and every launch of it. A fresh start in a folder that
+  already holds a run is refused, naming what differs, unless ``--overwrite_output_dir``
+  clears the folder first; resuming with other settings says what changed.
+- finished: each phase folder's ``phase_done.json`` (steps configured and reached) and,
+  written last, the run's ``summary.json``. A finished run launched again, resumed or not,
+  is left as it is with one line; a larger ``training.max_steps`` continues its last phase.
+
+A single-phase run is its own (only) phase folder; a multi-phase run has one
+``phase<i>-<name>`` folder per phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from crystal_grpo.train.checkpoints import atomic_write_text, latest_complete, read_json
+
+LOCK = "run.lock"
+RECORD = "run.json"
+PHASE_DONE = "phase_done.json"
+SUMMARY = "summary.json"
+#: What a phase leaves once it has trained at least one step (or was killed trying).
+PROGRESS = ("metrics.jsonl", "validation.jsonl", PHASE_DONE, "final")
+#: What starting a phase over removes: a killed attempt's logs and records.
+ATTEMPT_FILES = ("metrics.jsonl", "validation.jsonl", "best_checkpoint.json", PHASE_DONE, "training_curves.png")
+
+
+class RunFolderError(RuntimeError):
+    """The folder holds another run, or is in use; the message says which and what to do."""
+
+
+def phase_dir(run_dir: Path, index: int, name: str, phases: int) -> Path:
+    """Where phase ``index`` (0-based) of a run lives; a single-phase run is the run folder."""
+    return run_dir if phases == 0 else run_dir / f"phase{index + 1}-{name or index + 1}"
+
+
+# --- the lock ----------------------------------------------------------------------------
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of a process (tells a reused pid from the original), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class RunLock:
+    """``with RunLock(run_dir, command, say):`` one live run in ``run_dir`` at a time."""
+
+    def __init__(self, run_dir: Path, command: str, say: Callable[[str], None] = print) -> None:
+        self.path, self.command, self.say = Path(run_dir) / LOCK, command, say
+        self.fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise RunFolderError(f"{self.path.parent} is in use by a live run ({_describe(read_json(self.path))}); "
+                                 "wait for it, stop it, or choose another --output_dir") from None
+        stale = _read_fd(fd)
+        if stale:  # the holder died without releasing (killed): the kernel dropped its flock
+            self.say(f"taking over the lock of a run that is gone ({_describe(stale)})")
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "process_start": _process_start(os.getpid()), "command": self.command}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # released cleanly: an empty lock file is nobody's
+            os.close(self.fd)  # (kept, not unlinked: unlinking races with a waiting opener)
+            self.fd = None
+
+
+def _read_fd(fd: int) -> dict | None:
+    try:
+        data = json.loads(os.pread(fd, 65536, 0) or b"null")
+    except ValueError:
+        return {"pid": "?", "host": "?", "command": "an unreadable lock file"}
+    return data if isinstance(data, dict) else None
+
+
+def _describe(holder: dict | None) -> str:
+    if not holder:
+        return "holder unknown"
+    return (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started', '?')}: "
+            f"{holder.get('command', '?')}")
+
+
+# --- what the folder holds ---------------------------------------------------------------
+def holds_run(run_dir: Path) -> bool:
+    """Whether training ever ran here: logs, checkpoints, a finished phase (``run.json`` of a
+    start that failed before its first step does not count)."""
+    if not run_dir.is_dir():
+        return False
+    phases = [p for p in run_dir.glob("phase*-*") if p.is_dir()]
+    return (run_dir / SUMMARY).exists() or any(_started(f) for f in (run_dir, *phases))
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty section has no keys)."""
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+_UNSET = "unset"
+
+
+def config_diff(old: dict, new: dict, ignore: Sequence[str] = ()) -> list[str]:
+    """``key: old -> new`` for every setting that differs (flattened section.key names)."""
+    a, b = _flat(old), _flat(new)
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k, _UNSET) != b.get(k, _UNSET) and k not in ignore]
+    return [f"{k}: {a.get(k, _UNSET)!r} -> {b.get(k, _UNSET)!r}".replace(f"'{_UNSET}'", _UNSET) for k in keys]
+
+
+def _said(diff: list[str], most: int = 4) -> str:
+    return "; ".join(diff[:most]) + (f"; and {len(diff) - most} more" if len(diff) > most else "")
+
+
+# --- finished phases ---------------------------------------------------------------------
+@dataclass
+class PhaseState:
+    """A phase folder as found: ``done`` (trained its steps), ``extend`` (done, but now asked
+    for more steps), ``open`` (not finished: fresh or interrupted)."""
+
+    folder: Path
+    status: str
+    reached: int | None = None
+    record: dict | None = None
+
+
+def phase_state(folder: Path, max_steps: Any) -> PhaseState:
+    record = read_json(folder / PHASE_DONE)
+    if record is None and (folder / SUMMARY).is_file() and (folder / "final").is_dir():
+        ckpt, _ = latest_complete(folder)  # a single-phase run finished before phase_done.json existed
+        record = {"max_steps": max_steps, "global_step": int(ckpt.name.split("-")[1]) if ckpt else None}
+    if record is None:
+        return PhaseState(folder, "open")
+    reached = record.get("global_step", record.get("max_steps"))
+    asked = max_steps if max_steps is not None else -1
+    same = record.get("max_steps", -1) in (asked, None if asked == -1 else asked)
+    if same or (isinstance(asked, int) and asked > 0 and isinstance(reached, int) and asked <= reached):
+        return PhaseState(folder, "done", reached, record)
+    return PhaseState(folder, "extend", reached, record)
+
+
+def mark_phase_done(folder: Path, max_steps: Any, global_step: int, validation: dict) -> None:
+    atomic_write_text(folder / PHASE_DONE, json.dumps({"max_steps": max_steps, "global_step": global_step,
+                                                       "validation": validation}, indent=2))
+
+
+def clear_attempt(folder: Path) -> list[str]:
+    """Remove a killed attempt's logs and records (a phase starting over logs from step 0)."""
+    gone = [name for name in ATTEMPT_FILES if (folder / name).exists()]
+    for name in gone:
+        (folder / name).unlink()
+    for p in folder.glob("validation_samples_step*.jsonl"):
+        p.unlink()
+    return gone
+
+
+def clear_run(run_dir: Path) -> None:
+    """``--overwrite_output_dir``: everything a run wrote here (the lock and a sweep's own files stay)."""
+    for p in run_dir.iterdir():
+        if p.name in (LOCK, "sweep_point.json", "train.log"):
+            continue
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+# --- the decision at launch --------------------------------------------------------------
+@dataclass
+class Launch:
+    """What a launch does with its folder: ``finished`` (nothing), ``fresh`` or ``resume``."""
+
+    action: str
+    summary: dict | None = None
+
+
+def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: str | None, overwrite: bool,
+                say: Callable[[str], None], write: bool) -> Launch:
+    """Decide (and, with ``write``, record) what this launch does with ``run_dir``.
+
+    ``config`` is the run's resolved config (what ``run.json`` keeps), ``max_steps`` each
+    phase's configured steps. Every rank calls this; only the main process writes.
+    """
+    record = read_json(run_dir / RECORD)
+    phases = config.get("phases") or []
+    folders = [phase_dir(run_dir, i, p.get("name", ""), len(phases)) for i, p in enumerate(phases or [{}])]
+    if overwrite and holds_run(run_dir):
+        if write:
+            clear_run(run_dir)
+        say(f"--overwrite_output_dir: removed the run that was in {run_dir}")
+    elif holds_run(run_dir):
+        states = [phase_state(f, m) for f, m in zip(folders, max_steps)]
+        diff = config_diff(record["config"], config) if record else None
+        finished = (run_dir / SUMMARY).is_file() and all(s.status == "done" for s in states)
+        if finished and (resume or diff == []):
+            steps = ", ".join(str(s.reached) for s in states)
+            say(f"{run_dir}: this run already finished (step {steps}); nothing to do"
+                + (f" (settings now differ: {_said(diff)})" if diff else "")
+                + ". Train more with a larger training.max_steps and --resume_from_checkpoint latest, or start "
+                  "again with --overwrite_output_dir")
+            return Launch("finished", read_json(run_dir / SUMMARY))
+        if not resume:
+            what = ("a run with other settings: " + _said(diff) if diff else
+                    "the same run, not finished" if diff == [] else "a run (no run.json: an older version wrote it)")
+            raise RunFolderError(f"{run_dir} already holds {what}. Resume it with --resume_from_checkpoint latest, "
+                                 "start it again with --overwrite_output_dir, or choose another --output_dir")
+        extending = [i for i, s in enumerate(states) if s.status == "extend"]
+        if extending:
+            i = extending[0]
+            later = [s for s in states[i + 1:] if s.status != "open" or _started(s.folder)]
+            if later:
+                raise RunFolderError(
+                    f"{folders[i]} finished at step {states[i].reached}, and later phases started from it: more "
+                    f"steps there would need them retrained. Start a new run (--output_dir) instead")
+            say(f"{folders[i]}: finished at step {states[i].reached}; continuing to training.max_steps "
+                f"{max_steps[i]}")
+            if write:
+                (folders[i] / PHASE_DONE).unlink(missing_ok=True)
+        if write:
+            (run_dir / SUMMARY).unlink(missing_ok=True)  # no longer finished until it is again
+        others = [d for d in diff or [] if not d.split(":")[0].endswith("max_steps")]
+        if others:
+            say(f"resuming with settings that differ from the run's: {_said(others)}")
+        _record(run_dir, config, record, "resume", write)
+        return Launch("resume")
+    elif resume:
+        say(f"no run in {run_dir} yet: starting fresh")
+    _record(run_dir, config, None, "fresh", write)
+    return Launch("fresh")
+
+
+def _started(folder: Path) -> bool:
+    return any((folder / name).exists() for name in PROGRESS) or next(folder.glob("checkpoint-*"), None) is not None
+
+
+def _record(run_dir: Path, config: dict, record: dict | None, how: str, write: bool) -> None:
+    if not write:
+        return
+    from crystal_grpo.distributed import launch_command
+
+    launches = (record or {}).get("launches", [])
+    launches.append({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(), "how": how,
+                     "command": launch_command()})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / RECORD, json.dumps({"config": config, "launches": launches}, indent=2,
+                                                   default=str))
+
+
+def as_record(cfg: Any) -> dict:
+    """A config as ``run.json`` keeps it (JSON values only)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
