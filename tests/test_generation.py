@@ -11,13 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 from trl import GRPOConfig
 
+from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.train import grpo
 from crystal_grpo.train.config import load_config
 from crystal_grpo.train.generation import Engine, Sampling, generate
 
-PROMPTS = [[{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many now?"}],
-           [{"role": "user", "content": "A train leaves at 9 and arrives at 11. How long?"}],
-           [{"role": "user", "content": "5 friends share 20 flowers."}]]
+#: Candidate prompts: the test takes the first three whose greedy completions differ, so that
+#: "every prompt got its own completion back" can fail, whatever model this machine built.
+POOL = [[{"role": "user", "content": r["question"]}] for r in read_jsonl("data/wordproblems/train.jsonl")[:24]]
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +26,34 @@ def lm(tiny_lm_path):
     return AutoModelForCausalLM.from_pretrained(tiny_lm_path).eval(), AutoTokenizer.from_pretrained(tiny_lm_path)
 
 
+@pytest.fixture(scope="module")
+def prompts(lm) -> list:
+    completions = generate(*lm, POOL, None, Sampling(max_new_tokens=32), batch_size=8)
+    first: dict[str, list] = {}
+    for prompt, (text,) in zip(POOL, completions):
+        first.setdefault(text, prompt)
+    assert len(first) >= 3, "the tiny model gives the same greedy completion to almost every prompt"
+    return list(first.values())[:3]
+
+
 @pytest.mark.parametrize("engine", [Engine(cache_implementation="static"), Engine(continuous_batching=True)],
                          ids=["static-cache", "continuous-batching"])
-def test_greedy_completions_equal_plain_generate(lm, engine):
+def test_greedy_completions_equal_plain_generate(lm, prompts, engine):
     model, tok = lm
     greedy = Sampling(max_new_tokens=32)
-    plain = generate(model, tok, PROMPTS, None, greedy, batch_size=3)
-    assert generate(model, tok, PROMPTS, None, greedy, batch_size=3, engine=engine) == plain
-    assert len({c[0] for c in plain}) == len(PROMPTS), "prompts must give different completions"
+    plain = generate(model, tok, prompts, None, greedy, batch_size=3)
+    assert generate(model, tok, prompts, None, greedy, batch_size=3, engine=engine) == plain
+    assert len({c[0] for c in plain}) == len(prompts), "prompts must give different completions"
     # Two samples per prompt at a temperature so low that both are the greedy completion: they
     # come back in prompt order, each prompt's samples together.
     near_greedy = Sampling(max_new_tokens=32, temperature=1e-4, num_samples=2)
-    assert generate(model, tok, PROMPTS, None, near_greedy, batch_size=3, engine=engine) == [c * 2 for c in plain]
+    assert generate(model, tok, prompts, None, near_greedy, batch_size=3, engine=engine) == [c * 2 for c in plain]
 
 
 def test_continuous_batching_refuses_images(lm):
     model, tok = lm
     with pytest.raises(ValueError, match="text-only"):
-        generate(model, tok, PROMPTS[:1], [[object()]], Sampling(8), 1, Engine(continuous_batching=True))
+        generate(model, tok, POOL[:1], [[object()]], Sampling(8), 1, Engine(continuous_batching=True))
 
 
 def test_engine_follows_the_grpo_config():

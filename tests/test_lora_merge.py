@@ -48,7 +48,9 @@ def test_merged_greedy_generation_equals_unmerged_and_restores_the_weights(tiny_
             merged_ids = model.generate(**ids, max_new_tokens=24, do_sample=False)
         with model.disable_adapter():
             assert not torch.allclose(plain_logits, model(**ids).logits), "the adapter must matter"
-    torch.testing.assert_close(merged_logits, plain_logits, rtol=1e-5, atol=1e-5)
+    # fp32 rounding of W + BA against Wx + B(Ax) grows with the logits' size: relative to their scale
+    scale = float(plain_logits.abs().max())
+    torch.testing.assert_close(merged_logits, plain_logits, rtol=1e-5, atol=1e-5 * max(scale, 1.0))
     assert torch.equal(merged_ids, plain)
     assert not layer.merged and layer.base_layer.weight.data_ptr() == pointer
     after = _base_state(model)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from crystal_grpo.train import grpo, sweep
 from crystal_grpo.train.checkpoints import MARKER, checkpoint_problem
@@ -92,6 +93,23 @@ def test_a_larger_max_steps_continues_the_run_and_says_so(finished, tmp_path, ca
     assert json.loads((run / "phase_done.json").read_text())["global_step"] == 5
     launches = json.loads((run / RECORD).read_text())["launches"]
     assert [x["how"] for x in launches] == ["fresh", "resume"]
+
+
+def test_a_run_killed_after_its_last_step_finishes_without_training_past_it(finished, tmp_path, capsys):
+    """Killed after checkpoint-4 (the last step) but before final/: HF's loop, resumed, would train step 5."""
+    from safetensors.torch import load_file
+
+    run = _copy(finished["single"], tmp_path / "single")
+    for name in ("final", "phase_done.json", "summary.json"):
+        shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+    argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "4"]
+    assert grpo.main([*argv, "--resume_from_checkpoint", "latest"]) == 0
+    assert "already holds step 4 of max_steps 4: finishing the phase without training" in capsys.readouterr().out
+    assert logged_steps(run) == [1, 2, 3, 4] and not (run / "checkpoint-5").exists()
+    ours, theirs = load_file(run / "final" / "model.safetensors"), load_file(finished["single"] / "final" /
+                                                                              "model.safetensors")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert (run / "validation.jsonl").read_text() == (finished["single"] / "validation.jsonl").read_text()
 
 
 def test_more_steps_for_a_phase_that_later_phases_started_from_is_refused(finished, tmp_path, capsys):

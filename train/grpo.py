@@ -191,8 +191,13 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
         trainer.add_callback(cb)
     if _main_process():
         atomic_write_text(output_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
-    with trainer.interrupt.handling():
-        trainer.train(resume_from_checkpoint=checkpoint)
+    if checkpoint and 0 < args.max_steps <= checkpoint_step(checkpoint):
+        say(f"{checkpoint} already holds step {checkpoint_step(checkpoint)} of max_steps {args.max_steps}: "
+            "finishing the phase without training")
+        trainer.finish_from(checkpoint)
+    else:
+        with trainer.interrupt.handling():
+            trainer.train(resume_from_checkpoint=checkpoint)
     if trainer.interrupt.stopped_at is not None:
         step = trainer.interrupt.stopped_at
         raise Interrupted(trainer.interrupt.signum, step, str(output_dir / f"checkpoint-{step}"))

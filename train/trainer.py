@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 
@@ -72,6 +73,15 @@ def trainer_class(pcgrad: bool) -> type["CrystalGRPOTrainer"]:
     from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
 
     return PCGradGRPOTrainer
+
+
+class _BeforeFirstStep(Exception):
+    """Raised by :class:`_StopBeforeFirstStep` once a checkpoint is loaded (``finish_from``)."""
+
+
+class _StopBeforeFirstStep(TrainerCallback):
+    def on_train_begin(self, args, state, control, **kwargs):
+        raise _BeforeFirstStep
 
 
 class CrystalTrainerMixin:
@@ -181,6 +191,21 @@ class CrystalTrainerMixin:
         if path and os.path.exists(path):
             with open(path) as fh:
                 self.load_crystal_state(json.load(fh))
+
+    def finish_from(self, checkpoint: str) -> None:
+        """End a phase whose ``checkpoint`` already holds its last step: load it (weights,
+        state) and run the end-of-training callbacks (final validation, plot) without a step.
+        HF's loop always trains one step after resuming, even at ``max_steps``, which is how
+        a finished run used to train past its end."""
+        stop = _StopBeforeFirstStep()
+        self.add_callback(stop)  # last: every other callback has seen on_train_begin
+        try:
+            self.train(resume_from_checkpoint=checkpoint)
+        except _BeforeFirstStep:
+            pass
+        finally:
+            self.remove_callback(stop)
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
 
     def _issue_warnings_after_load(self, load_result: Any) -> None:
         """A resumed checkpoint has no ``lm_head.weight`` when it is tied to the embeddings (it is
