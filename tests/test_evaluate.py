@@ -145,6 +145,21 @@ def test_compare_pairs_rows_and_intervals(model_eval, tmp_path, capsys):
     assert diff["value"] == pytest.approx(3 / N - overall(model_eval)["accuracy"])
     assert diff["ci_low"] <= diff["value"] <= diff["ci_high"]
     assert f"{diff['value']:.3f}" in line
+    # Seeds: comma-separated folders are one arm's seeds; the second "seed" of the edited arm
+    # answers two rows, not three, so the arm's seeds disagree and the interval widens.
+    second = tmp_path / "other2"
+    for p, row in zip(preds, perfect[:2] + [None]):
+        p["completion"] = json.dumps({"reasoning_steps": row["reference_steps"], "answer": row["answer"]}) if row \
+            else "no json"
+    path.write_text("".join(json.dumps({"id": p["id"], "completion": p["completion"]}) + "\n" for p in preds))
+    assert ev.main(["--predictions", str(path), "--out", str(second), *COMMON]) == 0
+    capsys.readouterr()
+    assert ev.main(["--compare", f"{model_eval},{model_eval}", f"{other},{second}", "--bootstrap", "200"]) == 0
+    assert "(2 seeds)" in capsys.readouterr().out
+    seeded = compare([[model_eval, model_eval], [other, second]], bootstrap=200)
+    d2 = seeded["metrics"]["accuracy"]["diffs"][0]
+    assert seeded["seeds"] == [2, 2] and d2["value"] == pytest.approx((3 + 2) / 2 / N - overall(model_eval)["accuracy"])
+    assert d2["ci_low"] <= d2["value"] <= d2["ci_high"] and d2["p_seeds"] is not None
 
 
 def test_bad_inputs_are_one_clear_line(tmp_path, capsys):

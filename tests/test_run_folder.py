@@ -279,3 +279,24 @@ def test_two_processes_report_missing_pieces_once(tmp_path, free_port):
     assert proc.returncode != 0
     assert proc.stderr.count("cannot start: 2 problem(s)") == 1, proc.stderr[-3000:]
     assert proc.stderr.count(f"model.name_or_path: no such folder '{tmp_path / 'no-model'}'") == 1
+
+
+# --- the kill-trials tool (its table is the README's reliability evidence) ------------------------
+def test_kill_trials_compare_finds_a_repeated_step_a_changed_value_and_other_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    from crystal_grpo.train.kill_trials import compare
+
+    def folder(name: str, steps: list[int], loss: float, weight: float) -> Path:
+        run = tmp_path / name
+        (run / "final").mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": loss}) + "\n" for s in steps))
+        (run / "validation.jsonl").write_text(json.dumps({"step": 0, "accuracy": 0.5}) + "\n")
+        save_file({"w": torch.full((2,), weight)}, run / "final" / "model.safetensors")
+        return run
+
+    ref = folder("ref", [1, 2], 0.1, 1.0)
+    assert compare(ref, folder("same", [1, 2], 0.1, 1.0)) == []
+    assert compare(ref, folder("twice", [1, 1, 2], 0.1, 1.0)) == ["metrics.jsonl: steps [1, 1, 2], reference [1, 2]"]
+    assert compare(ref, folder("value", [1, 2], 0.2, 1.0))[0] == "metrics.jsonl step 1: loss 0.2 vs 0.1"
+    assert compare(ref, folder("weights", [1, 2], 0.1, 1.0 + 1e-7)) == ["final weights differ in 1 tensor(s), e.g. w"]

@@ -10,11 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from crystal_grpo.train import sweep as sw
 from crystal_grpo.train.run_folder import PHASE_DONE
-from crystal_grpo.train.sweep_report import build, point_metrics
+from crystal_grpo.train.sweep_report import build, markdown, point_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
@@ -215,3 +216,34 @@ def test_collapse_and_divergence_are_reported():
     assert divergence({"nonfinite_skipped": 3.0, "format_collapse_step": 8}) == \
         "3 non-finite updates skipped; format collapsed at step 8"
     assert divergence({"nonfinite_skipped": 0.0, "format_collapse_step": None}) == "no"
+
+
+def test_the_report_compares_arms_with_seed_aware_intervals(tmp_path):
+    """Two arms x 3 seeds of evaluation files: the report's interval resamples seeds, so an arm
+    whose seeds disagree gets a wide interval and a Welch p, not a row-only 'significant' one."""
+    from crystal_grpo.train.sweep_report import paired_on_eval
+
+    path = write(tmp_path, f"""
+base: {REPO / 'configs' / 'tiny.yaml'}
+points: [{{name: a}}, {{name: b}}]
+seeds: [1, 2, 3]
+eval: {{data: data/wordproblems/val.jsonl}}
+""")
+    sweep = sw.load_sweep(path, tmp_path / "sw")
+    rng = np.random.default_rng(0)
+    shift = {"a": [0.0, 0.0, 0.0], "b": [0.05, -0.03, 0.12]}  # b's seeds scatter
+    for p in sweep.points:
+        folder = tmp_path / "sw" / p.name / "eval"
+        folder.mkdir(parents=True)
+        (folder / "report.json").write_text("{}")
+        acc = np.clip(0.4 + shift[p.arm][p.seed - 1] + rng.normal(0, 0.02, 50), 0, 1)
+        (folder / "predictions.jsonl").write_text("".join(
+            json.dumps({"id": f"r{i}", "sample": 0, "accuracy": float(x), "f1": 0.5, "ordered_f1": 0.5,
+                        "format_rate": 1.0, "steps_mean": 2.0}) + "\n" for i, x in enumerate(acc)))
+    paired = paired_on_eval(sweep, ["a", "b"], bootstrap=500)
+    b = paired["arms"]["b"]["accuracy"]
+    assert b["seeds"] == 3 and b["diff"] == pytest.approx(np.mean(shift["b"]), abs=0.01)
+    assert b["ci_low"] < 0 < b["ci_high"]  # seeds that disagree: no "significant" difference
+    assert b["p_seeds"] > 0.05 and b["seeds_needed"] > 3
+    text = markdown({"sweep": "s", "arms": [], "points": [], "paired_eval": paired})
+    assert "two-level bootstrap" in text and "p=" in text

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +19,8 @@ import numpy as np
 from crystal_grpo.curricula.complexity import complexity_tier, step_count
 from crystal_grpo.rewards.base import METRICS
 from crystal_grpo.train.checkpoints import atomic_write_text
+from crystal_grpo.train.stats import bootstrap_ci, seed_test, two_level_ci
+from crystal_grpo.train.stats import nanmean as _nanmean
 
 #: Per-example numbers a report aggregates: the metric names of rewards/base.py, and the LIS ratio.
 ROW_METRICS = (*METRICS, "lis_ratio")
@@ -54,25 +55,6 @@ def per_row_values(rows: Sequence[dict], scored: Sequence[dict]) -> tuple[list[s
                 values[n, m] = float(np.mean(xs))
         passed[n] = float(any((s.get("accuracy") or 0) > 0 for s in samples))
     return ids, values, passed
-
-
-def _nanmean(x: np.ndarray, axis=0):
-    """Column means ignoring NaN; an all-NaN column is NaN without numpy's warning."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmean(x, axis=axis)
-
-
-def bootstrap_ci(values: np.ndarray, resamples: int, seed: int, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile interval of the column means over ``resamples`` resamplings of the rows."""
-    n = values.shape[0]
-    if n == 0 or resamples <= 0:
-        nan = np.full(values.shape[1:], np.nan)
-        return nan, nan
-    rng = np.random.default_rng(seed)
-    means = np.stack([_nanmean(values[rng.integers(0, n, n)]) for _ in range(resamples)])
-    tail = (1 - level) / 2 * 100
-    return np.nanpercentile(means, tail, axis=0), np.nanpercentile(means, 100 - tail, axis=0)
 
 
 def _finite(x) -> float | None:
@@ -182,32 +164,45 @@ def load_scored(folder: Path) -> dict[str, np.ndarray]:
     return dict(zip(ids, values))
 
 
-def compare(folders: Sequence[Path], bootstrap: int = 1000, seed: int = 0) -> dict:
-    """Each evaluation's means on the rows all of them scored, and each one's paired
-    difference from the first with a bootstrap interval (rows resampled together)."""
-    runs = [load_scored(Path(f)) for f in folders]
-    common = sorted(set.intersection(*(set(r) for r in runs)))
+def compare(arms: Sequence[Path | Sequence[Path]], bootstrap: int = 1000, seed: int = 0) -> dict:
+    """Each arm's means on the rows every evaluation scored, and each arm's paired difference
+    from the first. An arm is one evaluation folder or several (one per training seed): the
+    interval then resamples seeds, then rows (:func:`two_level_ci`), and a per-seed Welch test
+    and the seeds a difference of that size would need are reported beside it."""
+    groups = [[Path(arm)] if isinstance(arm, (str, Path)) else [Path(f) for f in arm] for arm in arms]
+    runs = [[load_scored(f) for f in g] for g in groups]
+    common = sorted(set.intersection(*(set(r) for g in runs for r in g)))
     if not common:
         raise ValueError("the evaluations share no rows: compare evaluations of the same data")
-    arr = np.array([[r[i] for i in common] for r in runs])
-    out = {"rows": len(common), "folders": [str(f) for f in folders], "metrics": {}}
+    arr = [np.array([[r[i] for i in common] for r in g]) for g in runs]  # per arm: [seeds, rows, metrics]
+    out = {"rows": len(common), "folders": [",".join(map(str, g)) for g in groups],
+           "seeds": [len(g) for g in groups], "metrics": {}}
+    lows, highs = zip(*[two_level_ci(arr[0], a, bootstrap, seed) for a in arr[1:]]) if len(arr) > 1 else ((), ())
     for m, name in enumerate(ROW_METRICS):
-        entry = {"means": [_finite(_nanmean(arr[j, :, m])) for j in range(len(runs))], "diffs": []}
-        for j in range(1, len(runs)):
-            diff = arr[j, :, m] - arr[0, :, m]
-            lo, hi = bootstrap_ci(diff[:, None], bootstrap, seed)
-            entry["diffs"].append({"value": _finite(_nanmean(diff)), "ci_low": _finite(lo[0]),
-                                   "ci_high": _finite(hi[0])})
+        entry = {"means": [_finite(_nanmean(_nanmean(a[:, :, m], axis=1))) for a in arr], "diffs": []}
+        for j in range(1, len(arr)):
+            per_seed = [_nanmean(a[:, :, m], axis=1) for a in (arr[0], arr[j])]
+            test = seed_test(*per_seed)
+            entry["diffs"].append({"value": _finite(entry["means"][j] - entry["means"][0])
+                                   if None not in (entry["means"][j], entry["means"][0]) else None,
+                                   "ci_low": _finite(lows[j - 1][m]), "ci_high": _finite(highs[j - 1][m]),
+                                   "p_seeds": test.p, "seeds_needed": test.seeds_needed})
         out["metrics"][name] = entry
     return out
 
 
 def compare_markdown(result: dict) -> str:
-    names = [Path(f).name or str(f) for f in result["folders"]]
+    names = [Path(f.split(",")[0]).name or f for f in result["folders"]]
+    names = [f"{n} ({k} seeds)" if k > 1 else n for n, k in zip(names, result.get("seeds", [1] * len(names)))]
     head = "| metric | " + " | ".join(names) + " | " + " | ".join(f"{n} - {names[0]} [95% CI]" for n in names[1:])
-    lines = [f"Paired over the {result['rows']} rows all evaluations scored.", "", head + " |",
-             "|---|" + "---|" * (2 * len(names) - 1)]
+    seeded = max(result.get("seeds", [1])) > 1
+    what = ("seeds resampled, then rows (two-level bootstrap); p: Welch's test on the per-seed means; n: seeds "
+            "per arm a difference of that size needs (80% power)") if seeded else "rows resampled"
+    lines = [f"Paired over the {result['rows']} rows all evaluations scored; 95% intervals: {what}.", "",
+             head + " |", "|---|" + "---|" * (2 * len(names) - 1)]
     for m, e in result["metrics"].items():
-        diffs = [f"{_fmt(d['value'], 3)} [{_fmt(d['ci_low'])}, {_fmt(d['ci_high'])}]" for d in e["diffs"]]
+        diffs = [f"{_fmt(d['value'], 3)} [{_fmt(d['ci_low'])}, {_fmt(d['ci_high'])}]"
+                 + (f" p={_fmt(d['p_seeds'], 2)} n={d['seeds_needed'] or '-'}" if seeded and d["p_seeds"] is not None
+                    else "") for d in e["diffs"]]
         lines.append(f"| {LABELS[m]} | " + " | ".join(_fmt(v) for v in e["means"]) + " | " + " | ".join(diffs) + " |")
     return "\n".join(lines) + "\n"

@@ -460,8 +460,9 @@ def build_parser():
     what.add_argument("--run", help="a run folder: evaluates every phase's best checkpoint")
     what.add_argument("--predictions", help="score these completions instead of generating (JSONL: id and "
                       "completion, or id, reasoning_steps and answer)")
-    what.add_argument("--compare", nargs="+", metavar="EVAL_DIR", help="side by side: finished evaluation folders "
-                      "of the same rows, with paired differences from the first")
+    what.add_argument("--compare", nargs="+", metavar="EVAL_DIR[,EVAL_DIR...]", help="side by side: finished "
+                      "evaluation folders of the same rows, with paired differences from the first; comma-separated "
+                      "folders are one arm's training seeds (intervals then resample seeds, then rows)")
     ap.add_argument("--data", help="JSONL data (SPEC section 1); default with --run: the run's validation data")
     ap.add_argument("--out", help="output folder (default with --run: RUN/eval/PHASE)")
     ap.add_argument("--config", help="a run config (name or path) whose reward and system prompt to use; default: "
@@ -526,7 +527,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_numbers(args)
         if args.compare:
-            print(compare_markdown(compare([Path(f) for f in args.compare], args.bootstrap, args.seed)), end="")
+            arms = [[Path(f) for f in arm.split(",")] for arm in args.compare]  # a,b,c: one arm's seeds
+            print(compare_markdown(compare(arms, args.bootstrap, args.seed)), end="")
             return 0
         _init_distributed()
         if args.run:

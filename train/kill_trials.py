@@ -50,24 +50,29 @@ def command(model: str, out: Path, steps: int, resume: bool) -> list[str]:
             *(["--resume_from_checkpoint", "latest"] if resume else [])]
 
 
-def _saving(out: Path) -> bool:
-    return any(p.is_dir() and not (p / MARKER).exists() for p in out.glob("checkpoint-*"))
+def _saving(out: Path, step: int) -> bool:
+    """``checkpoint-<step>`` is being written (its folder is there, its marker not yet)."""
+    folder = out / f"checkpoint-{step}"
+    return folder.is_dir() and not (folder / MARKER).exists()
 
 
 def _after_last(out: Path, steps: int) -> bool:
     return (out / f"checkpoint-{steps}" / MARKER).exists()
 
 
-def launch(cmd: list[str], kill: str | None, deadline: float | None, out: Path, steps: int, log) -> str:
-    """Run ``cmd``; kill it by ``kill`` (a mode) or at ``deadline`` seconds. Returns how it ended."""
+def launch(cmd: list[str], kill: str | None, deadline: float | None, out: Path, steps: int, log,
+           save_step: int = 2) -> str:
+    """Run ``cmd``; kill it by ``kill`` (a mode: at ``deadline`` seconds, while writing
+    ``checkpoint-<save_step>``, after the last step). Returns how it ended."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     start = time.monotonic()
     while proc.poll() is None:
-        if (kill == "saving" and _saving(out)) or (kill == "after_last" and _after_last(out, steps)) or (
+        if (kill == "saving" and _saving(out, save_step)) or (kill == "after_last" and _after_last(out, steps)) or (
                 kill == "random" and deadline is not None and time.monotonic() - start >= deadline):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            return f"{kill}@{time.monotonic() - start:.1f}s"
+            where = f"checkpoint-{save_step}" if kill == "saving" else f"{time.monotonic() - start:.1f}s"
+            return f"{kill}@{where}"
         time.sleep(0.005)
     return f"exit {proc.returncode}"
 
@@ -123,7 +128,9 @@ def run_trials(model: str, out: Path, trials: int, steps: int, seed: int, kill_r
         shutil.rmtree(folder, ignore_errors=True)
         trial = Trial(mode)
         with open(out / f"trial{i:02d}.log", "w") as log:
-            ended = launch(command(model, folder, steps, False), mode, rng.uniform(0, wall), folder, steps, log)
+            save_step = 2 * rng.randint(1, steps // 2)  # checkpoints every 2 steps: which save is hit
+            ended = launch(command(model, folder, steps, False), mode, rng.uniform(0, wall), folder, steps, log,
+                           save_step)
             trial.launches = 1
             while not ended.startswith("exit"):
                 trial.kills.append(ended)

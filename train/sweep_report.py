@@ -107,30 +107,34 @@ PAIRED = ("accuracy", "f1", "ordered_f1", "format_rate", "steps_mean")
 
 
 def paired_on_eval(sweep: Sweep, arms: list[str], bootstrap: int = 1000, seed: int = 0) -> dict[str, Any] | None:
-    """Every arm against the first on the evaluation rows: per row, the mean over the arm's
-    seeds, then the paired difference with a 95% bootstrap interval (rows resampled together).
-    Pairing by row removes the rows' difficulty from the comparison; seeds enter as a mean."""
-    from crystal_grpo.train.eval_report import ROW_METRICS, bootstrap_ci, load_scored
+    """Every arm against the first on the evaluation rows, paired by row: the difference of the
+    means with a 95% interval that resamples each arm's seeds, then rows (train/stats.py), a
+    Welch test on the per-seed means, and the seeds a difference of that size would need."""
+    from crystal_grpo.train.eval_report import ROW_METRICS, load_scored
+    from crystal_grpo.train.stats import seed_test, two_level_ci
 
     per_arm = {}
     for arm in arms:
         runs = [load_scored(sweep.output_dir / p.name / "eval") for p in sweep.points
                 if p.arm == arm and (sweep.output_dir / p.name / "eval" / "report.json").is_file()]
         if runs:
-            rows = sorted(set.intersection(*(set(r) for r in runs)))
-            per_arm[arm] = {i: np.nanmean([r[i] for r in runs], axis=0) for i in rows}
+            per_arm[arm] = runs
     if len(per_arm) < 2 or arms[0] not in per_arm:
         return None
-    common = sorted(set.intersection(*(set(v) for v in per_arm.values())))
+    common = sorted(set.intersection(*(set(r) for runs in per_arm.values() for r in runs)))
     cols = [ROW_METRICS.index(m) for m in PAIRED]
-    base = np.array([per_arm[arms[0]][i][cols] for i in common])
+    table = {arm: np.array([[r[i][cols] for i in common] for r in runs]) for arm, runs in per_arm.items()}
+    base = table[arms[0]]  # [seeds, rows, metrics]
     out = {"baseline": arms[0], "rows": len(common), "arms": {}}
-    for arm, values in per_arm.items():
-        table = np.array([values[i][cols] for i in common])
-        diff = table - base
-        lo, hi = bootstrap_ci(diff, bootstrap, seed)
-        out["arms"][arm] = {m: {"mean": float(np.nanmean(table[:, k])), "diff": float(np.nanmean(diff[:, k])),
-                                "ci_low": float(lo[k]), "ci_high": float(hi[k])} for k, m in enumerate(PAIRED)}
+    for arm, values in table.items():
+        lo, hi = two_level_ci(base, values, bootstrap, seed)
+        out["arms"][arm] = {}
+        for k, m in enumerate(PAIRED):
+            mine, theirs = np.nanmean(values[:, :, k], axis=1), np.nanmean(base[:, :, k], axis=1)
+            test = seed_test(theirs, mine)
+            out["arms"][arm][m] = {"mean": float(np.nanmean(mine)), "diff": float(np.nanmean(mine) - np.nanmean(theirs)),
+                                   "ci_low": float(lo[k]), "ci_high": float(hi[k]), "seeds": len(mine),
+                                   "p_seeds": test.p, "seeds_needed": test.seeds_needed}
     return out
 
 
@@ -193,13 +197,15 @@ def markdown(report: dict[str, Any]) -> str:
     paired = report.get("paired_eval")
     if paired:
         lines += ["", f"## On the evaluation data: each arm against {paired['baseline']}", "",
-                  f"Paired over {paired['rows']} rows (per row the mean over the arm's seeds); 95% bootstrap "
-                  "intervals of the difference.", "",
-                  "| arm | " + " | ".join(f"{HEADERS.get(m, m)} (diff [95% CI])" for m in PAIRED) + " |",
+                  f"Paired over {paired['rows']} rows. 95% intervals of the difference resample each arm's "
+                  "seeds, then rows (two-level bootstrap), so seed-to-seed variance is in them; p is Welch's test "
+                  "on the per-seed means, n the seeds per arm a difference of that size would need (80% power).",
+                  "", "| arm | " + " | ".join(f"{HEADERS.get(m, m)} (diff [95% CI], p, n)" for m in PAIRED) + " |",
                   "|---|" + "---|" * len(PAIRED)]
         for arm, ms in paired["arms"].items():
-            cells = [f"{v['mean']:.3f} ({v['diff']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}])"
-                     for v in ms.values()]
+            cells = [f"{v['mean']:.3f} ({v['diff']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]"
+                     + (f", p={v['p_seeds']:.2f}, n={v['seeds_needed'] or '-'})" if v.get("p_seeds") is not None
+                        else ")") for v in ms.values()]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     bad = [p for p in report["points"] if p["status"] != "done"]
     if bad:

@@ -1,0 +1,96 @@
+"""Intervals for comparing trained arms that respect both sources of variance: the rows a
+metric is averaged over, and the training seed.
+
+Bootstrapping rows alone (seeds averaged first) treats one training run as if it were the
+arm: two arms whose seeds scatter by 0.05 can then look different at 95% with three seeds
+each. :func:`two_level_ci` resamples seeds, then rows (a hierarchical bootstrap, paired by
+row across arms); :func:`seed_test` is the per-seed Welch test on the seed means beside it,
+and :func:`seeds_needed` says how many seeds a difference of the observed size would need.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def nanmean(x: np.ndarray, axis=0):
+    """Means ignoring NaN; an all-NaN slice is NaN without numpy's warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(x, axis=axis)
+
+
+def _percentiles(samples: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+    tail = (1 - level) / 2 * 100
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanpercentile(samples, tail, axis=0), np.nanpercentile(samples, 100 - tail, axis=0)
+
+
+def bootstrap_ci(values: np.ndarray, resamples: int, seed: int, level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile interval of the column means over ``resamples`` resamplings of the rows
+    (one evaluation: the data's variance only)."""
+    n = values.shape[0]
+    if n == 0 or resamples <= 0:
+        nan = np.full(values.shape[1:], np.nan)
+        return nan, nan
+    rng = np.random.default_rng(seed)
+    return _percentiles(np.stack([nanmean(values[rng.integers(0, n, n)]) for _ in range(resamples)]), level)
+
+
+def two_level_ci(a: np.ndarray, b: np.ndarray, resamples: int, seed: int,
+                 level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """Interval of mean(b) - mean(a) for arms given as ``[seeds, rows, metrics]`` arrays on the
+    same rows: each resample draws each arm's seeds with replacement, then one set of rows
+    (the same for both arms: paired by row), and takes the difference of the means."""
+    if a.ndim != 3 or b.ndim != 3 or a.shape[1:] != b.shape[1:]:
+        raise ValueError(f"arms must be [seeds, rows, metrics] on the same rows, got {a.shape} and {b.shape}")
+    rows = a.shape[1]
+    if rows == 0 or resamples <= 0:
+        nan = np.full(a.shape[2:], np.nan)
+        return nan, nan
+    rng = np.random.default_rng(seed)
+    diffs = []
+    for _ in range(resamples):
+        sa, sb = rng.integers(0, a.shape[0], a.shape[0]), rng.integers(0, b.shape[0], b.shape[0])
+        r = rng.integers(0, rows, rows)
+        diffs.append(nanmean(nanmean(b[sb][:, r]), axis=0) - nanmean(nanmean(a[sa][:, r]), axis=0))
+    return _percentiles(np.stack(diffs), level)
+
+
+@dataclass
+class SeedTest:
+    """Welch's t-test on the per-seed means of two arms, and the seeds a difference of this
+    size would need for 80% power at the 5% level (two-sided)."""
+
+    diff: float
+    t: float | None
+    df: float | None
+    p: float | None
+    seeds_needed: int | None
+
+
+def seeds_needed(diff: float, sd: float, z_alpha: float = 1.959964, z_power: float = 0.841621) -> int | None:
+    """Seeds per arm for a two-sample test to find ``diff`` with 80% power at 5%, given the
+    seed-to-seed standard deviation ``sd`` (normal approximation)."""
+    if not (math.isfinite(diff) and math.isfinite(sd)) or diff == 0:
+        return None
+    return max(2, math.ceil(2 * ((z_alpha + z_power) * sd / diff) ** 2))
+
+
+def seed_test(a: Sequence[float], b: Sequence[float]) -> SeedTest:
+    """Welch's test of mean(b) - mean(a) over per-seed values (e.g. each seed's test accuracy)."""
+    from scipy.stats import ttest_ind
+
+    a, b = np.asarray([x for x in a if math.isfinite(x)]), np.asarray([x for x in b if math.isfinite(x)])
+    diff = float(b.mean() - a.mean()) if len(a) and len(b) else math.nan
+    if len(a) < 2 or len(b) < 2 or a.var(ddof=1) + b.var(ddof=1) == 0:
+        return SeedTest(diff, None, None, None, None)
+    res = ttest_ind(b, a, equal_var=False)
+    pooled = math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
+    return SeedTest(diff, float(res.statistic), float(res.df), float(res.pvalue), seeds_needed(diff, pooled))
