@@ -1,95 +1,199 @@
-"""The reward the CRYSTAL authors' released training code uses: NOT the paper's Eq. 7.
+"""The reward the CRYSTAL authors' released training code trains with: NOT the paper's Eq. 7.
 
-Their scripts score steps by *word overlap*, not with a sentence encoder, and gate the
-reward additively on the answer: 0.6 + 0.4 F1 when the answer is correct, 0.4 x 0.3 x F1
-otherwise (their plain-CPR weights; the paper reports 0.65/0.35 with Match F1). Offered
-as an ablation arm so users can measure whether the encoder matters.
+Their trainer (github.com/waybarrios/crystal: ``training/scripts/train_cpr.sh`` runs
+``training/open_r1/grpo_rec.py --reward_funcs format accuracy reasoning
+--use_causal_reasoning_reward true``) sums three reward functions, unweighted: its
+``--reward_weights 2.0 2.0 2.0`` never reaches the sum (``open_r1/trainer/grpo_trainer.py``
+adds ``rewards_per_func.sum(dim=1)``), and ``--use_pcgrad`` only prints a line.
 
-Step similarity is the word-overlap F1 (Dice) of the two steps' sets of lower-cased
-words, and a pair matches at ``overlap_threshold`` or above; the matching itself is the
-project's greedy 1:1 (``rewards.matching``). The exact overlap threshold of the released
-code could not be checked from this repository's sources: 0.5 is this project's choice
-and is a parameter. Match F1 with the encoder is still computed for validation and the
-diagnostics (``batch.f1``); only the trained step score (``batch.step``) is lexical.
+1. **format** = ``Qwen2VLModule.format_reward_vqa`` (``open_r1/vlm_modules/qwen_module.py``):
+   1 when the completion, code fences removed, parses as JSON (else its outermost ``{...}``
+   with trailing commas dropped) with ``reasoning_steps`` a non-empty list of strings and
+   ``answer`` a string. Ported here (it lives in their trainer, not in crystal-metrics).
+2. **accuracy** = ``Qwen2VLModule.vqa_accuracy_reward`` (same file): the answer of that JSON
+   (after their quote and comma repairs) judged by ``crystal_metrics.accuracy.AccuracyCalculator``
+   (numeric tolerance 10%, yes/no, options, text): its confidence when correct, else 0.
+   The JSON extraction is ported; the judgement is crystal-metrics' own.
+3. **CPR** = ``crystal_metrics.rewards.causal_process_reward`` with answer weight 0.6 and step
+   weight 0.4 (``Qwen2VLModule.vqa_causal_reasoning_reward`` calls it): 0.6 + 0.4 F1 when
+   ``check_answer_match``, else 0.4 x 0.3 x F1, where F1 is
+   ``crystal_metrics.similarity.best_match_f1`` at 0.3: word overlap (shared words as a
+   multiset over the geometric mean of the two steps' lengths), pairs strictly above 0.3,
+   greedy 1:1. Called, not re-implemented.
+
+So a correct, well-formed completion earns up to 1 + 1 + (0.6 + 0.4 F1). Validation still
+reports the project's metrics (encoder Match F1, its own answer check) for every arm, so arms
+are compared like with like; only the trained reward is theirs.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from crystal_grpo.rewards.base import MAX_SCORED_STEPS, Scored, _chains
-from crystal_grpo.rewards.cpr import CPRConfig, CPRReward
-from crystal_grpo.rewards.match_f1 import StepScores, _as_chains, best_per_example, match_similarities
-from crystal_grpo.rewards.text import clean_text
+from crystal_grpo.rewards.base import Batch, RewardConfig, RewardModule, Scored
+from crystal_grpo.rewards.parsing import ParsedOutput
 from crystal_grpo.typed import option
 
-_WORD = re.compile(r"\w+")
+_FENCE = re.compile(r"```json\s*|\s*```")
 
 
-def words(step: str) -> frozenset[str]:
-    return frozenset(_WORD.findall(clean_text(step).lower()))
+def _outermost_object(text: str) -> str | None:
+    """The first balanced ``{...}`` span (their brace counting, which ignores strings)."""
+    first = text.find("{")
+    if first == -1:
+        return None
+    depth = 0
+    for i in range(first, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[first:i + 1]
+    return None
 
 
-def word_overlap(a: frozenset[str], b: frozenset[str]) -> float:
-    """Dice coefficient = F1 of the shared words (precision over ``a``, recall over ``b``)."""
-    return 2 * len(a & b) / (len(a) + len(b)) if a or b else 0.0
+def released_format(text: str) -> float:
+    """``Qwen2VLModule.format_reward_vqa`` for one completion (their qwen_module.py)."""
+    cleaned = _FENCE.sub("", text).strip()
+    try:
+        try:
+            parsed = json.loads(cleaned)
+        except json.JSONDecodeError:
+            span = _outermost_object(cleaned)
+            parsed = json.loads(re.sub(r",(\s*[\]}])", r"\1", span)) if span is not None else None
+        steps = parsed.get("reasoning_steps") if isinstance(parsed, dict) else None
+        ok = (isinstance(steps, list) and isinstance(parsed.get("answer"), str) and len(steps) > 0
+              and all(isinstance(s, str) for s in steps))
+    except Exception:  # noqa: BLE001 - theirs: any failure scores 0
+        ok = False
+    return 1.0 if ok else 0.0
 
 
-def overlap_scores(predicted: Sequence[Sequence[str]], references: Sequence[Any], threshold: float,
-                   alpha: float = 0.3, matcher: Literal["greedy", "dp"] = "greedy") -> StepScores:
-    """Match F1 with word overlap in place of cosine similarity (several chains: best wins)."""
-    sims, n_pred, n_ref, row_example = [], [], [], []
-    for i, (pred, refs) in enumerate(zip(predicted, references)):
-        p = [words(s) for s in pred]
-        for chain in _as_chains(refs):
-            r = [words(s) for s in chain]
-            sims.append(torch.tensor([[word_overlap(a, b) for b in r] for a in p], dtype=torch.float64)
-                        .reshape(len(p), len(r)))
-            n_pred.append(len(p))
-            n_ref.append(len(r))
-            row_example.append(i)
-    N, M = max(n_pred, default=0), max(n_ref, default=0)
-    sim = torch.full((len(sims), N, M), -1.0, dtype=torch.float64)
-    for k, s in enumerate(sims):
-        sim[k, :s.shape[0], :s.shape[1]] = s
-    scores = match_similarities(sim, torch.tensor(n_pred, dtype=torch.long), torch.tensor(n_ref, dtype=torch.long),
-                                threshold, alpha, matcher)
-    return best_per_example(scores, torch.tensor(row_example, dtype=torch.long), len(predicted))
+def released_answer(text: str) -> Any:
+    """The answer ``Qwen2VLModule.vqa_accuracy_reward`` extracts, as it extracts it (their
+    repairs included; falsy when there is none)."""
+    cleaned = _FENCE.sub("", text).strip()
+    try:
+        parsed, span = None, None
+        try:
+            parsed = json.loads(cleaned)
+            if "reasoning_steps" in parsed and "answer" in parsed:
+                span = cleaned
+        except Exception:  # noqa: BLE001 - theirs
+            pass
+        if parsed is None:
+            span = _outermost_object(cleaned)
+        if not span:
+            return ""
+        # (their "replace smart quotes" line replaces ASCII quotes by themselves in the released
+        # file, a no-op, so smart quotes stay: crystal-metrics' own parser does replace them)
+        span = re.sub(r"""(?<=[:,\[])\s*'([^']*)'(?=\s*[,\]\}])""", r' "\1"', span)
+        span = re.sub(r'"\s*\n\s*"', '",\n    "', span)
+        span = re.sub(r'"\s+(?=")', '", ', span)
+        span = re.sub(r",(\s*[\]}])", r"\1", span)
+        if parsed is None:
+            try:
+                parsed = json.loads(span)
+            except json.JSONDecodeError:
+                fixed = span.replace("'", '"')
+                fixed = re.sub(r'"\s*\n\s*"', '",\n    "', fixed)
+                fixed = re.sub(r'"\s+(?=")', '", ', fixed)
+                parsed = json.loads(re.sub(r",(\s*[\]}])", r"\1", fixed))
+        return parsed.get("answer", "") if parsed else ""
+    except Exception:  # noqa: BLE001 - theirs: any failure scores 0
+        return ""
+
+
+def released_accuracy(text: str, truth: str, problem: str, judge: Any) -> float:
+    """``Qwen2VLModule.vqa_accuracy_reward`` for one completion: the judge's confidence when the
+    extracted answer is correct, else 0 (any failure: 0)."""
+    answer = released_answer(text)
+    if not answer:
+        return 0.0
+    try:
+        result = judge.evaluate_single(problem, answer, truth)
+    except Exception:  # noqa: BLE001 - theirs
+        return 0.0
+    return float(result.confidence) if result.is_correct else 0.0
 
 
 @dataclass
-class AuthorsCodeConfig(CPRConfig):
-    answer_weight: float = option(0.6, "Reward of a correct answer (their code: 0.6).", weight=True)
-    step_weight: float = option(0.4, "Weight of the word-overlap F1 (their code: 0.4).", weight=True)
-    wrong_answer_discount: float = option(0.3, "Share of the step reward kept when the answer is wrong.", weight=True)
-    overlap_threshold: float = option(0.5, "Minimum word-overlap F1 for two steps to match.", ge=0, le=1)
+class AuthorsCodeConfig(RewardConfig):
+    """The released weights (their plain-CPR run: 0.6 / 0.4)."""
+
+    answer_weight: float = option(0.6, "CPR answer weight (their train_cpr.sh: 0.6).", weight=True)
+    step_weight: float = option(0.4, "CPR step weight (their train_cpr.sh: 0.4).", weight=True)
+    verbosity_guard: bool | None = option(False, "Their trainer has none.")
 
 
-class AuthorsCodeReward(CPRReward):
-    """Gated-additive reward on word-overlap F1, as the authors' released code trains."""
+def _text(completion: Any) -> str:
+    """A completion as the released functions see it (``completion[0]["content"]``)."""
+    if isinstance(completion, ParsedOutput):  # evaluation from given steps and answer
+        return json.dumps({"reasoning_steps": completion.steps, "answer": completion.answer or ""})
+    if isinstance(completion, str):
+        return completion
+    try:
+        return str(completion[-1]["content"])
+    except (KeyError, IndexError, TypeError):
+        return str(completion)
+
+
+def _as_text(value: Any) -> str:
+    """``str(value)``, or '' where Python refuses (an integer past 4,300 digits in a data cell)."""
+    try:
+        return str(value)
+    except ValueError:
+        return ""
+
+
+def _problem(row: Mapping[str, Any]) -> str:
+    """The question text their accuracy judge reads (the options matter for letter answers)."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], Mapping):
+        content = prompt[-1].get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return " ".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    choices = row.get("choices") or []
+    return "Options: " + " ".join(f"({chr(65 + i)}) {c}" for i, c in enumerate(choices)) if choices else ""
+
+
+class AuthorsCodeReward(RewardModule):
+    """format + accuracy + CPR, summed, exactly as the released trainer computes them."""
 
     name = "authors_code"
-    objectives = {"authors_code_accuracy": "accuracy", "authors_code_reasoning": "reasoning"}
+    objectives = {"authors_code_format": "accuracy", "authors_code_accuracy": "accuracy",
+                  "authors_code_cpr": "reasoning"}
+    extra_fields = ("authors_code_format", "authors_code_accuracy", "authors_code_cpr")
+    uses_steps = False  # their reward needs no encoder; validation still embeds steps for Match F1
     config_class = AuthorsCodeConfig
     config: AuthorsCodeConfig
 
     def score(self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]],
               with_steps: bool | None = None) -> Scored:
+        from crystal_metrics.accuracy import AccuracyCalculator  # crystal-metrics itself, not a copy
+        from crystal_metrics.rewards import causal_process_reward
+
         scored = super().score(completions, rows, with_steps)
-        if scored.step_rows:
-            refs = [_chains(rows[i].get("reference_steps"), rows[i].get("reference_sets")) for i in scored.step_rows]
-            steps = [scored.parsed[i].steps for i in scored.step_rows]
-            steps = [s if len(s) <= MAX_SCORED_STEPS else [] for s in steps]
-            cfg = self.config
-            lexical = overlap_scores(steps, refs, cfg.overlap_threshold, cfg.order_alpha, cfg.matcher)
-            scored.batch.step[scored.step_rows] = lexical.f1.double()
+        texts = [_text(c) for c in completions]
+        rows = [r if isinstance(r, Mapping) else {} for r in rows]
+        truths = [_as_text(r.get("answer", "")) for r in rows]
+        judge = AccuracyCalculator()
+        accuracy = [released_accuracy(t, truth, _problem(r), judge) for t, truth, r in zip(texts, truths, rows)]
+        try:  # their vqa_causal_reasoning_reward: any failure scores the whole batch 0
+            cpr = causal_process_reward([[{"content": t}] for t in texts], ground_truths=truths,
+                                        reference_steps=[list(r.get("reference_steps") or []) for r in rows],
+                                        answer_weight=self.config.answer_weight, step_weight=self.config.step_weight)
+        except Exception:  # noqa: BLE001
+            cpr = [0.0] * len(texts)
+        scored.batch.extra = torch.tensor([[released_format(t) for t in texts], accuracy, cpr],
+                                          dtype=torch.float64).reshape(3, len(texts)).T
         return scored
 
-    def components(self, batch) -> dict[str, torch.Tensor]:
-        parts = super().components(batch)
-        return {"authors_code_accuracy": parts["cpr_accuracy"], "authors_code_reasoning": parts["cpr_reasoning"]}
+    def components(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {name: batch.extra[:, i] for i, name in enumerate(self.extra_fields)}

@@ -79,25 +79,29 @@ class Batch:
     f1: torch.Tensor
     lis_ratio: torch.Tensor
     ordered_f1: torch.Tensor
+    #: ``[B, k]``: a reward's own per-row values (``RewardModule.extra_fields``), e.g. the
+    #: authors' released rewards, computed from the text in ``score`` and gathered with the rest.
+    extra: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.correct)
 
     def as_tensor(self) -> torch.Tensor:
-        """``[B, len(FIELDS)]`` float64: what one gather across processes moves."""
-        return torch.stack([getattr(self, f) for f in FIELDS], dim=1)
+        """``[B, len(FIELDS) + k]`` float64: what one gather across processes moves."""
+        base = torch.stack([getattr(self, f) for f in FIELDS], dim=1)
+        return base if self.extra is None else torch.cat([base, self.extra.to(base)], dim=1)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "Batch":
-        t = t.to(torch.float64).reshape(-1, len(FIELDS))
-        return cls(**{f: t[:, i] for i, f in enumerate(FIELDS)})
+    def from_tensor(cls, t: torch.Tensor, extra: int = 0) -> "Batch":
+        t = t.to(torch.float64).reshape(-1, len(FIELDS) + extra)
+        return cls(**{f: t[:, i] for i, f in enumerate(FIELDS)}, extra=t[:, len(FIELDS):] if extra else None)
 
     def rows(self) -> list[list[float]]:
         return self.as_tensor().tolist()
 
     @classmethod
-    def from_rows(cls, rows: list[list[float]]) -> "Batch":
-        return cls.from_tensor(torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(FIELDS)))
+    def from_rows(cls, rows: list[list[float]], extra: int = 0) -> "Batch":
+        return cls.from_tensor(torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(FIELDS) + extra), extra)
 
 
 def _chains(steps: Any, sets: Any) -> list[list[str]] | None:
@@ -162,6 +166,12 @@ class RewardConfig:
     guard_min_history: int = option(64, "Counts the window needs before the guard acts.", ge=1)
     rel_tol: float = option(1e-2, "Relative tolerance of numeric answers.", ge=0)
     abs_tol: float = option(1e-6, "Absolute tolerance of numeric answers.", ge=0)
+    malformed: Union[Literal["zero", "lenient"], None] = option(
+        None, "What a completion that fails the format check earns. zero: its answer and steps count 0, so it "
+        "gets the minimal reward (CRYSTAL S6.2: 'Malformed outputs receive F=0 and minimal reward but still "
+        "contribute gradients'); lenient: the answer and steps read leniently from it count. None: zero for "
+        "rewards with a reasoning component (CPR, composite), lenient for the others. Validation and evaluation metrics read leniently "
+        "either way, so every arm is measured alike.")
     negative_weights: bool = option(False, "Allow negative reward weights (a penalty term on purpose); without "
                                     "this a negative weight is refused as a likely typo.")
 
@@ -181,6 +191,8 @@ class RewardModule:
     objectives: dict[str, Objective] = {}
     uses_steps: bool = True
     config_class: type[RewardConfig] = RewardConfig
+    #: Names of the reward's own per-row values that ``score`` puts in ``Batch.extra``.
+    extra_fields: tuple[str, ...] = ()
 
     def __init__(self, config: RewardConfig | None = None, *, judge: Callable[[str, str], bool] | None = None,
                  **params: Any) -> None:
@@ -200,6 +212,8 @@ class RewardModule:
         self.guard = (VerbosityGuard(cfg.guard_k, cfg.guard_window, cfg.guard_factor, cfg.guard_min_history)
                       if use_guard else None)
         self.answer_options = {"rel_tol": cfg.rel_tol, "abs_tol": cfg.abs_tol, "judge": judge}
+        rewards_steps = "reasoning" in self.objectives.values()
+        self.malformed = cfg.malformed or ("zero" if rewards_steps else "lenient")
         self.last_metrics: dict[str, float] = {}
         self._last: tuple[Any, dict[str, list]] | None = None
 
@@ -272,7 +286,7 @@ class RewardModule:
         With ``guard`` the verbosity guard judges the batch and then adds it to its window
         (call it once per generation batch); without, the components are the plain ones.
         """
-        comps = self.components(batch)
+        comps = self.components(self.as_rewarded(batch))
         flagged = torch.zeros(len(batch), dtype=torch.bool)
         if guard and self.guard is not None:
             flagged = self.guard.step(batch.n_pred)
@@ -282,7 +296,18 @@ class RewardModule:
 
     def total(self, batch: Batch) -> torch.Tensor:
         """Each row's reward without the guard (the sum of its applicable components)."""
-        return _total(self.components(batch), len(batch))
+        return _total(self.components(self.as_rewarded(batch)), len(batch))
+
+    def as_rewarded(self, batch: Batch) -> Batch:
+        """The batch as the reward sees it: with ``malformed: zero`` a completion that fails the
+        format check is neither correct nor has a step score (the metrics keep the lenient reading)."""
+        if self.malformed != "zero":
+            return batch
+        bad = batch.format_ok == 0
+        zeroed = lambda t: torch.where(bad & ~torch.isnan(t), torch.zeros_like(t), t)  # noqa: E731
+        return dataclasses.replace(batch, correct=torch.where(bad, torch.zeros_like(batch.correct), batch.correct),
+                                   **{f: zeroed(getattr(batch, f)) for f in ("step", "precision", "recall", "f1",
+                                                                              "ordered_f1")})
 
     def metrics(self, batch: Batch) -> dict[str, float]:
         """The :data:`METRICS` of a batch: what validation and evaluation report."""
@@ -336,7 +361,7 @@ class RewardModule:
         rows = [{k: kwargs[k][i] for k in COLUMNS if kwargs.get(k) is not None} for i in range(n)]
         local = self.score(completions, rows).batch
         gathered, offset = gather_objects(local.rows())
-        comps, metrics = self.rewards(Batch.from_rows(gathered))
+        comps, metrics = self.rewards(Batch.from_rows(gathered, len(self.extra_fields)))
         metrics["scoring_seconds"] = time.perf_counter() - start
         if kwargs.get("log_metric") is not None:
             for key, value in metrics.items():

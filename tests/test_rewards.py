@@ -76,30 +76,87 @@ def test_cpr_custom_weights():
     assert torch.allclose(total(out), cpr_reward(F1, C, 0.6, 0.4, 0.5), atol=1e-6)
 
 
-def test_authors_code_reward_is_gated_additive_on_word_overlap():
-    """Their released code: 0.6 + 0.4 F1 when correct, 0.4 x 0.3 x F1 otherwise, F1 by word overlap.
-    On ROWS word overlap and the encoder agree (steps are copied or off-topic)."""
-    funcs, out = call("authors_code")
-    assert [f.__name__ for f in funcs] == ["authors_code_accuracy", "authors_code_reasoning"]
-    assert torch.allclose(total(out), cpr_reward(F1, C, 0.6, 0.4, 0.3), atol=1e-6)
+#: Completions on which the released reward's three functions are pinned to crystal-metrics'
+#: own outputs (and, where the released trainer's ported format/accuracy differ from the
+#: package's re-implementations, to the released behaviour).
+RELEASED = [
+    completion(REFS, "9"),                                   # correct, every step
+    completion(REFS[:2], "9"),                               # correct, half the steps
+    completion(REFS, "8"),                                   # wrong answer, every step
+    completion(OFF_TOPIC, "9"),                              # correct, unrelated steps
+    "The answer is 9, trust me.",                            # no JSON at all
+    "```json\n" + completion(REFS[:2], "9") + "\n```",      # fenced
+    'Sure: {"reasoning_steps": ["Tom has 12 pencils."], "answer": "9",} done',  # trailing comma, prose around
+    completion(["Tom has twelve pencils in all."], "9.05"),  # numeric within their 10% tolerance
+    json.dumps({"answer": "9"}),                             # no steps
+]
 
 
-def test_authors_code_scores_steps_by_words_not_meaning():
-    from crystal_grpo.rewards.authors_code import overlap_scores, word_overlap, words
+def test_authors_code_is_the_released_reward_computed_by_crystal_metrics():
+    from crystal_metrics import rewards as released
 
-    assert word_overlap(words("He has 12 pencils."), words("he has 12 pencils")) == 1.0
-    assert word_overlap(words("a b c d"), words("a b x y")) == 0.5  # Dice: 2 * 2 / (4 + 4)
-    assert word_overlap(frozenset(), frozenset()) == 0.0
-    # a paraphrase the encoder matches (cosine >= 0.35) shares too few words (Dice 0.48 < 0.5)
-    paraphrase = "Tom has twelve pencils after buying three packs of four."
-    module = build_reward("authors_code", device="cpu", verbosity_guard=False)
-    scored = module.score([completion([paraphrase], "9")], [{"answer": "9", "reference_steps": REFS}])
-    assert scored.batch.f1.item() == pytest.approx(0.4)  # encoder Match F1: 1 of 4 reference steps
-    assert scored.batch.step.item() == 0.0  # what the reward trains on
-    assert module.total(scored.batch).item() == pytest.approx(0.6)
-    # several reference chains: the best wins, as with the encoder
-    best = overlap_scores([["the answer is 9"]], [[["unrelated words"], ["The answer is 9."]]], threshold=0.5)
-    assert best.f1.item() == 1.0 and best.best_reference.item() == 1
+    funcs, out = call("authors_code", rows=[(c, "9") for c in RELEASED])
+    assert [f.__name__ for f in funcs] == ["authors_code_format", "authors_code_accuracy", "authors_code_cpr"]
+    assert [f.objective for f in funcs] == ["accuracy", "accuracy", "reasoning"]
+    as_trl = [[{"content": c}] for c in RELEASED]
+    cpr = released.causal_process_reward(as_trl, ground_truths=["9"] * len(RELEASED),
+                                          reference_steps=[REFS] * len(RELEASED), answer_weight=0.6, step_weight=0.4)
+    assert out["authors_code_cpr"] == pytest.approx(cpr, abs=1e-12)
+    assert cpr[0] == pytest.approx(1.0) and cpr[2] == pytest.approx(0.4 * 0.3)  # 0.6 + 0.4 F1 / 0.4 F1 0.3
+    assert out["authors_code_format"] == released.format_reward(as_trl)
+    theirs = released.accuracy_reward(as_trl, solution=["9"] * len(RELEASED), problem=[""] * len(RELEASED))
+    assert out["authors_code_accuracy"][:-1] == pytest.approx(theirs[:-1])
+    assert out["authors_code_accuracy"][7] == 0.9  # 9.05 vs 9: their numeric tolerance, confidence 0.9
+    # no reasoning_steps: the released trainer extracts no answer; crystal-metrics' re-implementation does
+    assert (out["authors_code_accuracy"][-1], theirs[-1]) == (0.0, 1.0)
+    assert total(out).tolist() == pytest.approx([a + b + c for a, b, c in zip(*out.values())])  # summed, unweighted
+
+
+def test_authors_code_ports_the_released_trainer_where_crystal_metrics_differs():
+    """format_reward_vqa accepts whitespace-only steps (crystal-metrics strips them away), and
+    the released file's smart-quote repair is a no-op (crystal-metrics' replaces them)."""
+    from crystal_grpo.rewards.authors_code import released_answer, released_format
+
+    assert released_format(json.dumps({"reasoning_steps": ["  "], "answer": "9"})) == 1.0
+    assert released_format(json.dumps({"reasoning_steps": [1], "answer": "9"})) == 0.0
+    assert released_format(json.dumps({"reasoning_steps": [], "answer": "9"})) == 0.0
+    assert released_format("{\"reasoning_steps\": [\"a\"], \"answer\": 9}") == 0.0  # answer must be a string
+    assert released_answer('x {\u201creasoning_steps\u201d: [\u201ca\u201d], \u201canswer\u201d: \u201c9\u201d} y') == ""
+    assert released_answer("{'reasoning_steps': ['a'], 'answer': '9'}") == "9"  # their single-quote repair
+    assert released_answer(json.dumps({"answer": "9"})) == ""  # method 1 needs both keys, and never falls back
+
+
+def test_authors_code_trains_its_sum_and_validates_with_the_projects_metrics():
+    module = build_reward("authors_code", device="cpu")
+    rows = [{"answer": "9", "reference_steps": REFS}] * 2
+    scored = module.score([completion(REFS, "9"), completion(OFF_TOPIC, "42")], rows, with_steps=True)
+    assert module.total(scored.batch).tolist() == pytest.approx([1 + 1 + 1.0, 1 + 0 + 0])
+    metrics = module.metrics(scored.batch)
+    assert metrics["f1"] == pytest.approx(0.5, abs=1e-6) and metrics["accuracy"] == 0.5  # the encoder's Match F1
+    gathered = Batch.from_rows(scored.batch.rows(), len(module.extra_fields))  # what a gather moves and restores
+    assert torch.equal(gathered.extra, scored.batch.extra)
+
+
+@pytest.mark.parametrize("name", ["cpr", "composite"])
+def test_a_malformed_but_parseable_completion_gets_the_minimal_reward(name):
+    """CRYSTAL S6.2: malformed outputs get F1 = 0 and the minimal reward. The lenient parser
+    still reads this one's steps and answer (all correct): that is what `malformed: lenient` pays."""
+    chatty = "Sure! " + completion(REFS, "9") + " Hope this helps."
+    rows = [{"answer": "9", "reference_steps": REFS}] * 2
+    strict = build_reward(name, device="cpu", verbosity_guard=False)
+    scored = strict.score([chatty, completion(REFS, "9")], rows)
+    assert scored.batch.format_ok.tolist() == [0.0, 1.0] and scored.batch.correct.tolist() == [1.0, 1.0]
+    reward = strict.total(scored.batch)
+    if name == "cpr":
+        assert reward.tolist() == pytest.approx([0.0, 1.0])  # the minimum of Eq. 7, against its maximum
+    else:  # composite: no answer, no format, and the batch's lowest F1 term
+        assert reward[0] < reward[1] and reward[0] == pytest.approx(-0.35 * 1.0, abs=1e-3)
+    assert strict.metrics(scored.batch)["accuracy"] == 1.0  # metrics read leniently for every arm alike
+    lenient = build_reward(name, device="cpu", verbosity_guard=False, malformed="lenient")
+    assert lenient.total(scored.batch)[0] > reward[0]
+    if name == "cpr":
+        assert lenient.total(scored.batch).tolist() == pytest.approx([1.0, 1.0])
+    assert build_reward("answer_only", device="cpu").malformed == "lenient"  # it rewards no steps
 
 
 def test_answer_only_and_format():
@@ -376,7 +433,9 @@ def test_lone_surrogates_are_scored(name):
     for values in out.values():
         assert len(values) == len(SURROGATES) and all(v is not None and math.isfinite(v) for v in values)
     accuracy = out[f"{name}_accuracy"] if name != "composite" else out["composite_accuracy"]
-    assert [v > 0 for v in accuracy] == [True] * 5  # each answer reads 9 despite the surrogate
+    # each answer reads 9 despite the surrogate; the one inside free text is malformed, which
+    # rewards that score steps pay nothing (malformed: zero) and answer-only still credits
+    assert [v > 0 for v in accuracy] == [True, True, True, name == "answer_only", True]
 
 
 HOSTILE_COMPLETIONS = {

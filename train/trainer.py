@@ -273,7 +273,8 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
         start = time.perf_counter()
         device = self.accelerator.device
         local = self.reward.score(completions, inputs).batch
-        batch = Batch.from_tensor(self.accelerator.gather(local.as_tensor().to(device)).cpu())
+        batch = Batch.from_tensor(self.accelerator.gather(local.as_tensor().to(device)).cpu(),
+                                  len(self.reward.extra_fields))
         comps, metrics = self.reward.rewards(batch, guard=self.model.training)
         metrics["scoring_seconds"] = time.perf_counter() - start
         for key, value in metrics.items():
