@@ -29,7 +29,8 @@ from crystal_grpo.train.sweep import Sweep, is_done, read_status
 
 #: The validation metrics of the table (the best checkpoint's), in METRICS order.
 BEST = tuple(m for m in METRICS if m != "reward")
-DIAGNOSTICS = ("discrimination_gap", "r_f1", "kl_max", "grad_norm_slope", "nonfinite_skipped")
+DIAGNOSTICS = ("discrimination_gap", "r_f1", "kl_max", "grad_norm_slope", "nonfinite_skipped", "train_accuracy",
+               "train_accuracy_slope", "accuracy_varies", "frac_easy")
 EVAL = ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate", "steps_mean")
 COLLAPSE_SHARE = 0.5  # format rate below this share of its best so far = collapsed
 
@@ -75,6 +76,12 @@ def point_metrics(folder: Path) -> dict[str, Any]:
     out["kl_max"] = max(kl) if kl else None
     grad = _train_values(phase, "grad_norm")
     out["grad_norm_slope"] = slope([s for s, _ in grad], [v for _, v in grad]) if grad else None
+    acc = _train_values(phase, "accuracy")  # of the sampled completions, each step
+    out["train_accuracy"] = mean([v for _, v in acc])
+    out["train_accuracy_slope"] = slope([s for s, _ in acc], [v for _, v in acc]) if len(acc) > 1 else None
+    out["accuracy_varies"] = mean([v for _, v in _train_values(phase, "accuracy_varies")])
+    easy = [v for ph in read_phases(folder) for _, v in _train_values(ph, "frac_easy")]  # every GRPO phase
+    out["frac_easy"] = mean(easy)
     skipped = [v for _, v in _train_values(phase, "nonfinite_skipped_total")]
     out["nonfinite_skipped"] = max(skipped) if skipped else 0.0
     out["format_collapse_step"] = collapse_step(phase.validation)
@@ -172,7 +179,9 @@ def build(sweep: Sweep) -> dict[str, Any]:
 # --------------------------------------------------------------------------------- output
 HEADERS = {"accuracy": "accuracy", "f1": "Match F1", "precision": "precision", "recall": "recall",
            "ordered_f1": "Ordered F1", "format_rate": "format", "steps_mean": "steps",
-           "discrimination_gap": "disc. gap", "r_f1": "r(F1)", "kl_max": "KL max", "grad_norm_slope": "grad-norm slope"}
+           "discrimination_gap": "disc. gap", "r_f1": "r(F1)", "kl_max": "KL max", "grad_norm_slope": "grad-norm slope",
+           "train_accuracy": "train acc.", "train_accuracy_slope": "train acc. slope",
+           "accuracy_varies": "groups acc. varies", "frac_easy": "easy rows"}
 
 
 def _cell(mu: float | None, sd: float | None, spec: str = ".3f") -> str:
@@ -190,7 +199,7 @@ def markdown(report: dict[str, Any]) -> str:
              "Best-checkpoint validation metrics and training diagnostics, mean ± sample std over seeds.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for a in report["arms"]:
-        spec = lambda k: "+.4f" if k == "grad_norm_slope" else ".3f"  # noqa: E731
+        spec = lambda k: "+.4f" if k.endswith("slope") else ".3f"  # noqa: E731
         cells = [a["arm"], str(a["seeds_done"]), *(_cell(a["mean"][k], a["std"][k], spec(k)) for k in cols),
                  *(_cell(a["mean"][k], a["std"][k]) for k in evals), a["diverged"]]
         lines.append("| " + " | ".join(cells) + " |")

@@ -276,11 +276,27 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
         batch = Batch.from_tensor(self.accelerator.gather(local.as_tensor().to(device)).cpu(),
                                   len(self.reward.extra_fields))
         comps, metrics = self.reward.rewards(batch, guard=self.model.training)
+        metrics.update(self._group_signal(batch, inputs))
         metrics["scoring_seconds"] = time.perf_counter() - start
         for key, value in metrics.items():
             if math.isfinite(value):
                 self._log_metric(f"{self.reward.name}/{key}", value)
         return torch.stack([comps[name] for name in self.reward_func_names], dim=1).to(device, torch.float32)
+
+    def _group_signal(self, batch: Batch, inputs: list[dict]) -> dict[str, float]:
+        """Whether the answer can teach anything: the share of groups (one prompt's completions)
+        whose *accuracy* varies (with none, the answer reward gives every completion of a group
+        the same advantage), and the share of easy rows trained on (data with a ``difficulty``)."""
+        out = {}
+        if len(batch) % self.num_generations == 0 and len(batch):
+            groups = batch.correct.reshape(-1, self.num_generations)
+            out["accuracy_varies"] = float((groups.amax(dim=1) != groups.amin(dim=1)).double().mean())
+        labels = torch.tensor([[float(bool(row.get("difficulty"))), float(row.get("difficulty") == "easy")]
+                               for row in inputs], device=self.accelerator.device).reshape(-1, 2)
+        labels = self.accelerator.gather(labels)  # on every rank (a collective), labelled or not
+        if labels[:, 0].any():
+            out["frac_easy"] = float(labels[:, 1].mean())
+        return out
 
     # -- generation -------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
