@@ -247,3 +247,11 @@ eval: {{data: data/wordproblems/val.jsonl}}
     assert b["p_seeds"] > 0.05 and b["seeds_needed"] > 3
     text = markdown({"sweep": "s", "arms": [], "points": [], "paired_eval": paired})
     assert "two-level bootstrap" in text and "p=" in text
+
+
+def test_a_point_is_evaluated_at_its_final_weights_and_at_its_best_checkpoint_when_another(tiny_sweep, tmp_path):
+    folder = shutil.copytree(tiny_sweep.output_dir / tiny_sweep.points[0].name, tmp_path / "p")
+    best = json.loads((folder / "best_checkpoint.json").read_text())
+    assert best["checkpoint"] == "checkpoint-2" and sw.eval_targets(folder) == {"eval": folder / "final"}
+    (folder / "best_checkpoint.json").write_text(json.dumps({**best, "step": 1, "checkpoint": "checkpoint-1"}))
+    assert sw.eval_targets(folder) == {"eval": folder / "final", "eval_best": folder / "checkpoint-1"}

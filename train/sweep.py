@@ -360,25 +360,47 @@ def best_checkpoint(folder: Path) -> Path | None:
         return None
 
 
+def eval_targets(folder: Path) -> dict[str, Path]:
+    """What a point's evaluation scores: ``eval`` the last phase's final weights (the primary
+    result: every arm trained its whole budget), ``eval_best`` its best checkpoint by
+    validation (secondary; absent when that is the final step)."""
+    from crystal_grpo.train.evaluate import EvalError, run_targets
+
+    try:
+        best = run_targets(folder)[-1][1]
+    except (EvalError, OSError, ValueError, KeyError):
+        return {}
+    final = best.parent / "final"
+    targets = {"eval": final} if final.is_dir() else {}
+    last = max((int(p.name.split("-")[1]) for p in best.parent.glob("checkpoint-*") if p.name[11:].isdigit()),
+               default=None)
+    if best.name.startswith("checkpoint-") and best.name != f"checkpoint-{last}":
+        targets["eval_best"] = best
+    return targets
+
+
 def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print) -> bool:
-    """Score the point's best checkpoint on ``eval.data`` into ``<point>/eval`` (resumable)."""
+    """Score the point's final weights (and its best checkpoint, when another) on ``eval.data``
+    into ``<point>/eval`` (and ``<point>/eval_best``); resumable."""
     folder = sweep.output_dir / point.name
-    if (folder / "eval" / "report.json").is_file():
-        return True  # evaluated earlier (scripts/evaluate.py --force re-scores)
-    ckpt = best_checkpoint(folder)
-    if ckpt is None:
-        return False
-    ev = sweep.eval
-    argv = [sys.executable, "scripts/evaluate.py", "--model", str(ckpt), "--data", str(ev["data"]),
-            "--out", str(folder / "eval")]
-    for key in sorted(EVAL_KEYS - {"data"}):
-        if ev.get(key) is not None:
-            argv += [f"--{key}", str(ev[key])]
-    with open(folder / "eval.log", "ab") as log:
-        rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
-    if rc != 0:
-        say(f"[{point.name}] evaluation FAILED (exit code {rc}); see {folder / 'eval.log'}")
-    return rc == 0
+    targets = eval_targets(folder)
+    ok = bool(targets)
+    for out, ckpt in targets.items():
+        if (folder / out / "report.json").is_file():
+            continue  # evaluated earlier (scripts/evaluate.py --force re-scores)
+        ev = sweep.eval
+        argv = [sys.executable, "scripts/evaluate.py", "--model", str(ckpt), "--data", str(ev["data"]),
+                "--out", str(folder / out)]
+        for key in sorted(EVAL_KEYS - {"data"}):
+            if ev.get(key) is not None:
+                argv += [f"--{key}", str(ev[key])]
+        with open(folder / f"{out}.log", "ab") as log:
+            rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL).returncode
+        if rc != 0:
+            say(f"[{point.name}] evaluation of {ckpt.name} FAILED (exit code {rc}); see {folder / f'{out}.log'}")
+            ok = False
+    return ok
 
 
 # ------------------------------------------------------------------------------- emitting

@@ -8,7 +8,9 @@ report can be made at any time from whatever has finished:
 - the reward-weight diagnostics the trainer logs (SPEC section 6: discrimination gap, r(F1),
   KL max), the grad-norm trend (least-squares slope per step) and whether the run diverged
   (non-finite updates skipped; validation format rate collapsing below half its best);
-- with ``eval.data`` in the sweep, the best checkpoint's scores from scripts/evaluate.py.
+- with ``eval.data`` in the sweep, scripts/evaluate.py's scores of the final weights (the primary
+  result) and of the best checkpoint by validation, and every arm against the first, paired by
+  row, with intervals that resample seeds and rows (train/stats.py).
 """
 
 from __future__ import annotations
@@ -85,9 +87,11 @@ def point_metrics(folder: Path) -> dict[str, Any]:
     skipped = [v for _, v in _train_values(phase, "nonfinite_skipped_total")]
     out["nonfinite_skipped"] = max(skipped) if skipped else 0.0
     out["format_collapse_step"] = collapse_step(phase.validation)
-    report = read_json(folder / "eval" / "report.json")
-    if report:
-        out.update({f"eval_{m}": (report["overall"].get(m) or {}).get("value") for m in EVAL})
+    for name in ("eval", "eval_best"):  # the final weights; the best checkpoint when it is another
+        report = read_json(folder / name / "report.json") or (read_json(folder / "eval" / "report.json")
+                                                              if name == "eval_best" else None)
+        if report:
+            out.update({f"{name}_{m}": (report["overall"].get(m) or {}).get("value") for m in EVAL})
     return out
 
 
@@ -164,7 +168,7 @@ def build(sweep: Sweep) -> dict[str, Any]:
                                                             if k != "training.seed"}, "runs": []})
         if entry["status"] == "done":
             arms[p.arm]["runs"].append(entry["metrics"])
-    keys = (*BEST, *DIAGNOSTICS, *(f"eval_{m}" for m in EVAL))
+    keys = (*BEST, *DIAGNOSTICS, *(f"{e}_{m}" for e in ("eval", "eval_best") for m in EVAL))
     for arm in arms.values():
         runs = arm.pop("runs")
         arm["seeds_done"] = len(runs)
@@ -190,13 +194,21 @@ def _cell(mu: float | None, sd: float | None, spec: str = ".3f") -> str:
     return format(mu, spec) + (f" ± {format(sd, spec)}" if sd is not None else "")
 
 
+def _eval_label(key: str) -> str:
+    """``eval_f1`` -> "eval Match F1 (final)", ``eval_best_f1`` -> "eval Match F1 (best)"."""
+    which, metric = ("best", key[10:]) if key.startswith("eval_best_") else ("final", key[5:])
+    return f"eval {HEADERS[metric]} ({which})"
+
+
 def markdown(report: dict[str, Any]) -> str:
     cols = [k for k in HEADERS]
-    evals = [f"eval_{m}" for m in ("accuracy", "f1") if any(a["mean"].get(f"eval_{m}") is not None
-                                                          for a in report["arms"])]
-    head = ["arm", "seeds", *(HEADERS[k] for k in cols), *(f"eval {HEADERS[k[5:]]}" for k in evals), "diverged"]
+    evals = [f"{e}_{m}" for e in ("eval", "eval_best") for m in ("accuracy", "f1")
+             if any(a["mean"].get(f"{e}_{m}") is not None for a in report["arms"])]
+    head = ["arm", "seeds", *(HEADERS[k] for k in cols), *(_eval_label(k) for k in evals), "diverged"]
     lines = [f"# Sweep {report['sweep']}", "",
-             "Best-checkpoint validation metrics and training diagnostics, mean ± sample std over seeds.", "",
+             "Best-checkpoint validation metrics and training diagnostics, mean ± sample std over seeds; on the "
+             "evaluation data the final weights (every arm's whole budget: the primary result) and the best "
+             "checkpoint by validation.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for a in report["arms"]:
         spec = lambda k: "+.4f" if k.endswith("slope") else ".3f"  # noqa: E731
@@ -205,7 +217,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     paired = report.get("paired_eval")
     if paired:
-        lines += ["", f"## On the evaluation data: each arm against {paired['baseline']}", "",
+        lines += ["", f"## On the evaluation data (final weights): each arm against {paired['baseline']}", "",
                   f"Paired over {paired['rows']} rows. 95% intervals of the difference resample each arm's "
                   "seeds, then rows (two-level bootstrap), so seed-to-seed variance is in them; p is Welch's test "
                   "on the per-seed means, n the seeds per arm a difference of that size would need (80% power).",
@@ -228,7 +240,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def to_csv(report: dict[str, Any]) -> str:
-    keys = (*BEST, *DIAGNOSTICS, *(f"eval_{m}" for m in EVAL))
+    keys = (*BEST, *DIAGNOSTICS, *(f"{e}_{m}" for e in ("eval", "eval_best") for m in EVAL))
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["arm", "seeds_done", *(f"{k}_{s}" for k in keys for s in ("mean", "std")), "diverged"])
