@@ -125,12 +125,14 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty section has no keys)."""
-    if not isinstance(d, dict):
+    """``{"a": {"b": 1}, "p": [{"c": 2}]}`` -> ``{"a.b": 1, "p.0.c": 2}`` (an empty section has no keys)."""
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) and d and all(
+        isinstance(x, dict) for x in d) else None
+    if items is None:
         return {prefix.rstrip("."): d}
     out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    for k, v in items:
+        out.update(_flat(v, f"{prefix}{k}."))
     return out
 
 
@@ -168,8 +170,9 @@ def phase_state(folder: Path, max_steps: Any) -> PhaseState:
     if record is None:
         return PhaseState(folder, "open")
     reached = record.get("global_step", record.get("max_steps"))
-    asked = max_steps if max_steps is not None else -1
-    same = record.get("max_steps", -1) in (asked, None if asked == -1 else asked)
+    asked = max_steps if max_steps is not None else -1  # unset: transformers' -1 (epochs)
+    recorded = record.get("max_steps")
+    same = (recorded if recorded is not None else -1) == asked
     if same or (isinstance(asked, int) and asked > 0 and isinstance(reached, int) and asked <= reached):
         return PhaseState(folder, "done", reached, record)
     return PhaseState(folder, "extend", reached, record)
