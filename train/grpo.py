@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 from crystal_grpo.distributed import launch_command
-
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards.match_f1 import EncoderLoadError
 from crystal_grpo.train.checkpoints import (
