@@ -1,5 +1,5 @@
 """CPR-Curriculum: complexity tiers (paper S3) and a difficulty-paced drop-in for TRL's
-RepeatSampler (SPEC sections 8 and 11)."""
+RepeatSampler (docs/method.md sections 8 and 11)."""
 
 from __future__ import annotations
 

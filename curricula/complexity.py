@@ -1,4 +1,4 @@
-"""Complexity tiers of CRYSTAL's supplementary S3 (SPEC section 11).
+"""Complexity tiers of CRYSTAL's supplementary S3 (docs/method.md section 11).
 
     c = 0.4 s_steps + 0.2 s_length + 0.2 s_ling + 0.2 s_type,
     easy: c < 0.27, medium: 0.27 <= c < 0.42, hard: c >= 0.42.

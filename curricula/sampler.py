@@ -1,5 +1,5 @@
 """A drop-in for TRL's ``RepeatSampler`` that picks WHICH prompts by difficulty
-(CPR-Curriculum, SPEC section 8: simplest reference chains first, harder ones later).
+(CPR-Curriculum, docs/method.md section 8: simplest reference chains first, harder ones later).
 
 Layout (identical to ``trl.trainer.utils.RepeatSampler``): one *chunk* is ``batch_size``
 distinct indices, i.e. one generation batch; every index is yielded
@@ -67,7 +67,7 @@ _RECENT = 512  # chunks kept for logging calls right after iteration
 
 @dataclass
 class CurriculumSection:
-    """The step-count curriculum (``curriculum:`` in a run config; CPR-Curriculum, SPEC section 8)."""
+    """The step-count curriculum (``curriculum:`` in a run config; CPR-Curriculum, docs/method.md section 8)."""
 
     mode: str = option("competence", "A Schedule's mode: competence (the pool grows from the easiest c0 share), "
                        "buckets (complexity tiers open in turn), sorted (the whole data easiest-first).")

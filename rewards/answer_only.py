@@ -1,4 +1,4 @@
-"""Format and answer-only rewards (SPEC section 6): the control, and CPR-Curriculum phase 1."""
+"""Format and answer-only rewards (docs/method.md section 6): the control, and CPR-Curriculum phase 1."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class FormatConfig(RewardConfig):
 
 
 class FormatReward(RewardModule):
-    """R = w_f F: 1 when the completion is the JSON object of SPEC section 2."""
+    """R = w_f F: 1 when the completion is the JSON object of docs/method.md section 2."""
 
     name = "format"
     objectives = {"format": "accuracy"}

@@ -1,4 +1,4 @@
-"""Answer correctness C (SPEC section 5): type-adapted comparison of two answers.
+"""Answer correctness C (docs/method.md section 5): type-adapted comparison of two answers.
 
 Ground-truth answers are numbers, option letters, yes/no, words or phrases, and the
 policy writes them in many surface forms ("$12", "12 sheep", "(B) 12", "Yes."). The

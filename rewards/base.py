@@ -28,7 +28,7 @@ from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 from crystal_grpo.rewards.verbosity import VerbosityGuard
 from crystal_grpo.typed import ConfigError, from_dict, option
 
-#: What a reward component serves; PCGrad splits the advantage on it (SPEC section 6).
+#: What a reward component serves; PCGrad splits the advantage on it (docs/method.md section 6).
 Objective = Literal["accuracy", "reasoning"]
 OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
 #: What validation and evaluation report, in this order (``RewardModule.metrics``).
@@ -140,7 +140,7 @@ class Scored:
     step_rows: list[int]
 
 
-#: Columns of a data row the evaluation reads (SPEC section 1); any other key is ignored.
+#: Columns of a data row the evaluation reads (docs/method.md section 1); any other key is ignored.
 COLUMNS = ("answer", "reference_steps", "reference_sets", "choices")
 
 
@@ -168,7 +168,7 @@ class RewardConfig:
     abs_tol: float = option(1e-6, "Absolute tolerance of numeric answers.", ge=0)
     malformed: Union[Literal["zero", "lenient"], None] = option(
         None, "What a completion that fails the format check earns. zero: its answer and steps count 0, so it "
-        "gets the minimal reward (CRYSTAL S6.2: 'Malformed outputs receive F=0 and minimal reward but still "
+        "gets the minimal reward (CRYSTAL S6.3: 'Malformed outputs receive F=0 and minimal reward but still "
         "contribute gradients'); lenient: the answer and steps read leniently from it count. None: zero for "
         "rewards with a reasoning component (CPR, composite), lenient for the others. Validation and evaluation metrics read leniently "
         "either way, so every arm is measured alike.")
@@ -281,7 +281,7 @@ class RewardModule:
         return Scored(batch, parsed, scores, step_rows)
 
     def rewards(self, batch: Batch, guard: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Components of a GLOBAL batch (all processes) and the SPEC section 6 diagnostics.
+        """Components of a GLOBAL batch (all processes) and the docs/method.md section 6 diagnostics.
 
         With ``guard`` the verbosity guard judges the batch and then adds it to its window
         (call it once per generation batch); without, the components are the plain ones.
@@ -400,7 +400,7 @@ def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def diagnostics(batch: Batch, comps: dict[str, torch.Tensor], flagged: torch.Tensor) -> dict[str, float]:
-    """SPEC section 6 diagnostics over the global batch (NaN where undefined)."""
+    """docs/method.md section 6 diagnostics over the global batch (NaN where undefined)."""
     total = _total(comps, len(batch))
     c = batch.correct.bool()
     refs = batch.has_refs.bool()

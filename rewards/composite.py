@@ -2,7 +2,7 @@
 
 R = alpha (F1 - mu) / (sigma + delta) + beta C + gamma F, with mu and sigma the mean and
 (population) std of F1 over the whole generation batch on all processes. The paper's
-table of weights is not in the text; the defaults are this project's (SPEC section 6).
+table of weights is not in the text; the defaults are this project's (docs/method.md section 6).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Match F1 and Ordered Match F1 for a whole GRPO generation batch (SPEC sections 3, 4, 11).
+"""Match F1 and Ordered Match F1 for a whole GRPO generation batch (docs/method.md sections 3, 4, 11).
 
 One ``MatchF1Scorer`` per process embeds steps with a sentence encoder and matches
 predicted steps 1:1 against reference steps. It is built for GRPO batches, where each

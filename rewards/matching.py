@@ -1,4 +1,4 @@
-"""Batched step matching on padded similarity tensors (SPEC sections 3, 4 and 11).
+"""Batched step matching on padded similarity tensors (docs/method.md sections 3, 4 and 11).
 
 Everything here works on a whole batch at once: ``sim`` is ``[B, N, M]`` (predicted
 steps x reference steps, cosine similarities), ``valid`` marks the real (unpadded)
@@ -12,7 +12,7 @@ import torch
 
 
 def greedy_match(sim: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Greedy 1:1 assignment of SPEC section 3, batched; returns a bool ``[B, N, M]`` mask.
+    """Greedy 1:1 assignment of docs/method.md section 3, batched; returns a bool ``[B, N, M]`` mask.
 
     Paper order: pairs with ``sim >= threshold`` in descending similarity, ties by lower
     prediction index then lower reference index, accepted when both steps are still free.
@@ -75,7 +75,7 @@ def monotonic_dp(weights: torch.Tensor) -> torch.Tensor:
 def dp_match(sim: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
     """Order-preserving 1:1 matching: the monotone alignment maximising summed similarity.
 
-    Similarities below the threshold count as 0 (SPEC section 11) and a zero-weight cell
+    Similarities below the threshold count as 0 (docs/method.md section 11) and a zero-weight cell
     is never a match. Backtracking from the bottom-right corner (padding has weight 0,
     so it never changes the optimum) prefers a diagonal step whenever it is optimal,
     then moving up a prediction, then left a reference. Returns a bool ``[B, N, M]`` mask.
@@ -106,7 +106,7 @@ def dp_match(sim: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.
 
 
 def longest_chain(matched: torch.Tensor) -> torch.Tensor:
-    """LIS of SPEC section 4 for a batch of 1:1 match masks, as ``[B]`` int64.
+    """LIS of docs/method.md section 4 for a batch of 1:1 match masks, as ``[B]`` int64.
 
     Reading prediction indices in reference order and taking the longest strictly
     increasing subsequence is the same as the longest chain of matched cells that

@@ -1,4 +1,4 @@
-"""Parse a policy completion into reasoning steps and an answer (SPEC section 2).
+"""Parse a policy completion into reasoning steps and an answer (docs/method.md section 2).
 
 The policy must answer with one JSON object
 ``{"reasoning_steps": ["...", "..."], "answer": "..."}``. ``parse_completion`` reports
@@ -163,7 +163,7 @@ def _first_object(text: str) -> dict | None:
 def parse_completion(completion: Any) -> ParsedOutput:
     """Steps, answer and format indicator of one completion; never raises.
 
-    ``format_ok`` is the strict check of SPEC section 2; steps and answer come from the
+    ``format_ok`` is the strict check of docs/method.md section 2; steps and answer come from the
     first JSON object in the text when the format is wrong, and are empty/None without one.
     """
     try:

@@ -1,4 +1,4 @@
-"""One reference chain from several solutions of a problem (CRYSTAL Sec. 3.1, SPEC section 11).
+"""One reference chain from several solutions of a problem (CRYSTAL Sec. 3.1, docs/method.md section 11).
 
 Every step of every trajectory is embedded; pairs with cosine >= tau_c are linked, each
 connected component of that graph is a cluster, and each cluster is represented by its
@@ -131,7 +131,7 @@ def collapse_reasons(n_steps: int, largest: int, n_clusters: int, median_length:
 
 def aggregate(trajectories: Sequence[Trajectory], embeddings: Sequence[torch.Tensor], threshold: float,
               min_support: int = 2) -> BuiltChain:
-    """The consensus chain of SPEC section 11 from trajectories and their step embeddings
+    """The consensus chain of docs/method.md section 11 from trajectories and their step embeddings
     (``embeddings[t]`` is ``[len(steps_t), d]``, L2-normalised). Empty trajectories count for
     nothing. A step's normalised position in a trajectory of n steps is (i + 0.5) / n, the
     centre of its slot, so a one-step trajectory places its step in the middle; several

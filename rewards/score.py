@@ -1,8 +1,8 @@
-"""Score predicted reasoning steps against reference chains (Match F1, SPEC sections 1, 3, 4).
+"""Score predicted reasoning steps against reference chains (Match F1, docs/method.md sections 1, 3, 4).
 
     crystal-grpo-score --predictions preds.jsonl --data data.jsonl --out report.json
 
-Prediction rows: ``{"id", "reasoning_steps": [...], "answer"}``; data rows follow SPEC
+Prediction rows: ``{"id", "reasoning_steps": [...], "answer"}``; data rows follow docs/method.md
 section 1 (``reference_sets``, when present, compete with ``reference_steps``: best chain
 wins). Only steps are scored here, not answers. Examples without a prediction and
 predictions for unknown ids are listed in the report and printed as warnings; they are
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictions", required=True, type=Path, metavar="JSONL",
                    help='prediction rows {"id", "reasoning_steps": [...], "answer"}, one JSON object a line')
     p.add_argument("--data", required=True, type=Path, metavar="JSONL",
-                   help="data rows of SPEC section 1 (id, question, answer, reference_steps, optional "
+                   help="data rows of docs/method.md section 1 (id, question, answer, reference_steps, optional "
                         "reference_sets and source), one JSON object a line")
     p.add_argument("--out", required=True, type=Path, metavar="JSON",
                    help="report to write: overall and per-source means, per-example scores and pairs")

@@ -4,7 +4,7 @@ A step reward invites listing ever more steps to raise recall. The guard keeps a
 running median M of predicted step counts over the last ``window`` completions and
 penalises completions with more than ``k * M`` steps.
 
-Decisions the paper leaves open (SPEC section 6), taken so that the guard never
+Decisions the paper leaves open (docs/method.md section 6), taken so that the guard never
 punishes an ordinary completion:
 
 - The window holds only completions that have steps (n_pred > 0). Early in training
@@ -65,7 +65,7 @@ class VerbosityGuard:
         For a non-negative reward this is exactly the paper's "multiply by 0.5". For a
         negative component (the composite's batch-normalised F1) multiplying by 0.5 would
         *raise* the reward of a verbose completion; subtracting the magnitude keeps the
-        guard a penalty in every case. (Deliberate deviation from SPEC section 6.)
+        guard a penalty in every case. (Deliberate deviation from docs/method.md section 6.)
         """
         penalty = (1.0 - self.factor) * component.abs()
         return torch.where(flagged, component - penalty, component)

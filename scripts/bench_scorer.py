@@ -91,7 +91,7 @@ def make_batch(n: int, seed: int = 0) -> tuple[list[list[str]], list[list[str]]]
 
 
 def plain_greedy_f1(S: list[list[float]], tau: float) -> float:
-    """Per-example reference: SPEC section 3 greedy matching and F1, pure Python."""
+    """Per-example reference: docs/method.md section 3 greedy matching and F1, pure Python."""
     cands = sorted((-s, j, k) for j, row in enumerate(S) for k, s in enumerate(row) if s >= tau)
     used_j, used_k = set(), set()
     for _, j, k in cands:

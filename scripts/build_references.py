@@ -1,6 +1,6 @@
 """Reference steps for question/answer data: several generators solve each row, the correct
 solutions' steps are clustered and the cluster medoids ordered into one chain (CRYSTAL
-Sec. 3.1, SPEC section 11).
+Sec. 3.1, docs/method.md section 11).
 
     python scripts/build_references.py --data my.jsonl --out my_with_refs.jsonl \
         --generator Qwen/Qwen2.5-VL-7B-Instruct --generator ./other-model --samples 4 \

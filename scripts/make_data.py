@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Deterministic generator of multi-step arithmetic word problems (SPEC section 1 rows).
+"""Deterministic generator of multi-step arithmetic word problems (docs/method.md section 1 rows).
 
     python scripts/make_data.py                      # writes data/wordproblems/{train,val}.jsonl
     python scripts/make_data.py --out-dir /tmp/wp    # same bytes elsewhere

@@ -4,7 +4,7 @@
     python scripts/make_shapes.py                     # data/shapes/shapes.jsonl + data/shapes/images/*.png
     python scripts/make_shapes.py --out-dir /tmp/sh   # same bytes elsewhere
 
-Each row (SPEC section 1) has one 96x96 PNG (``image``, relative to the JSONL file), a
+Each row (docs/method.md section 1) has one 96x96 PNG (``image``, relative to the JSONL file), a
 question about counts or comparisons, reference steps ("I count the red circles: there
 are 3.", ...) and the answer (a number, yes/no, or an option letter for the few
 multiple-choice rows). Shapes sit in the cells of a 3x3 grid, so they never overlap

@@ -1,4 +1,4 @@
-"""Answer correctness C (SPEC section 5): a table of surface forms that must and must not match."""
+"""Answer correctness C (docs/method.md section 5): a table of surface forms that must and must not match."""
 
 from __future__ import annotations
 

@@ -370,7 +370,7 @@ def test_score_embeddings_empty_sides_equal_score(scorer, name):
     for key in ("precision", "recall", "f1", "lis_ratio", "ordered_f1", "n_pred", "n_ref", "n_matched"):
         assert torch.allclose(getattr(got, key).double(), getattr(want, key).double(), atol=1e-6), key
     assert [pairs(got, i) for i in range(len(preds))] == [pairs(want, i) for i in range(len(preds))]
-    # SPEC section 3: F1 = 1 when both sides are empty, 0 when exactly one is.
+    # docs/method.md section 3: F1 = 1 when both sides are empty, 0 when exactly one is.
     for i, (p, r) in enumerate(zip(preds, refs)):
         if not p or not r:
             assert got.f1[i].item() == (1.0 if not p and not r else 0.0)

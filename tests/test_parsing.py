@@ -1,4 +1,4 @@
-"""Completion parsing (SPEC section 2): the strict format indicator and lenient extraction."""
+"""Completion parsing (docs/method.md section 2): the strict format indicator and lenient extraction."""
 
 from __future__ import annotations
 

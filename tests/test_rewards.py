@@ -139,7 +139,7 @@ def test_authors_code_trains_its_sum_and_validates_with_the_projects_metrics():
 
 @pytest.mark.parametrize("name", ["cpr", "composite"])
 def test_a_malformed_but_parseable_completion_gets_the_minimal_reward(name):
-    """CRYSTAL S6.2: malformed outputs get F1 = 0 and the minimal reward. The lenient parser
+    """CRYSTAL S6.3: malformed outputs get F = 0 and the minimal reward. The lenient parser
     still reads this one's steps and answer (all correct): that is what `malformed: lenient` pays."""
     chatty = "Sure! " + completion(REFS, "9") + " Hope this helps."
     rows = [{"answer": "9", "reference_steps": REFS}] * 2

@@ -69,7 +69,7 @@ class RunConfig:
     reward: RewardSection = option(default_factory=RewardSection, help="The reward (rewards/).")
     curriculum: Union[CurriculumSection, None] = option(None, "Step-count curriculum (curricula/sampler.py); "
                                                         "None: TRL's random order.")
-    pcgrad: bool = option(False, "Project conflicting accuracy/reasoning gradients (SPEC section 9).")
+    pcgrad: bool = option(False, "Project conflicting accuracy/reasoning gradients (docs/method.md section 9).")
     pcgrad_objective_std: bool = option(False, "Scale each objective's advantage by its own group std.")
     validation: ValidationSection = option(default_factory=ValidationSection, help="Greedy validation "
                                            "(train/callbacks.py).")

@@ -1,4 +1,4 @@
-"""Training data: JSONL rows of SPEC section 1 (or a ``datasets`` folder) -> TRL prompts.
+"""Training data: JSONL rows of docs/method.md section 1 (or a ``datasets`` folder) -> TRL prompts.
 
 Every row is checked at start-up, so a bad row stops the run before hours of training
 rather than crashing it later: each problem is reported as ``file:line: what``. With
@@ -34,7 +34,7 @@ SYSTEM_PROMPT = (
 class DataSection:
     """Training and validation data (``data:`` in a run config)."""
 
-    train: str = option("", "JSONL file (SPEC section 1) or a datasets folder saved with save_to_disk.")
+    train: str = option("", "JSONL file (docs/method.md section 1) or a datasets folder saved with save_to_disk.")
     validation: Union[str, None] = option(None, "Same formats; when absent a fraction of train is held out.")
     validation_fraction: float = option(0.1, "Held-out share of train when validation is not given.", ge=0, lt=1)
     skip_invalid: bool = option(False, "Drop (and count) bad rows instead of stopping with their file:line.")
@@ -131,7 +131,7 @@ def build_prompt(row: dict, system_prompt: str | None = None) -> list[dict]:
 
 
 def render_target(row: Mapping[str, Any]) -> str:
-    """The completion a perfect policy writes for a row (SPEC section 2): what the SFT warm
+    """The completion a perfect policy writes for a row (docs/method.md section 2): what the SFT warm
     start trains on and what the length check measures."""
     return json.dumps({"reasoning_steps": list(row["reference_steps"]), "answer": row["answer"]},
                       ensure_ascii=False)
@@ -170,7 +170,7 @@ def sft_dataset(ds: Dataset, processing_class: Any) -> Dataset:
     return raw.map(encode, remove_columns=raw.column_names)
 
 
-#: Share of the targets a length limit may cut off before the run warns (SPEC: no silent truncation).
+#: Share of the targets a length limit may cut off before the run warns (no silent truncation).
 MAX_TRUNCATED_SHARE = 0.05
 
 

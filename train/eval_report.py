@@ -1,7 +1,7 @@
 """What an evaluation reports: overall metrics with bootstrap intervals, breakdowns, a table
 a person can paste into a paper, a plot, and paired comparisons of several evaluations.
 
-Every figure is a macro average over data rows (SPEC section 3: dataset Match F1 is the
+Every figure is a macro average over data rows (docs/method.md section 3: dataset Match F1 is the
 mean of per-example F1); with several samples a row first averages its samples, and the
 bootstrap resamples rows, so the interval reflects the data, not the sampling.
 """

@@ -463,7 +463,7 @@ def build_parser():
     what.add_argument("--compare", nargs="+", metavar="EVAL_DIR[,EVAL_DIR...]", help="side by side: finished "
                       "evaluation folders of the same rows, with paired differences from the first; comma-separated "
                       "folders are one arm's training seeds (intervals then resample seeds, then rows)")
-    ap.add_argument("--data", help="JSONL data (SPEC section 1); default with --run: the run's validation data")
+    ap.add_argument("--data", help="JSONL data (docs/method.md section 1); default with --run: the run's validation data")
     ap.add_argument("--out", help="output folder (default with --run: RUN/eval/PHASE)")
     ap.add_argument("--config", help="a run config (name or path) whose reward and system prompt to use; default: "
                     "the run config next to the checkpoint, else the cpr reward")

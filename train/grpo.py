@@ -119,7 +119,7 @@ def training_args(cfg: RunConfig, output_dir: Path, extra: dict):
     }
     if cfg.trainer == "grpo":
         defaults.update({
-            # Paper recipe under TRL 1.x, whose defaults differ (SPEC section 7).
+            # Paper recipe under TRL 1.x, whose defaults differ (docs/method.md section 7).
             "loss_type": "grpo",
             "beta": 0.04,
             "scale_rewards": "group",

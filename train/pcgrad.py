@@ -1,4 +1,4 @@
-"""PCGrad (Yu et al. 2020) between the accuracy and the reasoning objectives (SPEC section 9).
+"""PCGrad (Yu et al. 2020) between the accuracy and the reasoning objectives (docs/method.md section 9).
 
 ``PCGradGRPOTrainer`` (``PCGradMixin`` over ``CrystalGRPOTrainer``) is the trainer of runs with
 ``pcgrad: true``; other runs never load these hooks. They rely on TRL's private methods, so
@@ -18,7 +18,7 @@ signature and behaviour used here. How it hooks into TRL's ``GRPOTrainer``:
    and, when any of these is on, a third loss holding only them. One backward pass per
    loss; the gradients are accumulated into flat fp32 buffers over the micro-steps.
 4. At the accumulation boundary the buffers are reduced across processes, projected
-   (SPEC section 9, dot products over every trainable parameter of every rank) and
+   (docs/method.md section 9, dot products over every trainable parameter of every rank) and
    written back as ``.grad`` (or as the ZeRO-3 gradient partitions), so clipping, the
    optimizer and the non-finite guard run unchanged.
 
@@ -65,7 +65,7 @@ SUM_CHECK_RTOL = 1e-3
 
 # --------------------------------------------------------------------------- pure maths
 def pcgrad_coefficients(dot: float, sq_acc: float, sq_reason: float, eps: float = 1e-12) -> tuple[float, float]:
-    """(a, b) with combined = a g_acc + b g_reason (SPEC section 9).
+    """(a, b) with combined = a g_acc + b g_reason (docs/method.md section 9).
 
     Conflict (dot < 0): g_acc' = g_acc - dot/|g_r|^2 g_r and g_r' = g_r - dot/|g_acc|^2 g_acc,
     so g_acc' + g_r' = (1 - dot/|g_acc|^2) g_acc + (1 - dot/|g_r|^2) g_r. Otherwise (1, 1).

@@ -1,7 +1,7 @@
 """Reference steps for a data set that has none: ``scripts/build_references.py``.
 
 CPR scores steps against ``reference_steps``; question/answer data rarely has them. This
-builds them the CRYSTAL way (Sec. 3.1, SPEC section 11): several generators each write
+builds them the CRYSTAL way (Sec. 3.1, docs/method.md section 11): several generators each write
 ``samples`` solutions a row with the training prompt (:mod:`crystal_grpo.train.generation`
 through the evaluation's resumable writer, or vLLM), or trajectory files written elsewhere
 are read; solutions whose answer is wrong are dropped (the paper keeps those that reach the
@@ -394,7 +394,7 @@ def build_parser():
 
     ap = argparse.ArgumentParser(
         prog="build_references.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Reference steps for question/answer data (CRYSTAL's Delphi-style consensus, SPEC section 11).",
+        description="Reference steps for question/answer data (CRYSTAL's Delphi-style consensus, docs/method.md section 11).",
         epilog="examples:\n"
                "  python scripts/build_references.py --data my.jsonl --out my_refs.jsonl \\\n"
                "      --generator Qwen/Qwen2.5-VL-7B-Instruct --generator ./other-model --samples 4\n"

@@ -5,7 +5,7 @@ report can be made at any time from whatever has finished:
 
 - the best checkpoint's validation metrics (``best_checkpoint.json`` of the last phase; every
   reward validates the same METRICS, so arms compare like with like);
-- the reward-weight diagnostics the trainer logs (SPEC section 6: discrimination gap, r(F1),
+- the reward-weight diagnostics the trainer logs (docs/method.md section 6: discrimination gap, r(F1),
   KL max), the grad-norm trend (least-squares slope per step) and whether the run diverged
   (non-finite updates skipped; validation format rate collapsing below half its best);
 - with ``eval.data`` in the sweep, scripts/evaluate.py's scores of the final weights (the primary

@@ -15,7 +15,7 @@
   never resumed from. The curriculum order is a pure function of (seed, step).
 - ``_generate_single_turn``: with LoRA, TRL's ``generate`` runs through adapters merged
   into (a copy of) the base weights (``train/lora_merge.py``), as fast as the base model.
-- ``log``: adds the KL maximum over the logging window (SPEC section 6 diagnostics).
+- ``log``: adds the KL maximum over the logging window (docs/method.md section 6 diagnostics).
 - ``create_model_card``: names the real base model (TRL writes "[None]" for a local folder).
 PCGrad touches TRL internals, so it lives in a subclass (``train/pcgrad.py``) that
 :func:`trainer_class` picks only for ``pcgrad: true``.
