@@ -254,4 +254,5 @@ def test_a_point_is_evaluated_at_its_final_weights_and_at_its_best_checkpoint_wh
     best = json.loads((folder / "best_checkpoint.json").read_text())
     assert best["checkpoint"] == "checkpoint-2" and sw.eval_targets(folder) == {"eval": folder / "final"}
     (folder / "best_checkpoint.json").write_text(json.dumps({**best, "step": 1, "checkpoint": "checkpoint-1"}))
+    shutil.rmtree(folder / "checkpoint-2")  # the last checkpoint rotated away (save_total_limit): still "another"
     assert sw.eval_targets(folder) == {"eval": folder / "final", "eval_best": folder / "checkpoint-1"}

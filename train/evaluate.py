@@ -32,6 +32,9 @@ REPORT = "report.json"
 #: The per-example format of the scorer CLI (``crystal-grpo-score``) and of CRYSTAL's
 #: ``crystal-metrics`` tool: one ``{"id", "reasoning_steps", "answer"}`` object a line.
 CRYSTAL_METRICS = "crystal_metrics_predictions.jsonl"
+#: The inputs of the authors' own CLI (``crystal-metrics evaluate PREDICTIONS REFERENCES``): one
+#: JSON object each, keyed by row id (its ``cli.py``): the first sample of each row, the references.
+CRYSTAL_CLI = ("crystal_metrics/predictions.json", "crystal_metrics/references.json")
 
 
 class EvalError(ValueError):
@@ -271,14 +274,31 @@ def score_predictions(module: RewardModule, rows: Sequence[dict], predictions: S
     return out
 
 
-def write_scored(out_dir: Path, scored: Sequence[dict]) -> None:
+def write_scored(out_dir: Path, scored: Sequence[dict], rows: Sequence[dict]) -> None:
     """``predictions.jsonl`` with the scores (atomically: the raw file is the resume state),
-    and the first sample of each row in the ``crystal-metrics`` input format."""
+    the first sample of each row in the scorer CLI's line format, and the two files the
+    authors' ``crystal-metrics evaluate`` reads (:data:`CRYSTAL_CLI`)."""
     lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in scored)
     atomic_write_text(out_dir / PREDICTIONS, lines)
-    firsts = "".join(json.dumps({"id": r["id"], "reasoning_steps": r["reasoning_steps"], "answer": r["answer"]},
-                                ensure_ascii=False) + "\n" for r in scored if r["sample"] == 0)
-    atomic_write_text(out_dir / CRYSTAL_METRICS, firsts)
+    firsts = [r for r in scored if r["sample"] == 0]
+    atomic_write_text(out_dir / CRYSTAL_METRICS, "".join(
+        json.dumps({"id": r["id"], "reasoning_steps": r["reasoning_steps"], "answer": r["answer"]},
+                   ensure_ascii=False) + "\n" for r in firsts))
+    by_id = {r["id"]: r for r in rows}
+    predictions = {r["id"]: {"question": _question(by_id[r["id"]]), "reasoning_steps": r["reasoning_steps"],
+                             "answer": r["answer"] or ""} for r in firsts}
+    references = {r["id"]: {"reference_steps": list(r.get("reference_steps") or []), "answer": str(r["answer"])}
+                  for r in rows}
+    (out_dir / CRYSTAL_CLI[0]).parent.mkdir(exist_ok=True)
+    for name, data in zip(CRYSTAL_CLI, (predictions, references)):
+        atomic_write_text(out_dir / name, json.dumps(data, ensure_ascii=False, indent=1))
+
+
+def _question(row: dict) -> str:
+    """The question as the model saw it (the prompt's last user text: options included)."""
+    content = (row.get("prompt") or [{}])[-1].get("content", "")
+    return content if isinstance(content, str) else " ".join(
+        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
 
 
 # ------------------------------------------------------------------------------- one call
@@ -332,7 +352,7 @@ def evaluate(req: EvalRequest) -> dict | None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if req.force:
-            for name in (PREDICTIONS, REPORT, CRYSTAL_METRICS):
+            for name in (PREDICTIONS, REPORT, CRYSTAL_METRICS, *CRYSTAL_CLI):
                 (out / name).unlink(missing_ok=True)
         atomic_write_text(out / "evaluation.json", json.dumps(identity, indent=2))
     barrier()
@@ -377,7 +397,7 @@ def evaluate(req: EvalRequest) -> dict | None:
         return None
     module = build_reward(req.setup.reward, **req.setup.reward_params)
     scored = score_predictions(module, rows, predictions)
-    write_scored(out, scored)
+    write_scored(out, scored, rows)
     report = build_report(rows, scored, identity, bootstrap=req.bootstrap, seed=req.seed)
     report["generation_seconds"] = seconds
     write_report(out, report)

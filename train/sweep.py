@@ -370,10 +370,11 @@ def eval_targets(folder: Path) -> dict[str, Path]:
         best = run_targets(folder)[-1][1]
     except (EvalError, OSError, ValueError, KeyError):
         return {}
+    from crystal_grpo.train.run_folder import PHASE_DONE
+
     final = best.parent / "final"
     targets = {"eval": final} if final.is_dir() else {}
-    last = max((int(p.name.split("-")[1]) for p in best.parent.glob("checkpoint-*") if p.name[11:].isdigit()),
-               default=None)
+    last = (read_json(best.parent / PHASE_DONE) or {}).get("global_step")  # (its checkpoint may be rotated away)
     if best.name.startswith("checkpoint-") and best.name != f"checkpoint-{last}":
         targets["eval_best"] = best
     return targets
