@@ -26,7 +26,7 @@ from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF
 #: The paper's tau_c, chosen for its encoder; with MiniLM it merges every step of a problem.
 PAPER_CLUSTER_THRESHOLD = 0.45
 #: tau_c per shipped encoder. MiniLM's is measured on the shipped data (``build_references.py
-#: --measure_threshold``, README "Reference steps for your own data"): on the 2,859 pairs of
+#: --measure_threshold``, docs/references.md): on the 2,859 pairs of
 #: different reference steps of one row in data/wordproblems/train.jsonl the median cosine is
 #: 0.435, the 99th percentile 0.878 (templated steps such as "After using 4, he has 30 - 4 = 26."
 #: and "After using 2, he has 5 - 2 = 3." are that close); 0.88 keeps 99% of them apart.

@@ -281,7 +281,7 @@ def test_two_processes_report_missing_pieces_once(tmp_path, free_port):
     assert proc.stderr.count(f"model.name_or_path: no such folder '{tmp_path / 'no-model'}'") == 1
 
 
-# --- the kill-trials tool (its table is the README's reliability evidence) ------------------------
+# --- the kill-trials tool (its table is docs/reliability.md's evidence) ------------------------
 def test_kill_trials_compare_finds_a_repeated_step_a_changed_value_and_other_weights(tmp_path):
     from safetensors.torch import save_file
 

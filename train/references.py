@@ -259,7 +259,7 @@ def build(req: BuildRequest) -> dict:
     if threshold is None:
         threshold = PAPER_CLUSTER_THRESHOLD
         notes.append(f"no measured --cluster_threshold for encoder {req.encoder!r}: using the paper's "
-                     f"{threshold}; watch the collapse warnings and measure one (README)")
+                     f"{threshold}; watch the collapse warnings and measure one (docs/references.md)")
     out, folder = Path(req.out), req.folder
     raw, ds = read_rows(req)  # bad data stops the build before it claims a folder
     _check_identity(folder / SETTINGS, {
