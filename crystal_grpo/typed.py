@@ -69,7 +69,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
         (item,) = typing.get_args(tp) or (Any,)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)
     if origin is dict or tp is dict:
-        return isinstance(value, dict)
+        key, item = typing.get_args(tp) or (Any, Any)
+        return isinstance(value, dict) and all(_type_ok(k, key) and _type_ok(v, item) for k, v in value.items())
     if dataclasses.is_dataclass(tp):
         return isinstance(value, dict)
     if isinstance(value, bool):  # bool is an int subclass; YAML true/false only fits bool
@@ -105,6 +106,9 @@ def _describe(tp: Any) -> str:
         return "null"
     if tp is float:
         return "float (a finite number)"
+    if origin is dict and typing.get_args(tp):
+        key, item = typing.get_args(tp)
+        return f"a mapping from {_describe(key)} to {_describe(item)}"
     if dataclasses.is_dataclass(tp):
         return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
     if origin is not None:

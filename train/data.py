@@ -1,16 +1,24 @@
-"""Training data: JSONL rows of docs/method.md section 1 (or a ``datasets`` folder) -> TRL prompts.
+"""Training data: rows of docs/method.md section 1 -> TRL prompts.
 
-Every row is checked at start-up, so a bad row stops the run before hours of training
-rather than crashing it later: each problem is reported as ``file:line: what``. With
-``skip_invalid`` the bad rows are dropped and counted instead. Images are checked once
-and then loaded lazily, when a batch asks for them.
+Rows come as data is found in the field: JSONL, a JSON array, Parquet, a folder saved
+with ``save_to_disk``, a folder of data files or a clone of a Hub dataset repository (what
+``datasets.load_dataset`` reads), or a Hub dataset id already in the local cache (offline).
+``data.columns`` maps other column names onto ours. Every row is checked at start-up, so a
+bad row stops the run before hours of training rather than crashing it later: each problem
+is reported as ``file:N: what`` (N: the line of a JSONL file, else the 1-based row). With
+``skip_invalid`` the bad rows are dropped and counted instead. Images are checked once and
+then loaded lazily, when a batch asks for them; images stored inside the data (Parquet,
+Hub datasets) are written once to a content-addressed folder of the ``datasets`` cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +38,23 @@ SYSTEM_PROMPT = (
 )
 
 
+# The row fields of docs/method.md section 1 that data.columns may map other names onto.
+Field = Literal["id", "question", "answer", "reference_steps", "reference_sets", "choices", "images", "image",
+                "source", "difficulty"]
+
+
 @dataclass
 class DataSection:
     """Training and validation data (``data:`` in a run config)."""
 
-    train: str = option("", "JSONL file (docs/method.md section 1) or a datasets folder saved with save_to_disk.")
+    train: str = option("", "Rows of docs/method.md section 1: a JSONL, JSON (array) or Parquet file, a datasets "
+                            "folder (save_to_disk, data files, a Hub repository clone) or a Hub dataset id in the "
+                            "local cache.")
     validation: Union[str, None] = option(None, "Same formats; when absent a fraction of train is held out.")
+    train_split: str = option("train", "Split of a dataset folder or Hub dataset used for training.")
+    validation_split: str = option("validation", "Split used for validation when validation names a dataset.")
+    columns: dict[Field, str] = option(default_factory=dict, help="Our field -> the data's column, e.g. "
+                                       "{question: problem, answer: solution, reference_steps: steps}.")
     validation_fraction: float = option(0.1, "Held-out share of train when validation is not given.", ge=0, lt=1)
     skip_invalid: bool = option(False, "Drop (and count) bad rows instead of stopping with their file:line.")
     max_errors_shown: int = option(20, "How many bad rows a data error lists.", ge=0)
@@ -57,13 +76,127 @@ class LoadedSplit:
     source: str
 
 
-def _read(path: Path) -> list[tuple[int, Any]]:
-    """(line number, parsed row or why it is unreadable) for each non-blank line / row."""
-    if path.is_dir():
-        from datasets import load_from_disk
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
-        return [(i + 1, dict(r)) for i, r in enumerate(load_from_disk(str(path)))]
-    return list(iter_jsonl(path))
+
+def locate(source: str | Path) -> Path:
+    """A local file or folder, or the snapshot of a Hub dataset repository already in the
+    local Hugging Face cache (nothing is downloaded)."""
+    path = Path(source)
+    if path.exists():
+        return path
+    if _HUB_ID.fullmatch(str(source)):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(str(source), repo_type="dataset", local_files_only=True))
+        except Exception:  # not cached (the error type differs across huggingface_hub versions)
+            from huggingface_hub.constants import HF_HUB_CACHE
+
+            raise DataError(f"{source}: no such file or folder, and no dataset repository of that name in the local "
+                            f"Hugging Face cache ({HF_HUB_CACHE}); fetch it first with: "
+                            f"huggingface-cli download --repo-type dataset {source}") from None
+    raise DataError(f"{path}: no such file or folder")
+
+
+def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | None = None) -> list[tuple[int, Any]]:
+    """(line or row number, the row or why it is unreadable) for each row, renamed by ``columns``."""
+    if path.is_dir():
+        rows = _dataset_rows(path, split)
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = list(enumerate(pq.read_table(path).to_pylist(), 1))
+        except Exception as err:  # pyarrow raises several types for a damaged file
+            raise DataError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
+    elif path.suffix == ".json" and _first_char(path) == "[":
+        rows = _json_array(path)
+    else:
+        rows = list(iter_jsonl(path))
+    if not columns:
+        return rows
+    return [(no, _rename(row, columns)) for no, row in rows]
+
+
+def _first_char(path: Path) -> str:
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head[:1].decode("latin-1")
+
+
+def _json_array(path: Path) -> list[tuple[int, Any]]:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as err:
+        where = f" (line {err.lineno}, column {err.colno})" if isinstance(err, json.JSONDecodeError) else ""
+        raise DataError(f"{path}: invalid JSON{where}: {getattr(err, 'msg', err)}") from None
+    return list(enumerate(rows, 1))
+
+
+def _dataset_rows(path: Path, split: str) -> list[tuple[int, Any]]:
+    """A folder written by ``save_to_disk``, or one ``datasets.load_dataset`` reads (data
+    files, a Hub repository's layout); images stay undecoded bytes until a batch needs them."""
+    from datasets import DatasetDict, load_dataset, load_from_disk
+
+    saved = any((path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+    try:
+        ds = load_from_disk(str(path)) if saved else load_dataset(str(path))
+    except Exception as err:  # datasets raises many types for a folder it cannot read
+        raise DataError(f"{path}: not a dataset folder ({type(err).__name__}: {str(err)[:300]})") from None
+    if isinstance(ds, DatasetDict):
+        if split not in ds:
+            raise DataError(f"{path}: no split {split!r}; it has {', '.join(ds)} (data.train_split / "
+                            "data.validation_split choose one)")
+        ds = ds[split]
+    ds = _undecoded_images(ds)
+    return [(i + 1, dict(r)) for i, r in enumerate(ds)]
+
+
+def _undecoded_images(ds: Dataset) -> Dataset:
+    from datasets import Image
+
+    for name, feature in ds.features.items():
+        inner = getattr(feature, "feature", None)
+        if isinstance(feature, Image) and feature.decode:
+            ds = ds.cast_column(name, Image(decode=False))
+        elif isinstance(inner, Image) and inner.decode:
+            ds = ds.cast_column(name, type(feature)(Image(decode=False)))
+    return ds
+
+
+def _rename(row: Any, columns: Mapping[str, str]) -> Any:
+    if not isinstance(row, dict):
+        return row
+    out = {k: v for k, v in row.items() if k not in columns.values()}
+    out.update({ours: row[theirs] for ours, theirs in columns.items() if theirs in row})
+    return out
+
+
+def _name_columns(problem: str, columns: Mapping[str, str]) -> str:
+    """A problem worded with the data's own column names where data.columns renamed them."""
+    for ours, theirs in columns.items():
+        problem = problem.replace(f"'{ours}'", f"'{theirs}' (data.columns.{ours})")
+    return problem
+
+
+def image_store() -> Path:
+    """Where images stored inside data files are written, once, by content hash."""
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "crystal_grpo_images"
+
+
+def _stored_image(data: bytes, name: str) -> Path:
+    path = image_store() / (hashlib.sha256(data).hexdigest()[:32] + (Path(name).suffix or ".img"))
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # several processes may load the same data at once
+    return path
 
 
 def _is_text(x: Any) -> bool:
@@ -106,7 +239,18 @@ def _image_paths(row: dict, base: Path) -> list[Path]:
         [row["image"]] if row.get("image") is not None else [])
     if not isinstance(imgs, list):
         imgs = [imgs]
-    return [p if p.is_absolute() else base / p for p in (Path(str(x)) for x in imgs)]
+    return [_image_path(x, base) for x in imgs]
+
+
+def _image_path(x: Any, base: Path) -> Path:
+    """A path as given (relative to the data), or the stored copy of an image held in the data
+    (``datasets``' ``{"bytes", "path"}`` form, or raw bytes)."""
+    if isinstance(x, dict) and x.get("bytes"):
+        return _stored_image(x["bytes"], str(x.get("path") or ""))
+    if isinstance(x, (bytes, bytearray)):
+        return _stored_image(bytes(x), "")
+    p = Path(str(x["path"] if isinstance(x, dict) and x.get("path") else x))
+    return p if p.is_absolute() else base / p
 
 
 def _image_problem(path: Path) -> list[str]:
@@ -255,31 +399,31 @@ class ImageLoader:
         raise DataError("no row's images can be read any more (were the image files removed?)")
 
 
-def load_split(path: str | Path, *, skip_invalid: bool = False, max_errors_shown: int = 20,
-               system_prompt: str | None = None, limit: int | None = None,
-               require_references: bool = True, skip_option: str | None = "data.skip_invalid: true") -> LoadedSplit:
-    """Rows of one file, each checked; ``skip_option`` is how the caller's user asks to drop bad
-    ones (None: the caller has no such option)."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such file or folder")
+def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_shown: int = 20,
+               system_prompt: str | None = None, limit: int | None = None, split: str = "train",
+               columns: Mapping[str, str] | None = None, require_references: bool = True,
+               skip_option: str | None = "data.skip_invalid: true") -> LoadedSplit:
+    """Rows of one source (see :func:`locate`), each checked; ``skip_option`` is how the caller's
+    user asks to drop bad ones (None: the caller has no such option)."""
+    path = locate(source)
+    columns = columns or {}
     base = path if path.is_dir() else path.parent
     records, errors, bad_rows = [], [], 0
-    for no, row in _read(path):
-        problems = row_problems(row, base, require_references)
+    for no, row in read_rows(path, split, columns):
+        problems = [_name_columns(p, columns) for p in row_problems(row, base, require_references)]
         if problems:
-            errors.extend(f"{path}:{no}: {p}" for p in problems)
+            errors.extend(f"{source}:{no}: {p}" for p in problems)
             bad_rows += 1
             continue
-        records.append(_to_record(row, base, no, path, system_prompt))
+        records.append(_to_record(row, base, no, Path(str(source)), system_prompt))
     if errors and not skip_invalid:
         shown = "\n  ".join(errors[:max_errors_shown])
         more = f"\n  ... and {len(errors) - max_errors_shown} more" if len(errors) > max_errors_shown else ""
         hint = f"set {skip_option} to drop them" if skip_option else "fix or remove them"
-        raise DataError(f"{bad_rows} invalid row(s) in {path} ({hint}):"
+        raise DataError(f"{bad_rows} invalid row(s) in {source} ({hint}):"
                         f"\n  {shown}{more}")
     if not records:
-        raise DataError(f"{path}: no valid rows")
+        raise DataError(f"{source}: no valid rows")
     if limit is not None:
         records = records[:limit]
     # Optional columns exist for every row or for none (Arrow needs one schema).
@@ -294,16 +438,16 @@ def load_split(path: str | Path, *, skip_invalid: bool = False, max_errors_shown
     ds = Dataset.from_list(records)
     if has_images:
         ds = ds.with_transform(ImageLoader(ds))
-    return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(path))
+    return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(source))
 
 
 def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, LoadedSplit | None]:
     """Train and validation splits from files, or validation held out from train."""
     opts = dict(skip_invalid=data_cfg.skip_invalid, max_errors_shown=data_cfg.max_errors_shown,
-                system_prompt=data_cfg.system_prompt)
-    train = load_split(data_cfg.train, limit=data_cfg.max_train_samples, **opts)
+                system_prompt=data_cfg.system_prompt, columns=data_cfg.columns)
+    train = load_split(data_cfg.train, limit=data_cfg.max_train_samples, split=data_cfg.train_split, **opts)
     if data_cfg.validation:
-        return train, load_split(data_cfg.validation, **opts)
+        return train, load_split(data_cfg.validation, split=data_cfg.validation_split, **opts)
     if data_cfg.validation_fraction <= 0:
         return train, None
     split = train.dataset.train_test_split(test_size=data_cfg.validation_fraction, seed=seed)

@@ -49,6 +49,8 @@ class EvalSetup:
     reward_params: dict[str, Any] = field(default_factory=dict)
     system_prompt: str | None = None
     data: str | None = None
+    data_split: str = "validation"  # of data, when it names a dataset with splits
+    columns: dict[str, str] = field(default_factory=dict)  # data.columns of the run
     dtype: str | None = None
     trust_remote_code: bool = False
     max_new_tokens: int = 256
@@ -63,7 +65,9 @@ class EvalSetup:
         """From a resolved run config (a phase's ``config.json``, or a loaded YAML config)."""
         data, model, reward = cfg.get("data") or {}, cfg.get("model") or {}, cfg.get("reward") or {}
         return cls(reward=reward.get("name", "cpr"), reward_params=dict(reward.get("params") or {}),
-                   system_prompt=data.get("system_prompt"), data=data.get("validation"), dtype=model.get("dtype"),
+                   system_prompt=data.get("system_prompt"), data=data.get("validation"),
+                   data_split=data.get("validation_split") or "validation", columns=dict(data.get("columns") or {}),
+                   dtype=model.get("dtype"),
                    trust_remote_code=bool(model.get("trust_remote_code")),
                    max_new_tokens=int((cfg.get("validation") or {}).get("max_new_tokens") or 256),
                    run_config=where)
@@ -311,6 +315,7 @@ class EvalRequest:
 
     data: str
     out: Path
+    split: str = "test"  # of data, when it names a dataset with splits
     model: str | None = None
     predictions: str | None = None
     setup: EvalSetup = field(default_factory=EvalSetup)
@@ -330,7 +335,7 @@ def evaluate(req: EvalRequest) -> dict | None:
     A finished evaluation of the same model, data and sampling is not redone (``force``
     does); a different one in the same folder is refused rather than mixed in.
     """
-    from crystal_grpo.train.data import load_split
+    from crystal_grpo.train.data import load_split, locate
     from crystal_grpo.train.eval_report import build_report, write_report
 
     rank, world = rank_and_world()
@@ -338,6 +343,8 @@ def evaluate(req: EvalRequest) -> dict | None:
     identity = {"model": req.model, "predictions": req.predictions, "data": str(req.data),
                 "sampling": vars(req.sampling), "reward": req.setup.reward, "reward_params": req.setup.reward_params,
                 "max_samples": req.max_samples}
+    if locate(req.data).is_dir():  # a dataset with splits: which one is part of what was evaluated
+        identity["split"] = req.split
     previous = _read_identity(out)
     if previous is not None and previous != identity and not _has_work(out):
         previous = None  # an attempt that failed before its first prediction blocks nothing
@@ -357,7 +364,7 @@ def evaluate(req: EvalRequest) -> dict | None:
         atomic_write_text(out / "evaluation.json", json.dumps(identity, indent=2))
     barrier()
     split = load_split(req.data, system_prompt=req.setup.system_prompt, skip_invalid=req.skip_invalid,
-                       skip_option="--skip_invalid")
+                       split=req.split, columns=req.setup.columns, skip_option="--skip_invalid")
     if split.skipped and rank == 0:
         print(f"skipped {split.skipped} invalid row(s) of {req.data} (--skip_invalid)")
     ds = split.dataset
@@ -484,6 +491,8 @@ def build_parser():
                       "evaluation folders of the same rows, with paired differences from the first; comma-separated "
                       "folders are one arm's training seeds (intervals then resample seeds, then rows)")
     ap.add_argument("--data", help="JSONL data (docs/method.md section 1); default with --run: the run's validation data")
+    ap.add_argument("--split", help="split of a dataset folder or Hub dataset given as --data (default: test; "
+                    "with the run's own validation data, its data.validation_split)")
     ap.add_argument("--out", help="output folder (default with --run: RUN/eval/PHASE)")
     ap.add_argument("--config", help="a run config (name or path) whose reward and system prompt to use; default: "
                     "the run config next to the checkpoint, else the cpr reward")
@@ -567,7 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not data:
                 raise EvalError("--data is required (the run config names no validation data)")
             sampling = Sampling(setup.max_new_tokens, args.temperature, args.top_p, args.num_samples)
-            req = EvalRequest(data=data, out=out, model=model if not args.predictions else None,
+            split = args.split or (setup.data_split if not args.data else "test")
+            req = EvalRequest(data=data, out=out, split=split, model=model if not args.predictions else None,
                               predictions=args.predictions, setup=setup, sampling=sampling, batch_size=args.batch_size,
                               backend=args.backend, max_samples=args.max_samples, bootstrap=args.bootstrap,
                               seed=args.seed, force=args.force, skip_invalid=args.skip_invalid)

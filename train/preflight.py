@@ -95,6 +95,20 @@ def precision_problem(cfg: RunConfig) -> str | None:
     return None
 
 
+def data_problem(key: str, source: str | None) -> str | None:
+    if not source:
+        return None
+    from crystal_grpo.train.data import DataError, locate
+
+    try:
+        locate(source)
+    except DataError as err:
+        if str(err) == f"{Path(source)}: no such file or folder":
+            return f"{key}: no such file or folder {str(Path(source).resolve())!r}"
+        return f"{key}: {err}"
+    return None
+
+
 def preflight(cfg: RunConfig) -> list[str]:
     """One line per missing piece, over every phase (each line once)."""
     out: list[str] = []
@@ -104,9 +118,8 @@ def preflight(cfg: RunConfig) -> list[str]:
         problems = [encoder_problem(c.reward.params.get("encoder", PACKAGED_MINILM)), precision_problem(c)]
         if i == 0 or (phase is not None and phase.init_from == "none"):  # later phases start from a checkpoint
             problems.insert(0, model_problem(c.model.name_or_path, c.model.gguf_file))
-        for key, path in (("data.train", c.data.train), ("data.validation", c.data.validation)):
-            if path and not Path(path).exists():
-                problems.append(f"{key}: no such file or folder {str(Path(path).resolve())!r}")
+        for key, source in (("data.train", c.data.train), ("data.validation", c.data.validation)):
+            problems.append(data_problem(key, source))
         ds = c.training.get("deepspeed")
         if isinstance(ds, str) and not Path(ds).is_file():
             problems.append(f"training.deepspeed: no such file {ds!r}")

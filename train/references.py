@@ -106,13 +106,14 @@ class RowResult:
 def read_rows(req: BuildRequest) -> tuple[list[dict], Any]:
     """The raw rows (written back with their references) and the checked data set (prompts,
     images) from the training loader; a row without ``id`` gets the loader's ``file:line``."""
-    from crystal_grpo.train.data import load_split
+    from crystal_grpo.train.data import load_split, locate
+    from crystal_grpo.train.data import read_rows as source_rows
 
     ds = load_split(req.data, system_prompt=req.system_prompt, limit=req.max_rows, require_references=False,
                     skip_option=None).dataset
     path = Path(req.data)
     raw = [({"id": f"{path.name}:{no}", **row} if "id" not in row else row)
-           for no, row in iter_jsonl(path) if not isinstance(row, Unreadable)][:len(ds)]
+           for no, row in source_rows(locate(req.data)) if not isinstance(row, Unreadable)][:len(ds)]
     seen: Counter = Counter(str(r["id"]) for r in raw)
     dupes = [i for i, n in seen.items() if n > 1]
     if dupes:

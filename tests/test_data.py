@@ -1,0 +1,151 @@
+"""Data as users have it: JSONL, JSON arrays, Parquet, datasets folders, Hub-layout
+repositories in the local cache, and a column mapping, all with ``file:N: problem`` errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from datasets import Dataset, DatasetDict, Features, Image, Sequence, Value
+
+from crystal_grpo.train import grpo
+from crystal_grpo.train.config import load_config
+from crystal_grpo.train.data import DataError, load_split
+from crystal_grpo.typed import ConfigError
+
+ROWS = [json.loads(x) for x in Path("data/wordproblems/train.jsonl").read_text().splitlines()[:6]]
+# The same rows under the column names of a typical Hub dataset.
+THEIRS = {"question": "problem", "answer": "solution", "reference_steps": "steps"}
+
+
+def _table(rows: list[dict]) -> Dataset:
+    """Rows as one table (``Dataset.from_list`` takes its columns from the first row alone)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return Dataset.from_list([{k: r.get(k) for k in keys} for r in rows])
+
+
+def _theirs(rows: list[dict]) -> list[dict]:
+    return [{THEIRS.get(k, k): v for k, v in r.items()} for r in rows]
+
+
+def _seen(split) -> list[tuple]:
+    ds = split.dataset
+    return [(r["id"], r["prompt"][-1]["content"], r["answer"], tuple(r["reference_steps"])) for r in ds]
+
+
+def _hub_snapshot(cache: Path, repo: str, rows: list[dict]) -> Path:
+    """A dataset repository as ``huggingface-cli download`` leaves it in the hub cache."""
+    root = cache / f"datasets--{repo.replace('/', '--')}"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(sha)
+    snap = root / "snapshots" / sha
+    (snap / "data").mkdir(parents=True)
+    _table(rows[:4]).to_parquet(str(snap / "data" / "train-00000-of-00001.parquet"))
+    _table(rows[4:]).to_parquet(str(snap / "data" / "test-00000-of-00001.parquet"))
+    return snap
+
+
+def test_every_format_gives_the_same_rows(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    want = _seen(load_split("data/wordproblems/train.jsonl", limit=6))
+    (tmp_path / "rows.json").write_text(json.dumps(ROWS, indent=2))
+    _table(ROWS).to_parquet(str(tmp_path / "rows.parquet"))
+    _table(ROWS).save_to_disk(str(tmp_path / "saved"))
+    DatasetDict(train=_table(ROWS), test=_table(ROWS[:1])).save_to_disk(str(tmp_path / "dict"))
+    (tmp_path / "files").mkdir()
+    _table(ROWS).to_json(str(tmp_path / "files" / "train.jsonl"))
+    cache = tmp_path / "hub"
+    _hub_snapshot(cache, "someone/word-problems", ROWS)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    for source in ("rows.json", "rows.parquet", "saved", "dict", "files"):
+        assert _seen(load_split(tmp_path / source)) == want, source
+    hub_train = load_split("someone/word-problems")
+    assert _seen(hub_train) == want[:4] and hub_train.source == "someone/word-problems"
+    assert [r[0] for r in _seen(load_split("someone/word-problems", split="test"))] == [r["id"] for r in ROWS[4:]]
+    with pytest.raises(DataError, match=r"dict: no split 'validation'; it has train, test"):
+        load_split(tmp_path / "dict", split="validation")
+    with pytest.raises(DataError, match=r"someone/absent: no such file or folder, and no dataset repository of that "
+                                        r"name in the local Hugging Face cache .*huggingface-cli download "
+                                        r"--repo-type dataset someone/absent"):
+        load_split("someone/absent")
+
+
+def test_column_mapping_and_errors_that_name_the_data_s_columns(tmp_path):
+    rows = _theirs(ROWS)
+    rows[2]["problem"] = ""
+    del rows[4]["steps"]
+    path = tmp_path / "theirs.parquet"
+    _table(rows).to_parquet(str(path))
+    with pytest.raises(DataError) as err:
+        load_split(path, columns=THEIRS)
+    msg = str(err.value)
+    assert f"{path}:3: missing or empty 'problem' (data.columns.question)" in msg
+    assert f"{path}:5: 'steps' (data.columns.reference_steps) must be a non-empty list" in msg
+    assert "2 invalid row(s)" in msg and f"{path}:1:" not in msg
+    kept = load_split(path, columns=THEIRS, skip_invalid=True)
+    assert kept.skipped == 2 and [r[0] for r in _seen(kept)] == [ROWS[i]["id"] for i in (0, 1, 3, 5)]
+    assert _seen(kept)[0][2:] == (str(ROWS[0]["answer"]), tuple(ROWS[0]["reference_steps"]))
+
+
+def test_a_broken_json_array_or_parquet_file_is_one_clear_error(tmp_path):
+    bad = tmp_path / "rows.json"
+    bad.write_text('[\n  {"question": "q", "answer": "1"},\n  {"question": oops}\n]')
+    with pytest.raises(DataError, match=rf"^{bad}: invalid JSON \(line 3, column 16\): Expecting value$"):
+        load_split(bad)
+    rows = tmp_path / "rows2.json"
+    rows.write_text(json.dumps([ROWS[0], {"question": "no answer"}, ROWS[1]]))
+    with pytest.raises(DataError, match=rf"{rows}:2: missing or empty 'answer'"):
+        load_split(rows)
+    broken = tmp_path / "rows.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=rf"^{broken}: not a readable Parquet file"):
+        load_split(broken)
+
+
+def test_images_stored_in_the_data_load_like_image_files(tmp_path):
+    from PIL import Image as PILImage
+
+    from crystal_grpo.train.data import image_store
+
+    shapes = [json.loads(x) for x in Path("data/shapes/shapes.jsonl").read_text().splitlines()[:3]]
+    rows = [{**{k: v for k, v in r.items() if k not in ("image", "images")},
+             # .copy(): an image without a file name, so datasets stores its bytes in the table
+             "picture": [PILImage.open(Path("data/shapes") / (r.get("images") or [r["image"]])[0]).copy()]}
+            for r in shapes]
+    feats = Features({**{k: Value("string") for k in ("id", "question", "answer")},
+                      "reference_steps": Sequence(Value("string")), "picture": Sequence(Image())})
+    rows = [{k: r[k] for k in feats} for r in rows]
+    path = tmp_path / "shapes.parquet"
+    Dataset.from_list(rows, features=feats).to_parquet(str(path))
+    split = load_split(path, columns={"images": "picture"})
+    stored = split.dataset.with_format(None)["images"]
+    assert all(Path(p[0]).parent == image_store() for p in stored)
+    first = split.dataset[0]["images"][0]
+    assert first.size == PILImage.open(Path("data/shapes") / (shapes[0].get("images") or [shapes[0]["image"]])[0]).size
+
+
+def test_columns_config_names_the_bad_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.columns: invalid value \{'questoin': 'problem'\}; expected a mapping "
+                                          r"from one of 'id', 'question'"):
+        load_config("tiny.yaml", ["--data.columns", "{questoin: problem}"])
+
+
+def test_training_from_a_hub_dataset_with_its_own_column_names(tmp_path, tiny_lm_path, monkeypatch):
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    _hub_snapshot(cache, "someone/word-problems", _theirs(ROWS))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    out = tmp_path / "run"
+    argv = ["--config", "tiny.yaml", "--output_dir", str(out), "--model.name_or_path", str(tiny_lm_path),
+            "--data.train", "someone/word-problems", "--data.validation", "someone/word-problems",
+            "--data.validation_split", "test", "--data.columns", json.dumps(THEIRS),
+            "--training.max_steps", "1", "--validation.max_samples", "2"]
+    assert grpo.main(argv) == 0
+    assert json.loads((out / "validation.jsonl").read_text().splitlines()[-1])["step"] == 1
+    samples = [json.loads(x) for x in (out / "validation_samples_step1.jsonl").read_text().splitlines()]
+    assert [s["id"] for s in samples] == [r["id"] for r in ROWS[4:]]  # the repository's test split
