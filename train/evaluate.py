@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -474,7 +475,7 @@ def build_parser():
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="evaluate.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Score a checkpoint (or a predictions file) on a data set with the trainer's scorer.",
         epilog="examples:\n"
                "  python scripts/evaluate.py --model runs/cpr/final --data data/wordproblems/val.jsonl --out eval/cpr\n"
@@ -545,8 +546,6 @@ def _check_numbers(args) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import sys
-
     from crystal_grpo.train.data import DataError
     from crystal_grpo.train.eval_report import compare, compare_markdown
     from crystal_grpo.train.models import ModelLoadError
@@ -603,3 +602,7 @@ def _init_distributed() -> None:
 
         cuda = torch.cuda.is_available()
         PartialState(cpu=not cuda, backend=None if cuda else "gloo")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,7 +44,10 @@ from crystal_grpo.train.checkpoints import atomic_write_text, read_json
 # train/config.py is imported where it is used: it loads TRL and transformers (seconds), and
 # transformers prints a note to stdout on import, which ``--emit`` keeps off the script it prints.
 
-ROOT = Path(__file__).resolve().parents[1]
+_CHECKOUT = Path(__file__).resolve().parents[1]
+#: Where points run and relative paths start: the source checkout (the commands its README
+#: shows), or, for an installed package, the folder the sweep is started from.
+ROOT = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
 POINT_FILE = "sweep_point.json"
 STATUS_FILE = "sweep_status.json"
 #: What a finished run leaves in its folder (train/grpo.py writes it last).
@@ -246,9 +249,15 @@ def command(sweep: Sweep, point: Point, python: str = "python") -> list[str]:
     launcher = shlex.split(sweep.launcher)
     if launcher == ["python"]:
         launcher = [python]
-    return [*launcher, "train/grpo.py", "--config", _rel(resolve_config_path(point.config)),
+    return [*launcher, *entry("train/grpo.py", "crystal_grpo.train.grpo"), "--config", _rel(resolve_config_path(point.config)),
             "--output_dir", _rel(sweep.output_dir / point.name), "--resume_from_checkpoint", "latest",
             *point.overrides_argv()]
+
+
+def entry(script: str, module: str) -> list[str]:
+    """A checkout's script, else the installed package's module (``python -m``, which
+    ``accelerate launch -m`` also takes)."""
+    return [script] if (ROOT / script).is_file() else ["-m", module]
 
 
 def _rel(path: Path) -> str:
@@ -390,7 +399,7 @@ def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = prin
         if (folder / out / "report.json").is_file():
             continue  # evaluated earlier (scripts/evaluate.py --force re-scores)
         ev = sweep.eval
-        argv = [sys.executable, "scripts/evaluate.py", "--model", str(ckpt), "--data", str(ev["data"]),
+        argv = [sys.executable, *entry("scripts/evaluate.py", "crystal_grpo.train.evaluate"), "--model", str(ckpt), "--data", str(ev["data"]),
                 "--out", str(folder / out)]
         for key in sorted(EVAL_KEYS - {"data"}):
             if ev.get(key) is not None:
@@ -439,7 +448,7 @@ def emit(sweep: Sweep, kind: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="sweep.py", description="Run, emit or report a sweep of train/grpo.py runs.",
+    ap = argparse.ArgumentParser(description="Run, emit or report a sweep of train/grpo.py runs.",
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("sweep", help="a sweep YAML (configs/sweeps/*.yaml)")
     ap.add_argument("--output_dir", help="the sweep folder (default: its output_dir, else runs/sweeps/<name>)")

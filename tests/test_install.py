@@ -1,0 +1,72 @@
+"""The package as a user installs it: a wheel (not an editable checkout) in a fresh venv, used
+from a folder that is not the checkout, through its console scripts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """bin/ of a venv holding the built wheel; its dependencies come from the test venv's
+    site-packages (offline), whose editable install of the checkout is not on its path."""
+    tmp = tmp_path_factory.mktemp("install")
+    src = tmp / "src"  # built from a copy: the build leaves build/ and *.egg-info where it runs
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", ".cache", "runs", "data", "build",
+                                                              "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp / "dist"), str(src)], check=True, timeout=600)
+    (wheel,) = (tmp / "dist").glob("crystal_grpo-*.whl")
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                    "--no-deps", "--no-index", str(wheel)], check=True, timeout=600)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    # a .pth line adds a folder to sys.path, but the folder's own .pth files (the editable
+    # finder of the checkout) are not run
+    (site / "zz_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return venv / "bin"
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_the_wheel_trains_and_sweeps_from_any_folder(installed, tiny_lm_path, tmp_path):
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    where = _run([str(installed / "python"), "-c", "import crystal_grpo.train, crystal_grpo.configs as c; "
+                  "print(crystal_grpo.train.__file__); print(list(c.__path__)[0])"], work)
+    assert where.returncode == 0, where.stderr
+    module, configs = where.stdout.split()
+    assert module.startswith(str(installed.parent)) and not module.startswith(str(REPO)), module
+    assert (Path(configs) / "cpr_curriculum.yaml").is_file() and (Path(configs) / "sweeps" / "tiny.yaml").is_file()
+
+    data = [f"--data.train={REPO / 'data/wordproblems/train.jsonl'}",
+            f"--data.validation={REPO / 'data/wordproblems/val.jsonl'}", f"--model.name_or_path={tiny_lm_path}"]
+    train = _run([str(installed / "crystal-grpo-train"), "--config", "tiny.yaml", "--training.max_steps", "1",
+                  "--output_dir", "runs/one", *data], work)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert (work / "runs" / "one" / "final" / "model.safetensors").is_file()
+
+    # a sweep launches its points through the installed module, not a checkout's train/grpo.py
+    emitted = _run([str(installed / "crystal-grpo-sweep"), str(REPO / "configs/sweeps/tiny.yaml"), "--output_dir",
+                    "runs/sweep", "--emit", "commands"], work)
+    assert emitted.returncode == 0, emitted.stderr[-2000:]
+    lines = emitted.stdout.splitlines()
+    assert len(lines) == 2 and all(f"cd {work} && " in x and " -m crystal_grpo.train.grpo --config " in x
+                                   and "train/grpo.py" not in x for x in lines), lines
+
+    for tool in ("crystal-grpo-evaluate", "crystal-grpo-export", "crystal-grpo-score"):
+        shown = _run([str(installed / tool), "--help"], work)
+        assert shown.returncode == 0 and shown.stdout.startswith(f"usage: {tool}"), (tool, shown.stderr[-500:])
