@@ -18,15 +18,18 @@ from crystal_grpo.rewards.base import RewardConfig, RewardModule
 from crystal_grpo.rewards.composite import CompositeConfig, CompositeReward
 from crystal_grpo.rewards.cpr import CPRConfig, CPRReward, cpr_reward
 from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
+from crystal_grpo.rewards.user import ComposedConfig, ComposedReward, reward_class
 
 #: Reward name (``reward.name`` in a config) -> module class. A new reward is one file with a
-#: ``RewardModule`` subclass plus one line here, or ``register_reward(MyReward)`` from outside.
+#: ``RewardModule`` subclass plus one line here; from outside this package, ``reward.name:
+#: my_pkg.rewards:MyReward`` in a config, or ``reward.components`` (rewards/user.py).
 REWARDS: dict[str, type[RewardModule]] = {
     "format": FormatReward,
     "answer_only": AnswerOnlyReward,
     "composite": CompositeReward,
     "cpr": CPRReward,
     "authors_code": AuthorsCodeReward,  # the released code's word-overlap reward, an ablation arm (not Eq. 7)
+    "composed": ComposedReward,  # reward.components: user functions and crystal: terms (rewards/user.py)
 }
 
 
@@ -40,14 +43,13 @@ def register_reward(cls: type[RewardModule]) -> type[RewardModule]:
 
 def reward_params(name: str) -> dict[str, Any]:
     """Every parameter the named reward takes (its config's fields) and its type hint."""
-    return typing.get_type_hints(REWARDS[name].config_class)
+    return typing.get_type_hints(reward_class(name).config_class)
 
 
 def build_reward(name: str, **params: Any) -> RewardModule:
-    """The named reward module with these parameters (its ``config_class`` fields)."""
-    if name not in REWARDS:
-        raise ValueError(f"reward {name!r} is unknown: allowed values are {', '.join(REWARDS)}")
-    return REWARDS[name](**params)
+    """The named reward module (registered, or an import path: rewards/user.py) with these
+    parameters (its ``config_class`` fields)."""
+    return reward_class(name)(**params)
 
 
 def get_reward_funcs(name: str, **params) -> list[Callable]:
@@ -56,6 +58,6 @@ def get_reward_funcs(name: str, **params) -> list[Callable]:
 
 
 __all__ = [
-    "REWARDS", "RewardConfig", "RewardModule", "CPRConfig", "CompositeConfig", "AnswerOnlyConfig", "FormatConfig", "AuthorsCodeConfig", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
+    "REWARDS", "RewardConfig", "RewardModule", "CPRConfig", "CompositeConfig", "AnswerOnlyConfig", "FormatConfig", "AuthorsCodeConfig", "ComposedConfig", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
     "MatchF1Scorer", "StepScores", "PACKAGED_MINILM", "PAPER_ENCODER",
 ]

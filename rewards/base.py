@@ -346,19 +346,21 @@ class RewardModule:
         for comp, objective in self.objectives.items():
 
             def func(prompts=None, completions=None, _comp=comp, **kwargs):
-                return self._plain_trl_call(completions, kwargs)[_comp]
+                return self._plain_trl_call(prompts, completions, kwargs)[_comp]
 
             func.__name__ = func.__qualname__ = comp
             func.objective = objective  # type: ignore[attr-defined]
             funcs.append(func)
         return funcs
 
-    def _plain_trl_call(self, completions: Sequence[Any], kwargs: dict) -> dict[str, list[float | None]]:
+    def _plain_trl_call(self, prompts: Any, completions: Sequence[Any], kwargs: dict) -> dict[str, list[float | None]]:
         if self._last is not None and self._last[0] is completions:
             return self._last[1]
         start = time.perf_counter()
         n = len(completions)
-        rows = [{k: kwargs[k][i] for k in COLUMNS if kwargs.get(k) is not None} for i in range(n)]
+        # every column TRL passes (a composed reward's own functions read any of them)
+        columns = {k: v for k, v in {"prompt": prompts, **kwargs}.items() if isinstance(v, list) and len(v) == n}
+        rows = [{k: v[i] for k, v in columns.items()} for i in range(n)]
         local = self.score(completions, rows).batch
         gathered, offset = gather_objects(local.rows())
         comps, metrics = self.rewards(Batch.from_rows(gathered, len(self.extra_fields)))

@@ -329,7 +329,8 @@ def test_diagnostics_logged_through_trl_hook():
 
 
 def test_unknown_reward_and_parameter_errors():
-    with pytest.raises(ValueError, match="allowed values are format, answer_only, composite, cpr"):
+    with pytest.raises(ValueError, match="reward.name: invalid value 'prm'; expected one of 'format', 'answer_only', "
+                                         "'composite', 'cpr'.*or a RewardModule subclass as 'package.module:Name'"):
         build_reward("prm")
     with pytest.raises(ValueError, match="unknown parameter.*answer_wieght"):
         build_reward("cpr", answer_wieght=1.0)

@@ -42,9 +42,13 @@ class RewardSection:
     """The reward (``reward:``): its name and the fields of its config class as ``params``."""
 
     name: str = option("cpr", "A reward registered in crystal_grpo.rewards.REWARDS: format, answer_only, "
-                       "composite, cpr, authors_code, or your own (register_reward).")
+                       "composite, cpr, authors_code; or your RewardModule subclass as 'package.module:Name' "
+                       "or 'path/file.py:Name' (rewards/user.py).")
     params: dict[str, Any] = option(default_factory=dict, help="Fields of the reward's config (RewardConfig and "
                                     "e.g. CPRConfig: answer_weight, step_weight, wrong_answer_discount).")
+    components: list[dict[str, Any]] = option(
+        default_factory=list, help="Instead of a name: a weighted sum of reward functions, each {fn: "
+        "'package.module:name' or crystal:<term>, weight, objective: accuracy|reasoning} (rewards/user.py).")
 
 
 @dataclass
@@ -230,9 +234,12 @@ def _cli_wins(phase: Any, cli: dict, base_reward: Any) -> Any:
 
 
 def _reward_fields(name: Any) -> set[str]:
-    from crystal_grpo.rewards import REWARDS
+    from crystal_grpo.rewards.user import reward_class
 
-    cls = REWARDS.get(name) if isinstance(name, str) else None
+    try:
+        cls = reward_class(name) if isinstance(name, str) else None
+    except ConfigError:
+        cls = None  # reported where the phase's reward is checked
     return {f.name for f in dataclasses.fields(cls.config_class)} if cls else set()
 
 
@@ -259,14 +266,22 @@ def _check_training(training: dict[str, Any], where: str, kind: TrainerKind) -> 
 
 
 def _check_reward_params(reward: RewardSection, where: str) -> None:
-    """The reward exists and its params build its typed config (coerced values kept)."""
-    from crystal_grpo.rewards import REWARDS
+    """The reward exists (its code imports) and its params build its typed config (coerced
+    values kept); ``reward.components`` become the composed reward's."""
+    from crystal_grpo.rewards.user import ComponentSpec, component_function, reward_class
 
-    if reward.name not in REWARDS:
-        raise ConfigError(f"{where}reward.name: invalid value {reward.name!r}; expected one of "
-                          + ", ".join(map(repr, REWARDS)))
-    typed = REWARDS[reward.name].make_config(reward.params, where=f"{where}reward.params")
-    reward.params.update({k: getattr(typed, k) for k in reward.params})
+    if reward.components:
+        if reward.name not in ("cpr", "composed"):  # cpr: the default, i.e. no name given
+            raise ConfigError(f"{where}reward: both name {reward.name!r} and components; give one of them")
+        for i, comp in enumerate(reward.components):
+            component_function(from_dict(ComponentSpec, comp, f"{where}reward.components[{i}]").fn)
+        reward.name, reward.params["components"] = "composed", reward.components
+    try:
+        cls = reward_class(reward.name)
+    except ConfigError as err:
+        raise ConfigError(f"{where}{err}") from None
+    typed = cls.make_config(reward.params, where=f"{where}reward.params")
+    reward.params.update({k: getattr(typed, k) for k in reward.params if k != "components"})
 
 
 def validate(cfg: RunConfig) -> None:
@@ -301,6 +316,10 @@ def validate(cfg: RunConfig) -> None:
         if any(w < 0 for w in weights) and not c.reward.params.get("negative_weights"):
             raise ConfigError(f"{where}training.reward_weights: invalid value {weights!r}; a reward weight must be >= 0 "
                               "(set reward.params.negative_weights: true if the penalty is meant)")
+        untagged = [i for i, comp in enumerate(c.reward.params.get("components") or []) if not comp.get("objective")]
+        if c.pcgrad and untagged:
+            raise ConfigError(f"{where}reward.components[{untagged[0]}].objective: required with pcgrad: true "
+                              "(accuracy or reasoning: PCGrad splits the reward on it)")
         aggregation = c.training.get("multi_objective_aggregation", "sum_then_normalize")
         if c.pcgrad and aggregation != "sum_then_normalize":
             raise ConfigError(

@@ -23,6 +23,7 @@ from pathlib import Path
 from crystal_grpo.distributed import launch_command
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards.match_f1 import EncoderLoadError
+from crystal_grpo.rewards.user import RewardFunctionError
 from crystal_grpo.train.checkpoints import (
     CheckpointError,
     atomic_write_text,
@@ -381,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
     try:
         run(cfg, run_dir, args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
-    except (ConfigError, DataError, ModelLoadError, EncoderLoadError, CheckpointError, RunFolderError) as err:
+    except (ConfigError, DataError, ModelLoadError, EncoderLoadError, CheckpointError, RunFolderError,
+            RewardFunctionError) as err:
         if _main_process() or not isinstance(err, RunFolderError):
             print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 2

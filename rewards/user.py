@@ -1,0 +1,212 @@
+"""Your own reward without editing this package: named by import path, or composed in YAML.
+
+Two ways, both in a run config (so they reach sweeps, which run each point as a new
+process, and every tool that reads the run's config):
+
+- ``reward.name: my_pkg.rewards:MyReward`` (or ``./my_reward.py:MyReward``, a file relative
+  to the folder the run starts in, like data paths): a :class:`RewardModule` subclass.
+- ``reward.components``: a weighted sum of TRL-style reward functions (what TRL and open-r1
+  users write: ``fn(completions, **columns) -> list[float | None]``, None = not applicable)
+  and of this package's own terms (``crystal:<term>``, :data:`TERMS`), each tagged with the
+  objective it serves so PCGrad can split them::
+
+      reward:
+        components:
+          - {fn: my_rewards:accuracy, weight: 1.0, objective: accuracy}
+          - {fn: crystal:cpr_steps, weight: 0.35, objective: reasoning}
+
+A user function is called once per process on that process's completions, with the
+completions as TRL passes them and every data column as a keyword list (as TRL does); its
+values travel with the rest of the evaluation (``Batch.extra``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from crystal_grpo.rewards.base import Batch, Objective, RewardConfig, RewardModule, Scored
+from crystal_grpo.rewards.cpr import CPRConfig
+from crystal_grpo.typed import ConfigError, option
+
+#: ``crystal:<term>``: per-row terms of the one evaluation (docs/method.md sections 2-4),
+#: read after a malformed completion is zeroed (``reward.params.malformed``).
+TERMS: dict[str, Callable[[Batch], torch.Tensor]] = {
+    "accuracy": lambda b: b.correct,  # C
+    "format": lambda b: b.format_ok,  # F
+    "steps": lambda b: b.step,  # Match F1 (or Ordered Match F1: reward.params.step_metric)
+    # CPR's reasoning term without its weight (Eq. 7): the step score, discounted on a wrong answer
+    "cpr_steps": lambda b: b.step * (b.correct + CPRConfig.wrong_answer_discount * (1 - b.correct)),
+}
+
+
+class RewardImportError(ConfigError):
+    """A reward or component named by import path that cannot be used."""
+
+
+class RewardFunctionError(ValueError):
+    """A user's reward function returned something that is not one number (or None) a completion."""
+
+
+def load_object(spec: str, what: str = "reward") -> Any:
+    """``pkg.module:Name`` or ``path/to/file.py:Name`` (relative to the working folder)."""
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise RewardImportError(f"{what} {spec!r}: expected 'package.module:Name' or 'path/file.py:Name'")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).resolve()
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file {str(path)!r}")
+            name = f"crystal_grpo_user_{path.stem}_{abs(hash(str(path)))}"
+            module = sys.modules.get(name)
+            if module is None:
+                loader_spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[name] = module
+                loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - any error while importing the user's code
+        sys.modules.pop(locals().get("name", ""), None)
+        raise RewardImportError(f"{what} {spec!r}: {module_name} does not import "
+                                f"({type(err).__name__}: {err})") from None
+    if not hasattr(module, attr):
+        raise RewardImportError(f"{what} {spec!r}: {module_name} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def reward_class(name: str) -> type[RewardModule]:
+    """A ``reward.name``: registered (``REWARDS``) or an import path to a RewardModule subclass."""
+    from crystal_grpo.rewards import REWARDS
+
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" not in name:
+        raise ConfigError(f"reward.name: invalid value {name!r}; expected one of {', '.join(map(repr, REWARDS))}, "
+                          "or a RewardModule subclass as 'package.module:Name' or 'path/file.py:Name'")
+    obj = load_object(name)
+    if not (isinstance(obj, type) and issubclass(obj, RewardModule)):
+        raise RewardImportError(f"reward {name!r} is a {type(obj).__name__}, not a RewardModule subclass (a "
+                                "plain reward function goes in reward.components)")
+    return obj
+
+
+@dataclass
+class ComponentSpec:
+    """One term of a composed reward (``reward.components`` of a run config)."""
+
+    fn: str = option("", "A TRL-style reward function as 'package.module:name' or 'path/file.py:name', or "
+                         "crystal:<term> (" + ", ".join(TERMS) + ").")
+    weight: float = option(1.0, "Its weight in the sum.", weight=True)
+    objective: Union[Objective, None] = option(None, "accuracy or reasoning: the objective it serves (PCGrad "
+                                               "needs it for every component).")
+    name: Union[str, None] = option(None, "Its name in logs (default: the function's).")
+
+
+def component_function(spec: str) -> Callable[..., Any] | None:
+    """The user's function of ``spec``, checked; None for a ``crystal:`` term."""
+    if spec.startswith("crystal:"):
+        if spec[len("crystal:"):] not in TERMS:
+            raise ConfigError(f"reward.components: unknown term {spec!r}; crystal: terms are "
+                              + ", ".join(f"crystal:{t}" for t in TERMS))
+        return None
+    fn = load_object(spec, "reward component")
+    if isinstance(fn, type) or not callable(fn):
+        raise RewardImportError(f"reward component {spec!r} is a {type(fn).__name__}, not a function "
+                                "fn(completions, **columns) -> list[float | None]")
+    return fn
+
+
+@dataclass
+class ComposedConfig(RewardConfig):
+    """Shared reward settings plus the components (``reward.components``)."""
+
+    components: list[ComponentSpec] = option(default_factory=list, help="The weighted terms, summed.")
+
+
+def _names(specs: Sequence[ComponentSpec]) -> list[str]:
+    names: list[str] = []
+    for s in specs:
+        base = s.name or s.fn.rpartition(":")[2]
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}_{k}", k + 1
+        names.append(name)
+    return names
+
+
+class ComposedReward(RewardModule):
+    """A weighted sum of user reward functions and ``crystal:`` terms."""
+
+    name = "composed"
+    config_class = ComposedConfig
+    config: ComposedConfig
+
+    def __init__(self, config: ComposedConfig | None = None, **params: Any) -> None:
+        cfg = config if config is not None else self.make_config(params)
+        if not cfg.components:
+            raise ConfigError("reward.components: empty; a composed reward needs at least one component")
+        self.specs = list(cfg.components)
+        self.component_names = _names(self.specs)
+        self.functions = [component_function(s.fn) for s in self.specs]
+        # untagged components only occur without PCGrad (train/config.py refuses them with it)
+        self.objectives = {n: s.objective or "accuracy" for n, s in zip(self.component_names, self.specs)}
+        self.extra_fields = tuple(n for n, f in zip(self.component_names, self.functions) if f is not None)
+        self.uses_steps = any(s.fn in ("crystal:steps", "crystal:cpr_steps") for s in self.specs)
+        super().__init__(cfg)
+
+    def score(self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]],
+              with_steps: bool | None = None) -> Scored:
+        scored = super().score(completions, rows, with_steps)
+        if self.extra_fields:
+            columns = _columns(rows)
+            values = [self._call(spec, fn, completions, columns)
+                      for spec, fn in zip(self.specs, self.functions) if fn is not None]
+            scored.batch.extra = torch.tensor(values, dtype=torch.float64).reshape(len(values), -1).T
+        return scored
+
+    @staticmethod
+    def _call(spec: ComponentSpec, fn: Callable, completions: Sequence[Any], columns: dict) -> list[float]:
+        out = fn(completions=list(completions), **columns)
+        if not isinstance(out, (list, tuple)) or len(out) != len(completions):
+            got = f"{len(out)} value(s)" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
+            raise RewardFunctionError(f"reward component {spec.fn!r} returned {got} for {len(completions)} completion(s); "
+                             "expected a list with one number (or None) per completion")
+        values = []
+        for i, v in enumerate(out):
+            if v is None:
+                values.append(math.nan)  # not applicable, as in TRL
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                values.append(float(v))
+            else:
+                raise RewardFunctionError(f"reward component {spec.fn!r} returned {v!r} for completion {i}; expected a "
+                                 "number or None")
+        return values
+
+    def components(self, batch: Batch) -> dict[str, torch.Tensor]:
+        out, k = {}, 0
+        for name, spec, fn in zip(self.component_names, self.specs, self.functions):
+            if fn is None:
+                value = TERMS[spec.fn[len("crystal:"):]](batch)
+            else:
+                value, k = batch.extra[:, k], k + 1
+            out[name] = spec.weight * value
+        return out
+
+
+def _columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """Every data column as one list, the keyword arguments TRL gives a reward function."""
+    keys = list(dict.fromkeys(k for r in rows if isinstance(r, Mapping) for k in r))
+    columns = {k: [r.get(k) if isinstance(r, Mapping) else None for r in rows] for k in keys}
+    if "prompt" in columns:
+        columns["prompts"] = columns.pop("prompt")
+    return columns

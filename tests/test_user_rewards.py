@@ -1,0 +1,162 @@
+"""A user's own reward, named in YAML: a RewardModule subclass by import path, or a weighted
+sum of TRL-style reward functions and crystal: terms (rewards/user.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from crystal_grpo.rewards import build_reward
+from crystal_grpo.rewards.user import RewardFunctionError, load_object
+from crystal_grpo.train import grpo
+from crystal_grpo.train.config import load_config
+from crystal_grpo.train.evaluate import main as evaluate_main
+from crystal_grpo.typed import ConfigError
+
+USER_CODE = '''
+import json
+import re
+from crystal_grpo.rewards.base import RewardModule
+
+def says_answer(completions, answer, **kwargs):
+    """1 when the completion's JSON answer is the row's answer (what an open-r1 user writes)."""
+    out = []
+    for c, a in zip(completions, answer):
+        text = c[0]["content"] if isinstance(c, list) else c
+        try:
+            out.append(float(str(json.loads(text).get("answer")) == str(a)))
+        except Exception:
+            out.append(0.0)
+    return out
+
+def only_with_choices(completions, choices, **kwargs):
+    return [None if not ch else 0.5 for ch in choices]
+
+def one_value(completions, **kwargs):
+    return [1.0]
+
+def words(completions, **kwargs):
+    return ["many"] * len(completions)
+
+NOT_A_FUNCTION = 3
+
+class Shortness(RewardModule):
+    name = "shortness"
+    objectives = {"short": "accuracy"}
+    uses_steps = False
+
+    def components(self, batch):
+        return {"short": 1.0 / (1.0 + batch.n_pred)}
+'''
+
+ROWS = [{"answer": "4", "reference_steps": ["2 + 2 = 4."], "choices": []},
+        {"answer": "B", "reference_steps": ["The second option is right."], "choices": ["x", "y"]},
+        {"answer": "9", "reference_steps": ["3 * 3 = 9.", "So 9."], "choices": []}]
+COMPLETIONS = ['{"reasoning_steps": ["2 + 2 = 4."], "answer": "4"}',
+               '{"reasoning_steps": ["The first option is right."], "answer": "A"}',
+               '{"reasoning_steps": ["3 * 3 = 9."], "answer": "9"}']
+ENC = {"encoder": "packaged:all-MiniLM-L6-v2", "device": "cpu"}
+
+
+@pytest.fixture
+def user_file(tmp_path) -> Path:
+    path = tmp_path / "my_rewards.py"
+    path.write_text(USER_CODE)
+    return path
+
+
+def test_composed_crystal_terms_are_cpr_and_user_functions_add_their_values(user_file):
+    cpr = build_reward("cpr", **ENC)
+    same = build_reward("composed", **ENC, components=[
+        {"fn": "crystal:accuracy", "weight": 0.65, "objective": "accuracy"},
+        {"fn": "crystal:cpr_steps", "weight": 0.35, "objective": "reasoning"}])
+    want = cpr.total(cpr.score(COMPLETIONS, ROWS).batch)
+    assert torch.allclose(same.total(same.score(COMPLETIONS, ROWS).batch), want)
+    mixed = build_reward("composed", **ENC, components=[
+        {"fn": f"{user_file}:says_answer", "weight": 2.0, "objective": "accuracy"},
+        {"fn": f"{user_file}:only_with_choices", "name": "mc", "objective": "accuracy"},
+        {"fn": "crystal:steps", "weight": 0.5, "objective": "reasoning"}])
+    batch = mixed.score(COMPLETIONS, ROWS).batch
+    comps = mixed.components(batch)
+    assert list(comps) == ["says_answer", "mc", "steps"] and mixed.objectives["steps"] == "reasoning"
+    assert comps["says_answer"].tolist() == [2.0, 0.0, 2.0]
+    assert torch.isnan(comps["mc"][0]) and comps["mc"][1] == 0.5  # None: not applicable, as in TRL
+    assert torch.allclose(comps["steps"], 0.5 * batch.step)
+    funcs = mixed.reward_funcs()  # the same reward in a plain trl.GRPOTrainer
+    assert [f.__name__ for f in funcs] == ["says_answer", "mc", "steps"]
+    got = funcs[0](prompts=["p"] * 3, completions=COMPLETIONS, **{k: [r[k] for r in ROWS] for k in ROWS[0]})
+    assert got == [2.0, 0.0, 2.0]
+
+
+def test_a_reward_module_by_import_path_and_by_relative_file(user_file, monkeypatch):
+    monkeypatch.chdir(user_file.parent)
+    module = build_reward("./my_rewards.py:Shortness")
+    assert module.name == "shortness" and load_object("./my_rewards.py:NOT_A_FUNCTION") == 3
+    assert module.total(module.score(COMPLETIONS, ROWS).batch).tolist() == [0.5, 0.5, 0.5]
+    monkeypatch.syspath_prepend(str(user_file.parent))
+    cfg, _ = load_config("tiny.yaml", ["--reward.name", "my_rewards:Shortness", "--reward.params", "{}"])
+    assert cfg.reward.name == "my_rewards:Shortness"
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--reward.name", "no_such_pkg.rewards:R"],
+     "reward 'no_such_pkg.rewards:R': no_such_pkg.rewards does not import (ModuleNotFoundError: No module named "
+     "'no_such_pkg')"),
+    (["--reward.name", "{d}/my_rewards.py:Missing"], "reward '{d}/my_rewards.py:Missing': {d}/my_rewards.py has no "
+                                                      "'Missing'"),
+    (["--reward.name", "{d}/my_rewards.py:says_answer"], "is a function, not a RewardModule subclass (a plain reward "
+                                                          "function goes in reward.components)"),
+    (["--reward.components", "[{fn: '{d}/my_rewards.py:NOT_A_FUNCTION'}]"], "is a int, not a function"),
+    (["--reward.components", "[{fn: '{d}/broken.py:f'}]"], "broken.py does not import (SyntaxError"),
+    (["--reward.components", "[{fn: 'crystal:f1'}]"], "unknown term 'crystal:f1'; crystal: terms are crystal:accuracy"),
+    (["--reward.components", "[{fn: 'crystal:accuracy', weight: two}]"],
+     "reward.components[0].weight: invalid value 'two'; expected float"),
+    (["--reward.components", "[{fn: 'crystal:accuracy', objective: accuracy}, {fn: 'crystal:steps'}]",
+      "--pcgrad", "true"], "reward.components[1].objective: required with pcgrad: true"),
+    (["--reward.name", "composite", "--reward.components", "[{fn: 'crystal:accuracy'}]"],
+     "reward: both name 'composite' and components; give one of them"),
+])
+def test_bad_user_rewards_are_one_line_before_anything_loads(user_file, override, message):
+    (user_file.parent / "broken.py").write_text("def f(:\n")
+    d = str(user_file.parent)
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny.yaml", [o.replace("{d}", d) for o in override])
+    assert message.replace("{d}", d) in str(err.value)
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("one_value", "returned 1 value(s) for 3 completion(s); expected a list with one number (or None) per"),
+    ("words", "returned 'many' for completion 0; expected a number or None"),
+])
+def test_a_function_returning_the_wrong_thing_is_named_at_the_first_batch(user_file, fn, message):
+    module = build_reward("composed", components=[{"fn": f"{user_file}:{fn}"}])
+    with pytest.raises(RewardFunctionError, match=re.escape(f"reward component '{user_file}:{fn}' {message}")):
+        module.score(COMPLETIONS, ROWS)
+
+
+def test_yaml_trains_with_a_reward_from_a_user_file_and_evaluates_with_it(user_file, tmp_path, tiny_lm_path):
+    config = tmp_path / "mine.yaml"
+    raw = yaml.safe_load(Path("configs/tiny.yaml").read_text())
+    raw["model"]["name_or_path"] = str(tiny_lm_path)
+    raw["reward"] = {"params": ENC, "components": [
+        {"fn": f"{user_file}:says_answer", "weight": 1.0, "objective": "accuracy"},
+        {"fn": "crystal:cpr_steps", "weight": 0.35, "objective": "reasoning"}]}
+    raw["pcgrad"] = True
+    raw["training"]["max_steps"] = 2
+    config.write_text(yaml.safe_dump(raw))
+    run = tmp_path / "run"
+    assert grpo.main(["--config", str(config), "--output_dir", str(run)]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss" in r]
+    assert len(trained) == 2 and all("rewards/says_answer/mean" in r and "rewards/cpr_steps/mean" in r
+                                     and "pcgrad/cosine" in r for r in trained)
+    out = tmp_path / "eval"
+    assert evaluate_main(["--model", str(run / "final"), "--data", "data/wordproblems/val.jsonl", "--max_samples", "4",
+                          "--max_new_tokens", "24", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["reward"] == "composed" and "reward" in report["overall"]
