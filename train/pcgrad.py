@@ -225,8 +225,13 @@ class PCGradMixin:
 
     # -- configuration checks ----------------------------------------------------------
     def _pcgrad_objectives(self) -> list[str]:
-        """The objective of each of TRL's reward columns, from the reward module."""
-        return [self.reward.objectives[name] for name in self.reward_func_names]
+        """The objective of each of TRL's reward columns (``CrystalGRPOTrainer.reward_objectives``)."""
+        untagged = [n for n, o in zip(self.reward_func_names, self.reward_objectives) if o is None]
+        if untagged:
+            raise ValueError(f"pcgrad: reward function(s) {untagged} have no objective; tag every reward function "
+                             "with reward_objectives=['accuracy', 'reasoning', ...] (one per function) or a "
+                             "function attribute fn.objective = 'accuracy' | 'reasoning'")
+        return list(self.reward_objectives)
 
     def _pcgrad_check_supported(self) -> None:
         import trl

@@ -29,7 +29,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 
-from crystal_grpo.rewards.base import Batch, RewardModule
+from crystal_grpo.rewards.base import OBJECTIVES, Batch, RewardModule
 from crystal_grpo.train.checkpoints import (
     SPACE_MARGIN,
     DiskFull,
@@ -234,31 +234,62 @@ class CrystalTrainerMixin:
 
 
 class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
-    """``GRPOTrainer(model, reward=RewardModule, args, ...)``: the reward module is explicit.
+    """A drop-in ``trl.GRPOTrainer``: the same constructor, every argument meaning what it
+    means in TRL, plus what this project adds (the non-finite guard, complete-checkpoint
+    markers and ``latest`` resume, Ctrl-C / SIGTERM save, the curriculum sampler, the model
+    card).
 
-    TRL gets one reward function per component (:meth:`RewardModule.reward_funcs`), for its
-    names and per-component logs (``rewards/<component>/mean``); the trainer does not call
-    them but evaluates the module once per generation batch (``_calculate_rewards``).
+    ``reward=`` (a :class:`RewardModule`) replaces ``reward_funcs``: TRL gets one reward
+    function per component, for its names and per-component logs (``rewards/<component>/mean``),
+    but the trainer does not call them; it evaluates the module once per generation batch
+    (``_calculate_rewards``). Without it, ``reward_funcs`` behave exactly as in TRL.
+    ``reward_objectives`` tags each reward function with the objective it serves
+    (``accuracy`` / ``reasoning``; a function's own ``objective`` attribute does too), which
+    PCGrad needs.
     """
 
-    def __init__(self, model: Any, reward: RewardModule, *args: Any, sampler_factory: Callable | None = None,
+    def __init__(self, model: Any, reward_funcs: Any = None, *args: Any, reward: RewardModule | None = None,
+                 reward_objectives: Sequence[str | None] | None = None, sampler_factory: Callable | None = None,
                  **kwargs: Any) -> None:
+        if isinstance(reward_funcs, RewardModule):  # CrystalGRPOTrainer(model, module, ...)
+            reward, reward_funcs = reward_funcs, None
+        if reward is not None and reward_funcs is not None:
+            raise ValueError("CrystalGRPOTrainer: give reward= (a RewardModule) or reward_funcs (as for "
+                             "trl.GRPOTrainer), not both")
+        if reward is None and reward_funcs is None:
+            raise TypeError("CrystalGRPOTrainer needs reward_funcs (as trl.GRPOTrainer) or reward= (a RewardModule)")
         self.reward = reward
         self.sampler_factory = sampler_factory
-        super().__init__(model, reward.reward_funcs(), *args, **kwargs)
-        start = time.perf_counter()
-        pinned = reward.pin_references(self.train_dataset)  # out of the steps, once (MatchF1Scorer.pin)
-        if pinned:
-            logger.info("embedded %d reference steps before training in %.1f s", pinned, time.perf_counter() - start)
+        super().__init__(model, reward.reward_funcs() if reward is not None else reward_funcs, *args, **kwargs)
+        self.reward_objectives = self._objectives(reward_objectives)
+        if reward is not None:
+            start = time.perf_counter()
+            pinned = reward.pin_references(self.train_dataset)  # out of the steps, once (MatchF1Scorer.pin)
+            if pinned:
+                logger.info("embedded %d reference steps before training in %.1f s", pinned,
+                            time.perf_counter() - start)
         if sampler_factory is not None and hasattr(sampler_factory, "callback"):
             self.add_callback(sampler_factory.callback())
 
+    def _objectives(self, given: Sequence[str | None] | None) -> list[str | None]:
+        """Each of TRL's reward functions' objective (None: untagged)."""
+        if self.reward is not None:
+            return [self.reward.objectives[name] for name in self.reward_func_names]
+        if given is None:
+            return [getattr(f, "objective", None) for f in self.reward_funcs]
+        given = list(given)
+        if len(given) != len(self.reward_funcs) or any(o not in (*OBJECTIVES, None) for o in given):
+            raise ValueError(f"reward_objectives {given!r}: expected one of {OBJECTIVES} (or None) for each of the "
+                             f"{len(self.reward_funcs)} reward function(s) {self.reward_func_names}")
+        return given
+
     def crystal_state(self) -> dict:
-        return {**super().crystal_state(), "rewards": {self.reward.name: self.reward.state_dict()}}
+        state = super().crystal_state()
+        return state if self.reward is None else {**state, "rewards": {self.reward.name: self.reward.state_dict()}}
 
     def load_crystal_state(self, state: dict) -> None:
         super().load_crystal_state(state)
-        if self.reward.name in state.get("rewards", {}):
+        if self.reward is not None and self.reward.name in state.get("rewards", {}):
             self.reward.load_state_dict(state["rewards"][self.reward.name])
 
     # -- rewards: one evaluation of the batch ---------------------------------------------
@@ -270,6 +301,8 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
         per-row numbers are gathered so that the components (the composite's batch
         statistics), the verbosity guard and the diagnostics see the whole generation batch.
         """
+        if self.reward is None:  # the user's reward functions, exactly as TRL calls them
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         start = time.perf_counter()
         device = self.accelerator.device
         local = self.reward.score(completions, inputs).batch

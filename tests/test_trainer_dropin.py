@@ -1,0 +1,125 @@
+"""CrystalGRPOTrainer in place of trl.GRPOTrainer: TRL's own expectations of its trainer
+(the behaviours trl's tests/test_grpo_trainer.py checks for the 1.16 line: training changes
+the weights, eval datasets, reward weights, several sync/async reward functions and None
+rewards, PEFT, loss types, num_iterations, completion logging), on the tests' tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOConfig
+
+from crystal_grpo.train.checkpoints import MARKER
+from crystal_grpo.train.trainer import CrystalGRPOTrainer
+
+PROMPTS = ["The sky is", "Two plus two is", "Paris is the capital of", "Water boils at", "A cat has",
+           "The opposite of hot is"]
+DATA = Dataset.from_list([{"prompt": p, "answer": str(i)} for i, p in enumerate(PROMPTS * 2)])
+
+
+def _args(tmp_path, **kw) -> GRPOConfig:
+    base = dict(output_dir=str(tmp_path / "out"), learning_rate=0.1, per_device_train_batch_size=3, num_generations=3,
+                max_completion_length=8, max_steps=2, report_to="none", bf16=False, use_cpu=True, save_strategy="no",
+                logging_steps=1)
+    return GRPOConfig(**{**base, **kw})
+
+
+def reward_len(completions, **kwargs):
+    return [float(len(c)) / 10 for c in completions]
+
+
+def reward_digit(completions, answer, **kwargs):
+    """Reads a dataset column, as TRL passes it; None where it does not apply."""
+    return [None if int(a) % 2 else float(any(ch.isdigit() for ch in c)) for c, a in zip(completions, answer)]
+
+
+async def reward_async(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [float(c.count(" ")) for c in completions]
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _changed(before: dict, model) -> set[str]:
+    return {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+
+
+def test_several_plain_reward_functions_with_weights_eval_and_num_iterations(tmp_path, tiny_lm_path):
+    trainer = CrystalGRPOTrainer(
+        model=str(tiny_lm_path), reward_funcs=[reward_len, reward_digit, reward_async],
+        args=_args(tmp_path, reward_weights=[1.0, 2.0, 0.5], num_iterations=2, log_completions=True,
+                   eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3, save_strategy="steps",
+                   save_steps=1),
+        train_dataset=DATA, eval_dataset=DATA.select(range(3)))
+    before = _params(trainer.model)
+    trainer.train()
+    assert _changed(before, trainer.model), "training changed no weight"
+    logs = trainer.state.log_history
+    train_logs = [r for r in logs if "loss" in r]
+    assert len(train_logs) == 2
+    for name in ("reward_len", "reward_digit", "reward_async"):  # step 2 reuses step 1's batch (num_iterations)
+        assert f"rewards/{name}/mean" in train_logs[0], name
+    assert any("eval_loss" in r or "eval_reward" in r for r in logs), "the eval dataset was not evaluated"
+    assert logs[-1]["train_loss"] is not None
+    assert (Path(trainer.args.output_dir) / "checkpoint-1" / MARKER).is_file()  # what this project adds
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "dapo"])
+def test_loss_types(tmp_path, tiny_lm_path, loss_type):
+    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=reward_len,
+                                 args=_args(tmp_path, loss_type=loss_type), train_dataset=DATA)
+    before = _params(trainer.model)
+    trainer.train()
+    assert _changed(before, trainer.model)
+
+
+def test_peft_trains_only_the_adapter(tmp_path, tiny_lm_path):
+    from peft import LoraConfig
+
+    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=reward_len, args=_args(tmp_path),
+                                 train_dataset=DATA, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    before = _params(trainer.model)
+    trainer.train()
+    changed = _changed(before, trainer.model)
+    assert changed and all("lora" in n for n in changed)
+
+
+def test_pcgrad_with_tagged_plain_functions_and_a_clear_error_without_tags(tmp_path, tiny_lm_path):
+    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
+
+    with pytest.raises(ValueError, match=re.escape("pcgrad: reward function(s) ['reward_len', 'reward_async'] have "
+                                                   "no objective; tag every reward function")):
+        PCGradGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[reward_len, reward_async], args=_args(tmp_path),
+                          train_dataset=DATA)
+    with pytest.raises(ValueError, match="reward_objectives \\['accuracy'\\]: expected one of"):
+        CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[reward_len, reward_async],
+                           reward_objectives=["accuracy"], args=_args(tmp_path), train_dataset=DATA)
+    trainer = PCGradGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[reward_len, reward_async],
+                                reward_objectives=["accuracy", "reasoning"], args=_args(tmp_path, max_steps=1),
+                                train_dataset=DATA)
+    trainer.train()
+    assert "pcgrad/cosine" in trainer.state.log_history[0]
+
+
+def test_the_readme_script_runs_with_two_lines_changed_from_trl(tmp_path, tiny_lm_path, monkeypatch):
+    readme = Path("README.md").read_text()
+    script = readme.split("### Use it from your own code", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    changed = [line for line in script.splitlines() if "# was:" in line]
+    assert len(changed) == 2, changed
+    trl_script = script.replace("from crystal_grpo.train.trainer import CrystalGRPOTrainer",
+                                "from trl import GRPOTrainer as CrystalGRPOTrainer")
+    for code, out in ((script, "crystal"), (trl_script, "trl")):  # the same script runs on both trainers
+        code = code.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(tiny_lm_path)))
+        code = code.replace('output_dir="runs/mine"', f'output_dir={str(tmp_path / out)!r}, use_cpu=True, bf16=False')
+        namespace: dict = {}
+        exec(compile(code, f"README.md ({out})", "exec"), namespace)
+        assert namespace["trainer"].state.global_step == 2
+    assert (tmp_path / "crystal" / "checkpoint-2" / MARKER).is_file()
+    assert not (tmp_path / "trl" / "checkpoint-2" / MARKER).exists()
