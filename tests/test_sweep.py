@@ -256,3 +256,13 @@ def test_a_point_is_evaluated_at_its_final_weights_and_at_its_best_checkpoint_wh
     (folder / "best_checkpoint.json").write_text(json.dumps({**best, "step": 1, "checkpoint": "checkpoint-1"}))
     shutil.rmtree(folder / "checkpoint-2")  # the last checkpoint rotated away (save_total_limit): still "another"
     assert sw.eval_targets(folder) == {"eval": folder / "final", "eval_best": folder / "checkpoint-1"}
+    # the report reads each from its own evaluation; one not evaluated yet is missing, never the other's numbers
+    from crystal_grpo.train.sweep_report import point_metrics
+
+    (folder / "eval").mkdir(exist_ok=True)
+    (folder / "eval" / "report.json").write_text(json.dumps({"overall": {"accuracy": {"value": 0.5}}}))
+    row = point_metrics(folder)
+    assert row["eval_accuracy"] == 0.5 and row.get("eval_best_accuracy") is None
+    (folder / "eval_best").mkdir()
+    (folder / "eval_best" / "report.json").write_text(json.dumps({"overall": {"accuracy": {"value": 0.25}}}))
+    assert point_metrics(folder)["eval_best_accuracy"] == 0.25

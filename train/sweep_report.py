@@ -27,7 +27,7 @@ import numpy as np
 from crystal_grpo.rewards.base import METRICS
 from crystal_grpo.train.checkpoints import atomic_write_text, read_json
 from crystal_grpo.train.summary import Phase, read_phases, slope
-from crystal_grpo.train.sweep import Sweep, is_done, read_status
+from crystal_grpo.train.sweep import Sweep, eval_targets, is_done, read_status
 
 #: The validation metrics of the table (the best checkpoint's), in METRICS order.
 BEST = tuple(m for m in METRICS if m != "reward")
@@ -87,10 +87,10 @@ def point_metrics(folder: Path) -> dict[str, Any]:
     skipped = [v for _, v in _train_values(phase, "nonfinite_skipped_total")]
     out["nonfinite_skipped"] = max(skipped) if skipped else 0.0
     out["format_collapse_step"] = collapse_step(phase.validation)
-    for name in ("eval", "eval_best"):  # the final weights; the best checkpoint when it is another
-        report = read_json(folder / name / "report.json") or (read_json(folder / "eval" / "report.json")
-                                                              if name == "eval_best" else None)
-        if report:
+    best_is_final = "eval_best" not in eval_targets(folder)
+    for name in ("eval", "eval_best"):  # the final weights; the best checkpoint (the same when it is the final step)
+        report = read_json(folder / ("eval" if name == "eval_best" and best_is_final else name) / "report.json")
+        if report:  # not evaluated yet: left out, never stood in for by another checkpoint
             out.update({f"{name}_{m}": (report["overall"].get(m) or {}).get("value") for m in EVAL})
     return out
 
