@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 from trl import GRPOConfig
 
 from crystal_grpo.train.checkpoints import MARKER
@@ -116,3 +117,18 @@ def test_the_readme_script_runs_with_two_lines_changed_from_trl(tmp_path, tiny_l
         assert namespace["trainer"].state.global_step == 2
     assert (tmp_path / "crystal" / "checkpoint-2" / MARKER).is_file()
     assert not (tmp_path / "trl" / "checkpoint-2" / MARKER).exists()
+
+
+def test_resume_true_takes_the_newest_complete_checkpoint(tmp_path, tiny_lm_path):
+    """HF's ``resume_from_checkpoint=True`` takes the newest folder; ours skips one a kill left incomplete."""
+    args = _args(tmp_path, save_strategy="steps", save_steps=1, max_steps=2)
+    CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=reward_len, args=args, train_dataset=DATA).train()
+    out = Path(args.output_dir)
+    (out / "checkpoint-2" / MARKER).unlink()  # as if killed while writing checkpoint-2
+    again = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=reward_len, args=args, train_dataset=DATA)
+    started = []
+    again.add_callback(type("Start", (TrainerCallback,), {
+        "on_train_begin": lambda self, args, state, control, **kw: started.append(state.global_step)})())
+    again.train(resume_from_checkpoint=True)
+    assert started == [1]  # from checkpoint-1 (HF's True would take the incomplete checkpoint-2)
+    assert (out / "checkpoint-2" / MARKER).is_file()  # step 2 trained and saved again

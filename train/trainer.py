@@ -46,6 +46,7 @@ from crystal_grpo.train.checkpoints import (
     disk_full,
     free_bytes,
     optimizer_settings,
+    resolve_resume,
     remove_marker,
     space_report,
     write_marker,
@@ -206,6 +207,13 @@ class CrystalTrainerMixin:
         finally:
             self.remove_callback(stop)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``True`` or ``"latest"`` resume from the newest *complete* checkpoint of ``output_dir``
+        (HF's own ``True`` takes the newest folder, complete or not); none yet: a fresh start."""
+        if resume_from_checkpoint is True or resume_from_checkpoint == "latest":
+            resume_from_checkpoint = resolve_resume(self.args.output_dir, "latest", say=logger.info)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _issue_warnings_after_load(self, load_result: Any) -> None:
         """A resumed checkpoint has no ``lm_head.weight`` when it is tied to the embeddings (it is
