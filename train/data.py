@@ -114,9 +114,7 @@ def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | Non
         rows = _json_array(path)
     else:
         rows = list(iter_jsonl(path))
-    if not columns:
-        return rows
-    return [(no, _rename(row, columns)) for no, row in rows]
+    return [(no, _with_image_files(_rename(row, columns) if columns else row)) for no, row in rows]
 
 
 def _first_char(path: Path) -> str:
@@ -243,14 +241,29 @@ def _image_paths(row: dict, base: Path) -> list[Path]:
 
 
 def _image_path(x: Any, base: Path) -> Path:
-    """A path as given (relative to the data), or the stored copy of an image held in the data
-    (``datasets``' ``{"bytes", "path"}`` form, or raw bytes)."""
-    if isinstance(x, dict) and x.get("bytes"):
-        return _stored_image(x["bytes"], str(x.get("path") or ""))
-    if isinstance(x, (bytes, bytearray)):
-        return _stored_image(bytes(x), "")
+    """A path as given, relative to the data (``datasets``' ``{"path"}`` form too)."""
     p = Path(str(x["path"] if isinstance(x, dict) and x.get("path") else x))
     return p if p.is_absolute() else base / p
+
+
+def _embedded(x: Any) -> bool:
+    return isinstance(x, (bytes, bytearray)) or (isinstance(x, dict) and bool(x.get("bytes")))
+
+
+def _with_image_files(row: Any) -> Any:
+    """The row with each image held in the data (``datasets``' ``{"bytes", "path"}`` form, or
+    raw bytes) replaced by the path of its stored copy: written and hashed once, at reading,
+    and the row stays JSON (``build_references`` writes rows back)."""
+    if not isinstance(row, dict):
+        return row
+    for key in ("images", "image"):
+        value = row.get(key)
+        items = value if isinstance(value, list) else [value]
+        if any(_embedded(x) for x in items):
+            stored = [(str(_stored_image(x["bytes"], str(x.get("path") or ""))) if isinstance(x, dict)
+                       else str(_stored_image(bytes(x), ""))) if _embedded(x) else x for x in items]
+            row = {**row, key: stored if isinstance(value, list) else stored[0]}
+    return row
 
 
 def _image_problem(path: Path) -> list[str]:
