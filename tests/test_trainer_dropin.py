@@ -39,6 +39,11 @@ def reward_digit(completions, answer, **kwargs):
     return [None if int(a) % 2 else float(any(ch.isdigit() for ch in c)) for c, a in zip(completions, answer)]
 
 
+def reward_position(completions, **kwargs):
+    """0, 1, 2 within each group of 3: every group has an advantage whatever the model samples."""
+    return [float(i % 3) for i in range(len(completions))]
+
+
 async def reward_async(completions, **kwargs):
     await asyncio.sleep(0)
     return [float(c.count(" ")) for c in completions]
@@ -54,7 +59,7 @@ def _changed(before: dict, model) -> set[str]:
 
 def test_several_plain_reward_functions_with_weights_eval_and_num_iterations(tmp_path, tiny_lm_path):
     trainer = CrystalGRPOTrainer(
-        model=str(tiny_lm_path), reward_funcs=[reward_len, reward_digit, reward_async],
+        model=str(tiny_lm_path), reward_funcs=[reward_position, reward_digit, reward_async],
         args=_args(tmp_path, reward_weights=[1.0, 2.0, 0.5], num_iterations=2, log_completions=True,
                    eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3, save_strategy="steps",
                    save_steps=1),
@@ -65,7 +70,7 @@ def test_several_plain_reward_functions_with_weights_eval_and_num_iterations(tmp
     logs = trainer.state.log_history
     train_logs = [r for r in logs if "loss" in r]
     assert len(train_logs) == 2
-    for name in ("reward_len", "reward_digit", "reward_async"):  # step 2 reuses step 1's batch (num_iterations)
+    for name in ("reward_position", "reward_digit", "reward_async"):  # step 2 reuses step 1's batch (num_iterations)
         assert f"rewards/{name}/mean" in train_logs[0], name
     assert any("eval_loss" in r or "eval_reward" in r for r in logs), "the eval dataset was not evaluated"
     assert logs[-1]["train_loss"] is not None
@@ -76,7 +81,7 @@ def test_peft_trains_only_the_adapter_with_another_loss_type(tmp_path, tiny_lm_p
     """(TRL's default loss, dapo, is the first test's; the README's runs use it too.)"""
     from peft import LoraConfig
 
-    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=reward_len,
+    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=reward_position,
                                  args=_args(tmp_path, loss_type="dr_grpo"),
                                  train_dataset=DATA, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     before = _params(trainer.model)
