@@ -1,4 +1,5 @@
-"""Reading JSON Lines: the one reader for data files, prediction files and run logs.
+"""JSON files: the one JSON Lines reader (data files, prediction files, run logs) and the
+atomic writer and forgiving reader of the JSON records a run keeps.
 
 Every consumer needs the same per-line facts (line number, the parsed value or why the
 line is unreadable) and differs only in what it does with a bad line: data and
@@ -9,6 +10,7 @@ cut off when the run was killed).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,3 +49,20 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [row for _, row in iter_jsonl(path) if isinstance(row, dict)]
     except OSError:
         return []
+
+
+# --- JSON records that a kill must not leave half-written ---------------------------------
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write-then-rename: readers see the old file or the new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path: str | Path) -> Any:
+    """The parsed file, or None when it is missing or unreadable (e.g. written by an older version)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

@@ -18,7 +18,8 @@ from crystal_grpo.rewards.base import RewardConfig, RewardModule
 from crystal_grpo.rewards.composite import CompositeConfig, CompositeReward
 from crystal_grpo.rewards.cpr import CPRConfig, CPRReward, cpr_reward
 from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
-from crystal_grpo.rewards.user import ComposedConfig, ComposedReward, reward_class
+from crystal_grpo.rewards.user import ComposedConfig, ComposedReward, RewardImportError, load_object
+from crystal_grpo.typed import ConfigError
 
 #: Reward name (``reward.name`` in a config) -> module class. A new reward is one file with a
 #: ``RewardModule`` subclass plus one line here; from outside this package, ``reward.name:
@@ -39,6 +40,20 @@ def register_reward(cls: type[RewardModule]) -> type[RewardModule]:
         raise ValueError(f"{cls.__name__}.name is empty: a registered reward needs the name configs use")
     REWARDS[cls.name] = cls
     return cls
+
+
+def reward_class(name: str) -> type[RewardModule]:
+    """A ``reward.name``: registered (``REWARDS``) or an import path to a RewardModule subclass."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" not in name:
+        raise ConfigError(f"reward.name: invalid value {name!r}; expected one of {', '.join(map(repr, REWARDS))}, "
+                          "or a RewardModule subclass as 'package.module:Name' or 'path/file.py:Name'")
+    obj = load_object(name)
+    if not (isinstance(obj, type) and issubclass(obj, RewardModule)):
+        raise RewardImportError(f"reward {name!r} is a {type(obj).__name__}, not a RewardModule subclass (a "
+                                "plain reward function goes in reward.components)")
+    return obj
 
 
 def reward_params(name: str) -> dict[str, Any]:

@@ -26,14 +26,16 @@ from crystal_grpo.rewards.answers import answers_match
 from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 from crystal_grpo.rewards.verbosity import VerbosityGuard
+from crystal_grpo.metrics import VALIDATION
 from crystal_grpo.typed import ConfigError, from_dict, option
 
 #: What a reward component serves; PCGrad splits the advantage on it (docs/method.md section 6).
 Objective = Literal["accuracy", "reasoning"]
 OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
-#: What validation and evaluation report, in this order (``RewardModule.metrics``).
-Metric = Literal["accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate", "steps_mean", "reward"]
-METRICS: tuple[str, ...] = typing.get_args(Metric)
+#: What validation and evaluation report, in this order (``RewardModule.metrics``): the
+#: metric table's ``reward`` rows (crystal_grpo/metrics.py).
+METRICS: tuple[str, ...] = VALIDATION
+Metric = Literal[METRICS]  # type: ignore[valid-type]
 
 #: A completion with more predicted steps than this scores step metrics 0 (F1, precision
 #: and recall) without embedding any of its steps. Measured on 2 CPU cores, one completion

@@ -84,22 +84,6 @@ def load_object(spec: str, what: str = "reward") -> Any:
     return getattr(module, attr)
 
 
-def reward_class(name: str) -> type[RewardModule]:
-    """A ``reward.name``: registered (``REWARDS``) or an import path to a RewardModule subclass."""
-    from crystal_grpo.rewards import REWARDS
-
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" not in name:
-        raise ConfigError(f"reward.name: invalid value {name!r}; expected one of {', '.join(map(repr, REWARDS))}, "
-                          "or a RewardModule subclass as 'package.module:Name' or 'path/file.py:Name'")
-    obj = load_object(name)
-    if not (isinstance(obj, type) and issubclass(obj, RewardModule)):
-        raise RewardImportError(f"reward {name!r} is a {type(obj).__name__}, not a RewardModule subclass (a "
-                                "plain reward function goes in reward.components)")
-    return obj
-
-
 @dataclass
 class ComponentSpec:
     """One term of a composed reward (``reward.components`` of a run config)."""

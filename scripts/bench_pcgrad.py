@@ -5,7 +5,7 @@ for full fine-tuning and LoRA on the same tiny model (one table, one run).
     python scripts/bench_pcgrad.py [--model .cache/models/tiny-qwen2] [--pairs 10] [--warmup 2]
                                    [--batch 8] [--completion_length 32] [--beta 0.04] [--threads N]
 
-Workload: TRL GRPO steps through ``train.trainer.trainer_class`` exactly as ``train/grpo.py``
+Workload: TRL GRPO steps through ``train.pcgrad.trainer_class`` exactly as ``train/grpo.py``
 builds it (loss_type grpo, beta 0.04 so the KL term and its third backward pass are on,
 scale_rewards group), ``--batch`` completions per step (``num_generations`` 4), prompts
 from data/wordproblems/train.jsonl, sampled completions of ``--completion_length`` tokens.
@@ -115,7 +115,7 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
-    from crystal_grpo.train.trainer import trainer_class
+    from crystal_grpo.train.pcgrad import trainer_class
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -8,12 +8,12 @@ overall (with 95% bootstrap intervals), per source, complexity tier and step cou
     python scripts/evaluate.py --compare eval/a eval/b
     accelerate launch scripts/evaluate.py ...                        # rows split over processes
 
-The logic lives in crystal_grpo.train.evaluate (generation: crystal_grpo.train.generation).
+The logic lives in crystal_grpo.train.tools.evaluate (generation: crystal_grpo.train.generation).
 """
 
 import sys
 
-from crystal_grpo.train.evaluate import main
+from crystal_grpo.train.tools.evaluate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,12 +6,12 @@
     python scripts/sweep.py configs/sweeps/reward_ablation.yaml --report        # aggregate what has finished
     python scripts/sweep.py configs/sweeps/tiny.yaml --output_dir /tmp/sw        # the sweep folder
 
-The logic lives in crystal_grpo.train.sweep (the report: crystal_grpo.train.sweep_report).
+The logic lives in crystal_grpo.train.tools.sweep (the report: crystal_grpo.train.tools.sweep_report).
 """
 
 import sys
 
-from crystal_grpo.train.sweep import main
+from crystal_grpo.train.tools.sweep import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,7 +20,6 @@ from transformers import TrainerCallback
 
 from crystal_grpo.train import grpo
 from crystal_grpo.train.checkpoints import (
-    MARKER,
     checkpoint_problem,
     latest_complete,
     resolve_resume,
@@ -28,6 +27,7 @@ from crystal_grpo.train.checkpoints import (
     write_marker,
 )
 from crystal_grpo.train.config import load_config
+from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
 from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, wait_for
 

@@ -15,9 +15,9 @@ import pytest
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards import score as score_cli
-from crystal_grpo.train import evaluate as ev
-from crystal_grpo.train import grpo
-from crystal_grpo.train.eval_report import compare
+from crystal_grpo.train.tools import evaluate as ev
+from crystal_grpo.train import grpo, predictions
+from crystal_grpo.train.tools.eval_report import compare
 
 DATA = "data/wordproblems/val.jsonl"
 N = 6
@@ -112,7 +112,7 @@ def test_a_cut_off_line_and_a_row_with_some_samples_are_generated_again(tmp_path
     path = tmp_path / "predictions.jsonl"
     line = lambda i, k: json.dumps({"id": i, "sample": k, "completion": "x"}) + "\n"  # noqa: E731
     path.write_text(line("a", 0) + line("a", 1) + line("b", 0) + line("c", 0)[:-9])
-    assert ev._resume_point(path, ["a", "b", "c"], num_samples=2) == [1, 2]
+    assert predictions._resume_point(path, ["a", "b", "c"], num_samples=2) == [1, 2]
     assert path.read_text() == line("a", 0) + line("a", 1)
 
 

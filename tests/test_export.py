@@ -23,7 +23,7 @@ import torch
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.train import grpo
-from crystal_grpo.train.export import export, main
+from crystal_grpo.train.tools.export import export, main
 
 PHASES = ("[{name: grpo, init_from: none, overrides: {training: {max_steps: 2, max_completion_length: 32}}}, "
           "{name: lora, trainer: sft, init_from: last, overrides: {model: {lora: {r: 4, alpha: 8, dropout: 0.0}}, "

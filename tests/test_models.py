@@ -319,7 +319,7 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     baseline gets exactly the same overrides as the framework's runs."""
     import argparse
 
-    from crystal_grpo.train import bench
+    from crystal_grpo.train.tools import bench
     from crystal_grpo.train.config import load_config
 
     a = argparse.Namespace(dtype="bfloat16", encoder="packaged:all-MiniLM-L6-v2", warmup=1, steps=2,
@@ -330,7 +330,7 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     configs = {}
     for setting in names:
         cmd = bench.command(setting, "some/model", tmp_path / setting, a, cuda)
-        at = cmd.index("crystal_grpo.train.bench")
+        at = cmd.index("crystal_grpo.train.tools.bench")
         assert cmd[at + 1] == ("trl" if setting.startswith("trl") else "grpo")
         overrides = cmd[at + 2:]
         for flag in ("--config", "--output_dir"):  # the entry's own arguments, not config keys

@@ -232,7 +232,7 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from crystal_grpo.train.trainer import trainer_class
+    from crystal_grpo.train.pcgrad import trainer_class
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # named_parameters, not the state dict: tied weights (embeddings / lm_head) count once.
@@ -437,7 +437,8 @@ def test_only_pcgrad_runs_get_the_pcgrad_trainer_and_liger_is_refused(pcg_model,
     from trl import GRPOConfig
 
     from crystal_grpo.train.pcgrad import PCGradGRPOTrainer, PCGradMixin
-    from crystal_grpo.train.trainer import CrystalGRPOTrainer, trainer_class
+    from crystal_grpo.train.pcgrad import trainer_class
+    from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
     assert trainer_class(False) is CrystalGRPOTrainer and PCGradMixin not in CrystalGRPOTrainer.__mro__
     assert trainer_class(True) is PCGradGRPOTrainer and issubclass(PCGradGRPOTrainer, CrystalGRPOTrainer)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from crystal_grpo.train.plot import phase_series, plot_run
-from crystal_grpo.train.summary import format_summary, phase_dirs, run_summary, slope, write_summary
+from crystal_grpo.train.layout import phase_folders
+from crystal_grpo.train.summary import format_summary, run_summary, slope, write_summary
 
 # A least-squares slope of 0.4 per step; the endpoints alone would say (3 - 1) / 3.
 REWARDS = [1.0, 4.0, 2.0, 3.0]
@@ -85,7 +86,7 @@ def test_phase_series_puts_every_phase_on_the_cumulative_step_axis(multi_run):
 def test_phase_folders_are_ordered_by_number(tmp_path):
     for name in ("phase10-j", "phase2-b", "phase1-a", "checkpoint-3", "phase-x"):
         (tmp_path / name).mkdir()
-    assert [name for name, _ in phase_dirs(tmp_path)] == ["a", "b", "j"]
+    assert [name for name, _ in phase_folders(tmp_path)] == ["a", "b", "j"]
 
 
 def test_plot_run_writes_the_multi_phase_png_into_the_run_folder(multi_run):

@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from crystal_grpo.train import grpo, sweep
-from crystal_grpo.train.checkpoints import MARKER, checkpoint_problem
+from crystal_grpo.train import grpo
+from crystal_grpo.train.tools import sweep
+from crystal_grpo.train.checkpoints import checkpoint_problem
+from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.config import apply_phase, load_config
-from crystal_grpo.train.run_folder import LOCK, RECORD, RunFolderError, RunLock, config_diff
+from crystal_grpo.train.layout import LOCK, RECORD
+from crystal_grpo.train.run_folder import RunFolderError, RunLock, config_diff
 from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
 
 QUICK = ["--validation.eval_steps", "2", "--validation.max_samples", "2", "--training.save_steps", "2"]
@@ -285,7 +288,7 @@ def test_two_processes_report_missing_pieces_once(tmp_path, free_port):
 def test_kill_trials_compare_finds_a_repeated_step_a_changed_value_and_other_weights(tmp_path):
     from safetensors.torch import save_file
 
-    from crystal_grpo.train.kill_trials import compare
+    from crystal_grpo.train.tools.kill_trials import compare
 
     def folder(name: str, steps: list[int], loss: float, weight: float) -> Path:
         run = tmp_path / name

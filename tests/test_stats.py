@@ -1,4 +1,4 @@
-"""Seed-aware statistics (train/stats.py): the two-level bootstrap covers a true difference
+"""Seed-aware statistics (train/tools/stats.py): the two-level bootstrap covers a true difference
 of zero at about its nominal rate when seeds scatter, where a bootstrap over rows alone does
 not; the per-seed Welch test and the seeds a difference would need."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from crystal_grpo.train.stats import bootstrap_ci, seed_test, seeds_needed, two_level_ci
+from crystal_grpo.train.tools.stats import bootstrap_ci, seed_test, seeds_needed, two_level_ci
 
 
 def test_identical_arms_cover_zero_at_about_the_nominal_rate_and_rows_alone_do_not():

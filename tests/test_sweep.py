@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crystal_grpo.train import sweep as sw
-from crystal_grpo.train.run_folder import PHASE_DONE
-from crystal_grpo.train.sweep_report import build, markdown, point_metrics
+from crystal_grpo.train.tools import sweep as sw
+from crystal_grpo.train.tools import sweep_report
+from crystal_grpo.train.layout import PHASE_DONE, POINT_LOG, SUMMARY, SWEEP_POINT
+from crystal_grpo.train.tools.sweep_report import build, markdown, point_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
@@ -114,7 +115,7 @@ def test_emit_slurm_is_valid_bash_with_one_task_a_point(tmp_path):
     lines = sw.emit(sweep, "commands").splitlines()
     assert len(lines) == 6 and all("--resume_from_checkpoint latest" in line for line in lines)
     for p in sweep.points:  # every point's resolved config is saved with its folder
-        record = json.loads((tmp_path / "w" / p.name / sw.POINT_FILE).read_text())
+        record = json.loads((tmp_path / "w" / p.name / SWEEP_POINT).read_text())
         assert record["resolved"]["reward"]["params"]["answer_weight"] == p.overrides["reward.params.answer_weight"]
 
 
@@ -150,7 +151,7 @@ def test_tiny_sweep_report_equals_the_points_own_files(tiny_sweep):
         logged = [json.loads(x) for x in (out / point.name / "metrics.jsonl").read_text().splitlines()]
         kl = [r["kl_max"] for r in logged if "kl_max" in r]
         assert arm["mean"]["kl_max"] == pytest.approx(max(kl))
-        record = json.loads((out / point.name / sw.POINT_FILE).read_text())
+        record = json.loads((out / point.name / SWEEP_POINT).read_text())
         weight = record["resolved"]["reward"]["params"]["answer_weight"]
         key = "reward.params.answer_weight"
         assert weight == point.overrides[key] == arm["overrides"][key]
@@ -163,10 +164,10 @@ def test_tiny_sweep_report_equals_the_points_own_files(tiny_sweep):
 
 
 def test_rerun_skips_finished_points(tiny_sweep):
-    logs = {p.name: (tiny_sweep.output_dir / p.name / sw.LOG_FILE).read_bytes() for p in tiny_sweep.points}
+    logs = {p.name: (tiny_sweep.output_dir / p.name / POINT_LOG).read_bytes() for p in tiny_sweep.points}
     assert sw.run_sweep(tiny_sweep, say=lambda _: None) == {p.name: "skipped" for p in tiny_sweep.points}
     for p in tiny_sweep.points:
-        assert (tiny_sweep.output_dir / p.name / sw.LOG_FILE).read_bytes() == logs[p.name]
+        assert (tiny_sweep.output_dir / p.name / POINT_LOG).read_bytes() == logs[p.name]
 
 
 def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tmp_path):
@@ -177,10 +178,10 @@ def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tmp_p
     # as if killed after checkpoint-1 was written: later checkpoints and the end markers are gone
     for gone in ("checkpoint-2", "final"):
         shutil.rmtree(folder / gone)
-    (folder / sw.DONE_FILE).unlink()
+    (folder / SUMMARY).unlink()
     (folder / PHASE_DONE).unlink()
     assert sw.run_point(sweep, point, say=lambda _: None) == "done"
-    log = (folder / sw.LOG_FILE).read_text()
+    log = (folder / POINT_LOG).read_text()
     assert f"resuming from {folder / 'checkpoint-1'}" in log
     assert (folder / "final").is_dir() and (folder / "checkpoint-2").is_dir()
 
@@ -195,7 +196,7 @@ points:
 """)
     sweep = sw.load_sweep(path, tmp_path / "out")
     assert sw.run_sweep(sweep, say=lambda _: None) == {"broken": "failed", "fine": "done"}
-    status = json.loads((sweep.output_dir / sw.STATUS_FILE).read_text())
+    status = json.loads((sweep.output_dir / sweep_report.STATUS_FILE).read_text())
     assert status["broken"]["returncode"] == 2 and "no-such-model" in status["broken"]["log_tail"]
     report = build(sweep)
     assert [p["status"] for p in report["points"]] == ["failed", "done"]
@@ -208,7 +209,7 @@ points:
 
 
 def test_collapse_and_divergence_are_reported():
-    from crystal_grpo.train.sweep_report import collapse_step, divergence
+    from crystal_grpo.train.tools.sweep_report import collapse_step, divergence
 
     val = [{"step": 0, "format_rate": 0.9}, {"step": 4, "format_rate": 0.6}, {"step": 8, "format_rate": 0.3}]
     assert collapse_step(val) == 8
@@ -221,7 +222,7 @@ def test_collapse_and_divergence_are_reported():
 def test_the_report_compares_arms_with_seed_aware_intervals(tmp_path):
     """Two arms x 3 seeds of evaluation files: the report's interval resamples seeds, so an arm
     whose seeds disagree gets a wide interval and a Welch p, not a row-only 'significant' one."""
-    from crystal_grpo.train.sweep_report import paired_on_eval
+    from crystal_grpo.train.tools.sweep_report import paired_on_eval
 
     path = write(tmp_path, f"""
 base: {REPO / 'configs' / 'tiny.yaml'}
@@ -252,12 +253,12 @@ eval: {{data: data/wordproblems/val.jsonl}}
 def test_a_point_is_evaluated_at_its_final_weights_and_at_its_best_checkpoint_when_another(tiny_sweep, tmp_path):
     folder = shutil.copytree(tiny_sweep.output_dir / tiny_sweep.points[0].name, tmp_path / "p")
     best = json.loads((folder / "best_checkpoint.json").read_text())
-    assert best["checkpoint"] == "checkpoint-2" and sw.eval_targets(folder) == {"eval": folder / "final"}
+    assert best["checkpoint"] == "checkpoint-2" and sweep_report.eval_targets(folder) == {"eval": folder / "final"}
     (folder / "best_checkpoint.json").write_text(json.dumps({**best, "step": 1, "checkpoint": "checkpoint-1"}))
     shutil.rmtree(folder / "checkpoint-2")  # the last checkpoint rotated away (save_total_limit): still "another"
-    assert sw.eval_targets(folder) == {"eval": folder / "final", "eval_best": folder / "checkpoint-1"}
+    assert sweep_report.eval_targets(folder) == {"eval": folder / "final", "eval_best": folder / "checkpoint-1"}
     # the report reads each from its own evaluation; one not evaluated yet is missing, never the other's numbers
-    from crystal_grpo.train.sweep_report import point_metrics
+    from crystal_grpo.train.tools.sweep_report import point_metrics
 
     (folder / "eval").mkdir(exist_ok=True)
     (folder / "eval" / "report.json").write_text(json.dumps({"overall": {"accuracy": {"value": 0.5}}}))

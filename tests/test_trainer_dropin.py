@@ -15,7 +15,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig
 
-from crystal_grpo.train.checkpoints import MARKER
+from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
 PROMPTS = ["The sky is", "Two plus two is", "Paris is the capital of", "Water boils at", "A cat has",

@@ -13,9 +13,18 @@ from transformers import TrainerCallback
 
 from crystal_grpo.distributed import gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.metrics import better
 from crystal_grpo.rewards.base import METRICS, Metric, RewardModule
-from crystal_grpo.train.checkpoints import atomic_write_text, read_json
 from crystal_grpo.train.generation import Engine, Sampling, generate
+from crystal_grpo.train.layout import (
+    BEST,
+    METRICS_LOG,
+    VALIDATION_LOG,
+    BestCheckpoint,
+    read_best,
+    samples_file,
+    write_best,
+)
 from crystal_grpo.train.lora_merge import merged_adapters
 from crystal_grpo.typed import option
 
@@ -28,7 +37,7 @@ class ValidationSection:
     max_samples: Union[int, None] = option(None, "Cap on validation rows (None: all).", ge=1)
     max_new_tokens: int = option(256, "Greedy generation length.", ge=1)
     batch_size: int = option(8, "Generation batch size per process.", ge=1)
-    metric: Metric = option("accuracy", "Best checkpoint by this metric (any of rewards.base.METRICS).")
+    metric: Metric = option("accuracy", "Best checkpoint by this metric (a validation metric of the metric table, crystal_grpo/metrics.py).")
     at_start: bool = option(True, "Also validate before the first step (step 0), so every curve shows where it "
                             "began; not a best-checkpoint candidate (no checkpoint holds those weights).")
 
@@ -47,24 +56,20 @@ class ValidationCallback(TrainerCallback):
         self.run_dir = Path(run_dir)
         # A resumed run keeps the record; its log was truncated to the checkpoint's step, so a
         # best found after that step is forgotten (that checkpoint will be written again).
-        self.best: dict | None = None
+        self.best: BestCheckpoint | None = None
         self.last_step = -1
-        best = self.run_dir / "best_checkpoint.json"
-        rows = read_jsonl(self.run_dir / "validation.jsonl")
+        rows = read_jsonl(self.run_dir / VALIDATION_LOG)
         if rows:
             self.last_step = rows[-1]["step"]
-        if best.exists():
-            self.best = read_json(best)
-            if self.best is None or self.best["step"] > self.last_step:
+        if (self.run_dir / BEST).exists():
+            self.best = read_best(self.run_dir)
+            if self.best is None or self.best.step > self.last_step:
                 self.best = None
                 for row in rows:  # replay the record up to the resumed step (step 0 is no candidate)
                     if row["step"] > 0:
                         self._record(row["step"], {k: row[k] for k in METRICS if k in row})
                 if trainer.is_world_process_zero():
-                    if self.best is None:
-                        best.unlink()
-                    else:
-                        atomic_write_text(best, json.dumps(self.best, indent=2))
+                    write_best(self.run_dir, self.best)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.cfg.at_start and state.global_step == 0 and self.last_step < 0:
@@ -107,9 +112,9 @@ class ValidationCallback(TrainerCallback):
         metrics = self.module.metrics(self.module.score(completions, rows, with_steps=True).batch)
         self.last_step = state.global_step
         if trainer.is_world_process_zero():
-            with open(self.run_dir / "validation.jsonl", "a") as fh:
+            with open(self.run_dir / VALIDATION_LOG, "a") as fh:
                 fh.write(json.dumps({"step": state.global_step, **metrics}) + "\n")
-            with open(self.run_dir / f"validation_samples_step{state.global_step}.jsonl", "w") as fh:
+            with open(self.run_dir / samples_file(state.global_step), "w") as fh:
                 for r, c in zip(rows[:20], completions[:20]):
                     fh.write(json.dumps({"id": r["id"], "completion": c}) + "\n")
         logged = {f"val_{k}": v for k, v in metrics.items() if math.isfinite(v)}
@@ -119,21 +124,20 @@ class ValidationCallback(TrainerCallback):
         else:
             trainer.log(logged)
         if when != "start" and self._record(state.global_step, metrics):
-            state.best_metric = self.best["value"]
-            state.best_model_checkpoint = str(Path(trainer.args.output_dir) / self.best["checkpoint"])
+            state.best_metric = self.best.value
+            state.best_model_checkpoint = str(Path(trainer.args.output_dir) / self.best.checkpoint)
             if when == "step":
                 control.should_save = True
             if trainer.is_world_process_zero():
-                atomic_write_text(self.run_dir / "best_checkpoint.json", json.dumps(self.best, indent=2))
+                write_best(self.run_dir, self.best)
         return metrics
 
     def _record(self, step: int, metrics: dict[str, float]) -> bool:
         """Make this step the best one if its metric beats the record; True when it does."""
         value = metrics.get(self.cfg.metric, math.nan)
-        if not math.isfinite(value) or (self.best is not None and value <= self.best["value"]):
+        if not math.isfinite(value) or (self.best is not None and not better(self.cfg.metric, value, self.best.value)):
             return False
-        self.best = {"metric": self.cfg.metric, "value": value, "step": step,
-                     "checkpoint": f"checkpoint-{step}", "metrics": metrics}
+        self.best = BestCheckpoint(self.cfg.metric, value, step, f"checkpoint-{step}", metrics)
         return True
 
 
@@ -141,7 +145,7 @@ class MetricsJsonlCallback(TrainerCallback):
     """Every log line, as JSON, in ``metrics.jsonl`` of the run folder (main process)."""
 
     def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_LOG
 
     def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs):
         if state.is_world_process_zero and logs:

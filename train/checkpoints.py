@@ -24,11 +24,10 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
+from crystal_grpo.train.layout import LOG_FILES, MARKER
 
-MARKER = "checkpoint_complete.json"
 TRAINER_STATE = "trainer_state.json"
-LOG_FILES = ("metrics.jsonl", "validation.jsonl")
 #: Training settings that live in the optimizer/scheduler state: a resumed run keeps the
 #: checkpoint's values whatever the config says (torch restores param-group hyperparameters
 #: and the scheduler's base learning rates from the saved state).
@@ -43,23 +42,6 @@ class CheckpointError(RuntimeError):
 class DiskFull(RuntimeError):
     """A save that does not fit (or did not): the message says how much is free, how much a
     checkpoint takes and which complete checkpoint remains."""
-
-
-# --- run-folder files that a kill must not leave half-written ---------------------------
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write-then-rename: readers see the old file or the new one, never a torn one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_json(path: str | Path) -> Any:
-    """The parsed file, or None when it is missing or unreadable (e.g. written by an older version)."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
 
 
 # --- writing checkpoints ------------------------------------------------------------------

@@ -234,7 +234,7 @@ def _cli_wins(phase: Any, cli: dict, base_reward: Any) -> Any:
 
 
 def _reward_fields(name: Any) -> set[str]:
-    from crystal_grpo.rewards.user import reward_class
+    from crystal_grpo.rewards import reward_class
 
     try:
         cls = reward_class(name) if isinstance(name, str) else None
@@ -268,7 +268,8 @@ def _check_training(training: dict[str, Any], where: str, kind: TrainerKind) -> 
 def _check_reward_params(reward: RewardSection, where: str) -> None:
     """The reward exists (its code imports) and its params build its typed config (coerced
     values kept); ``reward.components`` become the composed reward's."""
-    from crystal_grpo.rewards.user import ComponentSpec, component_function, reward_class
+    from crystal_grpo.rewards import reward_class
+    from crystal_grpo.rewards.user import ComponentSpec, component_function
 
     if reward.components:
         if reward.name not in ("cpr", "composed"):  # cpr: the default, i.e. no name given

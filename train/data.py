@@ -227,12 +227,12 @@ def row_problems(row: Any, base: Path, require_references: bool = True) -> list[
     choices = row.get("choices")
     if choices is not None and not (isinstance(choices, list) and all(_is_text(c) for c in choices)):
         out.append("'choices' must be a list of strings")
-    for img in _image_paths(row, base):
+    for img in image_paths(row, base):
         out.extend(_image_problem(img))
     return out
 
 
-def _image_paths(row: dict, base: Path) -> list[Path]:
+def image_paths(row: dict, base: Path) -> list[Path]:
     imgs = row.get("images") if row.get("images") is not None else (
         [row["image"]] if row.get("image") is not None else [])
     if not isinstance(imgs, list):
@@ -362,7 +362,7 @@ def _to_record(row: dict, base: Path, no: int, path: Path, system_prompt: str | 
         "choices": row.get("choices"),
         "source": str(row.get("source", "")),
         "difficulty": str(row.get("difficulty", "")),  # a label for evaluation breakdowns (data/demo has it)
-        "images": [str(p) for p in _image_paths(row, base)],
+        "images": [str(p) for p in image_paths(row, base)],
     }
 
 

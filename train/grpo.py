@@ -21,17 +21,15 @@ import sys
 from pathlib import Path
 
 from crystal_grpo.distributed import launch_command
-from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.rewards.match_f1 import EncoderLoadError
 from crystal_grpo.rewards.user import RewardFunctionError
 from crystal_grpo.train.checkpoints import (
     CheckpointError,
-    atomic_write_text,
     checkpoint_problem,
     checkpoint_step,
     disk_full,
     latest_complete,
-    read_json,
     resolve_resume,
     settings_undone,
     truncate_logs,
@@ -41,15 +39,25 @@ from crystal_grpo.train.data import DataError
 from crystal_grpo.train.interrupt import Interrupted
 from crystal_grpo.train.models import ModelLoadError
 from crystal_grpo.train.preflight import preflight
-from crystal_grpo.train.run_folder import (
+from crystal_grpo.train.layout import (
+    CONFIG,
+    CURVES,
+    FINAL,
+    METRICS_LOG,
+    RUN_SUMMARY,
     SUMMARY,
+    VALIDATION_LOG,
+    phase_dir,
+    read_best,
+    read_config,
+)
+from crystal_grpo.train.run_folder import (
     RunFolderError,
     RunLock,
     as_record,
     clear_attempt,
     holds_run,
     mark_phase_done,
-    phase_dir,
     phase_state,
     plan_launch,
 )
@@ -169,7 +177,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
                 truncate_logs(output_dir, checkpoint_step(checkpoint))
     else:
         with args.main_process_first(desc="starting the phase over"):
-            if _main_process() and output_dir.is_dir() and "metrics.jsonl" in clear_attempt(output_dir):
+            if _main_process() and output_dir.is_dir() and METRICS_LOG in clear_attempt(output_dir):
                 say(f"{output_dir}: no complete checkpoint, so the phase starts over at step 0; the logs of "
                     "the attempt that was stopped before its first checkpoint are removed")
     # The sentence encoder loads outside DeepSpeed's partitioning (rewards/match_f1.py).
@@ -190,7 +198,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     for cb in callbacks or []:
         trainer.add_callback(cb)
     if _main_process():
-        atomic_write_text(output_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+        atomic_write_text(output_dir / CONFIG, json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
     if checkpoint and 0 < args.max_steps <= checkpoint_step(checkpoint):
         say(f"{checkpoint} already holds step {checkpoint_step(checkpoint)} of max_steps {args.max_steps}: "
             "finishing the phase without training")
@@ -207,12 +215,12 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
             f"loss/gradients (step {trainer.state.global_step}). The last good state is saved in "
             f"{output_dir}; lower the learning rate or check the data, then resume with "
             f"--resume_from_checkpoint latest.")
-    trainer.save_model(str(output_dir / "final"))
-    val_file = output_dir / "validation.jsonl"
+    trainer.save_model(str(output_dir / FINAL))
+    val_file = output_dir / VALIDATION_LOG
     last = (read_jsonl(val_file) or [{}])[-1]
-    say(f"\nrun folder: {output_dir}\n  checkpoints: {output_dir}/checkpoint-*  final model: {output_dir}/final"
-        f"\n  metrics: {output_dir}/metrics.jsonl  validation: {val_file}"
-        f"\n  plot: {output_dir}/training_curves.png")
+    say(f"\nrun folder: {output_dir}\n  checkpoints: {output_dir}/checkpoint-*  final model: {output_dir / FINAL}"
+        f"\n  metrics: {output_dir / METRICS_LOG}  validation: {val_file}"
+        f"\n  plot: {output_dir / CURVES}")
     return last, trainer.state.global_step
 
 
@@ -228,7 +236,7 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset)
         from crystal_grpo.train.sft import CrystalSFTTrainer
 
         return CrystalSFTTrainer(train_dataset=sft_dataset(dataset, processing_class), **common)
-    from crystal_grpo.train.trainer import trainer_class
+    from crystal_grpo.train.pcgrad import trainer_class
 
     extra = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
     return trainer_class(cfg.pcgrad)(reward=module, train_dataset=dataset,
@@ -283,14 +291,14 @@ def phase_start(prev_dir: Path, init_from: str) -> str | None:
     """The checkpoint a phase starts from: the previous phase's best (if complete) or last."""
     if init_from == "none":
         return None
-    record = read_json(prev_dir / "best_checkpoint.json") if init_from == "best" else None
-    if record and (prev_dir / record["checkpoint"]).exists():  # (a best found by the final
-        ckpt = prev_dir / record["checkpoint"]                   # validation lives in final/)
+    record = read_best(prev_dir) if init_from == "best" else None
+    if record and (prev_dir / record.checkpoint).exists():  # (a best found by the final
+        ckpt = prev_dir / record.checkpoint                   # validation lives in final/)
         problem = checkpoint_problem(ckpt)
         if problem is None:
             return str(ckpt)
-        say(f"best checkpoint unusable ({problem}); starting from {prev_dir / 'final'}")
-    return str(prev_dir / "final")
+        say(f"best checkpoint unusable ({problem}); starting from {prev_dir / FINAL}")
+    return str(prev_dir / FINAL)
 
 
 def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: list | None = None,
@@ -331,7 +339,7 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
             continue
         started = resume and latest_complete(pdir)[0] is not None
         if prev is not None:
-            start = (read_json(pdir / "config.json")["model"]["name_or_path"] if started
+            start = (read_config(pdir)["model"]["name_or_path"] if started
                      else phase_start(prev, phase.init_from))
             if start:
                 pcfg.model.name_or_path, pcfg.model.gguf_file = start, None
@@ -349,7 +357,7 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
             from crystal_grpo.train.plot import plot_run
             from crystal_grpo.train.summary import write_summary
 
-            say(f"\nthe run, phase by phase (validation before -> after; {run_dir / 'run_summary.json'}):\n"
+            say(f"\nthe run, phase by phase (validation before -> after; {run_dir / RUN_SUMMARY}):\n"
                 + write_summary(run_dir))
             say(f"curves of all phases: {plot_run(run_dir)}")
     return summary

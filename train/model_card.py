@@ -23,9 +23,20 @@ from pathlib import Path
 
 import yaml
 
-from crystal_grpo.jsonl import read_jsonl
-from crystal_grpo.train.checkpoints import TRAINER_STATE, read_json
-from crystal_grpo.train.summary import Phase, phase_dirs, read_phase, read_phases
+from crystal_grpo.jsonl import read_json, read_jsonl
+from crystal_grpo.train.checkpoints import TRAINER_STATE
+from crystal_grpo.train.layout import (
+    BEST,
+    CONFIG,
+    FINAL,
+    METRICS_LOG,
+    VALIDATION_LOG,
+    BestCheckpoint,
+    phase_folders,
+    read_best,
+    read_config,
+)
+from crystal_grpo.train.summary import Phase, read_phase, read_phases
 
 
 def _base_model(trainer) -> str:
@@ -63,8 +74,8 @@ def model_card(base_model: str, model_name: str, reward_names: list[str], versio
         f"Fine-tuned from {origin} with {method} (TRL) by crystal-grpo: CRYSTAL's step-level rewards "
         "(Match F1, Causal Process Reward) and the warm start that teaches their output format.", "",
         f"- Reward functions: {', '.join(f'`{r}`' for r in reward_names) or '-'}",
-        "- The run folder holds the full configuration (`config.json`), the training log "
-        "(`metrics.jsonl`) and validation (`validation.jsonl`, `best_checkpoint.json`).",
+        f"- The run folder holds the full configuration (`{CONFIG}`), the training log "
+        f"(`{METRICS_LOG}`) and validation (`{VALIDATION_LOG}`, `{BEST}`).",
         "", "## Framework versions", "",
         *(f"- {name}: {version}" for name, version in versions.items()), "",
     ]
@@ -121,7 +132,7 @@ class RunRecord:
     step: int | None = None  # the phase's optimizer step
     run_step: int | None = None  # counted over all phases
     validation: dict | None = None  # the validation row at that step
-    best: dict | None = None  # best_checkpoint.json of the phase
+    best: BestCheckpoint | None = None  # the phase's best record
 
     @property
     def model_section(self) -> dict:
@@ -137,13 +148,13 @@ def recorded_step(folder: Path, phase_dir: Path | None) -> int | None:
     state = read_json(folder / TRAINER_STATE)
     if isinstance(state, dict) and isinstance(state.get("global_step"), int):
         return state["global_step"]
-    if phase_dir is not None and folder.name == "final":
+    if phase_dir is not None and folder.name == FINAL:
         return read_phase(phase_dir.name, phase_dir).steps or None
     return None
 
 
 def _config(folder: Path) -> dict:
-    cfg = read_json(folder / "config.json")
+    cfg = read_config(folder)
     return cfg if isinstance(cfg, dict) else {}
 
 
@@ -163,7 +174,7 @@ def read_run_record(checkpoint: str | Path) -> RunRecord:
     rec = RunRecord(ckpt, config=config, step=recorded_step(ckpt, phase_dir))
     rec.base_model = (config.get("model") or {}).get("name_or_path") or None
     root = phase_dir.parent
-    if any(folder == phase_dir for _, folder in phase_dirs(root)):
+    if any(folder == phase_dir for _, folder in phase_folders(root)):
         phases = read_phases(root)
         rec.phases = [_phase_record(p) for p in phases]
         this = next(p for p in phases if p.folder == phase_dir)
@@ -174,10 +185,9 @@ def read_run_record(checkpoint: str | Path) -> RunRecord:
             rec.phase_start, rec.base_model = rec.base_model, first
     else:
         rec.phases = [_phase_record(read_phase(phase_dir.name, phase_dir))]
-    rows = [r for r in read_jsonl(phase_dir / "validation.jsonl") if r.get("step") == rec.step]
+    rows = [r for r in read_jsonl(phase_dir / VALIDATION_LOG) if r.get("step") == rec.step]
     rec.validation = rows[-1] if rows and rec.step is not None else None
-    best = read_json(phase_dir / "best_checkpoint.json")
-    rec.best = best if isinstance(best, dict) else None
+    rec.best = read_best(phase_dir)
     return rec
 
 
@@ -219,9 +229,9 @@ def export_card(rec: RunRecord, model_name: str, how: str, dtype: str, versions:
         f"- Reward: {reward_line}",
     ]
     if rec.best:
-        lines.append(f"- Best checkpoint of the phase by `{rec.best.get('metric')}`: `{rec.best.get('checkpoint')}` "
-                     f"(step {rec.best.get('step')}, {_value(rec.best.get('value'))})"
-                     + (", this one" if rec.best.get("step") == rec.step else ""))
+        lines.append(f"- Best checkpoint of the phase by `{rec.best.metric}`: `{rec.best.checkpoint}` "
+                     f"(step {rec.best.step}, {_value(rec.best.value)})"
+                     + (", this one" if rec.best.step == rec.step else ""))
     lines += ["", "## Phases", ""]
     if rec.phases:
         lines += ["| phase | trainer | reward | steps |", "|---|---|---|---|",

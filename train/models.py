@@ -85,7 +85,7 @@ def _offline() -> bool:
                for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def _torch_dtype(name: str):
+def torch_dtype(name: str):
     import torch
 
     if name not in _DTYPES:
@@ -151,7 +151,7 @@ def _raw_config(src: str, local: bool, kw: dict, gguf_file: str | None) -> dict 
     return None
 
 
-def _check_remote_code(raw: dict | None, trust: bool, src: str) -> None:
+def check_remote_code(raw: dict | None, trust: bool, src: str) -> None:
     if not raw:
         return
     mt = raw.get("model_type", "")
@@ -317,7 +317,7 @@ def load_gguf_plain(folder: str, gguf_file: str, dtype="float32", **kw):
     built from the config without that key holds the same (dequantised) weights."""
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = _torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     extra = {}
     try:  # force dequantisation even where GGUF matmul kernels would keep the blocks packed
         from transformers import GgufConfig
@@ -356,7 +356,7 @@ def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
     src, local = model_source(model_cfg)
     kw = _load_kwargs(model_cfg, local)
     gguf_file = model_cfg.gguf_file
-    dtype = _torch_dtype(model_cfg.dtype or "float32")
+    dtype = torch_dtype(model_cfg.dtype or "float32")
     attn = model_cfg.attn_implementation
     trust = kw["trust_remote_code"]
 
@@ -376,7 +376,7 @@ def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
         _finish(model, tok, model_cfg)
         return model, tok
 
-    _check_remote_code(_raw_config(src, local, kw, None), trust, src)
+    check_remote_code(_raw_config(src, local, kw, None), trust, src)
     try:
         config = AutoConfig.from_pretrained(src, **kw)
     except Exception as e:  # noqa: BLE001

@@ -517,4 +517,9 @@ class PCGradMixin:
 
 
 class PCGradGRPOTrainer(PCGradMixin, CrystalGRPOTrainer):
-    """The trainer of ``pcgrad: true`` runs (see :func:`train.trainer.trainer_class`)."""
+    """The trainer of ``pcgrad: true`` runs (see :func:`trainer_class`)."""
+
+
+def trainer_class(pcgrad: bool) -> type[CrystalGRPOTrainer]:
+    """The trainer for a run: plain TRL plus our hooks, or its PCGrad subclass when asked for."""
+    return PCGradGRPOTrainer if pcgrad else CrystalGRPOTrainer

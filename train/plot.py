@@ -11,21 +11,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crystal_grpo.metrics import label
+from crystal_grpo.train.layout import CURVES
 from crystal_grpo.train.summary import read_phases
 
 
 @dataclass(frozen=True)
 class Panel:
-    """A panel: the training-row key (or ``<reward>/`` suffix) and validation key it draws."""
+    """A panel: the metric it draws (its title is the metric table's label), the training-row
+    key (or ``<reward>/`` suffix) and the validation key."""
 
-    title: str
+    metric: str
     train_key: str | None
     val_key: str | None
 
+    @property
+    def title(self) -> str:
+        return label(self.metric)
 
-PANELS = (Panel("reward", "reward", "reward"), Panel("Match F1", "f1", "f1"),
-          Panel("accuracy", "accuracy", "accuracy"), Panel("format rate", "format_rate", "format_rate"),
-          Panel("KL", "kl", None), Panel("training loss", "loss", None))
+
+PANELS = (Panel("reward", "reward", "reward"), Panel("f1", "f1", "f1"),
+          Panel("accuracy", "accuracy", "accuracy"), Panel("format_rate", "format_rate", "format_rate"),
+          Panel("kl", "kl", None), Panel("loss", "loss", None))
 
 
 @dataclass
@@ -112,7 +119,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(curves.title)
     fig.tight_layout()
-    out = Path(out) if out else run_dir / "training_curves.png"
+    out = Path(out) if out else run_dir / CURVES
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out

@@ -31,25 +31,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crystal_grpo.train.checkpoints import atomic_write_text, latest_complete, read_json
+from crystal_grpo.jsonl import atomic_write_text, read_json
+from crystal_grpo.train.checkpoints import latest_complete
 
-LOCK = "run.lock"
-RECORD = "run.json"
-PHASE_DONE = "phase_done.json"
-SUMMARY = "summary.json"
-#: What a phase leaves once it has trained at least one step (or was killed trying).
-PROGRESS = ("metrics.jsonl", "validation.jsonl", PHASE_DONE, "final")
-#: What starting a phase over removes: a killed attempt's logs and records.
-ATTEMPT_FILES = ("metrics.jsonl", "validation.jsonl", "best_checkpoint.json", PHASE_DONE, "training_curves.png")
+from crystal_grpo.train.layout import (
+    ATTEMPT_FILES,
+    FINAL,
+    LOCK,
+    PHASE_DONE,
+    POINT_LOG,
+    PROGRESS,
+    RECORD,
+    SAMPLES_GLOB,
+    SUMMARY,
+    SWEEP_POINT,
+    is_finished,
+    phase_dir,
+    phase_folders,
+)
 
 
 class RunFolderError(RuntimeError):
     """The folder holds another run, or is in use; the message says which and what to do."""
-
-
-def phase_dir(run_dir: Path, index: int, name: str, phases: int) -> Path:
-    """Where phase ``index`` (0-based) of a run lives; a single-phase run is the run folder."""
-    return run_dir if phases == 0 else run_dir / f"phase{index + 1}-{name or index + 1}"
 
 
 # --- the lock ----------------------------------------------------------------------------
@@ -120,8 +123,7 @@ def holds_run(run_dir: Path) -> bool:
     start that failed before its first step does not count)."""
     if not run_dir.is_dir():
         return False
-    phases = [p for p in run_dir.glob("phase*-*") if p.is_dir()]
-    return (run_dir / SUMMARY).exists() or any(_started(f) for f in (run_dir, *phases))
+    return is_finished(run_dir) or any(_started(f) for f in (run_dir, *(p for _, p in phase_folders(run_dir))))
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -164,7 +166,7 @@ class PhaseState:
 
 def phase_state(folder: Path, max_steps: Any) -> PhaseState:
     record = read_json(folder / PHASE_DONE)
-    if record is None and (folder / SUMMARY).is_file() and (folder / "final").is_dir():
+    if record is None and is_finished(folder) and (folder / FINAL).is_dir():
         ckpt, _ = latest_complete(folder)  # a single-phase run finished before phase_done.json existed
         record = {"max_steps": max_steps, "global_step": int(ckpt.name.split("-")[1]) if ckpt else None}
     if record is None:
@@ -188,7 +190,7 @@ def clear_attempt(folder: Path) -> list[str]:
     gone = [name for name in ATTEMPT_FILES if (folder / name).exists()]
     for name in gone:
         (folder / name).unlink()
-    for p in folder.glob("validation_samples_step*.jsonl"):
+    for p in folder.glob(SAMPLES_GLOB):
         p.unlink()
     return gone
 
@@ -196,7 +198,7 @@ def clear_attempt(folder: Path) -> list[str]:
 def clear_run(run_dir: Path) -> None:
     """``--overwrite_output_dir``: everything a run wrote here (the lock and a sweep's own files stay)."""
     for p in run_dir.iterdir():
-        if p.name in (LOCK, "sweep_point.json", "train.log"):
+        if p.name in (LOCK, SWEEP_POINT, POINT_LOG):
             continue
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
@@ -227,7 +229,7 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
     elif holds_run(run_dir):
         states = [phase_state(f, m) for f, m in zip(folders, max_steps)]
         diff = config_diff(record["config"], config) if record else None
-        finished = (run_dir / SUMMARY).is_file() and all(s.status == "done" for s in states)
+        finished = is_finished(run_dir) and all(s.status == "done" for s in states)
         if finished and (resume or diff == []):
             steps = ", ".join(str(s.reached) for s in states)
             say(f"{run_dir}: this run already finished (step {steps}); nothing to do"

@@ -1,8 +1,8 @@
 """What a run folder says, phase by phase: steps, validation before and after, reward trend.
 
 A multi-phase run folder holds one folder per phase (``phase<i>-<name>``); a single-phase
-folder is one phase named after the folder. :func:`read_phases` is the one reader of that
-layout (the plot uses it too); :func:`run_summary` condenses each phase into what a person
+folder is one phase named after the folder (train/layout.py). :func:`read_phases` reads each
+phase's logs (the plot uses it too); :func:`run_summary` condenses each phase into what a person
 asks first (did format rate, accuracy and Match F1 move, and did the training reward rise),
 and :func:`format_summary` prints it as a table for a terminal or a README.
 
@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from crystal_grpo.jsonl import read_jsonl
-from crystal_grpo.train.checkpoints import atomic_write_text
+from crystal_grpo.metrics import label
+from crystal_grpo.train.layout import METRICS_LOG, RUN_SUMMARY, VALIDATION_LOG, phases
+from crystal_grpo.jsonl import atomic_write_text
 
-_PHASE_DIR = re.compile(r"phase(\d+)-(.+)")
-SUMMARY_FILE = "run_summary.json"
 
 
 @dataclass
@@ -37,13 +36,6 @@ class Phase:
     offset: int = 0
 
 
-def phase_dirs(run_dir: Path) -> list[tuple[str, Path]]:
-    """(name, folder) of each ``phase<i>-<name>`` folder, in phase order (phase10 after phase9)."""
-    found = [(int(m[1]), m[2], p) for p in run_dir.iterdir()
-             if p.is_dir() and (m := _PHASE_DIR.fullmatch(p.name))]
-    return [(name, p) for _, name, p in sorted(found, key=lambda t: t[0])]
-
-
 def _stepped(rows: list[dict]) -> list[dict]:
     return [r for r in rows if isinstance(r.get("step"), int)]
 
@@ -54,8 +46,8 @@ def read_phase(name: str, folder: Path, offset: int = 0) -> Phase:
     Its optimizer steps are the highest step any of its logs reached: the trainer's closing
     row carries the final step even when ``logging_steps`` skipped it.
     """
-    logged = _stepped(read_jsonl(folder / "metrics.jsonl"))
-    validation = _stepped(read_jsonl(folder / "validation.jsonl"))
+    logged = _stepped(read_jsonl(folder / METRICS_LOG))
+    validation = _stepped(read_jsonl(folder / VALIDATION_LOG))
     train = [r for r in logged if "loss" in r or "reward" in r]
     steps = max((r["step"] for r in logged + validation), default=0)
     return Phase(name, folder, train, validation, steps, offset)
@@ -66,12 +58,11 @@ def read_phases(run_dir: str | Path) -> list[Phase]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run folder")
-    dirs = phase_dirs(run_dir) or [(run_dir.name, run_dir)]
-    phases, offset = [], 0
-    for name, folder in dirs:
-        phases.append(read_phase(name, folder, offset))
-        offset += phases[-1].steps
-    return phases
+    found, offset = [], 0
+    for name, folder in phases(run_dir):
+        found.append(read_phase(name, folder, offset))
+        offset += found[-1].steps
+    return found
 
 
 def _finite(v) -> bool:
@@ -112,9 +103,12 @@ def run_summary(run_dir: str | Path) -> dict:
             "phases": [phase_summary(p) for p in phases]}
 
 
-#: (header, METRICS key) of the before -> after columns.
-COLUMNS = (("format rate", "format_rate"), ("accuracy", "accuracy"), ("Match F1", "f1"),
-           ("Ordered F1", "ordered_f1"), ("mean steps", "steps_mean"), ("val reward", "reward"))
+#: The validation metrics of the before -> after columns (headers: the metric table's labels).
+COLUMNS = ("format_rate", "accuracy", "f1", "ordered_f1", "steps_mean", "reward")
+
+
+def _header(metric: str) -> str:
+    return "val reward" if metric == "reward" else label(metric)  # the training reward has its own column
 
 
 def _num(v, spec: str) -> str:
@@ -132,8 +126,8 @@ def format_summary(summary: dict) -> str:
     validated before and after (a "before" that is not 0 had no step-0 validation), the
     validation metrics ``before -> after`` (3 decimals), the training reward's least-squares
     slope per step and mean ``frac_reward_zero_std`` ("-": not logged, e.g. an SFT phase)."""
-    header = ["phase", "steps", "validated at", *(h for h, _ in COLUMNS), "reward slope", "zero-std"]
-    rows = [[p["name"], str(p["steps"]), _change(p, "step", "d"), *(_change(p, k) for _, k in COLUMNS),
+    header = ["phase", "steps", "validated at", *(_header(m) for m in COLUMNS), "reward slope", "zero-std"]
+    rows = [[p["name"], str(p["steps"]), _change(p, "step", "d"), *(_change(p, k) for k in COLUMNS),
              _num(p["reward_slope"], "+.5f"), _num(p["frac_reward_zero_std"], ".3f")]
             for p in summary["phases"]]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -147,7 +141,7 @@ def format_summary(summary: dict) -> str:
 def write_summary(run_dir: str | Path) -> str:
     """Write ``run_summary.json`` into the run folder; returns the table."""
     summary = run_summary(run_dir)
-    atomic_write_text(Path(run_dir) / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    atomic_write_text(Path(run_dir) / RUN_SUMMARY, json.dumps(summary, indent=2) + "\n")
     return format_summary(summary)
 
 

@@ -18,7 +18,7 @@
 - ``log``: adds the KL maximum over the logging window (docs/method.md section 6 diagnostics).
 - ``create_model_card``: names the real base model (TRL writes "[None]" for a local folder).
 PCGrad touches TRL internals, so it lives in a subclass (``train/pcgrad.py``) that
-:func:`trainer_class` picks only for ``pcgrad: true``.
+``pcgrad.trainer_class`` picks only for ``pcgrad: true``.
 """
 
 from __future__ import annotations
@@ -65,15 +65,6 @@ class StabilitySection:
     """What to do about non-finite updates (``stability:`` in a run config)."""
 
     max_consecutive_nonfinite: int = option(5, "Save and stop after this many skipped non-finite updates.", ge=1)
-
-
-def trainer_class(pcgrad: bool) -> type["CrystalGRPOTrainer"]:
-    """The trainer for a run: plain TRL plus our hooks, or its PCGrad subclass when asked for."""
-    if not pcgrad:
-        return CrystalGRPOTrainer
-    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
-
-    return PCGradGRPOTrainer
 
 
 class _BeforeFirstStep(Exception):

@@ -21,14 +21,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 from crystal_grpo.distributed import barrier, gather_objects, rank_and_world
-from crystal_grpo.jsonl import Unreadable, iter_jsonl
+from crystal_grpo.jsonl import Unreadable, atomic_write_text, iter_jsonl
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.rewards.parsing import ParsedOutput
-from crystal_grpo.train.checkpoints import atomic_write_text
 from crystal_grpo.train.generation import Sampling
+from crystal_grpo.train.layout import CONFIG, read_config, run_targets
+from crystal_grpo.train.predictions import (
+    PREDICTIONS,
+    Backend,
+    as_completion,
+    check_ids,
+    choose_backend,
+    default_device,
+    generate_predictions,
+    generate_with_vllm,
+    read_predictions,
+)
 
-PREDICTIONS = "predictions.jsonl"
 REPORT = "report.json"
 #: The per-example format of the scorer CLI (``crystal-grpo-score``) and of CRYSTAL's
 #: ``crystal-metrics`` tool: one ``{"id", "reasoning_steps", "answer"}`` object a line.
@@ -75,177 +85,13 @@ class EvalSetup:
 
 
 def find_run_config(checkpoint: str | Path) -> Path | None:
-    """The ``config.json`` of the run phase a checkpoint belongs to (its folder or the one above)."""
+    """The run config of the phase a checkpoint belongs to (its folder or the one above; a
+    model's own ``config.json`` has no ``trainer`` key)."""
     for folder in (Path(checkpoint), Path(checkpoint).parent):
-        cfg = folder / "config.json"
-        if cfg.is_file() and "trainer" in _json_keys(cfg):
-            return cfg
+        cfg = read_config(folder)
+        if isinstance(cfg, dict) and "trainer" in cfg:
+            return folder / CONFIG
     return None
-
-
-def _json_keys(path: Path) -> set[str]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return set()
-    return set(data) if isinstance(data, dict) else set()
-
-
-# ----------------------------------------------------------------------------- predictions
-def read_predictions(path: Path) -> list[dict]:
-    """Prediction rows of a file: each needs ``id`` and either the raw ``completion`` or the
-    scorer CLI's ``reasoning_steps`` and ``answer``; a bad line is an error naming it."""
-    out = []
-    for no, row in iter_jsonl(path):
-        where = f"{path}:{no}"
-        if isinstance(row, Unreadable):
-            raise EvalError(f"{where}: {row.problem}")
-        if not isinstance(row, dict) or not isinstance(row.get("id"), (str, int)) or isinstance(row.get("id"), bool):
-            raise EvalError(f"{where}: expected a JSON object with an 'id' (a string or integer)")
-        if not isinstance(row.get("completion"), str) and not isinstance(row.get("reasoning_steps"), list):
-            raise EvalError(f"{where}: expected 'completion' (the model's text) or 'reasoning_steps' and 'answer'")
-        out.append({**row, "id": str(row["id"]), "sample": int(row.get("sample", 0))})
-    return out
-
-
-def check_ids(predictions: Sequence[dict], ids: Sequence[str], source: str, data: str, complete: bool = True) -> None:
-    """Every prediction names a data row; with ``complete``, every data row has a prediction."""
-    known = set(ids)
-    unknown = sorted({p["id"] for p in predictions} - known)
-    predicted = {p["id"] for p in predictions}
-    missing = [i for i in ids if i not in predicted] if complete else []
-    if unknown or missing:
-        parts = []
-        if unknown:
-            parts.append(f"{len(unknown)} id(s) not in {data} (e.g. {', '.join(unknown[:3])})")
-        if missing:
-            parts.append(f"{len(missing)} row(s) of {data} without a prediction (e.g. {', '.join(missing[:3])})")
-        raise EvalError(f"{source} does not match the data: " + "; ".join(parts))
-
-
-def _as_completion(pred: dict) -> str | ParsedOutput:
-    """The raw completion when there is one (parsed as in training), else the given steps
-    and answer as a well-formed output."""
-    if isinstance(pred.get("completion"), str):
-        return pred["completion"]
-    answer = pred.get("answer")
-    return ParsedOutput(steps=[str(s).strip() for s in pred.get("reasoning_steps") or [] if str(s).strip()],
-                        answer=None if answer is None else str(answer), format_ok=True)
-
-
-# ------------------------------------------------------------------------------ generation
-def _pending(path: Path, ids: Sequence[str], num_samples: int) -> list[int]:
-    """Indices of rows still without all their completions (a resumed evaluation)."""
-    done: dict[str, int] = {}
-    if path.exists():
-        for row in read_predictions(path):
-            done[row["id"]] = done.get(row["id"], 0) + 1
-    return [i for i, rid in enumerate(ids) if done.get(rid, 0) < num_samples]
-
-
-def _drop_partial(path: Path, num_samples: int) -> None:
-    """What a kill can leave: a last line cut off mid-write, a row with only some of its
-    samples. Both go (the row is generated again); whole rows stay as written."""
-    if not path.exists():
-        return
-    text = path.read_text(encoding="utf-8")
-    lines = [x for x in text.split("\n")[:-1] if x.strip()]  # after the last newline: an unfinished line
-    try:
-        parsed = [json.loads(x) for x in lines]
-    except ValueError:
-        return  # damaged in the middle: not a kill; reading it names the line
-    if not all(isinstance(row, dict) for row in parsed):
-        return
-    counts: dict[str, int] = {}
-    for row in parsed:
-        counts[str(row.get("id"))] = counts.get(str(row.get("id")), 0) + 1
-    kept = [x for x, row in zip(lines, parsed) if counts[str(row.get("id"))] >= num_samples]
-    new = "".join(x + "\n" for x in kept)
-    if new != text:
-        atomic_write_text(path, new)
-
-
-def _resume_point(path: Path, ids: Sequence[str], num_samples: int) -> list[int]:
-    """The rows to generate, the same on every process (the main one tidies the file first)."""
-    rank = rank_and_world()[0]
-    if rank == 0:
-        _drop_partial(path, num_samples)
-    barrier()
-    pending = _pending(path, ids, num_samples)
-    barrier()  # everyone has read the file before the main process appends to it
-    return pending
-
-
-def _append(path: Path, rows: Sequence[tuple[str, Sequence[str]]]) -> None:
-    """Append each row's completions, one ``{"id", "sample", "completion"}`` line a sample."""
-    with open(path, "a", encoding="utf-8") as fh:
-        for rid, completions in rows:
-            for k, text in enumerate(completions):
-                fh.write(json.dumps({"id": rid, "sample": k, "completion": text}, ensure_ascii=False) + "\n")
-
-
-def generate_predictions(model, processing_class, dataset, out_dir: Path, sampling: Sampling, batch_size: int,
-                         progress: bool = True) -> int:
-    """Append the missing completions of ``dataset`` to ``out_dir/predictions.jsonl``; returns
-    how many rows were generated now. Rows are split over processes round by round (every
-    process runs the same number of rounds), and the main process writes each round in
-    the data's order, so a kill loses at most the round in flight."""
-    from crystal_grpo.train.generation import generate
-
-    rank, world = rank_and_world()
-    path = out_dir / PREDICTIONS
-    ids = list(dataset["id"])
-    pending = _resume_point(path, ids, sampling.num_samples)
-    bar = _progress(len(pending), enabled=progress and rank == 0)
-    per_round = batch_size * world
-    for start in range(0, len(pending), per_round):
-        mine = pending[start:start + per_round][rank::world]
-        rows = [dataset[i] for i in mine]
-        images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
-        texts = generate(model, processing_class, [r["prompt"] for r in rows], images, sampling,
-                         batch_size) if rows else []
-        done, _ = gather_objects(list(zip(mine, texts)))
-        if rank == 0:
-            _append(path, [(ids[i], completions) for i, completions in sorted(done)])
-            bar.update(len(done))
-    bar.close()
-    return len(pending)
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="row", desc="generating", disable=not enabled or total == 0)
-
-
-def generate_with_vllm(model_path: str, dataset, out_dir: Path, sampling: Sampling, setup: EvalSetup) -> int:
-    """The pending rows through vLLM (one process; vLLM does its own parallelism). Text and
-    images go in as the training prompt through the model's chat template."""
-    try:
-        from vllm import LLM, SamplingParams
-    except ImportError as err:
-        raise EvalError("--backend vllm: vLLM is not installed (pip install vllm; it needs a CUDA GPU)") from err
-    if (Path(model_path) / "adapter_config.json").is_file():
-        raise EvalError(f"--backend vllm: {model_path} is a LoRA adapter; merge it first (scripts/export.py "
-                        f"{model_path} --out FOLDER) or use --backend hf")
-    path = out_dir / PREDICTIONS
-    ids = list(dataset["id"])
-    pending = _resume_point(path, ids, sampling.num_samples)
-    if not pending:
-        return 0
-    llm = LLM(model=model_path, dtype=setup.dtype or "auto", trust_remote_code=setup.trust_remote_code)
-    params = SamplingParams(n=sampling.num_samples, temperature=max(sampling.temperature, 0.0),
-                            top_p=sampling.top_p, max_tokens=sampling.max_new_tokens)
-    tok = llm.get_tokenizer()
-    requests = []
-    for i in pending:
-        row = dataset[i]
-        text = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-        requests.append({"prompt": text, **({"multi_modal_data": {"image": row["images"]}}
-                                            if row.get("images") else {})})
-    outputs = llm.generate(requests, params)
-    _append(path, [(ids[i], [o.text for o in out.outputs]) for i, out in zip(pending, outputs)])
-    return len(pending)
 
 
 # --------------------------------------------------------------------------------- scoring
@@ -256,7 +102,7 @@ def score_predictions(module: RewardModule, rows: Sequence[dict], predictions: S
     order = {r["id"]: n for n, r in enumerate(rows)}
     preds = sorted(predictions, key=lambda p: (order[p["id"]], p["sample"]))
     data_rows = [by_id[p["id"]] for p in preds]
-    scored = module.score([_as_completion(p) for p in preds], data_rows, with_steps=True)
+    scored = module.score([as_completion(p) for p in preds], data_rows, with_steps=True)
     b = scored.batch
     reward = module.total(b)
     pairs: dict[int, tuple[list, int]] = {}
@@ -307,9 +153,6 @@ def _question(row: dict) -> str:
 
 
 # ------------------------------------------------------------------------------- one call
-Backend = Literal["auto", "hf", "vllm"]
-
-
 @dataclass
 class EvalRequest:
     """One evaluation: a model or a predictions file, on a data file, into a folder."""
@@ -337,7 +180,7 @@ def evaluate(req: EvalRequest) -> dict | None:
     does); a different one in the same folder is refused rather than mixed in.
     """
     from crystal_grpo.train.data import load_split, locate
-    from crystal_grpo.train.eval_report import build_report, write_report
+    from crystal_grpo.train.tools.eval_report import build_report, write_report
 
     rank, world = rank_and_world()
     out = Path(req.out)
@@ -382,10 +225,10 @@ def evaluate(req: EvalRequest) -> dict | None:
         seconds = 0.0
     else:
         start = time.perf_counter()
-        backend = _backend(req.backend, world)
+        backend = choose_backend(req.backend, world)
         if backend == "vllm":
             if rank == 0:
-                generate_with_vllm(req.model, ds, out, req.sampling, req.setup)
+                generate_with_vllm(req.model, ds, out, req.sampling, req.setup.dtype, req.setup.trust_remote_code)
         else:
             from transformers import set_seed
 
@@ -393,7 +236,7 @@ def evaluate(req: EvalRequest) -> dict | None:
 
             set_seed(req.seed + rank)  # sampled completions are reproducible
             model, processing = load_checkpoint(req.model, dtype=req.setup.dtype,
-                                                trust_remote_code=req.setup.trust_remote_code, device=_device())
+                                                trust_remote_code=req.setup.trust_remote_code, device=default_device())
             generate_predictions(model, processing, ds, out, req.sampling, req.batch_size)
         seconds = time.perf_counter() - start
         barrier()
@@ -410,24 +253,6 @@ def evaluate(req: EvalRequest) -> dict | None:
     report["generation_seconds"] = seconds
     write_report(out, report)
     return report
-
-
-def _backend(requested: Backend, world: int) -> str:
-    if requested != "auto":
-        return requested
-    import importlib.util
-
-    import torch
-
-    return "vllm" if world == 1 and torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
-
-
-def _device():
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def _read_identity(out: Path) -> dict | None:
@@ -448,29 +273,6 @@ def _differs(a: dict, b: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------ CLI
-def run_targets(run_dir: Path) -> list[tuple[str, Path, Path]]:
-    """(phase name, checkpoint, its config.json) for every phase of a run folder: the best
-    checkpoint, or ``final/`` when the phase has no usable best."""
-    phases = sorted((p for p in run_dir.glob("phase*-*") if (p / "config.json").is_file()),
-                    key=lambda p: int(p.name[5:].split("-")[0]) if p.name[5:].split("-")[0].isdigit() else 0)
-    if not phases and (run_dir / "config.json").is_file():
-        phases = [run_dir]
-    if not phases:
-        raise EvalError(f"{run_dir}: not a run folder (no config.json, no phaseN-name/ folders)")
-    out = []
-    for p in phases:
-        best = p / "best_checkpoint.json"
-        ckpt = None
-        if best.exists():
-            ckpt = p / json.loads(best.read_text())["checkpoint"]
-        if ckpt is None or not ckpt.is_dir():
-            ckpt = p / "final"
-        if not ckpt.is_dir():
-            raise EvalError(f"{p}: neither a best checkpoint nor final/ (did the phase finish?)")
-        out.append((p.name, ckpt, p / "config.json"))
-    return out
-
-
 def build_parser():
     import argparse
 
@@ -547,7 +349,7 @@ def _check_numbers(args) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from crystal_grpo.train.data import DataError
-    from crystal_grpo.train.eval_report import compare, compare_markdown
+    from crystal_grpo.train.tools.eval_report import compare, compare_markdown
     from crystal_grpo.train.models import ModelLoadError
     from crystal_grpo.typed import ConfigError
 
@@ -583,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = evaluate(req)
             folders.append(out)
             if report is not None:
-                from crystal_grpo.train.eval_report import markdown
+                from crystal_grpo.train.tools.eval_report import markdown
 
                 print(markdown(report).split("\n## ")[0].rstrip() + f"\n\n(full report: {out / 'report.md'})\n")
         if len(folders) > 1 and rank_and_world()[0] == 0:

@@ -39,18 +39,24 @@ from crystal_grpo.rewards.references import (
     distinct_step_similarities,
     suggest_threshold,
 )
-from crystal_grpo.train.checkpoints import atomic_write_text, read_json
-from crystal_grpo.train.evaluate import (
+from crystal_grpo.jsonl import atomic_write_text, read_json
+from crystal_grpo.train.generation import Sampling
+from crystal_grpo.train.predictions import (
     PREDICTIONS,
-    EvalError,
-    EvalSetup,
-    _as_completion,
-    _backend,
-    _device,
-    _drop_partial,
+    PredictionError,
+    as_completion,
+    choose_backend,
+    default_device,
+    drop_partial,
+    generate_predictions,
+    generate_with_vllm,
     read_predictions,
 )
-from crystal_grpo.train.generation import Sampling
+
+
+class BuildError(ValueError):
+    """A build that cannot go on; the message says what to change."""
+
 
 SETTINGS = "build.json"
 GENERATION = "generation.json"
@@ -117,7 +123,7 @@ def read_rows(req: BuildRequest) -> tuple[list[dict], Any]:
     seen: Counter = Counter(str(r["id"]) for r in raw)
     dupes = [i for i, n in seen.items() if n > 1]
     if dupes:
-        raise EvalError(f"{path}: {len(dupes)} duplicate id(s) (e.g. {', '.join(dupes[:3])}): ids must be unique")
+        raise BuildError(f"{path}: {len(dupes)} duplicate id(s) (e.g. {', '.join(dupes[:3])}): ids must be unique")
     return raw, ds
 
 
@@ -130,13 +136,11 @@ def generator_folder(root: Path, name: str) -> Path:
 def generate_trajectories(req: BuildRequest, name: str, ds, folder: Path) -> None:
     """``samples`` completions a row from one generator into ``folder/predictions.jsonl``
     (resumable: rows already there are not generated again)."""
-    from crystal_grpo.train.evaluate import generate_predictions, generate_with_vllm
-
     identity = {"generator": name, "data": str(Path(req.data).resolve()), "system_prompt": req.system_prompt,
                 "sampling": asdict(req.sampling)}
     _check_identity(folder / GENERATION, identity, "--work_dir")
-    if _backend(req.backend, 1) == "vllm":
-        generate_with_vllm(name, ds, folder, req.sampling, EvalSetup(dtype=req.dtype))
+    if choose_backend(req.backend, 1) == "vllm":
+        generate_with_vllm(name, ds, folder, req.sampling, req.dtype)
         return
     from transformers import set_seed
 
@@ -144,10 +148,10 @@ def generate_trajectories(req: BuildRequest, name: str, ds, folder: Path) -> Non
 
     set_seed(req.seed)
     if Path(name).is_dir():
-        model, processing = load_checkpoint(name, dtype=req.dtype, device=_device())
+        model, processing = load_checkpoint(name, dtype=req.dtype, device=default_device())
     else:  # a hub id: from the local cache when offline
         model, processing = load_policy(ModelSection(name_or_path=name, dtype=req.dtype or "float32"))
-        model = model.to(_device()).eval()
+        model = model.to(default_device()).eval()
     generate_predictions(model, processing, ds, folder, req.sampling, req.batch_size, progress=req.progress)
 
 
@@ -158,7 +162,7 @@ def read_trajectories(path: Path, ids: set[str]) -> dict[str, list[ParsedOutput]
     out: dict[str, list[ParsedOutput]] = {}
     for pred in read_predictions(path):
         if pred["id"] in ids:
-            parsed = _as_completion(pred)
+            parsed = as_completion(pred)
             out.setdefault(pred["id"], []).append(parse_completion(parsed) if isinstance(parsed, str) else parsed)
     return out
 
@@ -226,11 +230,11 @@ def written_ids(path: Path) -> set[str]:
     """Ids already in the output (a last line cut off by a kill is dropped first)."""
     if not path.exists():
         return set()
-    _drop_partial(path, 1)
+    drop_partial(path, 1)
     out = set()
     for no, row in iter_jsonl(path):
         if isinstance(row, Unreadable) or not isinstance(row, dict) or "id" not in row:
-            raise EvalError(f"{path}:{no}: not a row this build wrote; choose another --out")
+            raise BuildError(f"{path}:{no}: not a row this build wrote; choose another --out")
         out.add(str(row["id"]))
     return out
 
@@ -244,7 +248,7 @@ def _check_identity(path: Path, identity: dict, what: str) -> None:
     if previous is not None:
         if previous != identity:
             keys = [k for k in identity if previous.get(k) != identity[k]]
-            raise EvalError(f"{path.parent} holds a build with other settings ({', '.join(keys)}); "
+            raise BuildError(f"{path.parent} holds a build with other settings ({', '.join(keys)}); "
                             f"choose another {what} or delete it")
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,7 +258,7 @@ def _check_identity(path: Path, identity: dict, what: str) -> None:
 def build(req: BuildRequest) -> dict:
     """Run one build (see the module docstring); returns the summary it prints."""
     if not req.generators and not req.trajectories:
-        raise EvalError("nothing to build from: give --generator MODEL or --trajectories FILE (or both)")
+        raise BuildError("nothing to build from: give --generator MODEL or --trajectories FILE (or both)")
     threshold = req.cluster_threshold if req.cluster_threshold is not None else default_threshold(req.encoder)
     notes = []
     if threshold is None:
@@ -379,7 +383,7 @@ def measure_threshold(data: str, encoder: str, device: str | None = None) -> dic
     chains = [list(r["reference_steps"]) for _, r in iter_jsonl(data)
               if isinstance(r, dict) and isinstance(r.get("reference_steps"), list) and len(r["reference_steps"]) > 1]
     if not chains:
-        raise EvalError(f"{data}: no row with two or more reference_steps to measure on")
+        raise BuildError(f"{data}: no row with two or more reference_steps to measure on")
     import torch
 
     sims = distinct_step_similarities(MatchF1Scorer(encoder, device=device), chains).double()
@@ -449,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key, low in (("samples", 1), ("batch_size", 1), ("max_new_tokens", 1), ("min_support", 1),
                          ("max_rows", 1)):
             if getattr(args, key) is not None and getattr(args, key) < low:
-                raise EvalError(f"--{key} {getattr(args, key)}: expected an integer >= {low}")
+                raise BuildError(f"--{key} {getattr(args, key)}: expected an integer >= {low}")
         if args.measure_threshold:
             m = measure_threshold(args.data, args.encoder, args.device)
             print(f"{m['data']}: {m['rows']} rows, {m['pairs']} pairs of different reference steps of one row; "
@@ -458,9 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"(shipped default for this encoder: {m['default']})")
             return 0
         if args.out is None:
-            raise EvalError("--out is required")
+            raise BuildError("--out is required")
         if args.samples > 1 and args.temperature <= 0:
-            raise EvalError(f"--samples {args.samples} with greedy decoding gives identical solutions: "
+            raise BuildError(f"--samples {args.samples} with greedy decoding gives identical solutions: "
                             "set --temperature > 0")
         req = BuildRequest(
             data=args.data, out=args.out, generators=args.generators, trajectories=args.trajectories,
@@ -470,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_incorrect=args.keep_incorrect, reference_sets=args.reference_sets, rebuild=args.rebuild,
             keep_collapsed=args.keep_collapsed, max_rows=args.max_rows, device=args.device, seed=args.seed)
         summary = build(req)
-    except (EvalError, DataError, ModelLoadError, EncoderLoadError, OSError) as err:
+    except (BuildError, PredictionError, DataError, ModelLoadError, EncoderLoadError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 1 if summary["failed"] else 0

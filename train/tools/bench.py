@@ -12,7 +12,7 @@ A setting names one run: ``<launcher>-<weights>[-<reward>][-pcgrad][-<generation
 - generation ``static`` (``cache_implementation: static``) or ``cb`` (transformers' continuous
   batching); without it, ``generate`` with the dynamic KV cache.
 
-Every run is ``python -m crystal_grpo.train.bench ENTRY --config tiny.yaml <overrides>``
+Every run is ``python -m crystal_grpo.train.tools.bench ENTRY --config tiny.yaml <overrides>``
 with the same overrides, so model, data, batch, generation length, seed and every
 GRPOConfig value are identical: the baseline builds its GRPOConfig, dataset, model and
 LoRA config with the very functions ``train/grpo.py`` uses, only the trainer and the
@@ -35,6 +35,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.train.layout import METRICS_LOG
 
 GENERATIONS = 8
 CLOCK_FILE = "step_clock.json"
@@ -117,7 +118,7 @@ def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool)
     if s.pcgrad:
         args += ["--pcgrad", "true"]
     args += ENGINES.get(s.engine, [])
-    entry = ["-m", "crystal_grpo.train.bench", "trl" if s.launcher == "trl" else "grpo"]
+    entry = ["-m", "crystal_grpo.train.tools.bench", "trl" if s.launcher == "trl" else "grpo"]
     return launch + entry + args + extra
 
 
@@ -190,10 +191,10 @@ def _config_and_folder(argv: list[str]):
 
 def summarise(out: Path, warmup: int) -> dict[str, float]:
     """Medians over the measured steps (after ``warmup``) of one run's records."""
-    rows = read_jsonl(out / "metrics.jsonl")
+    rows = read_jsonl(out / METRICS_LOG)
     steps = [r for r in rows if "step_time" in r][warmup:]
     if not steps:
-        raise SystemExit(f"{out}: no measured steps in metrics.jsonl")
+        raise SystemExit(f"{out}: no measured steps in {METRICS_LOG}")
 
     def med(key: str) -> float:
         return statistics.median([r[key] for r in steps if key in r] or [math.nan])
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if entry == "grpo":
         return run_grpo(rest)
-    raise SystemExit(f"usage: python -m crystal_grpo.train.bench trl|grpo --config ... (got {entry!r})")
+    raise SystemExit(f"usage: python -m crystal_grpo.train.tools.bench trl|grpo --config ... (got {entry!r})")
 
 
 if __name__ == "__main__":

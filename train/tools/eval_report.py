@@ -17,16 +17,16 @@ from pathlib import Path
 import numpy as np
 
 from crystal_grpo.curricula.complexity import complexity_tier, step_count
+from crystal_grpo.metrics import names as metric_names
+from crystal_grpo.metrics import spec
 from crystal_grpo.rewards.base import METRICS
-from crystal_grpo.train.checkpoints import atomic_write_text
-from crystal_grpo.train.stats import bootstrap_ci, seed_test, two_level_ci
-from crystal_grpo.train.stats import nanmean as _nanmean
+from crystal_grpo.jsonl import atomic_write_text
+from crystal_grpo.train.tools.stats import bootstrap_ci, seed_test, two_level_ci
+from crystal_grpo.train.tools.stats import nanmean as _nanmean
 
-#: Per-example numbers a report aggregates: the metric names of rewards/base.py, and the LIS ratio.
-ROW_METRICS = (*METRICS, "lis_ratio")
-LABELS = {"accuracy": "Accuracy", "f1": "Match F1", "precision": "Precision", "recall": "Recall",
-          "lis_ratio": "LIS ratio", "ordered_f1": "Ordered F1", "format_rate": "Format rate",
-          "steps_mean": "Mean steps", "reward": "Reward", "pass_at_k": "pass@k"}
+#: Per-example numbers a report aggregates: the metric table's validation rows, and those
+#: only evaluation keeps (the LIS ratio).
+ROW_METRICS = (*METRICS, *metric_names("row"))
 #: Reference-step-count buckets (CRYSTAL's references have 3-42 steps, mean 11.6).
 STEP_BUCKETS = ((1, 2), (3, 5), (6, 10), (11, 20), (21, None))
 
@@ -111,10 +111,10 @@ def markdown(report: dict) -> str:
              f"95% bootstrap intervals over rows ({report['bootstrap_resamples']} resamples).", "",
              "| metric | value | 95% CI |", "|---|---|---|"]
     for m, v in report["overall"].items():
-        lines.append(f"| {LABELS[m]} | {_fmt(v['value'])} | [{_fmt(v['ci_low'])}, {_fmt(v['ci_high'])}] |")
+        lines.append(f"| {spec(m).heading} | {_fmt(v['value'])} | [{_fmt(v['ci_low'])}, {_fmt(v['ci_high'])}] |")
     cols = ("accuracy", "f1", "ordered_f1", "format_rate", "steps_mean")
     for name, groups in report["breakdowns"].items():
-        lines += ["", f"## By {name}", "", f"| {name} | n | " + " | ".join(LABELS[c] for c in cols) + " |",
+        lines += ["", f"## By {name}", "", f"| {name} | n | " + " | ".join(spec(c).heading for c in cols) + " |",
                   "|---|---|" + "---|" * len(cols)]
         for label, g in groups.items():
             lines.append(f"| {label} | {g['n']} | " + " | ".join(_fmt(g.get(c)) for c in cols) + " |")
@@ -136,7 +136,7 @@ def plot(report: dict, path: Path) -> Path:
         x = np.arange(len(groups))
         width = 0.8 / len(cols)
         for j, c in enumerate(cols):
-            ax.bar(x + j * width, [g.get(c) or 0 for g in groups.values()], width, label=LABELS[c])
+            ax.bar(x + j * width, [g.get(c) or 0 for g in groups.values()], width, label=spec(c).heading)
         ax.set_xticks(x + 0.4 - width / 2, [f"{label}\n(n={g['n']})" for label, g in groups.items()])
         ax.set_ylim(0, 1)
         ax.set_title(f"by {name}")
@@ -204,5 +204,5 @@ def compare_markdown(result: dict) -> str:
         diffs = [f"{_fmt(d['value'], 3)} [{_fmt(d['ci_low'])}, {_fmt(d['ci_high'])}]"
                  + (f" p={_fmt(d['p_seeds'], 2)} n={d['seeds_needed'] or '-'}" if seeded and d["p_seeds"] is not None
                     else "") for d in e["diffs"]]
-        lines.append(f"| {LABELS[m]} | " + " | ".join(_fmt(v) for v in e["means"]) + " | " + " | ".join(diffs) + " |")
+        lines.append(f"| {spec(m).heading} | " + " | ".join(_fmt(v) for v in e["means"]) + " | " + " | ".join(diffs) + " |")
     return "\n".join(lines) + "\n"

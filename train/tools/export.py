@@ -47,8 +47,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from crystal_grpo.jsonl import iter_jsonl
-from crystal_grpo.train.checkpoints import MARKER, checkpoint_problem, safetensors_problem
+from crystal_grpo.train.checkpoints import checkpoint_problem, safetensors_problem
+from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.model_card import RunRecord, export_card, framework_versions, read_run_record
+from crystal_grpo.train.models import check_remote_code, torch_dtype
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: Asked when the run's config names no readable training file (or the folder has no run records).
@@ -183,9 +185,7 @@ def model_class(config: Any):
 def load_config(source: str, trust: bool):
     from transformers import AutoConfig
 
-    from crystal_grpo.train.models import _check_remote_code
-
-    _check_remote_code(_raw_config(source) if Path(source).is_dir() else None, trust, source)
+    check_remote_code(_raw_config(source) if Path(source).is_dir() else None, trust, source)
     return AutoConfig.from_pretrained(source, trust_remote_code=trust)
 
 
@@ -202,12 +202,6 @@ def load_processing(sources: list[str], config: Any, trust: bool):
     if is_vision_language(config):
         return load_processor(src, Path(src).is_dir(), config, kw)
     return AutoTokenizer.from_pretrained(src, **kw)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
 
 
 def concrete_class(cls, config: Any, trust: bool):
@@ -230,7 +224,7 @@ def _from_pretrained(cls, source: str | None, dtype: str, trust: bool, **kw):
     ``source`` None, from ``state_dict=`` and ``config=`` in ``kw``."""
     if source is None:
         cls = concrete_class(cls, kw["config"], trust)
-    model, info = cls.from_pretrained(source, dtype=_torch_dtype(dtype), trust_remote_code=trust,
+    model, info = cls.from_pretrained(source, dtype=torch_dtype(dtype), trust_remote_code=trust,
                                       output_loading_info=True, **kw)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
@@ -284,7 +278,7 @@ def _safetensors_dtype(path: Path) -> str | None:
 def training_prompt(config: dict | None, max_rows: int = 1000) -> tuple[str, list[dict], list | None]:
     """(where it came from, the conversational prompt, images or None): the first valid row
     of the run's training file, prompted exactly as in training, else a fixed question."""
-    from crystal_grpo.train.data import _image_paths, build_prompt, row_problems
+    from crystal_grpo.train.data import build_prompt, image_paths, row_problems
 
     data = (config or {}).get("data") or {}
     system = data.get("system_prompt")
@@ -295,7 +289,7 @@ def training_prompt(config: dict | None, max_rows: int = 1000) -> tuple[str, lis
                 if isinstance(row, dict) and not row_problems(row, path.parent):
                     from PIL import Image
 
-                    images = [Image.open(p).convert("RGB") for p in _image_paths(row, path.parent)]
+                    images = [Image.open(p).convert("RGB") for p in image_paths(row, path.parent)]
                     return f"{path}:{no}", build_prompt(row, system), images or None
                 if no >= max_rows:
                     break
@@ -436,7 +430,7 @@ def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, trust: boo
             result = set_peft_model_state_dict(peft_model, adapter_weights(ckpt, say))
             if result.unexpected_keys:
                 raise RuntimeError(f"adapter tensors the model has no place for: {result.unexpected_keys[:5]}")
-        model = peft_model.merge_and_unload().to(_torch_dtype(dtype))
+        model = peft_model.merge_and_unload().to(torch_dtype(dtype))
         say(f"  weights: the LoRA adapter merged into {base} (PEFT merge_and_unload, in float32)")
         how = f"LoRA adapter merged into `{base}`"
     model.save_pretrained(tmp, max_shard_size=max_shard_size)
@@ -449,7 +443,7 @@ def _write_adapter(ckpt: Checkpoint, tmp: Path, base: str, dtype: str, trust: bo
     loads from anywhere, and the checkpoint's tokenizer or processor."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.to(_torch_dtype(dtype)) for k, v in adapter_weights(ckpt, say).items()}
+    tensors = {k: v.to(torch_dtype(dtype)) for k, v in adapter_weights(ckpt, say).items()}
     save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     (tmp / "adapter_config.json").write_text(json.dumps({**ckpt.adapter, "base_model_name_or_path": base}, indent=2),
                                              encoding="utf-8")

@@ -20,7 +20,7 @@ overrides, command and resolved config) and its ``train.log``. Every point's ove
 validated before anything runs. Re-running skips finished points (their ``summary.json``
 exists), resumes an interrupted one from its last checkpoint, and a failed point is
 reported with the tail of its log without stopping the others. The report lives in
-train/sweep_report.py.
+train/tools/sweep_report.py.
 """
 
 from __future__ import annotations
@@ -39,20 +39,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from crystal_grpo.train.checkpoints import atomic_write_text, read_json
+from crystal_grpo.jsonl import atomic_write_text, read_json
+from crystal_grpo.train.layout import BEST, FINAL, POINT_LOG, SWEEP_POINT, is_finished, run_targets
+from crystal_grpo.train.tools.sweep_report import STATUS_FILE, eval_targets, read_status, write_report
 
 # train/config.py is imported where it is used: it loads TRL and transformers (seconds), and
 # transformers prints a note to stdout on import, which ``--emit`` keeps off the script it prints.
 
-_CHECKOUT = Path(__file__).resolve().parents[1]
+_CHECKOUT = Path(__file__).resolve().parents[2]
 #: Where points run and relative paths start: the source checkout (the commands its README
 #: shows), or, for an installed package, the folder the sweep is started from.
 ROOT = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
-POINT_FILE = "sweep_point.json"
-STATUS_FILE = "sweep_status.json"
-#: What a finished run leaves in its folder (train/grpo.py writes it last).
-DONE_FILE = "summary.json"
-LOG_FILE = "train.log"
 KEYS = {"base", "launcher", "init_from", "output_dir", "overrides", "points", "grid", "seeds", "eval", "x"}
 EVAL_KEYS = {"data", "max_samples", "batch_size", "max_new_tokens"}
 
@@ -216,8 +213,8 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
 def start_checkpoint(folder: Path) -> Path:
     """A run's phase folder -> its best checkpoint (``final/`` without a usable best); a model
     folder stays as it is."""
-    is_phase = (folder / "best_checkpoint.json").is_file() or (folder / "final").is_dir()
-    if not is_phase and (folder / "config.json").is_file():
+    is_phase = (folder / BEST).is_file() or (folder / FINAL).is_dir()
+    if not is_phase and (folder / "config.json").is_file():  # a model's own config.json
         return folder
     ckpt = best_checkpoint(folder) if is_phase else None
     if ckpt is None:
@@ -269,7 +266,7 @@ def _rel(path: Path) -> str:
 def shell_line(sweep: Sweep, point: Point) -> str:
     """One self-contained shell line: make the folder, run, append to its log."""
     folder = shlex.quote(_rel(sweep.output_dir / point.name))
-    return (f"mkdir -p {folder} && {shlex.join(command(sweep, point))} >> {folder}/{LOG_FILE} 2>&1")
+    return (f"mkdir -p {folder} && {shlex.join(command(sweep, point))} >> {folder}/{POINT_LOG} 2>&1")
 
 
 def prepare(sweep: Sweep, point: Point) -> Path:
@@ -278,23 +275,15 @@ def prepare(sweep: Sweep, point: Point) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     record = {"name": point.name, "arm": point.arm, "seed": point.seed, "config": point.config,
               "overrides": point.overrides, "command": shell_line(sweep, point), "resolved": resolved(point)}
-    atomic_write_text(folder / POINT_FILE, json.dumps(record, indent=2, default=str))
+    atomic_write_text(folder / SWEEP_POINT, json.dumps(record, indent=2, default=str))
     return folder
-
-
-def is_done(folder: Path) -> bool:
-    return (folder / DONE_FILE).is_file()
 
 
 def log_tail(folder: Path, lines: int = 20) -> str:
     try:
-        return "\n".join((folder / LOG_FILE).read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join((folder / POINT_LOG).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def read_status(sweep: Sweep) -> dict[str, dict]:
-    return read_json(sweep.output_dir / STATUS_FILE) or {}
 
 
 _STATUS_LOCK = threading.Lock()
@@ -311,18 +300,18 @@ def run_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print) ->
     """Run one point unless finished: ``"skipped"``, ``"done"`` or ``"failed"`` (recorded with
     the log's tail in the sweep folder's ``sweep_status.json``)."""
     folder = sweep.output_dir / point.name
-    if is_done(folder):
+    if is_finished(folder):
         say(f"[{point.name}] finished earlier: skipped")
         return "skipped"
-    resuming = (folder / POINT_FILE).is_file()
+    resuming = (folder / SWEEP_POINT).is_file()
     prepare(sweep, point)
-    say(f"[{point.name}] {'resuming' if resuming else 'starting'} (log: {folder / LOG_FILE})")
+    say(f"[{point.name}] {'resuming' if resuming else 'starting'} (log: {folder / POINT_LOG})")
     start = time.time()
-    with open(folder / LOG_FILE, "ab") as log:
+    with open(folder / POINT_LOG, "ab") as log:
         rc = subprocess.run(command(sweep, point, sys.executable), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL).returncode
     seconds = round(time.time() - start, 1)
-    if rc == 0 and is_done(folder):
+    if rc == 0 and is_finished(folder):
         _record(sweep, point.name, {"status": "done", "seconds": seconds})
         if sweep.eval:
             evaluate_point(sweep, point, say)
@@ -361,32 +350,10 @@ def select(sweep: Sweep, only: list[str] | None) -> list[Point]:
 # ------------------------------------------------------------------------------ evaluation
 def best_checkpoint(folder: Path) -> Path | None:
     """The best checkpoint of the run's last phase (its ``final/`` when it has no usable best)."""
-    from crystal_grpo.train.evaluate import EvalError, run_targets
-
     try:
         return run_targets(folder)[-1][1]
-    except (EvalError, OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError):
         return None
-
-
-def eval_targets(folder: Path) -> dict[str, Path]:
-    """What a point's evaluation scores: ``eval`` the last phase's final weights (the primary
-    result: every arm trained its whole budget), ``eval_best`` its best checkpoint by
-    validation (secondary; absent when that is the final step)."""
-    from crystal_grpo.train.evaluate import EvalError, run_targets
-
-    try:
-        best = run_targets(folder)[-1][1]
-    except (EvalError, OSError, ValueError, KeyError):
-        return {}
-    from crystal_grpo.train.run_folder import PHASE_DONE
-
-    final = best.parent / "final"
-    targets = {"eval": final} if final.is_dir() else {}
-    last = (read_json(best.parent / PHASE_DONE) or {}).get("global_step")  # (its checkpoint may be rotated away)
-    if best.name.startswith("checkpoint-") and best.name != f"checkpoint-{last}":
-        targets["eval_best"] = best
-    return targets
 
 
 def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print) -> bool:
@@ -399,7 +366,7 @@ def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = prin
         if (folder / out / "report.json").is_file():
             continue  # evaluated earlier (scripts/evaluate.py --force re-scores)
         ev = sweep.eval
-        argv = [sys.executable, *entry("scripts/evaluate.py", "crystal_grpo.train.evaluate"), "--model", str(ckpt), "--data", str(ev["data"]),
+        argv = [sys.executable, *entry("scripts/evaluate.py", "crystal_grpo.train.tools.evaluate"), "--model", str(ckpt), "--data", str(ev["data"]),
                 "--out", str(folder / out)]
         for key in sorted(EVAL_KEYS - {"data"}):
             if ev.get(key) is not None:
@@ -469,15 +436,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(script, end="")
         return 0
-    from crystal_grpo.train.sweep_report import write_report
-
     try:
         sweep = load_sweep(args.sweep, args.output_dir, resolve_init=not (args.report and not args.point))
         print(f"sweep {sweep.name}: {len(sweep.points)} point(s) in {sweep.output_dir}")
         results = {} if args.report else run_sweep(sweep, args.point, jobs=args.jobs)
         if sweep.eval and args.report:
             for p in sweep.points:
-                if is_done(sweep.output_dir / p.name):
+                if is_finished(sweep.output_dir / p.name):
                     evaluate_point(sweep, p)
         text, plots = write_report(sweep)
     except SweepError as err:

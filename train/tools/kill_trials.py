@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crystal_grpo.jsonl import read_jsonl
-from crystal_grpo.train.checkpoints import MARKER
+from crystal_grpo.train.layout import FINAL, LOCK, MARKER, METRICS_LOG, RECORD, VALIDATION_LOG
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: Logged values that must match the reference exactly (timings are not compared).
 COMPARED = ("loss", "reward", "reward_std", "kl", "entropy", "grad_norm", "learning_rate", "num_tokens",
             "completions/mean_length", "frac_reward_zero_std")
@@ -83,7 +83,7 @@ def compare(ref: Path, run: Path) -> list[str]:
     from safetensors.torch import load_file
 
     problems = []
-    for name, keys in (("metrics.jsonl", COMPARED), ("validation.jsonl", ("accuracy", "f1", "format_rate", "reward"))):
+    for name, keys in ((METRICS_LOG, COMPARED), (VALIDATION_LOG, ("accuracy", "f1", "format_rate", "reward"))):
         mine = [r for r in read_jsonl(run / name) if any(k in r for k in keys)]
         theirs = [r for r in read_jsonl(ref / name) if any(k in r for k in keys)]
         if [r["step"] for r in mine] != [r["step"] for r in theirs]:
@@ -94,17 +94,17 @@ def compare(ref: Path, run: Path) -> list[str]:
             if diff:
                 problems.append(f"{name} step {a['step']}: {', '.join(f'{k} {a.get(k)} vs {b.get(k)}' for k in diff)}")
     try:
-        a, b = load_file(run / "final" / "model.safetensors"), load_file(ref / "final" / "model.safetensors")
+        a, b = load_file(run / FINAL / "model.safetensors"), load_file(ref / FINAL / "model.safetensors")
         unequal = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
         if unequal:
             problems.append(f"final weights differ in {len(unequal)} tensor(s), e.g. {unequal[0]}")
     except OSError as err:
-        problems.append(f"final/model.safetensors: {err}")
+        problems.append(f"{FINAL}/model.safetensors: {err}")
     return problems
 
 
 def _snapshot(folder: Path) -> dict:
-    skip = {"run.json", "run.lock"}
+    skip = {RECORD, LOCK}
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*")
             if p.is_file() and p.name not in skip}
 

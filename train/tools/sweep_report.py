@@ -10,7 +10,7 @@ report can be made at any time from whatever has finished:
   (non-finite updates skipped; validation format rate collapsing below half its best);
 - with ``eval.data`` in the sweep, scripts/evaluate.py's scores of the final weights (the primary
   result) and of the best checkpoint by validation, and every arm against the first, paired by
-  row, with intervals that resample seeds and rows (train/stats.py).
+  row, with intervals that resample seeds and rows (train/tools/stats.py).
 """
 
 from __future__ import annotations
@@ -20,20 +20,49 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from crystal_grpo.jsonl import atomic_write_text, read_json
+from crystal_grpo.metrics import label, spec
 from crystal_grpo.rewards.base import METRICS
-from crystal_grpo.train.checkpoints import atomic_write_text, read_json
+from crystal_grpo.train.layout import FINAL, PHASE_DONE, is_finished, read_best, run_targets
 from crystal_grpo.train.summary import Phase, read_phases, slope
-from crystal_grpo.train.sweep import Sweep, eval_targets, is_done, read_status
 
-#: The validation metrics of the table (the best checkpoint's), in METRICS order.
-BEST = tuple(m for m in METRICS if m != "reward")
+if TYPE_CHECKING:
+    from crystal_grpo.train.tools.sweep import Sweep
+
+STATUS_FILE = "sweep_status.json"  # the sweep folder's record of each point's runs (train/tools/sweep.py writes it)
+
+
+def read_status(sweep: Sweep) -> dict[str, dict]:
+    return read_json(sweep.output_dir / STATUS_FILE) or {}
+
+
+def eval_targets(folder: Path) -> dict[str, Path]:
+    """What a point's evaluation scores: ``eval`` the last phase's final weights (the primary
+    result: every arm trained its whole budget), ``eval_best`` its best checkpoint by
+    validation (secondary; absent when that is the final step)."""
+    try:
+        best = run_targets(folder)[-1][1]
+    except (OSError, ValueError, KeyError):
+        return {}
+    final = best.parent / FINAL
+    targets = {"eval": final} if final.is_dir() else {}
+    last = (read_json(best.parent / PHASE_DONE) or {}).get("global_step")  # (its checkpoint may be rotated away)
+    if best.name.startswith("checkpoint-") and best.name != f"checkpoint-{last}":
+        targets["eval_best"] = best
+    return targets
+
+
+#: The validation metrics of the table (the best checkpoint's), in METRICS order; the same ones
+#: are read from each evaluation's report.
+BEST = EVAL = tuple(m for m in METRICS if m != "reward")
 DIAGNOSTICS = ("discrimination_gap", "r_f1", "kl_max", "grad_norm_slope", "nonfinite_skipped", "train_accuracy",
                "train_accuracy_slope", "accuracy_varies", "frac_easy")
-EVAL = ("accuracy", "f1", "precision", "recall", "ordered_f1", "format_rate", "steps_mean")
+#: The Markdown table's columns (non-finite skips show in its "diverged" column).
+COLUMNS = (*BEST, *(d for d in DIAGNOSTICS if d != "nonfinite_skipped"))
 COLLAPSE_SHARE = 0.5  # format rate below this share of its best so far = collapsed
 
 
@@ -67,9 +96,9 @@ def collapse_step(validation: list[dict]) -> int | None:
 def point_metrics(folder: Path) -> dict[str, Any]:
     """One finished run's numbers (its last phase: the one the sweep varies)."""
     phase = read_phases(folder)[-1]
-    best = read_json(phase.folder / "best_checkpoint.json")
-    val = best["metrics"] if best else (phase.validation[-1] if phase.validation else {})
-    out: dict[str, Any] = {"best_step": best["step"] if best else (val.get("step") if val else None)}
+    best = read_best(phase.folder)
+    val = best.metrics if best else (phase.validation[-1] if phase.validation else {})
+    out: dict[str, Any] = {"best_step": best.step if best else (val.get("step") if val else None)}
     out.update({m: val.get(m) for m in BEST})
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     out["discrimination_gap"] = mean([v for _, v in _train_values(phase, "discrimination_gap")])
@@ -119,10 +148,10 @@ PAIRED = ("accuracy", "f1", "ordered_f1", "format_rate", "steps_mean")
 
 def paired_on_eval(sweep: Sweep, arms: list[str], bootstrap: int = 1000, seed: int = 0) -> dict[str, Any] | None:
     """Every arm against the first on the evaluation rows, paired by row: the difference of the
-    means with a 95% interval that resamples each arm's seeds, then rows (train/stats.py), a
+    means with a 95% interval that resamples each arm's seeds, then rows (train/tools/stats.py), a
     Welch test on the per-seed means, and the seeds a difference of that size would need."""
-    from crystal_grpo.train.eval_report import ROW_METRICS, load_scored
-    from crystal_grpo.train.stats import seed_test, two_level_ci
+    from crystal_grpo.train.tools.eval_report import ROW_METRICS, load_scored
+    from crystal_grpo.train.tools.stats import seed_test, two_level_ci
 
     per_arm = {}
     for arm in arms:
@@ -156,7 +185,7 @@ def build(sweep: Sweep) -> dict[str, Any]:
     for p in sweep.points:
         folder = sweep.output_dir / p.name
         entry: dict[str, Any] = {"point": p.name, "arm": p.arm, "seed": p.seed, "overrides": p.overrides}
-        if is_done(folder):
+        if is_finished(folder):
             entry["status"] = "done"
             entry["metrics"] = point_metrics(folder)
         elif status.get(p.name, {}).get("status") == "failed":
@@ -181,38 +210,32 @@ def build(sweep: Sweep) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------- output
-HEADERS = {"accuracy": "accuracy", "f1": "Match F1", "precision": "precision", "recall": "recall",
-           "ordered_f1": "Ordered F1", "format_rate": "format", "steps_mean": "steps",
-           "discrimination_gap": "disc. gap", "r_f1": "r(F1)", "kl_max": "KL max", "grad_norm_slope": "grad-norm slope",
-           "train_accuracy": "train acc.", "train_accuracy_slope": "train acc. slope",
-           "accuracy_varies": "groups acc. varies", "frac_easy": "easy rows"}
 
 
-def _cell(mu: float | None, sd: float | None, spec: str = ".3f") -> str:
+def _cell(mu: float | None, sd: float | None, fmt: str = ".3f") -> str:
     if mu is None:
         return "-"
-    return format(mu, spec) + (f" ± {format(sd, spec)}" if sd is not None else "")
+    return format(mu, fmt) + (f" ± {format(sd, fmt)}" if sd is not None else "")
 
 
 def _eval_label(key: str) -> str:
     """``eval_f1`` -> "eval Match F1 (final)", ``eval_best_f1`` -> "eval Match F1 (best)"."""
     which, metric = ("best", key[10:]) if key.startswith("eval_best_") else ("final", key[5:])
-    return f"eval {HEADERS[metric]} ({which})"
+    return f"eval {spec(metric).column} ({which})"
 
 
 def markdown(report: dict[str, Any]) -> str:
-    cols = [k for k in HEADERS]
+    cols = COLUMNS
     evals = [f"{e}_{m}" for e in ("eval", "eval_best") for m in ("accuracy", "f1")
              if any(a["mean"].get(f"{e}_{m}") is not None for a in report["arms"])]
-    head = ["arm", "seeds", *(HEADERS[k] for k in cols), *(_eval_label(k) for k in evals), "diverged"]
+    head = ["arm", "seeds", *(spec(k).column for k in cols), *(_eval_label(k) for k in evals), "diverged"]
     lines = [f"# Sweep {report['sweep']}", "",
              "Best-checkpoint validation metrics and training diagnostics, mean ± sample std over seeds; on the "
              "evaluation data the final weights (every arm's whole budget: the primary result) and the best "
              "checkpoint by validation.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for a in report["arms"]:
-        spec = lambda k: "+.4f" if k.endswith("slope") else ".3f"  # noqa: E731
-        cells = [a["arm"], str(a["seeds_done"]), *(_cell(a["mean"][k], a["std"][k], spec(k)) for k in cols),
+        cells = [a["arm"], str(a["seeds_done"]), *(_cell(a["mean"][k], a["std"][k], spec(k).fmt) for k in cols),
                  *(_cell(a["mean"][k], a["std"][k]) for k in evals), a["diverged"]]
         lines.append("| " + " | ".join(cells) + " |")
     paired = report.get("paired_eval")
@@ -221,7 +244,7 @@ def markdown(report: dict[str, Any]) -> str:
                   f"Paired over {paired['rows']} rows. 95% intervals of the difference resample each arm's "
                   "seeds, then rows (two-level bootstrap), so seed-to-seed variance is in them; p is Welch's test "
                   "on the per-seed means, n the seeds per arm a difference of that size would need (80% power).",
-                  "", "| arm | " + " | ".join(f"{HEADERS.get(m, m)} (diff [95% CI], p, n)" for m in PAIRED) + " |",
+                  "", "| arm | " + " | ".join(f"{spec(m).column} (diff [95% CI], p, n)" for m in PAIRED) + " |",
                   "|---|" + "---|" * len(PAIRED)]
         for arm, ms in paired["arms"].items():
             cells = [f"{v['mean']:.3f} ({v['diff']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]"
@@ -251,8 +274,8 @@ def to_csv(report: dict[str, Any]) -> str:
 
 
 #: Curves overlaid in report.png: (title, validation key or None, training key or None).
-CURVES = (("validation Match F1", "f1", None), ("validation accuracy", "accuracy", None),
-          ("training reward", None, "reward"), ("KL", None, "kl"))
+CURVES = ((f"validation {label('f1')}", "f1", None), (f"validation {label('accuracy')}", "accuracy", None),
+          (f"training {label('reward')}", None, "reward"), (label("kl"), None, "kl"))
 
 
 def plot(sweep: Sweep, report: dict[str, Any]) -> list[Path]:
@@ -302,7 +325,7 @@ def plot(sweep: Sweep, report: dict[str, Any]) -> list[Path]:
                 if pts:
                     ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
                                 capsize=3)
-                ax.set_title(HEADERS[k])
+                ax.set_title(spec(k).column)
                 ax.set_xlabel(sweep.x.rsplit(".", 1)[-1])
                 ax.grid(alpha=0.3)
             fig.tight_layout()

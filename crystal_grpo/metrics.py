@@ -1,0 +1,104 @@
+"""The metric table: every number that validation, evaluation, the sweep report, the training
+plots and the run summary show, with its label, format and which way is better.
+
+Reports look names up here, so a metric missing from the table fails at import or in the tests
+(``tests/test_metrics.py``), never as a KeyError halfway through writing a report. Adding a
+metric is one row; where its value comes from is the row's ``source``:
+
+- ``"reward"``: a per-completion value of :meth:`RewardModule.metrics` (``rewards/base.py``),
+  averaged by validation and evaluation (a custom reward adds it to its ``per_row`` output);
+- ``"row"``: a per-completion value only evaluation keeps (``train/eval_report.py``);
+- ``"evaluation"``: computed over a row's samples by the evaluation report (pass@k);
+- ``"training"``: a key of the trainer's log (``metrics.jsonl``) or a sweep diagnostic derived
+  from it (``train/sweep_report.py``).
+
+No torch here: configs, reports and the sweep read this table without loading a model stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Source = Literal["reward", "row", "evaluation", "training"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: ``label`` names it in prose and plots, ``header`` in wide tables."""
+
+    name: str
+    label: str
+    source: Source
+    higher_is_better: bool | None = True  # None: neither (a count, a slope)
+    fmt: str = ".3f"
+    header: str = ""  # default: the label
+    title: str = ""  # a report's row title; default: the label, capitalised
+
+    @property
+    def column(self) -> str:
+        return self.header or self.label
+
+    @property
+    def heading(self) -> str:
+        return self.title or self.label[:1].upper() + self.label[1:]
+
+
+TABLE: tuple[MetricSpec, ...] = (
+    # Validation and evaluation (RewardModule.metrics), in report order.
+    MetricSpec("accuracy", "accuracy", "reward"),
+    MetricSpec("f1", "Match F1", "reward"),
+    MetricSpec("precision", "precision", "reward"),
+    MetricSpec("recall", "recall", "reward"),
+    MetricSpec("ordered_f1", "Ordered F1", "reward"),
+    MetricSpec("format_rate", "format rate", "reward", header="format"),
+    MetricSpec("steps_mean", "mean steps", "reward", higher_is_better=None, header="steps"),
+    MetricSpec("reward", "reward", "reward"),
+    # Evaluation only.
+    MetricSpec("lis_ratio", "LIS ratio", "row"),
+    MetricSpec("pass_at_k", "pass@k", "evaluation", title="pass@k"),
+    # Training logs and the sweep's diagnostics.
+    MetricSpec("kl", "KL", "training", higher_is_better=False),
+    MetricSpec("loss", "training loss", "training", higher_is_better=None),
+    MetricSpec("discrimination_gap", "discrimination gap", "training", header="disc. gap"),
+    MetricSpec("r_f1", "r(F1)", "training"),
+    MetricSpec("kl_max", "KL max", "training", higher_is_better=False),
+    MetricSpec("grad_norm_slope", "grad-norm slope", "training", higher_is_better=None, fmt="+.4f"),
+    MetricSpec("nonfinite_skipped", "non-finite steps skipped", "training", higher_is_better=False, fmt=".0f"),
+    MetricSpec("train_accuracy", "train acc.", "training"),
+    MetricSpec("train_accuracy_slope", "train acc. slope", "training", fmt="+.4f"),
+    MetricSpec("accuracy_varies", "groups acc. varies", "training"),
+    MetricSpec("frac_easy", "easy rows", "training", higher_is_better=None),
+)
+
+
+class UnknownMetric(KeyError):
+    def __str__(self) -> str:
+        return (f"metric {self.args[0]!r} is not in the metric table (crystal_grpo/metrics.py); "
+                f"known: {', '.join(m.name for m in TABLE)}")
+
+
+def spec(name: str) -> MetricSpec:
+    """The row of ``name``; an error naming the table when there is none."""
+    for m in TABLE:
+        if m.name == name:
+            return m
+    raise UnknownMetric(name)
+
+
+def names(*sources: Source) -> tuple[str, ...]:
+    """The metrics of these sources, in table order."""
+    return tuple(m.name for m in TABLE if m.source in sources)
+
+
+def label(name: str) -> str:
+    return spec(name).label
+
+
+def better(name: str, new: float, old: float) -> bool:
+    """Whether ``new`` beats ``old`` (a metric with no direction counts higher as better)."""
+    return new < old if spec(name).higher_is_better is False else new > old
+
+
+#: What validation and evaluation report (``RewardModule.metrics``), in this order.
+VALIDATION: tuple[str, ...] = names("reward")

@@ -1,0 +1,117 @@
+"""The package's layering, checked on the source: the core a training run needs never imports
+the tools built on it, lower layers never import higher ones, no private name crosses a module
+boundary, and no two modules import each other (at module level or inside a function).
+
+Layers, lowest first: ``crystal_grpo`` (shared helpers, the metric table) < ``rewards``,
+``curricula`` < ``train`` (the core) < ``train.tools`` (evaluation, export, sweeps, reference
+building, benchmarks). ``if TYPE_CHECKING:`` imports are annotations only and are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+#: Package -> folder, as pyproject.toml maps them.
+PACKAGES = {"crystal_grpo": "crystal_grpo", "crystal_grpo.rewards": "rewards", "crystal_grpo.curricula": "curricula",
+            "crystal_grpo.train": "train", "crystal_grpo.train.tools": "train/tools"}
+LAYER = {"crystal_grpo": 0, "crystal_grpo.rewards": 1, "crystal_grpo.curricula": 1, "crystal_grpo.train": 2,
+         "crystal_grpo.train.tools": 3}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for f in sorted((REPO / folder).glob("*.py")):
+            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    return out
+
+
+MODULES = modules()
+
+
+def package_of(module: str) -> str:
+    return module if module in PACKAGES else module.rsplit(".", 1)[0]
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:``."""
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            ids |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return ids
+
+
+def imports(module: str) -> list[tuple[str, str | None]]:
+    """(imported module, imported name or None) for every import in ``module``, at any depth."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    skip = _type_checking_only(tree)
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("crystal_grpo"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.append((full, None) if full in MODULES else (node.module, alias.name))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names if a.name.startswith("crystal_grpo")]
+    return out
+
+
+def test_every_module_is_seen():
+    assert {"crystal_grpo.train.trainer", "crystal_grpo.train.tools.evaluate", "crystal_grpo.metrics",
+            "crystal_grpo.rewards.cpr", "crystal_grpo.curricula.sampler"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_import_from_a_higher_layer(module):
+    """Tools import the core, never the reverse; rewards and curricula never import train."""
+    mine = LAYER[package_of(module)]
+    above = sorted({target for target, _ in imports(module)
+                    if target in MODULES and LAYER[package_of(target)] > mine})
+    assert not above, f"{module} (layer {mine}) imports {above}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_name_crosses_modules(module):
+    private = [f"{target}.{name}" for target, name in imports(module)
+               if name and name.startswith("_") and target != module]
+    assert not private, f"{module} imports private names {private}"
+
+
+def test_no_import_cycles():
+    graph = {m: {t for t, _ in imports(m) if t in MODULES and t != m} for m in MODULES}
+    # A package's __init__ importing its own modules is how packages work; the reverse is a cycle.
+    cycles, state = [], {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                cycles.append(path[path.index(t):] + [t])
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_a_planted_cycle_and_private_import_are_found(tmp_path, monkeypatch):
+    """The checks above can fail: a two-module package importing each other's private names."""
+    (tmp_path / "a.py").write_text("from crystal_grpo.x.b import _helper\n")
+    (tmp_path / "b.py").write_text("def f():\n    from crystal_grpo.x.a import thing\n")
+    monkeypatch.setitem(MODULES, "crystal_grpo.x.a", tmp_path / "a.py")
+    monkeypatch.setitem(MODULES, "crystal_grpo.x.b", tmp_path / "b.py")
+    assert imports("crystal_grpo.x.a") == [("crystal_grpo.x.b", "_helper")]
+    with pytest.raises(AssertionError, match="private"):
+        test_no_private_name_crosses_modules("crystal_grpo.x.a")
+    with pytest.raises(AssertionError, match="crystal_grpo.x.a -> crystal_grpo.x.b -> crystal_grpo.x.a"):
+        test_no_import_cycles()
