@@ -156,3 +156,29 @@ def test_config_name_resolution_and_overrides(repo_root):
         load_config("no_such_config.yaml")
     for name in ("cpr_curriculum", "cpr", "composite", "answer_only", "demo", "tiny"):
         load_config(name)
+
+
+def test_check_validates_and_finds_everything_then_stops(tmp_path, tiny_lm_path, capsys):
+    """``--check``: the config and everything it names, nothing loaded or written; a missing
+    file is the same one-line problem list a run would print."""
+    out = tmp_path / "run"
+    args = ["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), "--output_dir", str(out), "--check"]
+    assert grpo.main(args) == 0
+    assert "config valid and everything it names found" in capsys.readouterr().out
+    assert not out.exists()
+    assert grpo.main([*args, "--data.train", str(tmp_path / "missing.jsonl")]) == 2
+    assert f"data.train: no such file or folder '{tmp_path / 'missing.jsonl'}'" in capsys.readouterr().err
+
+
+def test_help_shows_the_papers_recipe_and_training_uses_it(capsys, tmp_path):
+    from crystal_grpo.train.config import PaperRecipe
+
+    with pytest.raises(SystemExit):
+        grpo.main(["--help"])
+    text = capsys.readouterr().out
+    assert "--training.beta  float (a finite number) = 0.04" in text and "--training.loss_type  str = 'grpo'" in text
+    cfg, _ = load_config("tiny.yaml")
+    cfg.training = {k: v for k, v in cfg.training.items() if k not in ("beta", "temperature", "seed")}
+    args = grpo.training_args(cfg, tmp_path, {"use_cpu": True})
+    assert (args.beta, args.temperature, args.top_k, args.loss_type, args.seed) == (
+        PaperRecipe.beta, PaperRecipe.temperature, PaperRecipe.top_k, PaperRecipe.loss_type, PaperRecipe.seed)

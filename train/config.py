@@ -86,6 +86,23 @@ class RunConfig:
                                                        "DDP/ZeRO-3 without a GPU.")
 
 
+@dataclass
+class PaperRecipe:
+    """The paper's GRPO recipe (CRYSTAL S6.1, S8.2; docs/method.md section 7): what ``training``
+    holds for a GRPO phase unless the config sets the key. TRL 1.x's own defaults differ
+    (e.g. ``loss_type: dapo``, ``beta: 0``, ``temperature: 1``)."""
+
+    loss_type: str = option("grpo", "GRPO's per-sequence loss (TRL: dapo).")
+    beta: float = option(0.04, "KL coefficient against the reference policy.", ge=0)
+    scale_rewards: str = option("group", "Advantages over each prompt's group std.")
+    epsilon: float = option(0.2, "PPO clip range.", ge=0)
+    temperature: float = option(0.9, "Sampling temperature of the rollouts.", gt=0)
+    top_p: float = option(1.0, "Nucleus sampling of the rollouts.", gt=0, le=1)
+    top_k: int = option(50, "Top-k sampling of the rollouts.", ge=0)
+    save_steps: int = option(100, "A checkpoint every this many steps (every phase, SFT too).", gt=0)
+    seed: int = option(42, "Every phase, SFT too.", ge=0)
+
+
 # --- values: types and ranges -----------------------------------------------------
 #: Ranges of ``GRPOConfig`` fields whose bad values TRL reports only deep inside a run, or never.
 TRAINING_RANGES: dict[str, Range] = {

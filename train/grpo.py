@@ -34,7 +34,7 @@ from crystal_grpo.train.checkpoints import (
     settings_undone,
     truncate_logs,
 )
-from crystal_grpo.train.config import ConfigError, PhaseSection, RunConfig, apply_phase, load_config
+from crystal_grpo.train.config import ConfigError, PaperRecipe, PhaseSection, RunConfig, apply_phase, load_config
 from crystal_grpo.train.data import DataError
 from crystal_grpo.train.interrupt import Interrupted
 from crystal_grpo.train.models import ModelLoadError
@@ -111,33 +111,24 @@ def check_zero_resume(checkpoint: str, world_size: int) -> None:
 
 def training_args(cfg: RunConfig, output_dir: Path, extra: dict):
     """Map the config onto TRL's GRPOConfig (or SFTConfig for an SFT phase); the paper's
-    choices are the GRPO defaults here."""
+    recipe (:class:`PaperRecipe`) fills what the config's ``training`` leaves unset."""
     from trl import GRPOConfig, SFTConfig
 
+    recipe = PaperRecipe()
     defaults = {
         "output_dir": str(output_dir),
         "logging_steps": 1,
         "save_strategy": "steps",
-        "save_steps": 100,  # paper: a checkpoint every 100 steps
+        "save_steps": recipe.save_steps,
         "report_to": "none",
         "bf16": cfg.model.dtype == "bfloat16",
         "fp16": cfg.model.dtype == "float16",
         "gradient_checkpointing": cfg.model.gradient_checkpointing,
-        "seed": 42,
+        "seed": recipe.seed,
         "disable_tqdm": False,
     }
     if cfg.trainer == "grpo":
-        defaults.update({
-            # Paper recipe under TRL 1.x, whose defaults differ (docs/method.md section 7).
-            "loss_type": "grpo",
-            "beta": 0.04,
-            "scale_rewards": "group",
-            "epsilon": 0.2,
-            "temperature": 0.9,
-            "top_p": 1.0,
-            "top_k": 50,
-            "remove_unused_columns": False,
-        })
+        defaults.update({**dataclasses.asdict(recipe), "remove_unused_columns": False})
     t = {**defaults, **cfg.training, **extra, "output_dir": str(output_dir)}
     try:
         return (GRPOConfig if cfg.trainer == "grpo" else SFTConfig)(**t)
@@ -367,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     from crystal_grpo.typed import describe
 
     epilog = ("config fields (any of them also as --section.key VALUE; reward.params are the fields of the "
-              "reward's config class, training any field of trl.GRPOConfig):\n" + "\n".join(describe(RunConfig)))
+              "reward's config class, training any field of trl.GRPOConfig):\n" + "\n".join(describe(RunConfig))
+              + "\n\nthe paper's recipe: training defaults of a GRPO phase (a training key of the config wins):\n"
+              + "\n".join(describe(PaperRecipe, "training.")))
     ap = argparse.ArgumentParser(description=__doc__, epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML file, or a name in configs/")
@@ -376,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output_dir", default=None, help="run folder (default: training.output_dir or runs/<config>)")
     ap.add_argument("--overwrite_output_dir", action="store_true",
                     help="start again in a folder that holds a run: its checkpoints and logs are removed first")
+    ap.add_argument("--check", action="store_true", help="check the config and that everything the run needs "
+                    "exists (model, encoder, data, DeepSpeed config), then stop: nothing is loaded or written")
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg, _ = load_config(args.config, overrides)
@@ -388,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             print("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing), file=sys.stderr)
         return 2
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
+    if args.check:
+        phases = ", ".join(f"{p.name} ({p.trainer})" for p in cfg.phases) or cfg.trainer
+        say(f"{args.config}: config valid and everything it names found; phases: {phases}; reward "
+            f"{'components' if cfg.reward.components else cfg.reward.name}; run folder {run_dir}")
+        return 0
     try:
         run(cfg, run_dir, args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
     except (ConfigError, DataError, ModelLoadError, EncoderLoadError, CheckpointError, RunFolderError,
