@@ -6,6 +6,7 @@ rewards, PEFT, loss types, num_iterations, completion logging), on the tests' ti
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
@@ -137,3 +138,30 @@ def test_resume_true_takes_the_newest_complete_checkpoint(tmp_path, tiny_lm_path
     again.train(resume_from_checkpoint=True)
     assert started == [1]  # from checkpoint-1 (HF's True would take the incomplete checkpoint-2)
     assert (out / "checkpoint-2" / MARKER).is_file()  # step 2 trained and saved again
+
+
+def test_validation_with_the_reward_modules_metrics_for_a_trainer_built_by_hand(tmp_path, tiny_lm_path):
+    """``validation=`` gives a hand-built trainer what train/grpo.py runs have: greedy validation
+    on the eval rows (plain-text prompts, no id column) with Match F1, and the best checkpoint."""
+    from crystal_grpo.rewards import build_reward
+    from crystal_grpo.train.callbacks import ValidationSection
+    from crystal_grpo.train.layout import VALIDATION_LOG, read_best
+
+    rows = [{"prompt": p, "answer": str(i), "reference_steps": [f"Think about {p}.", f"The answer is {i}."]}
+            for i, p in enumerate(PROMPTS)]
+    reward = build_reward("cpr", encoder="packaged:all-MiniLM-L6-v2", device="cpu")
+    args = _args(tmp_path, save_strategy="steps", save_steps=1)
+    trainer = CrystalGRPOTrainer(str(tiny_lm_path), reward=reward, args=args, train_dataset=Dataset.from_list(rows),
+                                 eval_dataset=Dataset.from_list(rows[:4]),
+                                 validation=ValidationSection(eval_steps=1, max_new_tokens=8, batch_size=4,
+                                                              metric="format_rate"))
+    trainer.train()
+    logged = [json.loads(line) for line in (Path(args.output_dir) / VALIDATION_LOG).read_text().splitlines()]
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    assert all({"accuracy", "f1", "format_rate", "reward"} <= set(r) for r in logged)
+    assert all(r["f1"] == r["f1"] for r in logged)  # a number (not NaN): every eval row has reference steps
+    best = read_best(Path(args.output_dir))  # step 0 is no candidate; the first finite value after it is
+    assert best.metric == "format_rate" and best.step in (1, 2) and (Path(args.output_dir) / best.checkpoint).is_dir()
+    with pytest.raises(ValueError, match="validation= reports a reward module's metrics"):
+        CrystalGRPOTrainer(str(tiny_lm_path), reward_funcs=reward_len, args=args, train_dataset=DATA,
+                           eval_dataset=DATA, validation=ValidationSection())

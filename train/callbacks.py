@@ -37,7 +37,8 @@ class ValidationSection:
     max_samples: Union[int, None] = option(None, "Cap on validation rows (None: all).", ge=1)
     max_new_tokens: int = option(256, "Greedy generation length.", ge=1)
     batch_size: int = option(8, "Generation batch size per process.", ge=1)
-    metric: Metric = option("accuracy", "Best checkpoint by this metric (a validation metric of the metric table, crystal_grpo/metrics.py).")
+    metric: Metric = option("accuracy", "Best checkpoint by this metric (a validation metric of the metric "
+                            "table, crystal_grpo/metrics.py).")
     at_start: bool = option(True, "Also validate before the first step (step 0), so every curve shows where it "
                             "began; not a best-checkpoint candidate (no checkpoint holds those weights).")
 
@@ -94,7 +95,7 @@ class ValidationCallback(TrainerCallback):
         n = len(self.dataset) if self.cfg.max_samples is None else min(self.cfg.max_samples, len(self.dataset))
         rank, world = rank_and_world()
         mine = list(range(rank, n, world))
-        rows = [self.dataset[i] for i in mine]
+        rows = [{"id": str(i), **self.dataset[i]} for i in mine]  # a user's eval set may have no id
         images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
         model = trainer.model_wrapped
         was_training = model.training
@@ -106,7 +107,7 @@ class ValidationCallback(TrainerCallback):
                                                   Engine.from_trainer(trainer))]
         model.train(was_training)
         completions, _ = gather_objects(completions)
-        rows, _ = gather_objects([{k: r[k] for k in ("answer", "reference_steps", "choices", "id")}
+        rows, _ = gather_objects([{k: r.get(k) for k in ("answer", "reference_steps", "choices", "id")}
                         | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
                         for r in rows])
         metrics = self.module.metrics(self.module.score(completions, rows, with_steps=True).batch)

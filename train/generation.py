@@ -64,7 +64,8 @@ def _encode(processing_class, prompts: Sequence, images: Sequence | None) -> dic
         texts = [processing_class.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
         return processing_class(text=texts, images=[x for im in images for x in im] or None,
                                 padding=True, return_tensors="pt")
-    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    texts = [p if isinstance(p, str) else tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+             for p in prompts]  # a plain-text prompt goes in as it is, as TRL does with one
     return tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
 
 

@@ -29,7 +29,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 
 from crystal_grpo.rewards.base import OBJECTIVES, Batch, RewardModule
+from crystal_grpo.train.callbacks import ValidationCallback, ValidationSection
 from crystal_grpo.train.checkpoints import (
     SPACE_MARGIN,
     DiskFull,
@@ -244,12 +245,14 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
     (``_calculate_rewards``). Without it, ``reward_funcs`` behave exactly as in TRL.
     ``reward_objectives`` tags each reward function with the objective it serves
     (``accuracy`` / ``reasoning``; a function's own ``objective`` attribute does too), which
-    PCGrad needs.
+    PCGrad needs. ``validation=`` (a :class:`ValidationSection`) with ``reward=`` validates
+    greedily on ``eval_dataset`` with the module's metrics (Match F1 included) and records the
+    best checkpoint, as ``train/grpo.py`` runs do.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, *args: Any, reward: RewardModule | None = None,
                  reward_objectives: Sequence[str | None] | None = None, sampler_factory: Callable | None = None,
-                 **kwargs: Any) -> None:
+                 validation: ValidationSection | None = None, **kwargs: Any) -> None:
         if isinstance(reward_funcs, RewardModule):  # CrystalGRPOTrainer(model, module, ...)
             reward, reward_funcs = reward_funcs, None
         if reward is not None and reward_funcs is not None:
@@ -269,6 +272,11 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
                             time.perf_counter() - start)
         if sampler_factory is not None and hasattr(sampler_factory, "callback"):
             self.add_callback(sampler_factory.callback())
+        if validation is not None:  # the metrics train/grpo.py runs validate with, for a trainer built by hand
+            if reward is None or not isinstance(self.eval_dataset, Sized):
+                raise ValueError("validation= reports a reward module's metrics: give reward= (a RewardModule) and "
+                                 "one eval_dataset whose rows hold the prompt, answer and reference_steps")
+            self.add_callback(ValidationCallback(self, self.eval_dataset, validation, self.args.output_dir, reward))
 
     def _objectives(self, given: Sequence[str | None] | None) -> list[str | None]:
         """Each of TRL's reward functions' objective (None: untagged)."""
