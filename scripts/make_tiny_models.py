@@ -246,6 +246,46 @@ def warm_up_format(model, tok, steps: int = 300, batch_size: int = 16, lr: float
     return loss.item()
 
 
+def build_tiny_gguf(lm_path: str | Path, path: str | Path, name: str = "tiny.gguf") -> Path:
+    """The tiny LM (:func:`build_tiny_lm`) as an unquantised GGUF file in ``path``, the format
+    the demo's SmolLM2 ships in, so the GGUF loading path is tested without a download."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    lm_path, path = Path(lm_path), Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((lm_path / "config.json").read_text())
+    tok = json.loads((lm_path / "tokenizer.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(path / name), "qwen2")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_block_count(layers)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    special = {t["id"]: t["content"] for t in tok.get("added_tokens", [])}
+    by_id = {i: t for t, i in tok["model"]["vocab"].items()} | special
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([by_id.get(i, "") for i in range(max(by_id) + 1)])
+    w.add_token_types([3 if i in special else 1 for i in range(max(by_id) + 1)])  # 3: control
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, layers)
+    for key, tensor in load_file(str(lm_path / "model.safetensors")).items():
+        w.add_tensor(names.get_name(key, try_suffixes=(".weight", ".bias")), tensor.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path / name
+
+
 def build_mid_lm(path: str | Path, overwrite: bool = False, layers: int = 24, hidden: int = 896,
                  steps: int = 400) -> Path:
     """A Qwen2.5-0.5B-shaped ``Qwen2ForCausalLM`` (24 layers, hidden 896, 14 heads, 2 KV

@@ -200,6 +200,26 @@ def test_empty_folder_and_missing_gguf_file(tmp_path):
         load_policy(ModelSection(str(tmp_path), dtype="int8"))
 
 
+def test_gguf_loads_as_a_plain_trainable_model_with_its_tokenizer(tmp_path, tiny_lm_path):
+    """The demo model's path (a GGUF file, scripts/prepare_smollm2.py) on the tiny LM written as
+    GGUF: load_gguf_plain with a dtype name gives the same weights without quantization_config,
+    and load_policy reads the tokenizer from the file too."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from crystal_grpo.train.models import ModelSection, load_gguf_plain, load_policy
+
+    gguf_file = _script("make_tiny_models").build_tiny_gguf(tiny_lm_path, tmp_path)
+    model = load_gguf_plain(str(tmp_path), gguf_file.name, "float32")
+    assert not hasattr(model.config, "quantization_config") and model.dtype == torch.float32
+    ref, got = load_file(str(tiny_lm_path / "model.safetensors")), model.state_dict()
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    _, tok = load_policy(ModelSection(str(tmp_path), gguf_file=gguf_file.name))
+    text = 'Tom has 3 apples. {"answer": "7"}'
+    assert tok(text)["input_ids"] == AutoTokenizer.from_pretrained(tiny_lm_path)(text)["input_ids"]
+
+
 def test_prepare_smollm2_is_idempotent(tmp_path):
     out = tmp_path / "SmolLM2"
     out.mkdir()

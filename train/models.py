@@ -317,7 +317,7 @@ def load_gguf_plain(folder: str, gguf_file: str, dtype="float32", **kw):
     built from the config without that key holds the same (dequantised) weights."""
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    wanted = torch_dtype(dtype) if isinstance(dtype, str) else dtype
     extra = {}
     try:  # force dequantisation even where GGUF matmul kernels would keep the blocks packed
         from transformers import GgufConfig
@@ -326,13 +326,13 @@ def load_gguf_plain(folder: str, gguf_file: str, dtype="float32", **kw):
     except ImportError:  # pragma: no cover - older transformers always dequantise
         pass
     attn = kw.pop("attn_implementation", None)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch_dtype, **extra, **kw)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=wanted, **extra, **kw)
     config = copy.deepcopy(loaded.config)  # re-reading it from the GGUF file costs seconds
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     if attn:
         config._attn_implementation = attn
-    real_dtype = next(loaded.parameters()).dtype if torch_dtype == "auto" else torch_dtype
+    real_dtype = next(loaded.parameters()).dtype if wanted == "auto" else wanted
     model = AutoModelForCausalLM.from_config(config, dtype=real_dtype)
     state = loaded.state_dict()
     missing, unexpected = model.load_state_dict(state, strict=False)
