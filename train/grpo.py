@@ -37,8 +37,6 @@ from crystal_grpo.train.checkpoints import (
 from crystal_grpo.train.config import ConfigError, PaperRecipe, PhaseSection, RunConfig, apply_phase, load_config
 from crystal_grpo.train.data import DataError
 from crystal_grpo.train.interrupt import Interrupted
-from crystal_grpo.train.models import ModelLoadError
-from crystal_grpo.train.preflight import preflight
 from crystal_grpo.train.layout import (
     CONFIG,
     CURVES,
@@ -51,6 +49,8 @@ from crystal_grpo.train.layout import (
     read_best,
     read_config,
 )
+from crystal_grpo.train.models import ModelLoadError
+from crystal_grpo.train.preflight import preflight
 from crystal_grpo.train.run_folder import (
     RunFolderError,
     RunLock,

@@ -39,7 +39,6 @@ FINAL = "final"
 MARKER = "checkpoint_complete.json"  # inside a checkpoint folder, written last
 SWEEP_POINT = "sweep_point.json"
 POINT_LOG = "train.log"
-SAMPLES_GLOB = "validation_samples_step*.jsonl"
 #: What a phase leaves once it has trained at least one step (or was killed trying).
 PROGRESS = (METRICS_LOG, VALIDATION_LOG, PHASE_DONE, FINAL)
 #: What starting a phase over removes: a killed attempt's logs and records.
@@ -48,9 +47,12 @@ ATTEMPT_FILES = (METRICS_LOG, VALIDATION_LOG, BEST, PHASE_DONE, CURVES)
 _PHASE_DIR = re.compile(r"phase(\d+)-(.+)")
 
 
-def samples_file(step: int) -> str:
-    """Validation's first completions at ``step``."""
+def samples_file(step: int | str) -> str:
+    """Validation's first completions at ``step`` (``"*"``: a glob of them all)."""
     return f"validation_samples_step{step}.jsonl"
+
+
+SAMPLES_GLOB = samples_file("*")
 
 
 def phase_dir(run_dir: Path, index: int, name: str, phases: int) -> Path:

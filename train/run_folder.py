@@ -33,7 +33,6 @@ from typing import Any
 
 from crystal_grpo.jsonl import atomic_write_text, read_json
 from crystal_grpo.train.checkpoints import latest_complete
-
 from crystal_grpo.train.layout import (
     ATTEMPT_FILES,
     FINAL,

@@ -17,10 +17,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.jsonl import atomic_write_text, read_jsonl
 from crystal_grpo.metrics import label
 from crystal_grpo.train.layout import METRICS_LOG, RUN_SUMMARY, VALIDATION_LOG, phases
-from crystal_grpo.jsonl import atomic_write_text
 
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from crystal_grpo.curricula.complexity import complexity_tier, step_count
+from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.metrics import spec
 from crystal_grpo.rewards.base import METRICS
-from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.train.tools.stats import bootstrap_ci, seed_test, two_level_ci
 from crystal_grpo.train.tools.stats import nanmean as _nanmean
 

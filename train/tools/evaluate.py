@@ -18,13 +18,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from crystal_grpo.distributed import barrier, gather_objects, rank_and_world
-from crystal_grpo.jsonl import Unreadable, atomic_write_text, iter_jsonl
+from crystal_grpo.distributed import barrier, rank_and_world
+from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.base import RewardModule
-from crystal_grpo.rewards.parsing import ParsedOutput
 from crystal_grpo.train.generation import Sampling
 from crystal_grpo.train.layout import CONFIG, read_config, run_targets
 from crystal_grpo.train.predictions import (

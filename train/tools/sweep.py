@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from crystal_grpo.jsonl import atomic_write_text, read_json
+from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.train.layout import BEST, FINAL, POINT_LOG, SWEEP_POINT, is_finished, run_targets
 from crystal_grpo.train.tools.sweep_report import STATUS_FILE, eval_targets, read_status, write_report
 
