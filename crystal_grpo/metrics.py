@@ -102,3 +102,5 @@ def better(name: str, new: float, old: float) -> bool:
 
 #: What validation and evaluation report (``RewardModule.metrics``), in this order.
 VALIDATION: tuple[str, ...] = names("reward")
+#: A validation metric by name (``validation.metric`` of a run config picks the best checkpoint by it).
+Metric = Literal[VALIDATION]  # type: ignore[valid-type]

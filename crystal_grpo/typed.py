@@ -4,11 +4,14 @@ against a dataclass's type hints and documented ranges, with one-line errors.
 Every component declares its settings as a dataclass beside its code, each field made with
 :func:`option` (default, help text, range), like TRL's ``GRPOConfig`` fields carry their
 help; :func:`from_dict` builds one from a mapping, checking every key and value, and is the
-one validation the run config and ``build_reward(**params)`` both use.
+one validation the run config and ``build_reward(**params)`` both use. A field with
+``init=False`` (:func:`derived`) is what validation makes of the others (e.g. a reward's typed
+config): no file sets it, and :func:`to_dict` leaves it out.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import enum
@@ -52,6 +55,11 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *,
     if bounds:
         metadata["range"] = Range(**bounds)
     return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def derived(help: str) -> Any:
+    """A field that validation fills in from the others (not a config key; None until then)."""
+    return field(default=None, init=False, repr=False, compare=False, metadata={"help": help})
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -132,7 +140,7 @@ def from_dict(cls: type, data: Any, where: str = ""):
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
@@ -162,6 +170,8 @@ def describe(cls: type, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     lines = []
     for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
         tp, key = hints[f.name], f"{prefix}{f.name}"
         nested = [t for t in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(t)]
         if nested:
@@ -173,3 +183,14 @@ def describe(cls: type, prefix: str = "") -> list[str]:
         extra = f" ({bounds})" if bounds else ""
         lines.append(f"  --{key}  {_describe(tp)} = {default!r}{extra}\n      {f.metadata.get('help', '')}")
     return lines
+
+
+def to_dict(obj: Any) -> Any:
+    """A config as the mapping a file would hold: ``dataclasses.asdict`` without derived fields."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_dict(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return copy.deepcopy(obj)

@@ -17,21 +17,8 @@ order, and a resumed run that skips chunks continues the identical sequence.
 iteration that runs to its end also moves to the next epoch, as RepeatSampler's
 advancing generator does.
 
-Modes (one :class:`Schedule` subclass each; a new subclass with a ``mode`` name is a new
-mode, no other change):
-
-- ``competence`` (Platanios et al. 2019): at chunk t the pool is the easiest
-  ``c(t) = min(1, c0 + (1 - c0) t / T)`` share of the data (``pacing="sqrt"``:
-  ``min(1, sqrt(c0^2 + (1 - c0^2) t / T))``), sorted by difficulty with ties broken by
-  index, and never fewer than ``batch_size`` items.
-- ``buckets``: labelled buckets (e.g. complexity tiers) open in ``bucket_order``; bucket
-  k (0-based, of K) is available from ``t >= k T / K`` on, so the first is available at
-  once and the last from ``(K-1)/K T``. If the open buckets hold fewer than
-  ``batch_size`` items the next ones open early.
-- ``sorted``: the whole dataset easiest-first (ties by index) as one endless stream
-  cut into chunks: chunk t holds sorted positions ``t*B .. t*B+B-1`` modulo N, so
-  every example is visited once per cycle (RepeatSampler would drop the N mod B
-  hardest every epoch) and a chunk never repeats an index.
+The modes (which examples a chunk may draw from, and the pacing) are the :class:`Schedule`
+subclasses of curricula/schedule.py.
 
 How competence/buckets draw from the pool (our choice; the brief suggested seeding by
 (seed, t)). Drawing every chunk independently covers the pool unevenly (some prompts
@@ -52,30 +39,15 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Union
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from crystal_grpo.curricula.complexity import TIERS, annotate, rows
-from crystal_grpo.typed import option
+from crystal_grpo.curricula.schedule import CurriculumSection, Difficulty, Pacing, Schedule
 
-Pacing = Literal["linear", "sqrt"]
-Difficulty = Literal["steps", "complexity"]
 _RECENT = 512  # chunks kept for logging calls right after iteration
-
-
-@dataclass
-class CurriculumSection:
-    """The step-count curriculum (``curriculum:`` in a run config; CPR-Curriculum, docs/method.md section 8)."""
-
-    mode: str = option("competence", "A Schedule's mode: competence (the pool grows from the easiest c0 share), "
-                       "buckets (complexity tiers open in turn), sorted (the whole data easiest-first).")
-    c0: float = option(0.25, "Initial competence: share of the easiest data available at step 0.", gt=0, le=1)
-    total_steps: Union[int, None] = option(None, "Pacing horizon T in optimizer steps (default: max_steps).", ge=1)
-    difficulty: Difficulty = option("steps", "Order by reference step count or by complexity score.")
-    pacing: Pacing = option("linear", "c(t) = c0 + (1 - c0) t/T (linear) or sqrt(c0^2 + (1 - c0^2) t/T).")
-    start_chunk: int = option(0, "Global chunk the run starts at (continue a curriculum in a new run).", ge=0)
 
 
 @dataclass
@@ -87,141 +59,6 @@ class _Walk:
     pos: int = 0
     perm: np.ndarray | None = None
     deferred: list[int] = field(default_factory=list)
-
-
-def _default_bucket_order(labels: Sequence[Hashable]) -> list[Hashable]:
-    present = list(dict.fromkeys(labels))
-    if all(b in TIERS for b in present):
-        return [t for t in TIERS if t in present]
-    return sorted(present)
-
-
-class Schedule:
-    """A curriculum mode: which examples chunk t may draw from, and its pacing.
-
-    Example i is in the pool of chunk t iff ``key[i] < threshold(t)``; the sampler draws
-    chunks from the pool (the pass walk of the module docstring) unless the mode fixes them
-    itself (:meth:`fixed_chunk`). A subclass with a ``mode`` name registers itself: adding a
-    mode is one class, usable as ``curriculum.mode: <name>``.
-    """
-
-    mode: ClassVar[str] = ""
-    needs_horizon: ClassVar[bool] = True
-    registry: ClassVar[dict[str, type[Schedule]]] = {}
-    key: list[int]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.mode:
-            Schedule.registry[cls.mode] = cls
-
-    def __init__(self, order: list[int], batch_size: int, total_steps: int | None, **options: Any) -> None:
-        self.order, self.batch_size, self.total_steps = order, batch_size, total_steps
-        self.n = len(order)
-
-    def threshold(self, t: int) -> int:
-        raise NotImplementedError
-
-    def competence(self, t: int) -> float:
-        """Scheduled share of the data at chunk t (logged as ``curriculum/competence``)."""
-        raise NotImplementedError
-
-    def pool_size(self, t: int) -> int:
-        thr = self.threshold(t)
-        return sum(k < thr for k in self.key)
-
-    def fixed_chunk(self, t: int) -> list[int] | None:
-        return None
-
-
-class CompetenceSchedule(Schedule):
-    """Platanios et al. 2019: the easiest ``c(t)`` share of the data, never under one chunk."""
-
-    mode = "competence"
-
-    def __init__(self, order, batch_size, total_steps, *, c0: float = 0.25, pacing: Pacing = "linear",
-                 **options: Any) -> None:
-        super().__init__(order, batch_size, total_steps)
-        if not 0.0 < c0 <= 1.0:
-            raise ValueError(f"c0 must be in (0, 1], got {c0}")
-        if pacing not in ("linear", "sqrt"):
-            raise ValueError(f"pacing {pacing!r} is unknown: allowed values are linear, sqrt")
-        self.c0, self.pacing = c0, pacing
-        self.key = [0] * self.n
-        for r, i in enumerate(order):
-            self.key[i] = r
-
-    def competence(self, t: int) -> float:
-        x = t / self.total_steps
-        if self.pacing == "sqrt":
-            return min(1.0, math.sqrt(self.c0 ** 2 + (1.0 - self.c0 ** 2) * x))
-        return min(1.0, self.c0 + (1.0 - self.c0) * x)
-
-    def threshold(self, t: int) -> int:
-        # 1e-9: c0 * n = 25.000000000000004 must give 25, not 26.
-        return min(self.n, max(self.batch_size, math.ceil(self.competence(t) * self.n - 1e-9)))
-
-    def pool_size(self, t: int) -> int:
-        return self.threshold(t)
-
-
-class BucketSchedule(Schedule):
-    """Labelled buckets (e.g. complexity tiers) open in ``bucket_order``: bucket k of K from
-    chunk ``k T / K`` on; later ones open early rather than leave a chunk short."""
-
-    mode = "buckets"
-
-    def __init__(self, order, batch_size, total_steps, *, buckets: Sequence[Hashable] | None = None,
-                 bucket_order: Sequence[Hashable] | None = None, **options: Any) -> None:
-        super().__init__(order, batch_size, total_steps)
-        if buckets is None or len(buckets) != self.n:
-            raise ValueError("mode 'buckets' needs one bucket label per example")
-        self.bucket_order = list(bucket_order) if bucket_order is not None else _default_bucket_order(buckets)
-        rank = {b: k for k, b in enumerate(self.bucket_order)}
-        missing = sorted({str(b) for b in buckets if b not in rank})
-        if missing:
-            raise ValueError(f"bucket label(s) {', '.join(missing)} not in bucket_order {self.bucket_order}")
-        self.key = [rank[b] for b in buckets]
-        sizes = np.bincount(self.key, minlength=len(self.bucket_order))
-        self._open_size = [0, *np.cumsum(sizes).tolist()]  # items in the first k buckets
-
-    def _open(self, t: int) -> int:
-        """Buckets scheduled open at chunk t: bucket k opens once t >= k T / K."""
-        k = len(self.bucket_order)
-        return min(k, t * k // self.total_steps + 1)
-
-    def competence(self, t: int) -> float:
-        return self._open(t) / len(self.bucket_order)
-
-    def threshold(self, t: int) -> int:
-        k = self._open(t)
-        while self._open_size[k] < self.batch_size:  # open later buckets early rather than starve
-            k += 1
-        return k
-
-    def pool_size(self, t: int) -> int:
-        return self._open_size[self.threshold(t)]
-
-
-class SortedSchedule(Schedule):
-    """The whole data easiest-first as one endless stream cut into chunks: chunk t holds
-    sorted positions t*B .. t*B+B-1 modulo N (every example once per cycle)."""
-
-    mode = "sorted"
-    needs_horizon = False
-
-    def __init__(self, order, batch_size, total_steps, **options: Any) -> None:
-        super().__init__(order, batch_size, total_steps)
-        self.key = [0] * self.n
-
-    def competence(self, t: int) -> float:
-        return 1.0
-
-    def threshold(self, t: int) -> int:
-        return 1
-
-    def fixed_chunk(self, t: int) -> list[int]:
-        return [self.order[(t * self.batch_size + j) % self.n] for j in range(self.batch_size)]
 
 
 class CurriculumSampler(Sampler[int]):

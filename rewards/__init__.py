@@ -4,10 +4,14 @@
 ``CrystalGRPOTrainer(model, reward=module, ...)`` trains with it. For a plain
 ``trl.GRPOTrainer``, ``get_reward_funcs(name, **params)`` returns TRL reward functions, one
 per named, objective-tagged component; their unweighted sum is the reward.
+
+Importing the package (the registry and every reward's config class) loads no torch; the
+scorer's names (``MatchF1Scorer``, ``StepScores``) load it on first use (PEP 562).
 """
 
 from __future__ import annotations
 
+import importlib
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +21,7 @@ from crystal_grpo.rewards.authors_code import AuthorsCodeConfig, AuthorsCodeRewa
 from crystal_grpo.rewards.base import RewardConfig, RewardModule
 from crystal_grpo.rewards.composite import CompositeConfig, CompositeReward
 from crystal_grpo.rewards.cpr import CPRConfig, CPRReward, cpr_reward
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
 from crystal_grpo.rewards.user import ComposedConfig, ComposedReward, RewardImportError, load_object
 from crystal_grpo.typed import ConfigError
 
@@ -70,6 +74,12 @@ def build_reward(name: str, **params: Any) -> RewardModule:
 def get_reward_funcs(name: str, **params) -> list[Callable]:
     """TRL-compatible reward functions for the named reward (see module docstring)."""
     return build_reward(name, **params).reward_funcs()
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("MatchF1Scorer", "StepScores"):
+        return getattr(importlib.import_module("crystal_grpo.rewards.match_f1"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

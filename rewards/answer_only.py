@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
-
-import torch
+from typing import TYPE_CHECKING, Union
 
 from crystal_grpo.rewards.base import Batch, RewardConfig, RewardModule
 from crystal_grpo.typed import option
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

@@ -32,13 +32,14 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.rewards.base import Batch, RewardConfig, RewardModule, Scored
 from crystal_grpo.rewards.parsing import ParsedOutput
 from crystal_grpo.typed import option
+
+if TYPE_CHECKING:
+    import torch
 
 _FENCE = re.compile(r"```json\s*|\s*```")
 
@@ -191,8 +192,8 @@ class AuthorsCodeReward(RewardModule):
                                         answer_weight=self.config.answer_weight, step_weight=self.config.step_weight)
         except Exception:  # noqa: BLE001
             cpr = [0.0] * len(texts)
-        scored.batch.extra = torch.tensor([[released_format(t) for t in texts], accuracy, cpr],
-                                          dtype=torch.float64).reshape(3, len(texts)).T
+        scored.batch.extra = scored.batch.correct.new_tensor(  # float64, like the batch
+            [[released_format(t) for t in texts], accuracy, cpr]).reshape(3, len(texts)).T
         return scored
 
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:

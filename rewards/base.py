@@ -6,6 +6,9 @@ batch is evaluated once (:meth:`RewardModule.score`: parse, check answers, embed
 steps) and everything reads from that: the training rewards (:meth:`RewardModule.rewards`,
 over the batch of all processes), validation and evaluation metrics
 (:meth:`RewardModule.metrics`) and the scorer CLI.
+
+torch is imported where tensors are made, not at the top: a run config is checked against
+the reward's config class (``train/grpo.py --check``) without loading torch.
 """
 
 from __future__ import annotations
@@ -17,17 +20,20 @@ import time
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from crystal_grpo.distributed import gather_objects
 from crystal_grpo.rewards.answers import answers_match
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer, StepScores
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 from crystal_grpo.rewards.verbosity import VerbosityGuard
 from crystal_grpo.metrics import VALIDATION
 from crystal_grpo.typed import ConfigError, from_dict, option
+
+if TYPE_CHECKING:
+    import torch
+
+    from crystal_grpo.rewards.match_f1 import MatchF1Scorer, StepScores
 
 #: What a reward component serves; PCGrad splits the advantage on it (docs/method.md section 6).
 Objective = Literal["accuracy", "reasoning"]
@@ -35,7 +41,6 @@ OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
 #: What validation and evaluation report, in this order (``RewardModule.metrics``): the
 #: metric table's ``reward`` rows (crystal_grpo/metrics.py).
 METRICS: tuple[str, ...] = VALIDATION
-Metric = Literal[METRICS]  # type: ignore[valid-type]
 
 #: A completion with more predicted steps than this scores step metrics 0 (F1, precision
 #: and recall) without embedding any of its steps. Measured on 2 CPU cores, one completion
@@ -55,6 +60,8 @@ def shared_scorer(**settings: Any) -> MatchF1Scorer:
     key = tuple(sorted((k, v if isinstance(v, (str, int, float, bool, type(None))) else id(v))
                        for k, v in settings.items()))
     if key not in _SCORERS:
+        from crystal_grpo.rewards.match_f1 import MatchF1Scorer
+
         _SCORERS[key] = MatchF1Scorer(**settings)
     return _SCORERS[key]
 
@@ -90,12 +97,14 @@ class Batch:
 
     def as_tensor(self) -> torch.Tensor:
         """``[B, len(FIELDS) + k]`` float64: what one gather across processes moves."""
+        import torch
+
         base = torch.stack([getattr(self, f) for f in FIELDS], dim=1)
         return base if self.extra is None else torch.cat([base, self.extra.to(base)], dim=1)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor, extra: int = 0) -> "Batch":
-        t = t.to(torch.float64).reshape(-1, len(FIELDS) + extra)
+        t = t.double().reshape(-1, len(FIELDS) + extra)
         return cls(**{f: t[:, i] for i, f in enumerate(FIELDS)}, extra=t[:, len(FIELDS):] if extra else None)
 
     def rows(self) -> list[list[float]]:
@@ -103,6 +112,8 @@ class Batch:
 
     @classmethod
     def from_rows(cls, rows: list[list[float]], extra: int = 0) -> "Batch":
+        import torch
+
         return cls.from_tensor(torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(FIELDS) + extra), extra)
 
 
@@ -262,6 +273,8 @@ class RewardModule:
         refs = ([_chains(s, sets) for s, sets in zip(col["reference_steps"], col["reference_sets"])]
                 if scorer is not None else [None] * n)
         opts = self.answer_options
+        import torch
+
         f64 = lambda xs: torch.tensor(xs, dtype=torch.float64).reshape(n)  # noqa: E731
         nan = lambda: torch.full((n,), math.nan, dtype=torch.float64)  # noqa: E731
         batch = Batch(
@@ -288,6 +301,8 @@ class RewardModule:
         With ``guard`` the verbosity guard judges the batch and then adds it to its window
         (call it once per generation batch); without, the components are the plain ones.
         """
+        import torch
+
         comps = self.components(self.as_rewarded(batch))
         flagged = torch.zeros(len(batch), dtype=torch.bool)
         if guard and self.guard is not None:
@@ -306,8 +321,8 @@ class RewardModule:
         if self.malformed != "zero":
             return batch
         bad = batch.format_ok == 0
-        zeroed = lambda t: torch.where(bad & ~torch.isnan(t), torch.zeros_like(t), t)  # noqa: E731
-        return dataclasses.replace(batch, correct=torch.where(bad, torch.zeros_like(batch.correct), batch.correct),
+        zeroed = lambda t: t.masked_fill(bad & ~t.isnan(), 0.0)  # noqa: E731
+        return dataclasses.replace(batch, correct=batch.correct.masked_fill(bad, 0.0),
                                    **{f: zeroed(getattr(batch, f)) for f in ("step", "precision", "recall", "f1",
                                                                               "ordered_f1")})
 
@@ -386,12 +401,14 @@ class RewardModule:
 
 
 def _nanmean(t: torch.Tensor) -> float:
-    known = t[~torch.isnan(t)]
+    known = t[~t.isnan()]
     return float(known.mean()) if len(known) else math.nan
 
 
 def _total(comps: dict[str, torch.Tensor], n: int) -> torch.Tensor:
     """The reward: the sum of the components, a not-applicable (NaN) component counting 0."""
+    import torch
+
     return torch.stack(list(comps.values())).nansum(dim=0) if comps else torch.zeros(n, dtype=torch.float64)
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from crystal_grpo.rewards.base import Batch, RewardConfig, RewardModule
 from crystal_grpo.typed import option
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -36,8 +38,8 @@ class CompositeReward(RewardModule):
 
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:
         cfg, f1 = self.config, batch.step
-        known = f1[~torch.isnan(f1)]
-        mu = known.mean() if len(known) else torch.tensor(math.nan, dtype=torch.float64)
+        known = f1[~f1.isnan()]
+        mu = known.mean() if len(known) else f1.new_tensor(math.nan)
         sigma = known.std(unbiased=False) if len(known) else mu
         return {
             "composite_reasoning": cfg.alpha * (f1 - mu) / (sigma + cfg.delta),

@@ -9,17 +9,19 @@ R_acc = a_w C (accuracy) and R_reason = s_w F1 (C + lambda (1 - C)) (reasoning).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from crystal_grpo.rewards.base import Batch, RewardConfig, RewardModule
 from crystal_grpo.typed import option
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cpr_reward(f1: torch.Tensor, correct: torch.Tensor, a_w: float = 0.65, s_w: float = 0.35,
                lam: float = 0.3) -> torch.Tensor:
     """Eq. 7 in one line, for readers and tests."""
-    return torch.where(correct.bool(), a_w + s_w * f1, s_w * f1 * lam)
+    return (a_w + s_w * f1).where(correct.bool(), s_w * f1 * lam)
 
 
 @dataclass

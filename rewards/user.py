@@ -29,13 +29,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Union
 
 from crystal_grpo.rewards.base import Batch, Objective, RewardConfig, RewardModule, Scored
 from crystal_grpo.rewards.cpr import CPRConfig
 from crystal_grpo.typed import ConfigError, option
+
+if TYPE_CHECKING:
+    import torch
 
 #: ``crystal:<term>``: per-row terms of the one evaluation (docs/method.md sections 2-4),
 #: read after a malformed completion is zeroed (``reward.params.malformed``).
@@ -155,7 +156,7 @@ class ComposedReward(RewardModule):
             columns = _columns(rows)
             values = [self._call(spec, fn, completions, columns)
                       for spec, fn in zip(self.specs, self.functions) if fn is not None]
-            scored.batch.extra = torch.tensor(values, dtype=torch.float64).reshape(len(values), -1).T
+            scored.batch.extra = scored.batch.correct.new_tensor(values).reshape(len(values), -1).T  # float64
         return scored
 
     @staticmethod

@@ -18,10 +18,14 @@ punishes an ordinary completion:
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -43,7 +47,7 @@ class VerbosityGuard:
         """Median step count of the window, or None while it holds fewer than ``min_history``."""
         if len(self.history) < self.min_history:
             return None
-        return float(torch.tensor(list(self.history), dtype=torch.float64).median())
+        return float(statistics.median_low(self.history))  # the lower middle, as torch.median
 
     def step(self, n_steps: torch.Tensor) -> torch.Tensor:
         """Flag this batch's over-long completions, then add their step counts to the window.
@@ -52,10 +56,8 @@ class VerbosityGuard:
         """
         counts = [int(x) for x in n_steps.tolist()]
         median = self.median()
-        if median is None or median <= 0:
-            flagged = torch.zeros(len(counts), dtype=torch.bool)
-        else:
-            flagged = n_steps.double() > self.k * median
+        limit = self.k * median if median is not None and median > 0 else math.inf  # none yet: flag nothing
+        flagged = n_steps.double() > limit
         self.history.extend(c for c in counts if c > 0)
         return flagged
 
@@ -68,7 +70,7 @@ class VerbosityGuard:
         guard a penalty in every case. (Deliberate deviation from docs/method.md section 6.)
         """
         penalty = (1.0 - self.factor) * component.abs()
-        return torch.where(flagged, component - penalty, component)
+        return (component - penalty).where(flagged, component)
 
     def state_dict(self) -> dict:
         return {"k": self.k, "window": self.window, "factor": self.factor,

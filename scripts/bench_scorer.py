@@ -37,7 +37,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, MatchF1Scorer, load_encoder
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, load_encoder
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 
 GEN_PER_PROMPT, N_REF, POOL = 8, 12, 20
 NAMES = ["Sam", "Ana", "Li", "Omar", "Mia", "Raj", "Zoe", "Ben", "Ivy", "Tom", "Eva", "Kai"]

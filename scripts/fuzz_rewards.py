@@ -27,7 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.fuzz import format_table, fuzz
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM
 
 
 def main(argv=None) -> int:

@@ -327,7 +327,7 @@ def build_tiny_vlm(path: str | Path, overwrite: bool = False) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from crystal_grpo.train.models import ImageOnlyQwen2_5_VLProcessor
+    from crystal_grpo.train.models import image_only_processor
 
     tok = _hf_tokenizer(train_tokenizer(), vision=True)
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
@@ -351,8 +351,8 @@ def build_tiny_vlm(path: str | Path, overwrite: bool = False) -> Path:
     model = Qwen2_5_VLForConditionalGeneration(config)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                                bos_token_id=None)
-    processor = ImageOnlyQwen2_5_VLProcessor(image_processor=_image_processor(), tokenizer=tok,
-                                             chat_template=CHAT_TEMPLATE)
+    processor = image_only_processor("qwen2_5_vl")(image_processor=_image_processor(), tokenizer=tok,
+                                                     chat_template=CHAT_TEMPLATE)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     processor.save_pretrained(path)

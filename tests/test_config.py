@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -21,7 +23,7 @@ def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_pa
                         "reward: {name: cpr, params: {step_weight: 4e-1, guard_window: 2e3}}\n")
     cfg, _ = load_config(str(cfg_file))
     assert cfg.training == {"learning_rate": 1e-5, "max_steps": 1000, "warmup_steps": 0.05}
-    assert type(cfg.training["max_steps"]) is int and type(cfg.reward.params["guard_window"]) is int
+    assert type(cfg.training["max_steps"]) is int and type(cfg.reward.config.guard_window) is int
     assert cfg.reward.params == {"step_weight": 0.4, "guard_window": 2000}
     cfg, _ = load_config("tiny", ["--training.learning_rate", "5e-6", "--reward.params.threshold=3.5e-1"])
     assert cfg.training["learning_rate"] == 5e-6 and cfg.reward.params["threshold"] == 0.35
@@ -182,3 +184,54 @@ def test_help_shows_the_papers_recipe_and_training_uses_it(capsys, tmp_path):
     args = grpo.training_args(cfg, tmp_path, {"use_cpu": True})
     assert (args.beta, args.temperature, args.top_k, args.loss_type, args.seed) == (
         PaperRecipe.beta, PaperRecipe.temperature, PaperRecipe.top_k, PaperRecipe.loss_type, PaperRecipe.seed)
+
+
+def test_each_section_is_typed_once_and_the_code_gets_that_object(repo_root):
+    """reward.params become the reward's typed config once, at load; each phase's config is
+    made once by validation; training, preflight and the reward module use those objects."""
+    from crystal_grpo.rewards import CPRConfig, CompositeConfig
+    from crystal_grpo.train.config import phase_configs, to_dict
+
+    cfg, _ = load_config("cpr_curriculum", ["--reward.params.step_weight", "4e-1", "--reward.params.device", "cpu",
+                                            "--reward.params.encoder", "packaged:all-MiniLM-L6-v2"])
+    p1, p2 = phase_configs(cfg)
+    assert (p1, p2) == (cfg.phases[0].config, cfg.phases[1].config) and phase_configs(cfg)[1] is p2
+    assert type(p2.reward.config) is CPRConfig and p2.reward.config.step_weight == 0.4
+    assert p1.reward.name == "answer_only" and not hasattr(p1.reward.config, "step_weight")
+    module = p2.reward.build()
+    assert module.config is p2.reward.config and module.scorer.threshold == p2.reward.config.threshold
+    # derived objects are not config keys: the record, --help and the phases' merge leave them out
+    assert "config" not in to_dict(cfg)["reward"] and "config" not in to_dict(cfg)["phases"][0]
+    with pytest.raises(ConfigError, match="unknown key 'reward.config'"):
+        load_config("composite", ["--reward.config", "{}"])
+    assert type(load_config("composite")[0].reward.config) is CompositeConfig
+
+
+def test_loading_and_checking_a_config_imports_neither_torch_nor_trl(repo_root, tmp_path):
+    """Validation reads TRL's fields from train/trl_schema.py and the rewards' config classes
+    without torch; ``--check`` of a CPU config therefore loads none of the heavy packages."""
+    heavy = ("torch", "trl", "transformers", "datasets", "peft", "sentence_transformers", "accelerate")
+    code = (f"import sys; from crystal_grpo.train import grpo; code = grpo.main(sys.argv[1:]); "
+            f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))")
+    for config in ("demo", "tiny", "composite"):
+        args = ["--config", config, "--model.dtype", "float32", "--output_dir", str(tmp_path / "r"), "--check"]
+        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=repo_root,
+                             timeout=120).stdout.splitlines()[-1]
+        assert out.split(" ", 1)[1] == "[]", (config, out)
+
+
+def test_training_schema_falls_back_to_trl_when_versions_differ(monkeypatch):
+    """A TRL or transformers other than the table's: the installed classes' own hints."""
+    from crystal_grpo.train import trl_fields, trl_schema
+
+    monkeypatch.setattr(trl_schema, "VERSIONS", {"trl": "0.0", "transformers": "0.0"})
+    trl_fields.training_field_types.cache_clear()
+    try:
+        live = trl_fields.training_field_types("grpo")
+        assert live is not trl_schema.GRPO and live["lr_scheduler_type"] != trl_schema.GRPO["lr_scheduler_type"]
+        assert {k: trl_fields.shape(v) for k, v in live.items()} == {
+            k: trl_fields.shape(v) for k, v in trl_schema.GRPO.items()}
+        with pytest.raises(ConfigError, match="training.max_steps: invalid value 'x'; expected int"):
+            load_config("tiny", ["--training.max_steps", "x"])
+    finally:
+        trl_fields.training_field_types.cache_clear()

@@ -322,7 +322,7 @@ def test_epoch_callback_reselects_the_epoch_on_resume():
 
 
 def test_a_new_mode_is_one_schedule_class(monkeypatch):
-    from crystal_grpo.curricula.sampler import Schedule
+    from crystal_grpo.curricula.schedule import Schedule
     from crystal_grpo.train.config import ConfigError, load_config
 
     monkeypatch.setattr(Schedule, "registry", dict(Schedule.registry))  # registered for this test only

@@ -12,12 +12,8 @@ import sys
 import pytest
 import torch
 
-from crystal_grpo.rewards.match_f1 import (
-    PACKAGED_MINILM,
-    EncoderLoadError,
-    MatchF1Scorer,
-    match_similarities,
-)
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, EncoderLoadError
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer, match_similarities
 from crystal_grpo.rewards.matching import dp_match, monotonic_dp
 
 TAU, ALPHA = 0.35, 0.3
@@ -307,7 +303,8 @@ from transformers.integrations import HfDeepSpeedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 ds = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_batch_size": 1})
 from sentence_transformers import SentenceTransformer
-from crystal_grpo.rewards.match_f1 import MatchF1Scorer, resolve_encoder_path, PACKAGED_MINILM
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, resolve_encoder_path
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 try:
     SentenceTransformer(resolve_encoder_path(PACKAGED_MINILM), device="cpu").encode(["a cat"])
     print("RAW-LOAD-OK")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, PAPER_ENCODER
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
 from crystal_grpo.rewards.references import (
     PAPER_CLUSTER_THRESHOLD,
     Trajectory,

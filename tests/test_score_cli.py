@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, MatchF1Scorer
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 from crystal_grpo.rewards.score import build_parser, main
 
 

@@ -10,6 +10,7 @@ make these pass (adapting train/pcgrad.py), then move ``TESTED_TRL`` and the pin
 from __future__ import annotations
 
 import inspect
+import typing
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,21 @@ def test_generation_output_carries_advantages_of_local_rows(trainer):
     assert out["advantages"].shape == (4,)
     assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask"} <= set(out)
     assert trainer._metrics["train"]["probe/value"] == [2.0]  # flushed into the step's log by TRL
+
+
+@pytest.mark.parametrize("kind", ["grpo", "sft"])
+def test_training_schema_table_is_the_installed_configs_fields(kind):
+    """train/trl_schema.py (what a config is checked against without importing TRL) equals the
+    installed GRPOConfig/SFTConfig type hints field for field; when TRL or transformers is
+    upgraded, regenerate it: python -m crystal_grpo.train.trl_fields."""
+    from crystal_grpo.train import trl_schema
+    from crystal_grpo.train.trl_fields import installed_versions, shape, training_field_types
+
+    assert trl_schema.VERSIONS == installed_versions(), "stale table: python -m crystal_grpo.train.trl_fields"
+    table = trl_schema.GRPO if kind == "grpo" else trl_schema.SFT
+    hints = typing.get_type_hints(GRPOConfig if kind == "grpo" else trl.SFTConfig)
+    assert list(table) == list(hints)
+    differ = {k: (tp, hints[k]) for k, tp in table.items() if shape(tp) != shape(hints[k])}
+    assert differ == {"parallelism_config": (dict | None, hints["parallelism_config"])}  # a mapping in YAML
+    assert training_field_types(kind) is table
+    assert table["lr_scheduler_type"] != hints["lr_scheduler_type"]  # the stand-in enum, same name and members

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from transformers import TrainerCallback
 
 from crystal_grpo.distributed import gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.metrics import better
-from crystal_grpo.rewards.base import METRICS, Metric, RewardModule
+from crystal_grpo.rewards.base import METRICS, RewardModule
 from crystal_grpo.train.generation import Engine, Sampling, generate
+from crystal_grpo.train.config import ValidationSection
 from crystal_grpo.train.layout import (
     BEST,
     METRICS_LOG,
@@ -26,21 +26,6 @@ from crystal_grpo.train.layout import (
     write_best,
 )
 from crystal_grpo.train.lora_merge import merged_adapters
-from crystal_grpo.typed import option
-
-
-@dataclass
-class ValidationSection:
-    """Greedy validation during training (``validation:`` in a run config)."""
-
-    eval_steps: int = option(0, "Validate every N optimizer steps (0: only at the end).", ge=0)
-    max_samples: Union[int, None] = option(None, "Cap on validation rows (None: all).", ge=1)
-    max_new_tokens: int = option(256, "Greedy generation length.", ge=1)
-    batch_size: int = option(8, "Generation batch size per process.", ge=1)
-    metric: Metric = option("accuracy", "Best checkpoint by this metric (a validation metric of the metric "
-                            "table, crystal_grpo/metrics.py).")
-    at_start: bool = option(True, "Also validate before the first step (step 0), so every curve shows where it "
-                            "began; not a best-checkpoint candidate (no checkpoint holds those weights).")
 
 
 class ValidationCallback(TrainerCallback):

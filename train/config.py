@@ -1,12 +1,18 @@
 """One YAML file describes a run: model, data, reward, curriculum, validation and TRL's
-``GRPOConfig`` fields (under ``training``). Each section is the config dataclass of the code
-that reads it, defined and documented beside that code (``ModelSection`` in train/models.py,
-``CPRConfig`` in rewards/cpr.py, ...); ``RunConfig`` composes them.
+``GRPOConfig`` fields (under ``training``). Each section is a config dataclass documented
+beside the code that reads it (``ModelSection`` in train/models.py, ``CPRConfig`` in
+rewards/cpr.py, ``CurriculumSection`` in curricula/schedule.py, ...); the two whose code
+subclasses transformers' classes (validation, stability) are defined here, and ``RunConfig``
+composes them all.
 
-Every key and value is checked before any model loads: unknown keys, values of the wrong
-type (for ``training`` against ``GRPOConfig``'s own field types, for ``reward.params``
-against the reward's config class) and values out of range each stop the run with
-one line naming the key, the value and what is expected. Command-line overrides
+Every key and value is checked once, at load, before any model loads: unknown keys,
+values of the wrong type (for ``training`` against ``GRPOConfig``'s own field types, read
+from train/trl_schema.py; for ``reward.params`` against the reward's config class) and
+values out of range each stop the run with one line naming the key, the value and what is
+expected. What the checks make is what the code receives: ``reward.config`` (the reward's
+typed config; ``reward.build()`` makes the module from it) and each phase's
+``phases[i].config`` (:func:`phase_configs`). Loading imports neither torch nor TRL, so
+``train/grpo.py --config X --check`` answers in a fraction of a second. Command-line overrides
 (``--section.key value``, values parsed as YAML) win over the file. YAML is read with
 the safe loader, extended so that ``1e-5`` is a number (YAML 1.2, as every user writes
 it) and a key given twice in one mapping is an error instead of a silent overwrite.
@@ -16,25 +22,50 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import re
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
 
-from crystal_grpo.curricula.sampler import CurriculumSection, Schedule
-from crystal_grpo.train.callbacks import ValidationSection
+from crystal_grpo.curricula.schedule import CurriculumSection, Schedule
 from crystal_grpo.train.data import DataSection
 from crystal_grpo.train.models import LoraSection, ModelSection  # noqa: F401 - part of the run config
-from crystal_grpo.train.trainer import StabilitySection
-from crystal_grpo.typed import ConfigError, Range, check_value, from_dict, option  # noqa: F401 - ConfigError
+from crystal_grpo.train.trl_fields import training_field_types
+from crystal_grpo.metrics import Metric
+from crystal_grpo.rewards import RewardConfig, RewardModule, reward_class
+from crystal_grpo.typed import ConfigError, Range, check_value, derived, from_dict, option, to_dict  # noqa: F401
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+#: Why PCGrad refuses ``use_liger_kernel`` (here, before anything loads; train/pcgrad.py for a trainer built by hand).
+LIGER_REFUSED = (
+    "pcgrad: true cannot be combined with use_liger_kernel: PCGrad runs several backward passes "
+    "through one retained graph, and Liger's fused Triton kernels are neither verified for that nor "
+    "testable without a GPU here. Set one of them off.")
 #: What trains a phase: TRL's GRPOTrainer, or its SFTTrainer for a supervised warm start.
 TrainerKind = Literal["grpo", "sft"]
+
+
+@dataclass
+class ValidationSection:
+    """Greedy validation during training (``validation:`` in a run config)."""
+
+    eval_steps: int = option(0, "Validate every N optimizer steps (0: only at the end).", ge=0)
+    max_samples: Union[int, None] = option(None, "Cap on validation rows (None: all).", ge=1)
+    max_new_tokens: int = option(256, "Greedy generation length.", ge=1)
+    batch_size: int = option(8, "Generation batch size per process.", ge=1)
+    metric: Metric = option("accuracy", "Best checkpoint by this metric (a validation metric of the metric "
+                            "table, crystal_grpo/metrics.py).")
+    at_start: bool = option(True, "Also validate before the first step (step 0), so every curve shows where it "
+                            "began; not a best-checkpoint candidate (no checkpoint holds those weights).")
+
+
+@dataclass
+class StabilitySection:
+    """What to do about non-finite updates (``stability:`` in a run config)."""
+
+    max_consecutive_nonfinite: int = option(5, "Save and stop after this many skipped non-finite updates.", ge=1)
 
 
 @dataclass
@@ -49,6 +80,14 @@ class RewardSection:
     components: list[dict[str, Any]] = option(
         default_factory=list, help="Instead of a name: a weighted sum of reward functions, each {fn: "
         "'package.module:name' or crystal:<term>, weight, objective: accuracy|reasoning} (rewards/user.py).")
+    config: Union[RewardConfig, None] = derived("The reward's typed config, made from params once when the "
+                                                "config is validated; the reward module is built from it.")
+
+    def build(self) -> RewardModule:
+        """The reward module this section describes (after validation)."""
+        if self.config is None:
+            raise ValueError("reward section not validated yet: load it with load_config (or validate)")
+        return reward_class(self.name)(self.config)
 
 
 @dataclass
@@ -61,6 +100,8 @@ class PhaseSection:
     init_from: Literal["best", "last", "none"] = option("best", "Which checkpoint of the previous phase to start "
                                                         "from.")
     overrides: dict[str, Any] = option(default_factory=dict, help="Sections of this config, as in the file.")
+    config: Union[RunConfig, None] = derived("The config this phase runs with (the run's, overrides merged), "
+                                             "made once when the config is validated.")
 
 
 @dataclass
@@ -251,21 +292,11 @@ def _cli_wins(phase: Any, cli: dict, base_reward: Any) -> Any:
 
 
 def _reward_fields(name: Any) -> set[str]:
-    from crystal_grpo.rewards import reward_class
-
     try:
         cls = reward_class(name) if isinstance(name, str) else None
     except ConfigError:
         cls = None  # reported where the phase's reward is checked
     return {f.name for f in dataclasses.fields(cls.config_class)} if cls else set()
-
-
-@functools.lru_cache(maxsize=2)
-def training_field_types(kind: TrainerKind = "grpo") -> dict[str, Any]:
-    """The ``training`` section's schema: ``trl.GRPOConfig``'s (or ``SFTConfig``'s) fields and types."""
-    from trl import GRPOConfig, SFTConfig
-
-    return typing.get_type_hints(GRPOConfig if kind == "grpo" else SFTConfig)
 
 
 def _check_training(training: dict[str, Any], where: str, kind: TrainerKind) -> None:
@@ -283,30 +314,37 @@ def _check_training(training: dict[str, Any], where: str, kind: TrainerKind) -> 
 
 
 def _check_reward_params(reward: RewardSection, where: str) -> None:
-    """The reward exists (its code imports) and its params build its typed config (coerced
-    values kept); ``reward.components`` become the composed reward's."""
-    from crystal_grpo.rewards import reward_class
+    """The reward exists (its code imports) and ``reward.config`` is its typed config, made
+    from ``params``; ``reward.components`` become the composed reward's (and, for the run's
+    record, its ``params``)."""
     from crystal_grpo.rewards.user import ComponentSpec, component_function
 
-    if reward.components:
+    specs = [from_dict(ComponentSpec, comp, f"{where}reward.components[{i}]")
+             for i, comp in enumerate(reward.components)]
+    if specs:
         if reward.name not in ("cpr", "composed"):  # cpr: the default, i.e. no name given
             raise ConfigError(f"{where}reward: both name {reward.name!r} and components; give one of them")
-        for i, comp in enumerate(reward.components):
-            component_function(from_dict(ComponentSpec, comp, f"{where}reward.components[{i}]").fn)
+        for spec in specs:
+            component_function(spec.fn)
         reward.name, reward.params["components"] = "composed", reward.components
     try:
         cls = reward_class(reward.name)
     except ConfigError as err:
         raise ConfigError(f"{where}{err}") from None
-    typed = cls.make_config(reward.params, where=f"{where}reward.params")
-    reward.params.update({k: getattr(typed, k) for k in reward.params if k != "components"})
+    params = {k: v for k, v in reward.params.items() if not (specs and k == "components")}
+    reward.config = cls.make_config(params, where=f"{where}reward.params")
+    if specs:
+        reward.config.components = specs
 
 
 def validate(cfg: RunConfig) -> None:
     """Checks beyond the sections' own types, for every phase: reward parameters,
     ``training`` against GRPOConfig, required fields and combinations that cannot work."""
     for phase in cfg.phases or [None]:
-        c = check_dict_sections(cfg) if phase is None else apply_phase(cfg, phase)
+        if phase is None:
+            c = check_dict_sections(cfg)
+        else:
+            c = phase.config = apply_phase(cfg, phase)
         where = "" if phase is None else f"phases[{phase.name}].overrides."
         if not c.model.name_or_path:
             raise ConfigError(f"{where}model.name_or_path: required (an HF folder, hub id or GGUF folder)")
@@ -320,8 +358,6 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{where}curriculum.mode: invalid value {c.curriculum.mode!r}; expected one of "
                               + ", ".join(map(repr, Schedule.registry)))
         if c.pcgrad and c.training.get("use_liger_kernel"):
-            from crystal_grpo.train.pcgrad import LIGER_REFUSED
-
             raise ConfigError(f"{where}training.use_liger_kernel: {LIGER_REFUSED}")
         if c.trainer == "grpo" and c.training.get("use_vllm"):
             import importlib.util
@@ -331,10 +367,10 @@ def validate(cfg: RunConfig) -> None:
                                   "'trl[vllm]' (TRL 1.16 supports vllm>=0.22.0,<=0.31.0; it needs a CUDA GPU), or "
                                   "set it false to generate with transformers")
         weights = c.training.get("reward_weights") or []
-        if any(w < 0 for w in weights) and not c.reward.params.get("negative_weights"):
+        if any(w < 0 for w in weights) and not c.reward.config.negative_weights:
             raise ConfigError(f"{where}training.reward_weights: invalid value {weights!r}; a reward weight must be >= 0 "
                               "(set reward.params.negative_weights: true if the penalty is meant)")
-        untagged = [i for i, comp in enumerate(c.reward.params.get("components") or []) if not comp.get("objective")]
+        untagged = [i for i, spec in enumerate(getattr(c.reward.config, "components", [])) if not spec.objective]
         if c.pcgrad and untagged:
             raise ConfigError(f"{where}reward.components[{untagged[0]}].objective: required with pcgrad: true "
                               "(accuracy or reasoning: PCGrad splits the reward on it)")
@@ -346,7 +382,7 @@ def validate(cfg: RunConfig) -> None:
 
 
 def check_dict_sections(cfg: RunConfig, where: str = "") -> RunConfig:
-    """Type-check (and coerce in place) the two free-form sections: reward.params, training."""
+    """Type the two free-form sections: reward.params into ``reward.config``, training (coerced in place)."""
     _check_reward_params(cfg.reward, where)
     _check_training(cfg.training, where, cfg.trainer)
     return cfg
@@ -354,7 +390,7 @@ def check_dict_sections(cfg: RunConfig, where: str = "") -> RunConfig:
 
 def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
     """The config one phase runs with: the base config with the phase's overrides merged."""
-    base = dataclasses.asdict(cfg)
+    base = to_dict(cfg)
     base.pop("phases")
     over = phase.overrides.get("reward")
     if isinstance(over, dict) and over.get("name", base["reward"]["name"]) != base["reward"]["name"]:
@@ -373,3 +409,10 @@ def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
 
 def _drop_none_sections(d: dict) -> dict:
     return {k: v for k, v in d.items() if v is not None or k in ("curriculum", "cpu_backend")}
+
+
+def phase_configs(cfg: RunConfig) -> list[RunConfig]:
+    """The config each phase runs with, as validation made them (one phase: the config itself)."""
+    if any(p.config is None for p in cfg.phases):
+        raise ValueError("config not validated yet: load it with load_config (or validate)")
+    return [p.config for p in cfg.phases] or [cfg]

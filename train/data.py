@@ -22,14 +22,15 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
-
-from datasets import Dataset
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
+from crystal_grpo.typed import option
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 logger = logging.getLogger(__name__)
-from crystal_grpo.typed import option
 
 SYSTEM_PROMPT = (
     "Solve the problem step by step. Reply with exactly one JSON object and nothing else: "
@@ -448,6 +449,8 @@ def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_sho
         if not has_sets:
             del r["reference_sets"]
         r["choices"] = r["choices"] or []
+    from datasets import Dataset
+
     ds = Dataset.from_list(records)
     if has_images:
         ds = ds.with_transform(ImageLoader(ds))

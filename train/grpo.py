@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from crystal_grpo.distributed import launch_command
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.rewards.match_f1 import EncoderLoadError
+from crystal_grpo.rewards.encoder import EncoderLoadError
 from crystal_grpo.rewards.user import RewardFunctionError
 from crystal_grpo.train.checkpoints import (
     CheckpointError,
@@ -34,9 +35,8 @@ from crystal_grpo.train.checkpoints import (
     settings_undone,
     truncate_logs,
 )
-from crystal_grpo.train.config import ConfigError, PaperRecipe, PhaseSection, RunConfig, apply_phase, load_config
+from crystal_grpo.train.config import ConfigError, PaperRecipe, PhaseSection, RunConfig, load_config, phase_configs
 from crystal_grpo.train.data import DataError
-from crystal_grpo.train.interrupt import Interrupted
 from crystal_grpo.train.layout import (
     CONFIG,
     CURVES,
@@ -61,6 +61,7 @@ from crystal_grpo.train.run_folder import (
     phase_state,
     plan_launch,
 )
+from crystal_grpo.typed import to_dict
 
 
 def _main_process() -> bool:
@@ -139,7 +140,7 @@ def training_args(cfg: RunConfig, output_dir: Path, extra: dict):
 def _sampler_factory(cfg: RunConfig, dataset, max_steps: int):
     if cfg.curriculum is None:
         return None
-    from crystal_grpo.curricula import make_sampler_factory
+    from crystal_grpo.curricula.sampler import make_sampler_factory
 
     return make_sampler_factory(cfg.curriculum, dataset, max_steps)
 
@@ -148,9 +149,9 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
               callbacks: list | None = None) -> tuple[dict, int]:
     """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics and
     the step it reached."""
-    from crystal_grpo.rewards import build_reward
     from crystal_grpo.train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
     from crystal_grpo.train.data import load_datasets
+    from crystal_grpo.train.interrupt import Interrupted
     from crystal_grpo.train.models import load_policy, model_source
     from crystal_grpo.train.trainer import STATE_FILE
 
@@ -172,7 +173,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
                 say(f"{output_dir}: no complete checkpoint, so the phase starts over at step 0; the logs of "
                     "the attempt that was stopped before its first checkpoint are removed")
     # The sentence encoder loads outside DeepSpeed's partitioning (rewards/match_f1.py).
-    module = build_reward(cfg.reward.name, **cfg.reward.params)
+    module = cfg.reward.build()
     train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
     if train.skipped:
         say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")
@@ -189,7 +190,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     for cb in callbacks or []:
         trainer.add_callback(cb)
     if _main_process():
-        atomic_write_text(output_dir / CONFIG, json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+        atomic_write_text(output_dir / CONFIG, json.dumps(to_dict(cfg), indent=2, default=str))
     if checkpoint and 0 < args.max_steps <= checkpoint_step(checkpoint):
         say(f"{checkpoint} already holds step {checkpoint_step(checkpoint)} of max_steps {args.max_steps}: "
             "finishing the phase without training")
@@ -302,7 +303,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
     steps is skipped, the first unfinished one resumes from its latest checkpoint (with the
     starting weights it was given), and later phases start as usual.
     """
-    phases = [apply_phase(cfg, p) for p in cfg.phases] or [cfg]
+    phases = copy.deepcopy(phase_configs(cfg))  # a phase may be given its start below
     max_steps = [p.training.get("max_steps") for p in phases]
     main, created = _main_process(), not run_dir.exists()
     try:
@@ -388,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{args.config}: config valid and everything it names found; phases: {phases}; reward "
             f"{'components' if cfg.reward.components else cfg.reward.name}; run folder {run_dir}")
         return 0
+    from crystal_grpo.train.interrupt import Interrupted  # torch and transformers: only a run needs them
+
     try:
         run(cfg, run_dir, args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
     except (ConfigError, DataError, ModelLoadError, EncoderLoadError, CheckpointError, RunFolderError,

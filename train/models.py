@@ -215,18 +215,11 @@ def image_only_processor_class(base: type) -> type:
     return sub
 
 
-def _named(base_name: str):
-    import transformers
-
-    return image_only_processor_class(getattr(transformers, base_name))
+#: model_type -> its image-only processor class, made on first use (building one imports transformers).
+IMAGE_ONLY_PROCESSORS: dict[str, type] = {}
 
 
-ImageOnlyQwen2_5_VLProcessor = _named("Qwen2_5_VLProcessor")
-ImageOnlyQwen2VLProcessor = _named("Qwen2VLProcessor")
-IMAGE_ONLY_PROCESSORS = {"qwen2_5_vl": ImageOnlyQwen2_5_VLProcessor, "qwen2_vl": ImageOnlyQwen2VLProcessor}
-
-
-def _image_only_for(model_type: str) -> type | None:
+def image_only_processor(model_type: str) -> type | None:
     """The image-only processor class for a model type (None if its processor needs no video part)."""
     if model_type in IMAGE_ONLY_PROCESSORS:
         return IMAGE_ONLY_PROCESSORS[model_type]
@@ -283,7 +276,7 @@ def load_processor(src: str, local: bool, config: Any, kw: dict):
         err = e
         logger.info("AutoProcessor failed for %s (%s: %s); building the processor explicitly",
                     src, type(e).__name__, e)
-    cls = _image_only_for(mt)
+    cls = image_only_processor(mt)
     if cls is None:
         if err is not None:
             raise _fail(f"processor of {mt!r}", src, local, err) from err

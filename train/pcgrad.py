@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from crystal_grpo.rewards.base import OBJECTIVES
+from crystal_grpo.train.config import LIGER_REFUSED
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,6 @@ logger = logging.getLogger(__name__)
 #: The TRL minor version these hooks were verified against (tests/test_trl_contract.py);
 #: pyproject.toml pins it.
 TESTED_TRL = "1.16"
-#: Why ``use_liger_kernel`` is refused (also by the config check, before anything loads).
-LIGER_REFUSED = (
-    "pcgrad: true cannot be combined with use_liger_kernel: PCGrad runs several backward passes "
-    "through one retained graph, and Liger's fused Triton kernels are neither verified for that nor "
-    "testable without a GPU here. Set one of them off.")
 #: Relative tolerance of the run-time check acc + reason == TRL's advantage.
 SUM_CHECK_RTOL = 1e-3
 

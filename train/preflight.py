@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM
-from crystal_grpo.train.config import RunConfig, apply_phase
+from crystal_grpo.train.config import RunConfig, phase_configs
 
 
 def _offline() -> bool:
@@ -58,7 +57,7 @@ def model_problem(name: str, gguf_file: str | None) -> str | None:
 
 def encoder_problem(encoder: object) -> str | None:
     """Why ``reward.params.encoder`` cannot load here, or None."""
-    from crystal_grpo.rewards.match_f1 import EncoderLoadError, resolve_encoder_path
+    from crystal_grpo.rewards.encoder import EncoderLoadError, resolve_encoder_path
 
     if not isinstance(encoder, str):
         return None  # a SentenceTransformer given in code
@@ -79,12 +78,12 @@ def encoder_problem(encoder: object) -> str | None:
 
 def precision_problem(cfg: RunConfig) -> str | None:
     """Half precision asked for on hardware without it (bf16/fp16 need a CUDA GPU, bf16 one that has it)."""
-    import torch
-
     bf16 = cfg.training.get("bf16", cfg.model.dtype == "bfloat16")
     fp16 = cfg.training.get("fp16", cfg.model.dtype == "float16")
     if not (bf16 or fp16) or cfg.training.get("use_cpu"):
         return None
+    import torch  # only to ask the GPU
+
     what = "bf16" if bf16 else "fp16"
     source = (f"training.{what}: true" if cfg.training.get(what) else f"model.dtype: {cfg.model.dtype}")
     if not torch.cuda.is_available():
@@ -112,10 +111,10 @@ def data_problem(key: str, source: str | None) -> str | None:
 def preflight(cfg: RunConfig) -> list[str]:
     """One line per missing piece, over every phase (each line once)."""
     out: list[str] = []
-    phases = [(p, apply_phase(cfg, p)) for p in cfg.phases] or [(None, cfg)]
-    for i, (phase, c) in enumerate(phases):
+    for i, c in enumerate(phase_configs(cfg)):
+        phase = cfg.phases[i] if cfg.phases else None
         # every reward loads the encoder: validation reports Match F1 whatever the reward
-        problems = [encoder_problem(c.reward.params.get("encoder", PACKAGED_MINILM)), precision_problem(c)]
+        problems = [encoder_problem(c.reward.config.encoder), precision_problem(c)]
         if i == 0 or (phase is not None and phase.init_from == "none"):  # later phases start from a checkpoint
             problems.insert(0, model_problem(c.model.name_or_path, c.model.gguf_file))
         for key, source in (("data.train", c.data.train), ("data.validation", c.data.validation)):

@@ -19,7 +19,6 @@ A single-phase run is its own (only) phase folder; a multi-phase run has one
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -48,6 +47,7 @@ from crystal_grpo.train.layout import (
     phase_dir,
     phase_folders,
 )
+from crystal_grpo.typed import to_dict
 
 
 class RunFolderError(RuntimeError):
@@ -285,4 +285,4 @@ def _record(run_dir: Path, config: dict, record: dict | None, how: str, write: b
 
 def as_record(cfg: Any) -> dict:
     """A config as ``run.json`` keeps it (JSON values only)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    return json.loads(json.dumps(to_dict(cfg), default=str))

@@ -30,7 +30,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence, Sized
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +38,8 @@ from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 
 from crystal_grpo.rewards.base import OBJECTIVES, Batch, RewardModule
-from crystal_grpo.train.callbacks import ValidationCallback, ValidationSection
+from crystal_grpo.train.callbacks import ValidationCallback
+from crystal_grpo.train.config import ValidationSection
 from crystal_grpo.train.checkpoints import (
     SPACE_MARGIN,
     DiskFull,
@@ -54,18 +54,10 @@ from crystal_grpo.train.checkpoints import (
 )
 from crystal_grpo.train.interrupt import GracefulStop
 from crystal_grpo.train.lora_merge import merged_generate
-from crystal_grpo.typed import option
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "crystal_state.json"
-
-
-@dataclass
-class StabilitySection:
-    """What to do about non-finite updates (``stability:`` in a run config)."""
-
-    max_consecutive_nonfinite: int = option(5, "Save and stop after this many skipped non-finite updates.", ge=1)
 
 
 class _BeforeFirstStep(Exception):

@@ -37,6 +37,7 @@ from crystal_grpo.train.predictions import (
     generate_with_vllm,
     read_predictions,
 )
+from crystal_grpo.typed import to_dict
 
 REPORT = "report.json"
 #: The per-example format of the scorer CLI (``crystal-grpo-score``) and of CRYSTAL's
@@ -317,11 +318,9 @@ def build_parser():
 
 def _setup(args, checkpoint: str | None, run_config: Path | None) -> EvalSetup:
     if args.config:
-        import dataclasses
-
         from crystal_grpo.train.config import load_config
 
-        setup = EvalSetup.from_config_dict(dataclasses.asdict(load_config(args.config)[0]), args.config)
+        setup = EvalSetup.from_config_dict(to_dict(load_config(args.config)[0]), args.config)
     else:
         found = run_config or (find_run_config(checkpoint) if checkpoint else None)
         setup = EvalSetup.from_run_config(found) if found else EvalSetup()

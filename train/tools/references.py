@@ -28,7 +28,8 @@ from typing import Any
 
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
 from crystal_grpo.rewards.answers import answers_match
-from crystal_grpo.rewards.match_f1 import PACKAGED_MINILM, MatchF1Scorer
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM
+from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 from crystal_grpo.rewards.references import (
     PAPER_CLUSTER_THRESHOLD,
@@ -444,7 +445,7 @@ def build_parser():
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 built, 1 some rows failed (the rest are written), 2 bad input."""
-    from crystal_grpo.rewards.match_f1 import EncoderLoadError
+    from crystal_grpo.rewards.encoder import EncoderLoadError
     from crystal_grpo.train.data import DataError
     from crystal_grpo.train.models import ModelLoadError
 

@@ -26,7 +26,6 @@ train/tools/sweep_report.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import re
@@ -42,6 +41,7 @@ from typing import Any, Callable
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.train.layout import BEST, FINAL, POINT_LOG, SWEEP_POINT, is_finished, run_targets
 from crystal_grpo.train.tools.sweep_report import STATUS_FILE, eval_targets, read_status, write_report
+from crystal_grpo.typed import to_dict
 
 # train/config.py is imported where it is used: it loads TRL and transformers (seconds), and
 # transformers prints a note to stdout on import, which ``--emit`` keeps off the script it prints.
@@ -233,7 +233,7 @@ def resolved(point: Point) -> dict:
             cfg, _ = load_config(point.config, point.overrides_argv())
         except ConfigError as err:
             raise SweepError(f"point {point.name}: {err}") from None
-        point.run_config = dataclasses.asdict(cfg)
+        point.run_config = to_dict(cfg)
     return point.run_config
 
 
