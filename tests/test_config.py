@@ -209,12 +209,16 @@ def test_each_section_is_typed_once_and_the_code_gets_that_object(repo_root):
 
 def test_loading_and_checking_a_config_imports_neither_torch_nor_trl(repo_root, tmp_path):
     """Validation reads TRL's fields from train/trl_schema.py and the rewards' config classes
-    without torch; ``--check`` of a CPU config therefore loads none of the heavy packages."""
+    without torch; ``--check`` therefore loads none of the heavy packages (nor for a bf16
+    config on a machine without a GPU device node: composite.yaml asks for bfloat16)."""
+    from crystal_grpo.train.preflight import gpu_device_nodes
+
     heavy = ("torch", "trl", "transformers", "datasets", "peft", "sentence_transformers", "accelerate")
     code = (f"import sys; from crystal_grpo.train import grpo; code = grpo.main(sys.argv[1:]); "
             f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))")
     for config in ("demo", "tiny", "composite"):
-        args = ["--config", config, "--model.dtype", "float32", "--output_dir", str(tmp_path / "r"), "--check"]
+        args = ["--config", config, "--output_dir", str(tmp_path / "r"), "--check"]
+        args += ["--model.dtype", "float32"] if gpu_device_nodes() else []  # then torch is asked about the GPU
         out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=repo_root,
                              timeout=120).stdout.splitlines()[-1]
         assert out.split(" ", 1)[1] == "[]", (config, out)
@@ -235,3 +239,22 @@ def test_training_schema_falls_back_to_trl_when_versions_differ(monkeypatch):
             load_config("tiny", ["--training.max_steps", "x"])
     finally:
         trl_fields.training_field_types.cache_clear()
+
+
+def test_precision_check_asks_torch_only_where_a_gpu_may_be(tmp_path, monkeypatch):
+    """No GPU device node: the bf16 problem without loading torch; with one, torch decides."""
+    import torch
+
+    from crystal_grpo.train import preflight
+
+    cfg, _ = load_config("tiny", ["--model.dtype", "bfloat16", "--training.bf16", "true", "--training.use_cpu",
+                                  "false"])
+    monkeypatch.setattr(preflight, "GPU_DEVICE_NODES", (str(tmp_path / "nvidia0"),))
+    fast = preflight.precision_problem(cfg)
+    assert fast.startswith("training.bf16: true needs a CUDA GPU and this machine has none")
+    (tmp_path / "nvidia0").touch()
+    asked = preflight.precision_problem(cfg)
+    if torch.cuda.is_available():
+        assert asked is None or "has no bf16" in asked
+    else:
+        assert asked == fast

@@ -144,7 +144,7 @@ def test_validation_with_the_reward_modules_metrics_for_a_trainer_built_by_hand(
     """``validation=`` gives a hand-built trainer what train/grpo.py runs have: greedy validation
     on the eval rows (plain-text prompts, no id column) with Match F1, and the best checkpoint."""
     from crystal_grpo.rewards import build_reward
-    from crystal_grpo.train.callbacks import ValidationSection
+    from crystal_grpo.train.config import ValidationSection
     from crystal_grpo.train.layout import VALIDATION_LOG, read_best
 
     rows = [{"prompt": p, "answer": str(i), "reference_steps": [f"Think about {p}.", f"The answer is {i}."]}

@@ -10,6 +10,7 @@ prints them once (main process) and stops before any folder, lock or model exist
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from crystal_grpo.train.config import RunConfig, phase_configs
@@ -76,19 +77,31 @@ def encoder_problem(encoder: object) -> str | None:
     return None
 
 
+#: Device nodes of a GPU that torch can drive: NVIDIA, AMD ROCm (/dev/kfd), WSL 2 (/dev/dxg).
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_device_nodes() -> bool:
+    """Whether this machine may have a GPU (on Windows, which has no /dev, always)."""
+    return sys.platform == "win32" or any(os.path.exists(p) for p in GPU_DEVICE_NODES)
+
+
 def precision_problem(cfg: RunConfig) -> str | None:
     """Half precision asked for on hardware without it (bf16/fp16 need a CUDA GPU, bf16 one that has it)."""
     bf16 = cfg.training.get("bf16", cfg.model.dtype == "bfloat16")
     fp16 = cfg.training.get("fp16", cfg.model.dtype == "float16")
     if not (bf16 or fp16) or cfg.training.get("use_cpu"):
         return None
-    import torch  # only to ask the GPU
-
     what = "bf16" if bf16 else "fp16"
     source = (f"training.{what}: true" if cfg.training.get(what) else f"model.dtype: {cfg.model.dtype}")
+    no_gpu = (f"{source} needs a CUDA GPU and this machine has none: on CPU use --model.dtype float32 "
+              f"--training.{what} false")
+    if not gpu_device_nodes():
+        return no_gpu  # without a GPU device node torch cannot see one either: no need to load it (1 s)
+    import torch
+
     if not torch.cuda.is_available():
-        return (f"{source} needs a CUDA GPU and this machine has none: on CPU use --model.dtype float32 "
-                f"--training.{what} false")
+        return no_gpu
     if bf16 and not torch.cuda.is_bf16_supported():
         return f"{source}: this GPU ({torch.cuda.get_device_name()}) has no bf16; use float16 or float32"
     return None

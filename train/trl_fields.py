@@ -113,8 +113,13 @@ def render() -> str:
             raise TypeError(f"{e!r} is not a str enum: extend trl_fields.render")
         lines += ["", f"class {e.__name__}(str, enum.Enum):", f'    """Stand-in for {e.__module__}.{e.__qualname__}."""',
                   "", *(f"    {m.name} = {m.value!r}" for m in e), ""]
-    for name, table in tables.items():
-        lines += ["", f"{name}: dict = {{", *(f"    {field!r}: {source(tp)}," for field, tp in table.items()), "}"]
+    code = {name: {field: source(tp) for field, tp in table.items()} for name, table in tables.items()}
+    shared = {f: src for f, src in code["GRPO"].items() if code["SFT"].get(f) == src}  # TrainingArguments' mostly
+    lines += ["", "#: The fields both configs have, with the same type.", "SHARED: dict = {",
+              *(f"    {field!r}: {src}," for field, src in shared.items()), "}"]
+    for name, fields in code.items():
+        lines += ["", f"{name}: dict = {{", "    **SHARED,",
+                  *(f"    {field!r}: {src}," for field, src in fields.items() if field not in shared), "}"]
     return "\n".join(lines) + "\n"
 
 
