@@ -266,6 +266,8 @@ class RewardModule:
         ``reference_sets`` and ``choices``). Steps are scored when the reward uses them, or
         when ``with_steps`` asks (validation reports Match F1 for every reward).
         """
+        import torch
+
         parsed = [c if isinstance(c, ParsedOutput) else parse_completion(c) for c in completions]
         n = len(parsed)
         col = {k: [r.get(k) if isinstance(r, Mapping) else None for r in rows] for k in COLUMNS}
@@ -273,8 +275,6 @@ class RewardModule:
         refs = ([_chains(s, sets) for s, sets in zip(col["reference_steps"], col["reference_sets"])]
                 if scorer is not None else [None] * n)
         opts = self.answer_options
-        import torch
-
         f64 = lambda xs: torch.tensor(xs, dtype=torch.float64).reshape(n)  # noqa: E731
         nan = lambda: torch.full((n,), math.nan, dtype=torch.float64)  # noqa: E731
         batch = Batch(

@@ -190,7 +190,8 @@ def test_each_section_is_typed_once_and_the_code_gets_that_object(repo_root):
     """reward.params become the reward's typed config once, at load; each phase's config is
     made once by validation; training, preflight and the reward module use those objects."""
     from crystal_grpo.rewards import CPRConfig, CompositeConfig
-    from crystal_grpo.train.config import phase_configs, to_dict
+    from crystal_grpo.train.config import phase_configs
+    from crystal_grpo.typed import to_dict
 
     cfg, _ = load_config("cpr_curriculum", ["--reward.params.step_weight", "4e-1", "--reward.params.device", "cpu",
                                             "--reward.params.encoder", "packaged:all-MiniLM-L6-v2"])

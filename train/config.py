@@ -30,12 +30,12 @@ from typing import Any, Literal, Union
 import yaml
 
 from crystal_grpo.curricula.schedule import CurriculumSection, Schedule
+from crystal_grpo.metrics import Metric
+from crystal_grpo.rewards import RewardConfig, RewardModule, reward_class
 from crystal_grpo.train.data import DataSection
 from crystal_grpo.train.models import LoraSection, ModelSection  # noqa: F401 - part of the run config
 from crystal_grpo.train.trl_fields import training_field_types
-from crystal_grpo.metrics import Metric
-from crystal_grpo.rewards import RewardConfig, RewardModule, reward_class
-from crystal_grpo.typed import ConfigError, Range, check_value, derived, from_dict, option, to_dict  # noqa: F401
+from crystal_grpo.typed import ConfigError, Range, check_value, derived, from_dict, option, to_dict
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 #: Why PCGrad refuses ``use_liger_kernel`` (here, before anything loads; train/pcgrad.py for a trainer built by hand).
