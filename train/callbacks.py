@@ -14,8 +14,8 @@ from crystal_grpo.distributed import gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.metrics import better
 from crystal_grpo.rewards.base import METRICS, RewardModule
-from crystal_grpo.train.generation import Engine, Sampling, generate
 from crystal_grpo.train.config import ValidationSection
+from crystal_grpo.train.generation import Engine, Sampling, generate
 from crystal_grpo.train.layout import (
     BEST,
     METRICS_LOG,

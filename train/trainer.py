@@ -39,7 +39,6 @@ from trl.extras.profiling import profiling_decorator
 
 from crystal_grpo.rewards.base import OBJECTIVES, Batch, RewardModule
 from crystal_grpo.train.callbacks import ValidationCallback
-from crystal_grpo.train.config import ValidationSection
 from crystal_grpo.train.checkpoints import (
     SPACE_MARGIN,
     DiskFull,
@@ -52,6 +51,7 @@ from crystal_grpo.train.checkpoints import (
     space_report,
     write_marker,
 )
+from crystal_grpo.train.config import ValidationSection
 from crystal_grpo.train.interrupt import GracefulStop
 from crystal_grpo.train.lora_merge import merged_generate
 

@@ -65,10 +65,14 @@ def normalize(tp: Any) -> Any:
     return tp
 
 
+def _is_enum(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, enum.Enum)
+
+
 def shape(tp: Any) -> Any:
     """A comparable form of a type hint: an enum is its name and members, wherever it is defined."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+    if _is_enum(tp):
         return ("enum", tp.__name__, tuple((m.name, m.value) for m in tp))
     if origin in (Union, types.UnionType):
         return ("union", frozenset(shape(a) for a in args))
@@ -78,7 +82,7 @@ def shape(tp: Any) -> Any:
 
 
 def _enums(tp: Any) -> list[type[enum.Enum]]:
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+    if _is_enum(tp):
         return [tp]
     return [e for a in typing.get_args(tp) for e in _enums(a)]
 
@@ -96,7 +100,7 @@ def source(tp: Any) -> str:
         return f"Literal[{', '.join(repr(a) for a in args)}]"
     if origin in (list, dict):
         return f"{origin.__name__}[{', '.join(source(a) for a in args)}]"
-    if isinstance(tp, type) and (tp.__module__ == "builtins" or issubclass(tp, enum.Enum)):
+    if _is_enum(tp) or (isinstance(tp, type) and tp.__module__ == "builtins"):
         return tp.__name__
     raise TypeError(f"no source for {tp!r}: extend trl_fields.source")
 

@@ -356,15 +356,11 @@ def format_summary(s: dict) -> str:
         first = next(iter(s["collapsed"].items()))
         lines.append(f"  {len(s['collapsed'])} skipped as collapsed (raise --cluster_threshold, or "
                      f"--keep_collapsed): {_ids(list(s['collapsed']))}; e.g. {first[0]}: {'; '.join(first[1])}")
-    if s["collapse_warnings"]:
-        lines.append(f"  warning: {len(s['collapse_warnings'])} written row(s) look collapsed: "
-                     f"{_ids(list(s['collapse_warnings']))}")
-    if s["short_chains"]:
-        lines.append(f"  warning: {len(s['short_chains'])} chain(s) far shorter than their trajectories (little "
-                     f"consensus): {_ids(s['short_chains'])}")
-    if s["disagreed"]:
-        lines.append(f"  warning: on {len(s['disagreed'])} row(s) every generator disagreed on every step: "
-                     f"{_ids(s['disagreed'])}")
+    for key, what in (("collapse_warnings", "{n} written row(s) look collapsed"),
+                      ("short_chains", "{n} chain(s) far shorter than their trajectories (little consensus)"),
+                      ("disagreed", "on {n} row(s) every generator disagreed on every step")):
+        if s[key]:
+            lines.append(f"  warning: {what.format(n=len(s[key]))}: {_ids(list(s[key]))}")
     if s["failed"]:
         lines.append(f"  {len(s['failed'])} row(s) failed: " + "; ".join(s["failed"][:5]))
     if s["reference_lengths"]:
