@@ -1,7 +1,11 @@
-# Two commands: `make test` and `make demo`. Both create .venv on first use.
+# Two commands: `make test` and `make demo`. Both create .venv on first use, with exactly the
+# versions in requirements.lock (the set the suite last passed with; `make lock` renews it).
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LOCK   := requirements.lock
+# A scratch venv with the newest versions pyproject.toml allows (make lock, make test-latest).
+LATEST := .cache/latest-venv
 
 # Everything offline and inside the repo.
 export HF_HUB_OFFLINE        := 1
@@ -12,25 +16,46 @@ export WANDB_DIR             := $(CURDIR)/.cache/wandb
 export WANDB_MODE            ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test demo bench clean
+PYTEST := -m pytest -q -p no:cacheprovider
 
-$(STAMP): pyproject.toml constraints.txt
+.PHONY: setup test test-latest lock latest-venv demo bench clean
+
+# The lock constrains every distribution, pip and the build backend included (PIP_CONSTRAINT
+# reaches pip's isolated build environment too). torch is pinned by version only, so a CPU
+# machine takes the CPU wheel and a GPU machine the CUDA build of the same release.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# constraints.txt pins torch==2.13.0 so no CUDA wheels are pulled on CPU machines.
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	PIP_CONSTRAINT=$(CURDIR)/$(LOCK) $(PY) -m pip install -q --upgrade pip setuptools
+	PIP_CONSTRAINT=$(CURDIR)/$(LOCK) $(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) $(PYTEST)
 
 demo: setup
 	$(PY) scripts/demo.py
 
 bench: setup
 	$(PY) scripts/bench_scorer.py
+
+# The newest versions pyproject.toml allows, resolved afresh into a scratch venv.
+latest-venv:
+	rm -rf $(LATEST) && python3 -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip setuptools
+	$(LATEST)/bin/python -m pip install -q -e '.[dev]'
+
+# Renew the lock from the newest allowed versions, and TRL's field table (train/trl_schema.py)
+# for the locked TRL and transformers; then `make test` checks the new set before it is committed.
+lock: latest-venv
+	$(LATEST)/bin/python -m crystal_grpo.lock write $(LOCK)
+	$(LATEST)/bin/python -m crystal_grpo.train.trl_fields
+
+# Not gating: the suite under the newest allowed versions, to see an upstream break before users do.
+test-latest: latest-venv
+	$(LATEST)/bin/python -m crystal_grpo.lock diff $(LOCK)
+	$(LATEST)/bin/python $(PYTEST)
 
 clean:
 	rm -rf .cache runs

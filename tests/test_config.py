@@ -211,35 +211,44 @@ def test_each_section_is_typed_once_and_the_code_gets_that_object(repo_root):
 def test_loading_and_checking_a_config_imports_neither_torch_nor_trl(repo_root, tmp_path):
     """Validation reads TRL's fields from train/trl_schema.py and the rewards' config classes
     without torch; ``--check`` therefore loads none of the heavy packages (nor for a bf16
-    config on a machine without a GPU device node: composite.yaml asks for bfloat16)."""
+    config on a machine without a GPU device node: composite.yaml asks for bfloat16), and
+    neither does it with a TRL/transformers other than the table's (an upgrade): one warning."""
     from crystal_grpo.train.preflight import gpu_device_nodes
 
     heavy = ("torch", "trl", "transformers", "datasets", "peft", "sentence_transformers", "accelerate")
-    code = (f"import sys; from crystal_grpo.train import grpo; code = grpo.main(sys.argv[1:]); "
-            f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))")
-    for config in ("demo", "tiny", "composite"):
+    upgraded = "trl_schema.VERSIONS = {'trl': '1.16.0', 'transformers': '5.0.0'}; "
+    for config, setup in (("demo", ""), ("tiny", ""), ("composite", ""), ("tiny", upgraded)):
+        code = (f"import sys; from crystal_grpo.train import grpo, trl_schema; {setup}code = grpo.main(sys.argv[1:]); "
+                f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))")
         args = ["--config", config, "--output_dir", str(tmp_path / "r"), "--check"]
         args += ["--model.dtype", "float32"] if gpu_device_nodes() else []  # then torch is asked about the GPU
-        out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=repo_root,
-                             timeout=120).stdout.splitlines()[-1]
-        assert out.split(" ", 1)[1] == "[]", (config, out)
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=repo_root,
+                              timeout=120)
+        assert done.stdout.splitlines()[-1].split(" ", 1)[1] == "[]", (config, setup, done.stdout)
+        stale = [line for line in done.stderr.splitlines() if "TRL's field table" in line]
+        assert len(stale) == (1 if setup else 0), done.stderr
+        if setup:
+            assert "is for trl 1.16.0, transformers 5.0.0, installed: trl" in stale[0]
 
 
-def test_training_schema_falls_back_to_trl_when_versions_differ(monkeypatch):
-    """A TRL or transformers other than the table's: the installed classes' own hints."""
+def test_a_stale_training_schema_checks_keys_it_lacks_against_the_installed_trl(monkeypatch):
+    """A TRL or transformers other than the table's: the table still answers (no import); a
+    field the table lacks (one added upstream since) is looked up in the installed classes
+    rather than refused, and checked against their type."""
     from crystal_grpo.train import trl_fields, trl_schema
 
+    table = {k: v for k, v in trl_schema.GRPO.items() if k != "weight_decay"}
+    monkeypatch.setattr(trl_schema, "GRPO", table)
+    with pytest.raises(ConfigError, match="training: unknown key 'weight_decay'"):
+        load_config("tiny", ["--training.weight_decay", "0.1"])  # current table: what it lacks is unknown
     monkeypatch.setattr(trl_schema, "VERSIONS", {"trl": "0.0", "transformers": "0.0"})
-    trl_fields.training_field_types.cache_clear()
-    try:
-        live = trl_fields.training_field_types("grpo")
-        assert live is not trl_schema.GRPO and live["lr_scheduler_type"] != trl_schema.GRPO["lr_scheduler_type"]
-        assert {k: trl_fields.shape(v) for k, v in live.items()} == {
-            k: trl_fields.shape(v) for k, v in trl_schema.GRPO.items()}
-        with pytest.raises(ConfigError, match="training.max_steps: invalid value 'x'; expected int"):
-            load_config("tiny", ["--training.max_steps", "x"])
-    finally:
-        trl_fields.training_field_types.cache_clear()
+    assert trl_fields.training_field_types("grpo") is table
+    cfg, _ = load_config("tiny", ["--training.weight_decay", "0.1"])
+    assert cfg.training["weight_decay"] == 0.1
+    with pytest.raises(ConfigError, match="training.weight_decay: invalid value 'x'; expected float"):
+        load_config("tiny", ["--training.weight_decay", "x"])
+    with pytest.raises(ConfigError, match="training: unknown key 'weight_decayy'"):
+        load_config("tiny", ["--training.weight_decayy", "0.1"])
 
 
 def test_precision_check_asks_torch_only_where_a_gpu_may_be(tmp_path, monkeypatch):

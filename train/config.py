@@ -34,7 +34,7 @@ from crystal_grpo.metrics import Metric
 from crystal_grpo.rewards import RewardConfig, RewardModule, reward_class
 from crystal_grpo.train.data import DataSection
 from crystal_grpo.train.models import LoraSection, ModelSection  # noqa: F401 - part of the run config
-from crystal_grpo.train.trl_fields import training_field_types
+from crystal_grpo.train.trl_fields import newer_field_type, training_field_types
 from crystal_grpo.typed import ConfigError, Range, check_value, derived, from_dict, option, to_dict
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -303,11 +303,12 @@ def _check_training(training: dict[str, Any], where: str, kind: TrainerKind) -> 
     """Every ``training`` key is a field of the phase's TRL config and its value fits that field's type."""
     types_, name = training_field_types(kind), "trl.GRPOConfig" if kind == "grpo" else "trl.SFTConfig"
     for key, value in list(training.items()):
-        if key not in types_:
+        tp = types_.get(key) or newer_field_type(kind, key)
+        if tp is None:
             near = difflib.get_close_matches(key, sorted(types_), n=3)
             raise ConfigError(f"{where}training: unknown key {key!r}; it must be a field of {name}"
                               + (f" (close: {', '.join(near)})" if near else ""))
-        training[key] = check_value(f"{where}training.{key}", value, types_[key], TRAINING_RANGES.get(key))
+        training[key] = check_value(f"{where}training.{key}", value, tp, TRAINING_RANGES.get(key))
     if training.get("max_steps") == 0:  # transformers would train one step
         raise ConfigError(f"{where}training.max_steps: invalid value 0; expected -1 (train num_train_epochs) or an "
                           "integer >= 1")

@@ -3,10 +3,14 @@ types, written out for the installed TRL and transformers so that a config valid
 importing them (``import trl`` alone takes about 4 s on 2 cores; ``train/grpo.py --check``
 answers in well under a second with this table).
 
-The table lives in ``train/trl_schema.py`` (generated: ``python -m crystal_grpo.train.trl_fields``).
-:func:`training_field_types` uses it when the installed versions are the ones it was written
-for, and otherwise reads the classes' own type hints (slow, always right);
-tests/test_trl_contract.py fails when the table and the installed classes disagree.
+The table lives in ``train/trl_schema.py``, generated for the locked TRL and transformers
+(``requirements.lock``) by ``make lock`` (``python -m crystal_grpo.train.trl_fields``), and
+:func:`training_field_types` always answers from it. With other versions installed (a user's
+upgrade, ``make test-latest``) it still does, after one warning: reading a config must stay
+fast and free of heavy imports whatever is installed, TRL's own config classes check the
+values again when a run builds them, and a key the table does not know is looked up in the
+installed classes (:func:`newer_field_type`) instead of refused. tests/test_trl_contract.py
+compares the table with the installed classes under the locked versions.
 
 Types are the classes' own, with two stand-ins so that nothing heavy is imported: each enum
 (``SchedulerType``, ``OptimizerNames``, ...) is a ``str`` enum of the same name and members,
@@ -21,6 +25,7 @@ import dataclasses
 import enum
 import functools
 import importlib.metadata
+import logging
 import sys
 import types
 import typing
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 Kind = Literal["grpo", "sft"]
+logger = logging.getLogger(__name__)
 
 
 def installed_versions() -> dict[str, str]:
@@ -35,18 +41,44 @@ def installed_versions() -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in ("trl", "transformers")}
 
 
-@functools.lru_cache(maxsize=2)
-def training_field_types(kind: Kind = "grpo") -> dict[str, Any]:
-    """Field name -> type of ``trl.GRPOConfig`` (``grpo``) or ``trl.SFTConfig`` (``sft``)."""
+def table_is_current() -> bool:
+    """The table was generated for the installed TRL and transformers."""
     from crystal_grpo.train import trl_schema
 
-    if trl_schema.VERSIONS == installed_versions():
-        return trl_schema.GRPO if kind == "grpo" else trl_schema.SFT
-    return live_field_types(kind)
+    return trl_schema.VERSIONS == installed_versions()
 
 
+@functools.lru_cache(maxsize=1)
+def _say_table_is_stale() -> None:
+    from crystal_grpo.train import trl_schema
+
+    logger.warning("TRL's field table (train/trl_schema.py) is for %s, installed: %s; training keys are checked "
+                   "against it and again by TRL when the run starts (make lock renews it)",
+                   _versions(trl_schema.VERSIONS), _versions(installed_versions()))
+
+
+def _versions(versions: dict[str, str]) -> str:
+    return ", ".join(f"{name} {version}" for name, version in versions.items())
+
+
+def training_field_types(kind: Kind = "grpo") -> dict[str, Any]:
+    """Field name -> type of ``trl.GRPOConfig`` (``grpo``) or ``trl.SFTConfig`` (``sft``), from the table."""
+    from crystal_grpo.train import trl_schema
+
+    if not table_is_current():
+        _say_table_is_stale()
+    return trl_schema.GRPO if kind == "grpo" else trl_schema.SFT
+
+
+def newer_field_type(kind: Kind, name: str) -> Any | None:
+    """The type of a field the table lacks, where the installed TRL is not the table's (a field
+    added since); None when the table is current or the installed classes lack it too."""
+    return None if table_is_current() else live_field_types(kind).get(name)
+
+
+@functools.lru_cache(maxsize=2)
 def live_field_types(kind: Kind) -> dict[str, Any]:
-    """The schema read from the installed classes (imports TRL)."""
+    """The schema read from the installed classes (imports TRL: seconds)."""
     from trl import GRPOConfig, SFTConfig
 
     hints = typing.get_type_hints(GRPOConfig if kind == "grpo" else SFTConfig)

@@ -3,7 +3,7 @@
 import enum
 from typing import Any, Literal, Union  # noqa: F401
 
-VERSIONS = {'trl': '1.16.0', 'transformers': '5.23.0'}
+VERSIONS = {'trl': '1.16.0', 'transformers': '5.24.0'}
 
 
 class SchedulerType(str, enum.Enum):
