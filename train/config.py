@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -102,6 +103,8 @@ class PhaseSection:
     overrides: dict[str, Any] = option(default_factory=dict, help="Sections of this config, as in the file.")
     config: Union[RunConfig, None] = derived("The config this phase runs with (the run's, overrides merged), "
                                              "made once when the config is validated.")
+    left_out: Union[list[str], None] = derived("The run's training keys this phase does not take: the other "
+                                               "trainer's own (split_training).")
 
 
 @dataclass
@@ -125,6 +128,9 @@ class RunConfig:
     phases: list[PhaseSection] = option(default_factory=list, help="Empty: one phase.")
     cpu_backend: Union[Literal["gloo"], None] = option(None, "Multi-process on CPU for tests and CI: gloo runs "
                                                        "DDP/ZeRO-3 without a GPU.")
+    resume_from_checkpoint: Union[str, None] = derived(
+        "training.resume_from_checkpoint, taken out of training at load: the run resumes as with the "
+        "--resume_from_checkpoint flag (which wins).")
 
 
 @dataclass
@@ -155,6 +161,23 @@ TRAINING_RANGES: dict[str, Range] = {
     "temperature": Range(gt=0), "top_p": Range(gt=0, le=1), "top_k": Range(ge=0), "min_p": Range(ge=0, le=1),
     "beta": Range(ge=0), "epsilon": Range(ge=0), "epsilon_high": Range(ge=0), "seed": Range(ge=0),
 }
+
+#: ``GRPOConfig`` fields whose documented values are wider than their type hint.
+TRAINING_TYPES: dict[str, Any] = {
+    "scale_rewards": Union[str, bool],  # TRL: True means "group", False "none" (GRPOConfig.__post_init__)
+}
+#: TRL's names for settings that belong to one of this config's sections: a ``training`` key
+#: given here is moved into that section's field (model.* reaches every load: the policy,
+#: TRL's reference model, evaluation and export; data.chat_template_kwargs every prompt:
+#: rollouts, the SFT phase, validation, evaluation).
+TRAINING_ALIASES: dict[str, tuple[str, str]] = {
+    "trust_remote_code": ("model", "trust_remote_code"),
+    "chat_template_kwargs": ("data", "chat_template_kwargs"),
+}
+#: ``training.model_init_kwargs`` keys that are fields of the model section; the rest go to model.init_kwargs.
+MODEL_INIT_FIELDS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
+                     "trust_remote_code": "trust_remote_code", "revision": "revision"}
+
 
 # --- YAML ------------------------------------------------------------------------------
 class _Loader(yaml.SafeLoader):
@@ -308,6 +331,7 @@ def _check_training(training: dict[str, Any], where: str, kind: TrainerKind) -> 
             near = difflib.get_close_matches(key, sorted(types_), n=3)
             raise ConfigError(f"{where}training: unknown key {key!r}; it must be a field of {name}"
                               + (f" (close: {', '.join(near)})" if near else ""))
+        tp = TRAINING_TYPES.get(key, tp)
         training[key] = check_value(f"{where}training.{key}", value, tp, TRAINING_RANGES.get(key))
     if training.get("max_steps") == 0:  # transformers would train one step
         raise ConfigError(f"{where}training.max_steps: invalid value 0; expected -1 (train num_train_epochs) or an "
@@ -341,12 +365,25 @@ def _check_reward_params(reward: RewardSection, where: str) -> None:
 def validate(cfg: RunConfig) -> None:
     """Checks beyond the sections' own types, for every phase: reward parameters,
     ``training`` against GRPOConfig, required fields and combinations that cannot work."""
+    resume = cfg.training.pop("resume_from_checkpoint", None)
+    cfg.resume_from_checkpoint = check_value("training.resume_from_checkpoint", resume, Union[str, None])
+    _move_aliases(cfg, "")  # before a phase of another trainer kind takes only its part of training
     for phase in cfg.phases or [None]:
         if phase is None:
             c = check_dict_sections(cfg)
         else:
+            if "resume_from_checkpoint" in (phase.overrides.get("training") or {}):
+                raise ConfigError(f"phases[{phase.name}].overrides.training.resume_from_checkpoint: a run resumes "
+                                  "as a whole (into the phase it stopped in): set it at the top level, or use "
+                                  "--resume_from_checkpoint")
             c = phase.config = apply_phase(cfg, phase)
         where = "" if phase is None else f"phases[{phase.name}].overrides."
+        if c.trainer == "grpo" and c.training.get("remove_unused_columns"):
+            raise ConfigError(f"{where}training.remove_unused_columns: true would drop the columns the reward reads "
+                              "(answer, reference_steps), judging every completion wrong; GRPO keeps them (false)")
+        if c.training.get("eval_strategy", "no") != "no" and not c.data.validation and not c.data.validation_fraction:
+            raise ConfigError(f"{where}training.eval_strategy: {c.training['eval_strategy']!r} evaluates on the "
+                              "validation split: set data.validation (or data.validation_fraction > 0)")
         if not c.model.name_or_path:
             raise ConfigError(f"{where}model.name_or_path: required (an HF folder, hub id or GGUF folder)")
         if not c.data.train:
@@ -383,10 +420,52 @@ def validate(cfg: RunConfig) -> None:
 
 
 def check_dict_sections(cfg: RunConfig, where: str = "") -> RunConfig:
-    """Type the two free-form sections: reward.params into ``reward.config``, training (coerced in place)."""
+    """Type the two free-form sections: reward.params into ``reward.config``, training (coerced
+    in place, TRL's names for other sections' settings moved there: :func:`_move_aliases`)."""
     _check_reward_params(cfg.reward, where)
     _check_training(cfg.training, where, cfg.trainer)
+    _move_aliases(cfg, where)
     return cfg
+
+
+def _move_aliases(cfg: RunConfig, where: str) -> None:
+    """``training`` keys that TRL documents but this config keeps in a section (TRAINING_ALIASES,
+    ``model_init_kwargs``) become that section's fields, so that every load and every prompt uses
+    them, not only TRL's own. A value that contradicts one the section was given is an error."""
+    moves = [(key, *TRAINING_ALIASES[key], cfg.training.pop(key)) for key in list(cfg.training)
+             if key in TRAINING_ALIASES]
+    init = cfg.training.pop("model_init_kwargs", None) or {}
+    if isinstance(init, str):  # TRL accepts a JSON string on its command line
+        import json
+
+        try:
+            init = json.loads(init)
+        except ValueError:
+            init = None
+        if not isinstance(init, dict):
+            raise ConfigError(f"{where}training.model_init_kwargs: invalid value; expected a mapping")
+    extra = {}
+    for k, v in init.items():
+        if k in MODEL_INIT_FIELDS:
+            moves.append((f"model_init_kwargs.{k}", "model", MODEL_INIT_FIELDS[k], v))
+        else:
+            extra[k] = v
+    if extra:
+        moves.append(("model_init_kwargs", "model", "init_kwargs", {**cfg.model.init_kwargs, **extra}))
+    for key, section_name, name, value in moves:
+        section = getattr(cfg, section_name)
+        ftype = {f.name: f for f in dataclasses.fields(section)}[name]
+        value = check_value(f"{where}training.{key}", value, ftype.type if not isinstance(ftype.type, str)
+                            else typing.get_type_hints(type(section))[name])
+        current, default = getattr(section, name), _default(ftype)
+        if current != default and current != value and name != "init_kwargs":
+            raise ConfigError(f"{where}training.{key}: {value!r} contradicts {section_name}.{name}: {current!r}; "
+                              f"give it once (as {section_name}.{name})")
+        setattr(section, name, value)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
@@ -397,8 +476,7 @@ def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
     if isinstance(over, dict) and over.get("name", base["reward"]["name"]) != base["reward"]["name"]:
         base["reward"] = {}  # another reward: the base reward's weights do not carry over
     if phase.trainer != cfg.trainer:  # e.g. an SFT warm start in a GRPO run: GRPO's own settings stay out
-        fields = training_field_types(phase.trainer)
-        base["training"] = {k: v for k, v in base["training"].items() if k in fields}
+        base["training"], phase.left_out = split_training(base["training"])
         if phase.trainer == "sft":
             base["curriculum"], base["pcgrad"] = None, False
     if "trainer" in phase.overrides:
@@ -406,6 +484,17 @@ def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
     merged = deep_merge({**base, "trainer": phase.trainer}, phase.overrides)
     where = f"phases[{phase.name}].overrides"
     return check_dict_sections(from_dict(RunConfig, _drop_none_sections(merged), where), where + ".")
+
+
+def split_training(training: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """What of a run's ``training`` a phase of another trainer kind takes: transformers'
+    TrainingArguments fields only (learning rate, steps, saving, precision, ...); the keys
+    that are the other trainer's own stay out, even where both trainers have a key of that
+    name, because it means another thing there (GRPO's loss_type is not SFT's)."""
+    from crystal_grpo.train.trl_schema import TRAINING_ARGUMENTS
+
+    kept = {k: v for k, v in training.items() if k in TRAINING_ARGUMENTS}
+    return kept, sorted(set(training) - set(kept))
 
 
 def _drop_none_sections(d: dict) -> dict:

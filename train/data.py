@@ -60,6 +60,10 @@ class DataSection:
     skip_invalid: bool = option(False, "Drop (and count) bad rows instead of stopping with their file:line.")
     max_errors_shown: int = option(20, "How many bad rows a data error lists.", ge=0)
     system_prompt: Union[str, None] = option(None, "Overrides the instruction asking for the JSON output.")
+    chat_template_kwargs: dict[str, Any] = option(
+        default_factory=dict, help="Keyword arguments of the chat template wherever a prompt is rendered: rollouts, "
+        "the SFT phase, validation, evaluation (e.g. {enable_thinking: false}); training.chat_template_kwargs, "
+        "TRL's name, lands here.")
     max_train_samples: Union[int, None] = option(None, "Use only the first N training rows (smoke runs).", ge=1)
     long_prompts: Literal["skip", "error", "keep"] = option(
         "skip", "Prompts whose tokens leave no room for the completion in the model's context "
@@ -295,15 +299,25 @@ def render_target(row: Mapping[str, Any]) -> str:
                       ensure_ascii=False)
 
 
-def encode_example(tokenizer: Any, row: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+def prompt_text(processing_class: Any, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """A conversational prompt rendered for generation: the one rendering every path uses
+    (validation, evaluation, the SFT phase, length checks), with the run's
+    ``data.chat_template_kwargs`` as TRL's rollouts use them."""
+    return processing_class.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                **(chat_template_kwargs or {}))
+
+
+def encode_example(tokenizer: Any, row: Mapping[str, Any],
+                   chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
     """A row's prompt tokens exactly as GRPO generates from them, and the target completion's
     tokens up to the end of the turn, tokenized APART: joined, a byte-level BPE may merge the
     prompt's last character with the target's first, and the model would learn a context it
     never sees when generating (TRL warns about that for prompt-completion data)."""
     tok = getattr(tokenizer, "tokenizer", tokenizer)
-    prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+    prompt = prompt_text(tok, row["prompt"], chat_template_kwargs)
     target = render_target(row)
-    full = tok.apply_chat_template([*row["prompt"], {"role": "assistant", "content": target}], tokenize=False)
+    full = tok.apply_chat_template([*row["prompt"], {"role": "assistant", "content": target}], tokenize=False,
+                                   **(chat_template_kwargs or {}))
     completion = full[len(prompt):] if full.startswith(prompt) else target + (tok.eos_token or "")
     if tok.eos_token and tok.eos_token in completion:  # generation stops there
         completion = completion[:completion.index(tok.eos_token) + len(tok.eos_token)]
@@ -311,18 +325,19 @@ def encode_example(tokenizer: Any, row: Mapping[str, Any]) -> tuple[list[int], l
             tok(completion, add_special_tokens=False)["input_ids"])
 
 
-def sft_dataset(ds: Dataset, processing_class: Any) -> Dataset:
+def sft_dataset(ds: Dataset, processing_class: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> Dataset:
     """Rows for TRL's SFTTrainer with the loss on the target only: text rows pre-tokenized
     (``input_ids`` and ``labels``, -100 on the prompt; :func:`encode_example`), rows with
     images as prompt-completion messages (TRL's vision collator tokenizes the two apart)."""
     raw = ds.with_format(None)  # the image paths, not the loading transform
     if "images" in raw.column_names:
-        out = raw.map(lambda r: {"completion": [{"role": "assistant", "content": render_target(r)}]},
+        extra = {"chat_template_kwargs": dict(chat_template_kwargs)} if chat_template_kwargs else {}  # TRL's column
+        out = raw.map(lambda r: {"completion": [{"role": "assistant", "content": render_target(r)}], **extra},
                       remove_columns=[c for c in raw.column_names if c not in ("prompt", "images")])
         return out.with_transform(ImageLoader(out))
 
     def encode(row: dict) -> dict:
-        prompt, completion = encode_example(processing_class, row)
+        prompt, completion = encode_example(processing_class, row, chat_template_kwargs)
         return {"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion}
 
     return raw.map(encode, remove_columns=raw.column_names)
@@ -332,10 +347,11 @@ def sft_dataset(ds: Dataset, processing_class: Any) -> Dataset:
 MAX_TRUNCATED_SHARE = 0.05
 
 
-def target_lengths(tokenizer: Any, rows: Sequence[Mapping[str, Any]], with_prompt: bool = False) -> list[int]:
+def target_lengths(tokenizer: Any, rows: Sequence[Mapping[str, Any]], with_prompt: bool = False,
+                   chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token lengths of the target completions (end of turn included: what generation must
     fit in), or of prompt + target (SFT's ``max_length``)."""
-    pairs = [encode_example(tokenizer, r) for r in rows]
+    pairs = [encode_example(tokenizer, r, chat_template_kwargs) for r in rows]
     return [len(c) + (len(p) if with_prompt else 0) for p, c in pairs]
 
 
@@ -481,14 +497,15 @@ def context_length(model: Any) -> int | None:
     return None
 
 
-def limit_prompt_lengths(split: LoadedSplit, tokenizer: Any, room: int, mode: str, key: str) -> tuple[LoadedSplit, str | None]:
+def limit_prompt_lengths(split: LoadedSplit, tokenizer: Any, room: int, mode: str, key: str,
+                         chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[LoadedSplit, str | None]:
     """Prompts longer than ``room`` tokens (the context minus the completion's tokens), per
     ``data.long_prompts``: dropped, an error, or kept; returns the split and a warning line.
     Image tokens are not counted (their number depends on the processor's resizing)."""
     tok = getattr(tokenizer, "tokenizer", tokenizer)
     raw = split.dataset.with_format(None)
     prompts = raw["prompt"]
-    texts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    texts = [prompt_text(tok, p, chat_template_kwargs) for p in prompts]
     lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
     long = [i for i, n in enumerate(lengths) if n > room]
     if not long:

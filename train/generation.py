@@ -8,7 +8,7 @@ or evaluation score measures the policy that was trained, not a different prompt
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,9 +32,10 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Engine:
-    """How transformers runs generation; the choices TRL's GRPOConfig offers for training
-    (``cache_implementation``, ``use_transformers_continuous_batching``), so validation takes
-    the path training takes (:meth:`from_trainer`).
+    """How the prompt is rendered and transformers runs generation: the choices TRL's
+    GRPOConfig offers for training (``chat_template_kwargs``, ``cache_implementation``,
+    ``use_transformers_continuous_batching``), so validation takes the path training takes
+    (:meth:`from_trainer`).
 
     ``generate`` with the default dynamic KV cache, with a preallocated one
     (``cache_implementation: static``), or continuous batching (``generate_batch``: paged KV
@@ -46,25 +47,30 @@ class Engine:
     cache_implementation: str | None = None
     continuous_batching: bool = False
     continuous_batching_config: Any = None  # transformers' ContinuousBatchingConfig; None: its defaults
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_trainer(cls, trainer) -> "Engine":
         args = trainer.args
         return cls(getattr(args, "cache_implementation", None),
                    bool(getattr(args, "use_transformers_continuous_batching", False)),
-                   getattr(trainer, "continuous_batching_config", None))
+                   getattr(trainer, "continuous_batching_config", None),
+                   dict(getattr(trainer, "chat_template_kwargs", None) or {}))
 
 
-def _encode(processing_class, prompts: Sequence, images: Sequence | None) -> dict[str, torch.Tensor]:
+def _encode(processing_class, prompts: Sequence, images: Sequence | None,
+            chat_template_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
     from trl.data_utils import prepare_multimodal_messages
+
+    from crystal_grpo.train.data import prompt_text
 
     tok = getattr(processing_class, "tokenizer", processing_class)
     if images is not None:
         msgs = [prepare_multimodal_messages(p, images=im) for p, im in zip(prompts, images)]
-        texts = [processing_class.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
+        texts = [prompt_text(processing_class, m, chat_template_kwargs) for m in msgs]
         return processing_class(text=texts, images=[x for im in images for x in im] or None,
                                 padding=True, return_tensors="pt")
-    texts = [p if isinstance(p, str) else tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+    texts = [p if isinstance(p, str) else prompt_text(tok, p, chat_template_kwargs)
              for p in prompts]  # a plain-text prompt goes in as it is, as TRL does with one
     return tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
 
@@ -83,7 +89,7 @@ def generate_batches(model, processing_class, prompts: Sequence, images: Sequenc
     try:
         for i in range(0, len(prompts), batch_size):
             enc = _encode(processing_class, prompts[i:i + batch_size],
-                          None if images is None else images[i:i + batch_size])
+                          None if images is None else images[i:i + batch_size], engine.chat_template_kwargs)
             if engine.continuous_batching:
                 ids = _generate_continuous(model, tok, enc, sampling, engine)
             else:

@@ -130,11 +130,26 @@ def training_args(cfg: RunConfig, output_dir: Path, extra: dict):
     }
     if cfg.trainer == "grpo":
         defaults.update({**dataclasses.asdict(recipe), "remove_unused_columns": False})
-    t = {**defaults, **cfg.training, **extra, "output_dir": str(output_dir)}
+    t = {**defaults, **cfg.training, **extra, "output_dir": str(output_dir), **trl_model_settings(cfg)}
     try:
         return (GRPOConfig if cfg.trainer == "grpo" else SFTConfig)(**t)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"training: {err}") from err
+
+
+def trl_model_settings(cfg: RunConfig) -> dict:
+    """The config's model and prompt settings under TRL's names (train/config.py moves TRL's
+    names into the sections): TRL builds the reference model from ``model_init_kwargs`` and
+    ``trust_remote_code``, and renders rollout prompts with ``chat_template_kwargs`` (GRPO)."""
+    from crystal_grpo.train.models import from_pretrained_kwargs
+
+    out: dict = {"trust_remote_code": cfg.model.trust_remote_code}
+    init = from_pretrained_kwargs(cfg.model)
+    if init and cfg.trainer == "grpo":  # (an SFT phase has no reference model)
+        out["model_init_kwargs"] = init
+    if cfg.trainer == "grpo" and cfg.data.chat_template_kwargs:
+        out["chat_template_kwargs"] = dict(cfg.data.chat_template_kwargs)
+    return out
 
 
 def _sampler_factory(cfg: RunConfig, dataset, max_steps: int):
@@ -182,7 +197,8 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     for line in length_warnings(cfg, args, processing_class, train, val):
         say(f"warning: {line}")
     output_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no phase folder
-    trainer = make_trainer(cfg, args, model, processing_class, module, train.dataset)
+    trainer = make_trainer(cfg, args, model, processing_class, module, train.dataset,
+                           val.dataset if val is not None and args.eval_strategy != "no" else None)
     trainer.add_callback(MetricsJsonlCallback(output_dir))
     if val is not None:
         trainer.add_callback(ValidationCallback(trainer, val.dataset, cfg.validation, output_dir, module))
@@ -216,8 +232,10 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     return last, trainer.state.global_step
 
 
-def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset):
-    """The phase's trainer: GRPO (with PCGrad when asked for) or the SFT warm start."""
+def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset, eval_dataset=None):
+    """The phase's trainer: GRPO (with PCGrad when asked for) or the SFT warm start.
+    ``eval_dataset`` (the validation split, when ``training.eval_strategy`` asks for TRL's
+    evaluation) is what TRL's own evaluation loop reads."""
     from crystal_grpo.train.models import peft_config
 
     common = dict(model=model, args=args, processing_class=processing_class, peft_config=peft_config(cfg.model),
@@ -227,12 +245,35 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset)
         from crystal_grpo.train.data import sft_dataset
         from crystal_grpo.train.sft import CrystalSFTTrainer
 
-        return CrystalSFTTrainer(train_dataset=sft_dataset(dataset, processing_class), **common)
+        kwargs = cfg.data.chat_template_kwargs
+        return CrystalSFTTrainer(train_dataset=sft_dataset(dataset, processing_class, kwargs), chat_template_kwargs=kwargs,
+                                 eval_dataset=None if eval_dataset is None else sft_dataset(eval_dataset, processing_class,
+                                                                                            kwargs), **common)
     from crystal_grpo.train.pcgrad import trainer_class
 
     extra = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
-    return trainer_class(cfg.pcgrad)(reward=module, train_dataset=dataset,
-                                     sampler_factory=_sampler_factory(cfg, dataset, args.max_steps), **common, **extra)
+    with _reference_kwargs_meant():
+        return trainer_class(cfg.pcgrad)(reward=module, train_dataset=dataset, eval_dataset=eval_dataset,
+                                         sampler_factory=_sampler_factory(cfg, dataset, args.max_steps), **common,
+                                         **extra)
+
+
+@contextlib.contextmanager
+def _reference_kwargs_meant():
+    """TRL warns that ``model_init_kwargs`` are ignored when the policy is given loaded; here the
+    policy was loaded with them (load_policy) and TRL builds the reference model from them, so
+    the warning would mislead."""
+    import logging
+
+    def meant(record: logging.LogRecord) -> bool:
+        return "model_init_kwargs" not in record.getMessage()
+
+    trl_logger = logging.getLogger("trl.trainer.grpo_trainer")
+    trl_logger.addFilter(meant)
+    try:
+        yield
+    finally:
+        trl_logger.removeFilter(meant)
 
 
 def limit_prompts(cfg: RunConfig, args, model, processing_class, train, val):
@@ -246,13 +287,15 @@ def limit_prompts(cfg: RunConfig, args, model, processing_class, train, val):
     if cfg.trainer == "grpo":
         train, line = limit_prompt_lengths(train, processing_class, context - args.max_completion_length,
                                            cfg.data.long_prompts, f"training.max_completion_length "
-                                           f"({args.max_completion_length}) in the model's {context} positions")
+                                           f"({args.max_completion_length}) in the model's {context} positions",
+                                           cfg.data.chat_template_kwargs)
         if line:
             say(f"warning: {line}")
     if val is not None:
         val, line = limit_prompt_lengths(val, processing_class, context - cfg.validation.max_new_tokens,
                                          cfg.data.long_prompts, f"validation.max_new_tokens "
-                                         f"({cfg.validation.max_new_tokens}) in the model's {context} positions")
+                                         f"({cfg.validation.max_new_tokens}) in the model's {context} positions",
+                                         cfg.data.chat_template_kwargs)
         if line:
             say(f"warning: {line}")
     return train, val
@@ -265,17 +308,17 @@ def length_warnings(cfg: RunConfig, args, processing_class, train, val) -> list[
     from crystal_grpo.train.data import target_lengths, truncation_warning
 
     sample = lambda split: [split.dataset[i] for i in range(min(len(split.dataset), 256))]  # noqa: E731
-    rows = sample(train)
+    rows, kwargs = sample(train), cfg.data.chat_template_kwargs
     checks = []
     if cfg.trainer == "grpo":
-        checks.append((target_lengths(processing_class, rows), args.max_completion_length,
-                       "training.max_completion_length"))
+        checks.append((target_lengths(processing_class, rows, chat_template_kwargs=kwargs),
+                       args.max_completion_length, "training.max_completion_length"))
     else:
-        checks.append((target_lengths(processing_class, rows, with_prompt=True), args.max_length,
-                       "training.max_length (prompt + target)"))
+        checks.append((target_lengths(processing_class, rows, with_prompt=True, chat_template_kwargs=kwargs),
+                       args.max_length, "training.max_length (prompt + target)"))
     if val is not None:
-        checks.append((target_lengths(processing_class, sample(val)), cfg.validation.max_new_tokens,
-                       "validation.max_new_tokens"))
+        checks.append((target_lengths(processing_class, sample(val), chat_template_kwargs=kwargs),
+                       cfg.validation.max_new_tokens, "validation.max_new_tokens"))
     return [w for lengths, limit, key in checks if (w := truncation_warning(lengths, limit, key))]
 
 
@@ -338,6 +381,8 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
                 say(f"phase {phase.name}: starting from {start}")
         if cfg.phases:
             say(f"\n=== phase {i + 1}/{len(cfg.phases)}: {phase.name} ===")
+            if phase.left_out:
+                say(left_out_line(phase))
         validation, step = run_phase(pcfg, pdir, "latest" if started else None, callbacks)
         summary[phase.name] = validation
         if _main_process():
@@ -388,11 +433,15 @@ def main(argv: list[str] | None = None) -> int:
         phases = ", ".join(f"{p.name} ({p.trainer})" for p in cfg.phases) or cfg.trainer
         say(f"{args.config}: config valid and everything it names found; phases: {phases}; reward "
             f"{'components' if cfg.reward.components else cfg.reward.name}; run folder {run_dir}")
+        for phase in cfg.phases:
+            if phase.left_out:
+                say(left_out_line(phase))
         return 0
     from crystal_grpo.train.interrupt import Interrupted  # torch and transformers: only a run needs them
 
     try:
-        run(cfg, run_dir, args.resume_from_checkpoint, overwrite=args.overwrite_output_dir)
+        run(cfg, run_dir, args.resume_from_checkpoint or cfg.resume_from_checkpoint,
+            overwrite=args.overwrite_output_dir)
     except (ConfigError, DataError, ModelLoadError, EncoderLoadError, CheckpointError, RunFolderError,
             RewardFunctionError) as err:
         if _main_process() or not isinstance(err, RunFolderError):
@@ -412,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ndisk full: {full}; after freeing space: {resume_command(argv)}", file=sys.stderr)  # \n: after tqdm
         return 1
     return 0
+
+
+def left_out_line(phase: PhaseSection) -> str:
+    """The run's training keys a phase does not take (train/config.py split_training)."""
+    return (f"phase {phase.name} ({phase.trainer}): the run's training keys of the other trainer left out: "
+            f"{', '.join(phase.left_out)}")
 
 
 def resume_command(argv: list[str] | None) -> str:

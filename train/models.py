@@ -75,6 +75,11 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = option("float32", "Weights dtype.")
     attn_implementation: Union[str, None] = option(None, "e.g. sdpa, eager, flash_attention_2.")
     trust_remote_code: bool = option(False, "Needed for InternVL3.5; off unless asked for.")
+    revision: Union[str, None] = option(None, "Hub revision (branch, tag or commit) of a hub id.")
+    init_kwargs: dict[str, Any] = option(
+        default_factory=dict, help="More keyword arguments of the model's from_pretrained, for the policy, TRL's "
+        "reference model, evaluation and export; training.model_init_kwargs (TRL's name) lands here, its dtype, "
+        "attn_implementation, trust_remote_code and revision in the fields above.")
     gradient_checkpointing: bool = option(False, "Also sets TRL's flag of the same name.")
     lora: Union[LoraSection, None] = option(None, "Set to train a LoRA adapter instead of all weights.")
 
@@ -113,10 +118,31 @@ def model_source(cfg: ModelSection) -> tuple[str, bool]:
 
 
 def _load_kwargs(cfg: ModelSection, local: bool) -> dict:
+    """Keyword arguments of every file's ``from_pretrained`` (config, tokenizer, processor, weights)."""
     kw: dict[str, Any] = {"trust_remote_code": bool(cfg.trust_remote_code)}
+    if cfg.revision:
+        kw["revision"] = cfg.revision
     if not local and _offline():
         kw["local_files_only"] = True
     return kw
+
+
+def from_pretrained_kwargs(cfg: ModelSection) -> dict[str, Any]:
+    """The weights' ``from_pretrained`` settings beyond the path, dtype and remote code, in the
+    form TRL's ``model_init_kwargs`` takes them (TRL's reference model, evaluation, export)."""
+    out = dict(cfg.init_kwargs)
+    if cfg.revision:
+        out["revision"] = cfg.revision
+    if cfg.attn_implementation:
+        out["attn_implementation"] = cfg.attn_implementation
+    return out
+
+
+def recorded_kwargs(model: dict) -> dict[str, Any]:
+    """:func:`from_pretrained_kwargs` of a model section as a run folder records it (config.json)."""
+    return from_pretrained_kwargs(ModelSection(revision=model.get("revision"),
+                                               attn_implementation=model.get("attn_implementation"),
+                                               init_kwargs=dict(model.get("init_kwargs") or {})))
 
 
 def _fail(what: str, src: str, local: bool, err: BaseException) -> ModelLoadError:
@@ -350,7 +376,6 @@ def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
     kw = _load_kwargs(model_cfg, local)
     gguf_file = model_cfg.gguf_file
     dtype = torch_dtype(model_cfg.dtype or "float32")
-    attn = model_cfg.attn_implementation
     trust = kw["trust_remote_code"]
 
     if gguf_file:
@@ -359,7 +384,7 @@ def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
             raise ModelLoadError(f"model.gguf_file: {gguf_file!r} is not in {str(Path(src).resolve())!r} "
                                  f"(GGUF files there: {found or 'none'})")
         try:
-            model = load_gguf_plain(src, gguf_file, dtype, attn_implementation=attn, **kw)
+            model = load_gguf_plain(src, gguf_file, dtype, **{**kw, **from_pretrained_kwargs(model_cfg)})
             tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file, **kw)
         except ModelLoadError:
             raise
@@ -380,9 +405,7 @@ def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
     if getattr(config, "model_type", "") in REMOTE_CODE_MODEL_TYPES and not trust:
         raise ModelLoadError(f"{src!r} is an InternVL checkpoint with remote code: set model.trust_remote_code: true")
 
-    model_kw = dict(kw, dtype=dtype)
-    if attn:
-        model_kw["attn_implementation"] = attn
+    model_kw = {**kw, **from_pretrained_kwargs(model_cfg), "dtype": dtype}
     vlm = is_vision_language(config)
     # The processing class first: it is cheap, and a missing processor should not wait for the weights.
     if vlm:
@@ -478,19 +501,24 @@ def adapter_base(folder: str | Path, override: str | None = None) -> str:
 
 
 def load_checkpoint(path: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
-                    device: Any = None, base_model: str | None = None) -> tuple[Any, Any]:
+                    device: Any = None, base_model: str | None = None,
+                    model_kwargs: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """A checkpoint the trainer wrote ready to generate: ``(model in eval mode, processing
     class)``. A LoRA adapter is loaded onto its base and merged (PEFT ``merge_and_unload``),
-    so generation runs at full-model speed. A folder without a model is a one-line
-    :class:`ModelLoadError`."""
+    so generation runs at full-model speed. ``model_kwargs``: the run's
+    :func:`from_pretrained_kwargs`. A folder without a model is a one-line :class:`ModelLoadError`."""
     folder = Path(path)
     adapter = (folder / "adapter_config.json").is_file()
     if not folder.is_dir() or not (adapter or (folder / "config.json").is_file()):
         raise ModelLoadError(f"{str(path)!r} is not a model folder (expected config.json with weights, or a LoRA "
                              "adapter_config.json, as in a run's checkpoint-N/ or final/)")
     source = adapter_base(folder, base_model) if adapter else str(folder)
-    model, processing = load_policy(ModelSection(name_or_path=source, dtype=dtype or "float32",
-                                                 trust_remote_code=trust_remote_code))
+    kwargs = dict(model_kwargs or {})
+    model, processing = load_policy(ModelSection(
+        name_or_path=source, dtype=dtype or "float32", trust_remote_code=trust_remote_code,
+        attn_implementation=kwargs.pop("attn_implementation", None),
+        revision=kwargs.pop("revision", None) if adapter else None,  # a revision of the base, not of the folder
+        init_kwargs=kwargs))
     if adapter:
         from peft import PeftModel
 

@@ -116,7 +116,7 @@ def objective_advantages(
     objectives: list[str],
     reward_weights: torch.Tensor,
     num_generations: int,
-    scale_rewards: str = "group",
+    scale_rewards: str | bool = "group",
     objective_std: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-objective advantages of a *global* generation batch (float64).
@@ -132,6 +132,7 @@ def objective_advantages(
     (unscorable) get 0, as in TRL. With ``objective_std`` each part is instead divided by
     its own std (same group/batch choice); the parts then no longer add up to TRL's.
     """
+    scale_rewards = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)  # as GRPOConfig reads it
     if scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards={scale_rewards!r}: expected 'group', 'batch' or 'none'")
     bad = [o for o in objectives if o not in OBJECTIVES]

@@ -123,12 +123,12 @@ def _append(path: Path, rows: Sequence[tuple[str, Sequence[str]]]) -> None:
 
 
 def generate_predictions(model, processing_class, dataset, out_dir: Path, sampling: Sampling, batch_size: int,
-                         progress: bool = True) -> int:
+                         progress: bool = True, engine: Engine | None = None) -> int:
     """Append the missing completions of ``dataset`` to ``out_dir/predictions.jsonl``; returns
     how many rows were generated now. Rows are split over processes round by round (every
     process runs the same number of rounds), and the main process writes each round in
     the data's order, so a kill loses at most the round in flight."""
-    from crystal_grpo.train.generation import generate
+    from crystal_grpo.train.generation import Engine, generate
 
     rank, world = rank_and_world()
     path = out_dir / PREDICTIONS
@@ -141,7 +141,7 @@ def generate_predictions(model, processing_class, dataset, out_dir: Path, sampli
         rows = [dataset[i] for i in mine]
         images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
         texts = generate(model, processing_class, [r["prompt"] for r in rows], images, sampling,
-                         batch_size) if rows else []
+                         batch_size, engine or Engine()) if rows else []
         done, _ = gather_objects(list(zip(mine, texts)))
         if rank == 0:
             _append(path, [(ids[i], completions) for i, completions in sorted(done)])
@@ -157,11 +157,13 @@ def _progress(total: int, enabled: bool):
 
 
 def generate_with_vllm(model_path: str, dataset, out_dir: Path, sampling: Sampling, dtype: str | None = None,
-                       trust_remote_code: bool = False) -> int:
+                       trust_remote_code: bool = False, chat_template_kwargs: dict | None = None) -> int:
     """The pending rows through vLLM (one process; vLLM does its own parallelism). Text and
     images go in as the training prompt through the model's chat template."""
     try:
         from vllm import LLM, SamplingParams
+
+        from crystal_grpo.train.data import prompt_text
     except ImportError as err:
         raise PredictionError("--backend vllm: vLLM is not installed (pip install vllm; it needs a CUDA GPU)") from err
     if (Path(model_path) / "adapter_config.json").is_file():
@@ -179,7 +181,7 @@ def generate_with_vllm(model_path: str, dataset, out_dir: Path, sampling: Sampli
     requests = []
     for i in pending:
         row = dataset[i]
-        text = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        text = prompt_text(tok, row["prompt"], chat_template_kwargs)
         requests.append({"prompt": text, **({"multi_modal_data": {"image": row["images"]}}
                                             if row.get("images") else {})})
     outputs = llm.generate(requests, params)

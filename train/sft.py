@@ -21,3 +21,9 @@ from crystal_grpo.train.trainer import CrystalTrainerMixin
 class CrystalSFTTrainer(CrystalTrainerMixin, SFTTrainer):
     """``SFTTrainer`` with the hooks every phase's trainer has: the non-finite guard,
     checkpoint state and completion marker, Ctrl-C / SIGTERM, the model card."""
+
+    def __init__(self, *args, chat_template_kwargs: dict | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The run's prompt rendering (data.chat_template_kwargs), under the name TRL's GRPOTrainer
+        # keeps it: validation renders this phase's prompts as the GRPO phases do (Engine.from_trainer).
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})

@@ -250,11 +250,19 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
         if reward is not None and reward_funcs is not None:
             raise ValueError("CrystalGRPOTrainer: give reward= (a RewardModule) or reward_funcs (as for "
                              "trl.GRPOTrainer), not both")
-        if reward is None and reward_funcs is None:
-            raise TypeError("CrystalGRPOTrainer needs reward_funcs (as trl.GRPOTrainer) or reward= (a RewardModule)")
+        args_ = kwargs.get("args", args[0] if args else None)
+        if reward is not None and getattr(args_, "remove_unused_columns", False):
+            raise ValueError("CrystalGRPOTrainer(reward=...): remove_unused_columns=True would drop the columns the "
+                             "reward reads (answer, reference_steps); set it False (TRL's GRPO default)")
         self.reward = reward
         self.sampler_factory = sampler_factory
+        # No reward at all: TRL's own error (or an environment_factory's get_reward as the reward).
         super().__init__(model, reward.reward_funcs() if reward is not None else reward_funcs, *args, **kwargs)
+        extra = [n for n in self.reward_func_names if n not in reward.objectives] if reward is not None else []
+        if extra:  # TRL appended an environment's get_reward as a reward source
+            raise ValueError(f"CrystalGRPOTrainer(reward=...): the environment_factory's get_reward ({', '.join(extra)}) "
+                             "would be a second reward beside the reward module, which scores every completion "
+                             "itself; give the environment no get_reward method, or use plain reward_funcs with it")
         self.reward_objectives = self._objectives(reward_objectives)
         if reward is not None:
             start = time.perf_counter()

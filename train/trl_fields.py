@@ -156,7 +156,16 @@ def render() -> str:
     for name, fields in code.items():
         lines += ["", f"{name}: dict = {{", "    **SHARED,",
                   *(f"    {field!r}: {src}," for field, src in fields.items() if field not in shared), "}"]
+    lines += ["", "#: transformers.TrainingArguments' own fields: what every kind of phase understands alike.",
+              "TRAINING_ARGUMENTS = frozenset({", *(f"    {name!r}," for name in training_arguments()), "})"]
     return "\n".join(lines) + "\n"
+
+
+def training_arguments() -> list[str]:
+    """The field names of ``transformers.TrainingArguments`` (imports transformers)."""
+    from transformers import TrainingArguments
+
+    return [f.name for f in dataclasses.fields(TrainingArguments)]
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.generation import Sampling
 from crystal_grpo.train.layout import CONFIG, read_config, run_targets
+from crystal_grpo.train.models import recorded_kwargs
 from crystal_grpo.train.predictions import (
     PREDICTIONS,
     Backend,
@@ -64,6 +65,8 @@ class EvalSetup:
     columns: dict[str, str] = field(default_factory=dict)  # data.columns of the run
     dtype: str | None = None
     trust_remote_code: bool = False
+    model_kwargs: dict[str, Any] = field(default_factory=dict)  # the run's from_pretrained settings
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # data.chat_template_kwargs of the run
     max_new_tokens: int = 256
     run_config: str | None = None  # the config.json this came from
 
@@ -80,6 +83,8 @@ class EvalSetup:
                    data_split=data.get("validation_split") or "validation", columns=dict(data.get("columns") or {}),
                    dtype=model.get("dtype"),
                    trust_remote_code=bool(model.get("trust_remote_code")),
+                   model_kwargs=recorded_kwargs(model),
+                   chat_template_kwargs=dict(data.get("chat_template_kwargs") or {}),
                    max_new_tokens=int((cfg.get("validation") or {}).get("max_new_tokens") or 256),
                    run_config=where)
 
@@ -228,16 +233,21 @@ def evaluate(req: EvalRequest) -> dict | None:
         backend = choose_backend(req.backend, world)
         if backend == "vllm":
             if rank == 0:
-                generate_with_vllm(req.model, ds, out, req.sampling, req.setup.dtype, req.setup.trust_remote_code)
+                generate_with_vllm(req.model, ds, out, req.sampling, req.setup.dtype, req.setup.trust_remote_code,
+                                   req.setup.chat_template_kwargs)
         else:
             from transformers import set_seed
 
             from crystal_grpo.train.models import load_checkpoint
 
             set_seed(req.seed + rank)  # sampled completions are reproducible
+            from crystal_grpo.train.generation import Engine
+
             model, processing = load_checkpoint(req.model, dtype=req.setup.dtype,
-                                                trust_remote_code=req.setup.trust_remote_code, device=default_device())
-            generate_predictions(model, processing, ds, out, req.sampling, req.batch_size)
+                                                trust_remote_code=req.setup.trust_remote_code, device=default_device(),
+                                                model_kwargs=req.setup.model_kwargs)
+            generate_predictions(model, processing, ds, out, req.sampling, req.batch_size,
+                                 engine=Engine(chat_template_kwargs=req.setup.chat_template_kwargs))
         seconds = time.perf_counter() - start
         barrier()
         if rank != 0:

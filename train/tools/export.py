@@ -50,7 +50,7 @@ from crystal_grpo.jsonl import iter_jsonl
 from crystal_grpo.train.checkpoints import checkpoint_problem, safetensors_problem
 from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.model_card import RunRecord, export_card, framework_versions, read_run_record
-from crystal_grpo.train.models import check_remote_code, torch_dtype
+from crystal_grpo.train.models import check_remote_code, recorded_kwargs, torch_dtype
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: Asked when the run's config names no readable training file (or the folder has no run records).
@@ -297,13 +297,15 @@ def training_prompt(config: dict | None, max_rows: int = 1000) -> tuple[str, lis
                                                                                              system), None
 
 
-def generate_once(model, processing, prompt: list[dict], images: list | None, max_new_tokens: int) -> str:
+def generate_once(model, processing, prompt: list[dict], images: list | None, max_new_tokens: int,
+                  chat_template_kwargs: dict | None = None) -> str:
     """Greedy, with the generation code validation and evaluation use (same chat template path)."""
-    from crystal_grpo.train.generation import Sampling, generate
+    from crystal_grpo.train.generation import Engine, Sampling, generate
 
     vlm = getattr(processing, "image_processor", None) is not None
     return generate(model.eval(), processing, [prompt], [images] if images and vlm else None,
-                    Sampling(max_new_tokens=max_new_tokens), batch_size=1)[0][0]
+                    Sampling(max_new_tokens=max_new_tokens), batch_size=1,
+                    engine=Engine(chat_template_kwargs=dict(chat_template_kwargs or {})))[0][0]
 
 
 # --- the export -------------------------------------------------------------------------
@@ -356,6 +358,7 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
         raise ExportError(f"--keep_adapter: {ckpt.path} is a {ckpt.describe()}, not a LoRA adapter checkpoint")
     rec = read_run_record(ckpt.path)
     trust = bool(rec.model_section.get("trust_remote_code", False))
+    init = recorded_kwargs(rec.model_section)
     base = resolve_base(ckpt, base_model) if ckpt.kind == "lora" else None
     source = base or str(ckpt.path)
     dtype_note = "" if dtype else " (the checkpoint's config)"
@@ -372,7 +375,7 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would become --out's mode
-        how = _write(ckpt, tmp, base, dtype, trust, keep_adapter, max_shard_size, say)
+        how = _write(ckpt, tmp, base, dtype, trust, init, keep_adapter, max_shard_size, say)
         say(f"  dtype: {dtype}{dtype_note}")
         (tmp / "README.md").write_text(export_card(rec, out.name, how, dtype, framework_versions(),
                                                    adapter_base=base if keep_adapter else None), encoding="utf-8")
@@ -382,7 +385,8 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
         shards = "" if keep_adapter else f" (max_shard_size {max_shard_size})"
         say(f"  wrote {len(weights)} safetensors file(s){' + ' + index[0] if index else ''}{shards}, "
             + ", ".join(f for f in files if not f.endswith(".safetensors") and f not in index))
-        source_desc, completion, cls_name = _check(tmp, rec, base if keep_adapter else None, trust, max_new_tokens)
+        source_desc, completion, cls_name = _check(tmp, rec, base if keep_adapter else None, trust, init,
+                                                   max_new_tokens)
         say(f"  check: reloaded with {cls_name} and generated up to {max_new_tokens} greedy tokens from {source_desc}:")
         say(f"         {completion!r}")
         _swap_in(tmp, out)
@@ -396,7 +400,7 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     return ExportResult(out, kind, dtype, files, source_desc, completion)
 
 
-def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, trust: bool, keep_adapter: bool,
+def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, trust: bool, init: dict, keep_adapter: bool,
            max_shard_size: str, say) -> str:
     """Write the weights and the processing class into ``tmp``; returns how (for the card)."""
     if keep_adapter:
@@ -405,10 +409,10 @@ def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, trust: boo
     cls = model_class(config)
     processing = load_processing([str(ckpt.path), *([base] if base else [])], config, trust)
     if ckpt.kind == "full":
-        model = _from_pretrained(cls, str(ckpt.path), dtype, trust)
+        model = _from_pretrained(cls, str(ckpt.path), dtype, trust, **init)
         how = "full checkpoint"
     elif ckpt.kind == "zero":
-        model = _from_pretrained(cls, None, dtype, trust, config=config, state_dict=zero_state_dict(ckpt))
+        model = _from_pretrained(cls, None, dtype, trust, config=config, state_dict=zero_state_dict(ckpt), **init)
         if (ckpt.path / "generation_config.json").is_file():  # (from a state dict it is derived from the config)
             from transformers import GenerationConfig
 
@@ -422,7 +426,7 @@ def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, trust: boo
     else:
         from peft import PeftModel
 
-        base_model = _from_pretrained(cls, base, "float32", trust)
+        base_model = _from_pretrained(cls, base, "float32", trust, **init)
         peft_model = PeftModel.from_pretrained(base_model, str(ckpt.path))
         if ckpt.zero_tag:
             from peft import set_peft_model_state_dict
@@ -452,7 +456,7 @@ def _write_adapter(ckpt: Checkpoint, tmp: Path, base: str, dtype: str, trust: bo
     return f"LoRA adapter for `{base}` (not merged)"
 
 
-def _check(folder: Path, rec: RunRecord, adapter_base: str | None, trust: bool, max_new_tokens: int):
+def _check(folder: Path, rec: RunRecord, adapter_base: str | None, trust: bool, init: dict, max_new_tokens: int):
     """Reload ``folder`` the way a user would and generate once; returns (prompt source,
     completion, the class that loaded it)."""
     if adapter_base:
@@ -460,18 +464,20 @@ def _check(folder: Path, rec: RunRecord, adapter_base: str | None, trust: bool, 
 
         config = load_config(adapter_base, trust)
         cls = model_class(config)
-        model = PeftModel.from_pretrained(_from_pretrained(cls, adapter_base, "float32", trust), str(folder))
+        model = PeftModel.from_pretrained(_from_pretrained(cls, adapter_base, "float32", trust, **init), str(folder))
         name = f"PeftModel over {cls.__name__}"
     else:
         config = load_config(str(folder), trust)
         cls = model_class(config)
-        model, info = cls.from_pretrained(folder, dtype="auto", trust_remote_code=trust, output_loading_info=True)
+        model, info = cls.from_pretrained(folder, dtype="auto", trust_remote_code=trust, output_loading_info=True,
+                                          **init)
         if info.get("missing_keys"):
             raise RuntimeError(f"the exported folder reloads without {sorted(info['missing_keys'])[:5]}")
         name = cls.__name__
     processing = load_processing([str(folder)], config, trust)
     source, prompt, images = training_prompt(rec.config)
-    return source, generate_once(model, processing, prompt, images, max_new_tokens), name
+    kwargs = ((rec.config or {}).get("data") or {}).get("chat_template_kwargs") or {}
+    return source, generate_once(model, processing, prompt, images, max_new_tokens, kwargs), name
 
 
 # --- command line -----------------------------------------------------------------------
