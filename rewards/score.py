@@ -168,7 +168,8 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
     lent = scorer is not None
     try:  # the reward modules' evaluation (score()); answer_only is the one without guard or weights
         module = AnswerOnlyReward(encoder=scorer.model if lent else args.encoder, threshold=args.threshold,
-                                  order_alpha=args.alpha, device=args.device, matcher=args.matcher)
+                                  order_alpha=args.alpha, device=args.device, matcher=args.matcher,
+                                  score_steps=True)
     except (EncoderLoadError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
