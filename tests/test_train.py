@@ -139,6 +139,23 @@ def test_validation_metrics_and_best_checkpoint(tmp_path, tiny_lm_path):
     assert any("val_accuracy" in r for r in metrics(run))
 
 
+def test_sampled_validation_keeps_every_scored_completion_and_leaves_training_alone(tmp_path, tiny_lm_path):
+    """validation.temperature > 0: num_samples completions a row, each written with its scores;
+    drawn from a seed fixed per step, so the training rollouts are those of a run without it."""
+    sampled = run_main(tmp_path / "a", tiny_lm_path, "--validation.temperature", "1.0", "--validation.num_samples",
+                       "3", "--validation.eval_steps", "1", "--training.log_completions", "true")
+    plain = run_main(tmp_path / "b", tiny_lm_path, "--validation.eval_steps", "0", "--validation.at_start", "false",
+                     "--training.log_completions", "true")
+    lines = [json.loads(x) for x in (sampled / "validation_samples_step1.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 * 4 and [x["sample"] for x in lines[:3]] == [0, 1, 2]  # max_samples 4 rows x 3
+    assert {"id", "completion", "correct", "format_ok", "steps", "f1", "difficulty"} <= set(lines[0])
+    val = [json.loads(x) for x in (sampled / "validation.jsonl").read_text().splitlines()]
+    assert val[1]["accuracy"] == pytest.approx(sum(x["correct"] for x in lines) / len(lines))
+    assert len({x["completion"] for x in lines}) > 4, "sampled, not greedy: a row's samples differ"
+    rewards = lambda run: [r["reward"] for r in metrics(run) if "loss" in r]  # noqa: E731
+    assert rewards(sampled) == rewards(plain)
+
+
 class InjectNaN(TrainerCallback):
     """Poison the gradients at chosen steps, just before the optimizer step."""
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from transformers import TrainerCallback
 
 from crystal_grpo.distributed import gather_objects, rank_and_world
@@ -84,25 +85,30 @@ class ValidationCallback(TrainerCallback):
         images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
         model = trainer.model_wrapped
         was_training = model.training
+        k = self.cfg.num_samples
+        sampling = Sampling(self.cfg.max_new_tokens, self.cfg.temperature, num_samples=k)
         with (unwrap_model_for_generation(model, trainer.accelerator) as unwrapped,
-              merged_adapters(unwrapped, getattr(trainer, "merge_lora_for_generation", True))):
+              merged_adapters(unwrapped, getattr(trainer, "merge_lora_for_generation", True)),
+              torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [],
+                                    enabled=self.cfg.temperature > 0)):  # training's random state untouched
             unwrapped.eval()
-            completions = [c[0] for c in generate(unwrapped, trainer.processing_class, [r["prompt"] for r in rows],
-                                                  images, Sampling(self.cfg.max_new_tokens), self.cfg.batch_size,
-                                                  Engine.from_trainer(trainer))]
+            if self.cfg.temperature > 0:  # the same draws for the same weights, whenever validation runs
+                torch.manual_seed(trainer.args.seed + 1_000_003 * state.global_step + rank)
+            completions = [c for cs in generate(unwrapped, trainer.processing_class, [r["prompt"] for r in rows],
+                                                images, sampling, self.cfg.batch_size, Engine.from_trainer(trainer))
+                           for c in cs]
         model.train(was_training)
         completions, _ = gather_objects(completions)
-        rows, _ = gather_objects([{k: r.get(k) for k in ("answer", "reference_steps", "choices", "id")}
-                        | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
-                        for r in rows])
-        metrics = self.module.metrics(self.module.score(completions, rows, with_steps=True).batch)
+        rows, _ = gather_objects([{k: r.get(k) for k in ("answer", "reference_steps", "choices", "id", "difficulty")}
+                                  | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
+                                  for r in rows for _ in range(k)])
+        batch = self.module.score(completions, rows, with_steps=True).batch
+        metrics = self.module.metrics(batch)
         self.last_step = state.global_step
         if trainer.is_world_process_zero():
             with open(self.run_dir / VALIDATION_LOG, "a") as fh:
                 fh.write(json.dumps({"step": state.global_step, **metrics}) + "\n")
-            with open(self.run_dir / samples_file(state.global_step), "w") as fh:
-                for r, c in zip(rows[:20], completions[:20]):
-                    fh.write(json.dumps({"id": r["id"], "completion": c}) + "\n")
+            write_samples(self.run_dir / samples_file(state.global_step), rows, completions, batch, k)
         logged = {f"val_{k}": v for k, v in metrics.items() if math.isfinite(v)}
         if when == "step":  # joins this step's own log line instead of stealing its training metrics
             for k, v in logged.items():
@@ -125,6 +131,23 @@ class ValidationCallback(TrainerCallback):
             return False
         self.best = BestCheckpoint(self.cfg.metric, value, step, f"checkpoint-{step}", metrics)
         return True
+
+
+def write_samples(path: Path, rows: list[dict], completions: list[str], batch, num_samples: int) -> None:
+    """Every validation completion with its scores, one line each: accuracy by difficulty (or any
+    other cut of the rows) can be recovered from the run folder."""
+    with open(path, "w") as fh:
+        for i, (r, c) in enumerate(zip(rows, completions)):
+            line = {"id": r["id"], "sample": i % num_samples, "completion": c, "correct": batch.correct[i].item(),
+                    "format_ok": batch.format_ok[i].item(), "steps": batch.n_pred[i].item(),
+                    "f1": _number(batch.f1[i].item())}
+            if r.get("difficulty") is not None:
+                line["difficulty"] = r["difficulty"]
+            fh.write(json.dumps(line) + "\n")
+
+
+def _number(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # (JSON has no NaN: a row without reference steps)
 
 
 class MetricsJsonlCallback(TrainerCallback):

@@ -56,6 +56,11 @@ class ValidationSection:
     max_samples: Union[int, None] = option(None, "Cap on validation rows (None: all).", ge=1)
     max_new_tokens: int = option(256, "Greedy generation length.", ge=1)
     batch_size: int = option(8, "Generation batch size per process.", ge=1)
+    temperature: float = option(0.0, "0: greedy (the paper's evaluation). Above 0: sampled at this temperature, "
+                                "num_samples completions a row, from a seed fixed per step (training's random "
+                                "state untouched): the policy's sampled accuracy, which GRPO optimises and which "
+                                "greedy decoding can hide.", ge=0)
+    num_samples: int = option(1, "Completions a row (metrics average over all of them).", ge=1)
     metric: Metric = option("accuracy", "Best checkpoint by this metric (a validation metric of the metric "
                             "table, crystal_grpo/metrics.py).")
     at_start: bool = option(True, "Also validate before the first step (step 0), so every curve shows where it "

@@ -48,7 +48,7 @@ _PHASE_DIR = re.compile(r"phase(\d+)-(.+)")
 
 
 def samples_file(step: int | str) -> str:
-    """Validation's first completions at ``step`` (``"*"``: a glob of them all)."""
+    """Validation's completions at ``step`` with their scores (``"*"``: a glob of them all)."""
     return f"validation_samples_step{step}.jsonl"
 
 
