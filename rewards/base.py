@@ -163,7 +163,8 @@ class RewardConfig:
     weights are fields of its subclass (e.g. ``CPRConfig`` in rewards/cpr.py)."""
 
     encoder: Any = option(PACKAGED_MINILM, "Sentence encoder for Match F1: hub id (local cache only offline), "
-                          "local folder, or 'packaged:all-MiniLM-L6-v2'. The paper: " + PAPER_ENCODER + ".")
+                          "local folder, or 'packaged:all-MiniLM-L6-v2'; or 'exact': two steps match when their "
+                          "normalised strings are equal (no model; for formal steps). The paper: " + PAPER_ENCODER + ".")
     threshold: float = option(0.35, "tau: minimum cosine similarity for two steps to match.", ge=-1, le=1)
     order_alpha: float = option(0.3, "Weight of the order (LIS) term in Ordered Match F1.", ge=0, le=1)
     matcher: Literal["greedy", "dp"] = option("greedy", "greedy 1:1 matching (the paper) or dp (order-preserving).")

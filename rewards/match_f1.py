@@ -6,6 +6,12 @@ prompt's reference chain repeats once per generation and again every epoch: ever
 unique text is encoded at most once per call, reference steps can be embedded once before
 training and kept (:meth:`MatchF1Scorer.pin`), an LRU cache keeps other embeddings across
 calls, and the matching runs vectorised over the batch (``rewards.matching``).
+
+With ``encoder="exact"`` no model loads: each distinct normalised step string
+(``rewards.encoder.normalize_step``) gets an id, and the similarity of two steps is 1 when
+their ids are equal, else 0. Everything after that (the blocks per reference chain, greedy
+or dp matching, best chain, Ordered F1) is the same code, so CPR, composite, validation and
+evaluation all score with it alike.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Literal, Union
 
 import torch
 
-from crystal_grpo.rewards.encoder import PACKAGED_MINILM, load_encoder
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, is_exact, load_encoder, normalize_step
 from crystal_grpo.rewards.matching import dp_match, greedy_match, longest_chain
 from crystal_grpo.rewards.text import clean_text
 
@@ -149,9 +155,11 @@ class MatchF1Scorer:
 
     Args:
         encoder: hub id (local cache only when ``HF_HUB_OFFLINE=1``), local folder, a
-            ready ``SentenceTransformer``, or ``"packaged:all-MiniLM-L6-v2"``. The
-            paper used ``sentence-transformers/all-distilroberta-v1``.
-        threshold: minimum cosine for a match (inclusive), the paper's tau = 0.35.
+            ready ``SentenceTransformer``, ``"packaged:all-MiniLM-L6-v2"``, or ``"exact"``
+            (normalised string identity, no model). The paper used
+            ``sentence-transformers/all-distilroberta-v1``.
+        threshold: minimum cosine for a match (inclusive), the paper's tau = 0.35; with
+            ``"exact"`` any value in (0, 1] means "equal strings match".
         alpha: weight of the order term in Ordered F1.
         device: ``None`` picks CUDA when available.
         batch_size: encoder batch size.
@@ -173,11 +181,16 @@ class MatchF1Scorer:
             raise ValueError(f"matcher={matcher!r}: allowed values are 'greedy', 'dp'")
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha={alpha!r}: must lie in [0, 1]")
+        self.exact = is_exact(encoder)
+        if self.exact and not 0.0 < threshold <= 1.0:
+            raise ValueError(f"threshold={threshold!r} with the exact encoder: similarities are 0 or 1, so it must "
+                             "lie in (0, 1] (at <= 0 every pair of steps would match)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load_encoder(encoder, self.device)
-        self.model.eval()
-        if self.device.type == "cuda":
-            self.model.half()
+        self.model = None if self.exact else load_encoder(encoder, self.device)
+        if self.model is not None:
+            self.model.eval()
+            if self.device.type == "cuda":
+                self.model.half()
         self.threshold, self.alpha, self.matcher = float(threshold), float(alpha), matcher
         self.batch_size, self.cache_size = batch_size, cache_size
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -191,8 +204,12 @@ class MatchF1Scorer:
 
         ``texts`` should be unique; cached ones are reused, the rest encoded in one call.
         Any str is accepted: lone surrogates (which the tokenizer rejects) are encoded as
-        U+FFFD, so model output can never stop the reward.
+        U+FFFD, so model output can never stop the reward. The exact encoder has no
+        embeddings (its similarity is string identity): it raises.
         """
+        if self.exact:
+            raise ValueError("the exact encoder compares normalised strings and has no embeddings; use a sentence "
+                             "encoder where embeddings are needed (e.g. clustering reference steps)")
         cache, pinned = self._cache, self._pinned
         missing = [t for t in texts if t not in pinned and t not in cache]
         self.last_encoded = len(missing)
@@ -225,8 +242,11 @@ class MatchF1Scorer:
         instead of a few reference texts inside every GRPO step, and never again once the
         completions' steps have pushed them out of the LRU. The work over an epoch is the
         same; it leaves the step. Memory: one embedding per text (384 fp16 values with
-        MiniLM on CUDA, 768 B; fp32 on CPU). Returns how many texts were encoded.
+        MiniLM on CUDA, 768 B; fp32 on CPU). Returns how many texts were encoded (the
+        exact encoder encodes nothing: 0).
         """
+        if self.exact:
+            return 0
         new = [t for t in dict.fromkeys(texts) if t not in self._pinned]
         for i in range(0, len(new), chunk):
             part = new[i:i + chunk]
@@ -256,6 +276,12 @@ class MatchF1Scorer:
             for chain in _as_chains(chains):
                 ref_idx.append(idx(chain))
                 row_example.append(i)
+        if self.exact:  # one id per distinct normalised string: equal ids are similarity 1
+            self.last_encoded = 0
+            forms: dict[str, int] = {}
+            ids = [forms.setdefault(normalize_step(t), len(forms)) for t in vocab]
+            table = torch.tensor(ids, dtype=torch.long).view(-1, 1)
+            return self._score_rows(table, pred_idx, ref_idx, row_example, exact=True)
         table = self.embed(list(vocab))
         return self._score_rows(table, pred_idx, ref_idx, row_example)
 
@@ -292,13 +318,15 @@ class MatchF1Scorer:
         return self._score_rows(table, pred_idx, ref_idx, row_example)
 
     @torch.inference_mode()
-    def _score_rows(self, table, pred_idx, ref_idx, row_example) -> StepScores:
+    def _score_rows(self, table, pred_idx, ref_idx, row_example, exact: bool = False) -> StepScores:
         """Core: one similarity batch for every (example, reference chain) row.
 
         Rows that share a reference chain (a GRPO group: every generation of one prompt)
         share one similarity block: each distinct chain is compared once with the union of
         its rows' predicted steps (one small bmm per chain instead of one per row, which
         dominated the cached path), and every row reads its ``[N, M]`` block from there.
+        ``exact``: ``table`` holds one string id per text (``[T, 1]``) and a block entry is
+        1.0 where the ids are equal, else 0.0.
         """
         n_examples = len(pred_idx)
         if n_examples == 0:
@@ -319,13 +347,16 @@ class MatchF1Scorer:
             row_chain.append(c)
         dev = self.device
         rex = torch.tensor(row_example, dtype=torch.long)
-        table = table.to(dev, torch.float32)
+        table = table.to(dev, torch.long if exact else torch.float32)
         if table.numel() == 0:
-            table = torch.zeros(1, 1, device=dev)
+            table = torch.zeros(1, 1, device=dev, dtype=table.dtype)
         gather = lambda pad: table.index_select(0, pad.clamp(min=0).reshape(-1)).view(*pad.shape, table.shape[1])  # noqa: E731
         block_pred = gather(_padded_index([list(m) for m in chain_pred], dev)[0])  # [C, U, d]
         block_ref = gather(_padded_index(chain_ref, dev)[0])  # [C, M, d]
-        blocks = torch.bmm(block_pred, block_ref.transpose(1, 2))  # [C, U, M]
+        if exact:
+            blocks = (block_pred[..., 0].unsqueeze(2) == block_ref[..., 0].unsqueeze(1)).float()  # [C, U, M]
+        else:
+            blocks = torch.bmm(block_pred, block_ref.transpose(1, 2))  # [C, U, M]
         loc, n_pred = _padded_index(row_loc, dev)  # [R, N] positions in the row's block
         n_ref = torch.tensor([len(r) for r in ref_idx], dtype=torch.long, device=dev)
         sim = blocks[torch.tensor(row_chain, device=dev).view(-1, 1), loc.clamp(min=0)]  # [R, N, M]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
 from crystal_grpo.rewards.answer_only import AnswerOnlyReward
-from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError
+from crystal_grpo.rewards.encoder import EXACT, PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError
 from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 from crystal_grpo.rewards.parsing import ParsedOutput
 from crystal_grpo.rewards.text import clean_text
@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report to write: overall and per-source means, per-example scores and pairs")
     p.add_argument("--encoder", default=PACKAGED_MINILM,
                    help=f"sentence encoder: hub id (local cache only with HF_HUB_OFFLINE=1), local folder, "
-                        f"or {PACKAGED_MINILM!r} (default; the paper used {PAPER_ENCODER!r})")
+                        f"{PACKAGED_MINILM!r} (default; the paper used {PAPER_ENCODER!r}), or {EXACT!r} "
+                        f"(normalised string identity, no model)")
     p.add_argument("--threshold", type=float, default=0.35,
                    help="minimum cosine similarity for two steps to match, inclusive (tau; default 0.35)")
     p.add_argument("--alpha", type=float, default=0.3,
@@ -167,7 +168,8 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
             print(f"warning: {len(ids)} {what}: {shown}", file=sys.stderr)
     lent = scorer is not None
     try:  # the reward modules' evaluation (score()); answer_only is the one without guard or weights
-        module = AnswerOnlyReward(encoder=scorer.model if lent else args.encoder, threshold=args.threshold,
+        lent_encoder = EXACT if lent and scorer.exact else (scorer.model if lent else args.encoder)
+        module = AnswerOnlyReward(encoder=lent_encoder, threshold=args.threshold,
                                   order_alpha=args.alpha, device=args.device, matcher=args.matcher,
                                   score_steps=True)
     except (EncoderLoadError, ValueError) as err:

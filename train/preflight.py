@@ -58,10 +58,10 @@ def model_problem(name: str, gguf_file: str | None) -> str | None:
 
 def encoder_problem(encoder: object) -> str | None:
     """Why ``reward.params.encoder`` cannot load here, or None."""
-    from crystal_grpo.rewards.encoder import EncoderLoadError, resolve_encoder_path
+    from crystal_grpo.rewards.encoder import EncoderLoadError, is_exact, resolve_encoder_path
 
-    if not isinstance(encoder, str):
-        return None  # a SentenceTransformer given in code
+    if not isinstance(encoder, str) or is_exact(encoder):
+        return None  # a SentenceTransformer given in code, or string identity (no model)
     try:
         path = resolve_encoder_path(encoder)
     except EncoderLoadError as err:
