@@ -22,6 +22,7 @@ from crystal_grpo.rewards.base import RewardConfig, RewardModule
 from crystal_grpo.rewards.composite import CompositeConfig, CompositeReward
 from crystal_grpo.rewards.cpr import CPRConfig, CPRReward, cpr_reward
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
+from crystal_grpo.rewards.shuffled import ShuffledAnswerReward, ShuffledConfig
 from crystal_grpo.rewards.user import ComposedConfig, ComposedReward, RewardImportError, load_object
 from crystal_grpo.typed import ConfigError
 
@@ -35,6 +36,7 @@ REWARDS: dict[str, type[RewardModule]] = {
     "cpr": CPRReward,
     "authors_code": AuthorsCodeReward,  # the released code's word-overlap reward, an ablation arm (not Eq. 7)
     "composed": ComposedReward,  # reward.components: user functions and crystal: terms (rewards/user.py)
+    "shuffled_answer": ShuffledAnswerReward,  # a control arm: answer-only's rewards, unrelated to the completion
 }
 
 
@@ -83,6 +85,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "REWARDS", "RewardConfig", "RewardModule", "CPRConfig", "CompositeConfig", "AnswerOnlyConfig", "FormatConfig", "AuthorsCodeConfig", "ComposedConfig", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
+    "REWARDS", "RewardConfig", "RewardModule", "CPRConfig", "CompositeConfig", "AnswerOnlyConfig", "FormatConfig", "AuthorsCodeConfig", "ComposedConfig", "ShuffledConfig", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
     "MatchF1Scorer", "StepScores", "PACKAGED_MINILM", "PAPER_ENCODER",
 ]

@@ -477,3 +477,17 @@ def test_step_cap_never_raises_a_reward():
     assert out["cpr_reasoning"][1] == 0.0 and out["cpr_accuracy"][1] == pytest.approx(0.65)
     metrics = MODULES["cpr"].last_metrics
     assert metrics["steps_mean"] == MAX_SCORED_STEPS + 0.5  # the guard and logs see the real count
+
+
+def test_shuffled_answer_control_has_answer_onlys_rewards_in_an_order_unrelated_to_the_completions():
+    """The control arm: the same multiset of rewards as answer-only (so the same mean and
+    variance), permuted; the same batch always gets the same permutation (resume)."""
+    rows = ROWS * 4  # 24 rows: a permutation that leaves every reward in place is unlikely by chance
+    _, plain = call("answer_only", rows=rows)
+    _, shuffled = call("shuffled_answer", rows=rows)
+    _, again = call("shuffled_answer", rows=rows)
+    _, other_seed = call("shuffled_answer", rows=rows, seed=7)
+    a, s = total(plain), total(shuffled)
+    assert sorted(a.tolist()) == sorted(s.tolist()) and not torch.equal(a, s)
+    assert torch.equal(total(again), s) and not torch.equal(total(other_seed), s)
+    assert set(shuffled) == {"shuffled_accuracy", "shuffled_format"}
