@@ -18,7 +18,7 @@ choices below are ours, each sub-score lies in [0, 1], and all constants live in
   (than, more, larger, ...) and negations (not, never, n't, ...). A bare "no" is not
   counted: "yes or no" questions would all look negated.
 - ``s_type`` = a base by answer type, yes/no 0.2 < option letter 0.3 < number 0.4 <
-  free text 0.5 (the brief's order), plus the paper's question-type adjustments:
+  free text 0.5 (our order: harder to check, harder to answer), plus the paper's question-type adjustments:
   counting questions (how many, count, number of) -0.15, "why" questions +0.20;
   clipped to [0, 1].
 """

@@ -20,8 +20,8 @@ advancing generator does.
 The modes (which examples a chunk may draw from, and the pacing) are the :class:`Schedule`
 subclasses of curricula/schedule.py.
 
-How competence/buckets draw from the pool (our choice; the brief suggested seeding by
-(seed, t)). Drawing every chunk independently covers the pool unevenly (some prompts
+How competence/buckets draw from the pool (our choice; seeding each chunk by (seed, t)
+alone was the obvious alternative). Drawing every chunk independently covers the pool unevenly (some prompts
 come back often, others never), so we walk *passes*: pass k is a permutation of ALL N
 indices, seeded by (seed, k); a chunk takes the next indices of the current pass that
 are in the current pool. Each pool member is therefore drawn exactly once per pass (an

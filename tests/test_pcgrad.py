@@ -239,7 +239,7 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
     policy = AutoModelForCausalLM.from_pretrained(model_path)
     initial = {k: v.detach().clone() for k, v in policy.named_parameters()}
     extra: dict = {}
-    if mode == "zero3":  # ENV_NOTES: ZeRO-3 on CPU
+    if mode == "zero3":  # ZeRO-3 on CPU: gloo, set up before the training arguments (train/grpo.py setup_distributed)
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         PartialState(backend="gloo")
         extra.update(use_cpu=False, deepspeed=str(REPO_ROOT / "configs" / "accelerate" / "zero3.json"),

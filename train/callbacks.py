@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -177,9 +176,3 @@ class PlotCallback(TrainerCallback):
                 plot_run(self.run_dir)
             except Exception as err:  # noqa: BLE001 - a plot must never fail a finished run
                 print(f"could not draw the training plot: {err}")
-
-
-def ensure_dir(path: str | Path) -> Path:
-    p = Path(path)
-    os.makedirs(p, exist_ok=True)
-    return p

@@ -76,8 +76,8 @@ def say(msg: str) -> None:
 def setup_distributed(cfg: RunConfig) -> dict:
     """CPU multi-process route (tests, CI): gloo for DDP and for DeepSpeed ZeRO-3.
 
-    Must run before the training arguments exist (ENV_NOTES: otherwise batch-size checks
-    fail and ``accelerate --cpu`` silently runs one process).
+    Must run before the training arguments exist (otherwise DeepSpeed's batch-size checks
+    fail, and ``accelerate launch --cpu --num_processes 2`` silently runs one process: docs/training.md).
     """
     if cfg.cpu_backend != "gloo":
         return {}
