@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from crystal_grpo.errors import CrystalError
+
 Source = Literal["reward", "row", "evaluation", "training"]
 
 
@@ -72,7 +74,7 @@ TABLE: tuple[MetricSpec, ...] = (
 )
 
 
-class UnknownMetric(KeyError):
+class UnknownMetric(CrystalError, KeyError):
     def __str__(self) -> str:
         return (f"metric {self.args[0]!r} is not in the metric table (crystal_grpo/metrics.py); "
                 f"known: {', '.join(m.name for m in TABLE)}")

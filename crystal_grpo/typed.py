@@ -21,8 +21,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from crystal_grpo.errors import CrystalError
 
-class ConfigError(ValueError):
+
+class ConfigError(CrystalError, ValueError):
     """A config problem, phrased for the person who wrote the YAML."""
 
 

@@ -15,6 +15,7 @@ import unicodedata
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.rewards.text import clean_text
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def is_exact(encoder: Any) -> bool:
     return isinstance(encoder, str) and encoder.strip().lower() == EXACT
 
 
-class EncoderLoadError(RuntimeError):
+class EncoderLoadError(CrystalError, RuntimeError):
     """The sentence encoder could not be loaded; the message says how to fix it."""
 
 

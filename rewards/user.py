@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.rewards.base import Batch, Objective, RewardConfig, RewardModule, Scored
 from crystal_grpo.rewards.cpr import CPRConfig
 from crystal_grpo.typed import ConfigError, option
@@ -53,7 +54,7 @@ class RewardImportError(ConfigError):
     """A reward or component named by import path that cannot be used."""
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(CrystalError, ValueError):
     """A user's reward function returned something that is not one number (or None) a completion."""
 
 

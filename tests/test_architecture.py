@@ -115,3 +115,22 @@ def test_a_planted_cycle_and_private_import_are_found(tmp_path, monkeypatch):
         test_no_private_name_crosses_modules("crystal_grpo.x.a")
     with pytest.raises(AssertionError, match="crystal_grpo.x.a -> crystal_grpo.x.b -> crystal_grpo.x.a"):
         test_no_import_cycles()
+
+
+def test_every_error_of_the_library_is_a_crystal_error():
+    """One base (crystal_grpo.errors.CrystalError): a user catches "an error from this library"
+    once, and each command line answers it in one line."""
+    import importlib
+    import inspect
+
+    from crystal_grpo.errors import CrystalError
+
+    not_errors = {"crystal_grpo.train.interrupt.Interrupted"}  # a stop that was asked for, with its exit code
+    found = []
+    for module in MODULES:
+        for name, obj in vars(importlib.import_module(module)).items():
+            if (inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == module
+                    and not name.startswith("_") and f"{module}.{name}" not in not_errors):
+                found.append(obj)
+    assert len(found) >= 15
+    assert [e.__qualname__ for e in found if not issubclass(e, CrystalError)] == []

@@ -23,6 +23,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.train.layout import LOG_FILES, MARKER
 
@@ -34,11 +35,11 @@ RESTORED_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2"
 _STEP = re.compile(r"^checkpoint-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(CrystalError, RuntimeError):
     """A checkpoint that cannot be resumed from; the message names the folder or file."""
 
 
-class DiskFull(RuntimeError):
+class DiskFull(CrystalError, RuntimeError):
     """A save that does not fit (or did not): the message says how much is free, how much a
     checkpoint takes and which complete checkpoint remains."""
 

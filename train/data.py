@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
 from crystal_grpo.typed import option
 
@@ -70,7 +71,7 @@ class DataSection:
         "(max_position_embeddings): skip them (counted and named), stop with an error, or keep them.")
 
 
-class DataError(ValueError):
+class DataError(CrystalError, ValueError):
     """Bad data rows; the message lists ``file:line: problem`` for each."""
 
 

@@ -23,10 +23,8 @@ from pathlib import Path
 
 from crystal_grpo.distributed import launch_command
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.rewards.encoder import EncoderLoadError
-from crystal_grpo.rewards.user import RewardFunctionError
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.train.checkpoints import (
-    CheckpointError,
     checkpoint_problem,
     checkpoint_step,
     disk_full,
@@ -36,7 +34,6 @@ from crystal_grpo.train.checkpoints import (
     truncate_logs,
 )
 from crystal_grpo.train.config import ConfigError, PaperRecipe, PhaseSection, RunConfig, load_config, phase_configs
-from crystal_grpo.train.data import DataError
 from crystal_grpo.train.layout import (
     CONFIG,
     CURVES,
@@ -49,7 +46,6 @@ from crystal_grpo.train.layout import (
     read_best,
     read_config,
 )
-from crystal_grpo.train.models import ModelLoadError
 from crystal_grpo.train.preflight import preflight
 from crystal_grpo.train.run_folder import (
     RunFolderError,
@@ -442,11 +438,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(cfg, run_dir, args.resume_from_checkpoint or cfg.resume_from_checkpoint,
             overwrite=args.overwrite_output_dir)
-    except (ConfigError, DataError, ModelLoadError, EncoderLoadError, CheckpointError, RunFolderError,
-            RewardFunctionError) as err:
-        if _main_process() or not isinstance(err, RunFolderError):
-            print(f"{type(err).__name__}: {err}", file=sys.stderr)
-        return 2
     except Interrupted as stop:
         say(f"interrupted by {signal.Signals(stop.signum).name} at step {stop.step}: saved {stop.checkpoint}; "
             f"resume with: {resume_command(argv)}")
@@ -454,12 +445,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         say(f"aborted: the newest complete checkpoint is used by: {resume_command(argv)}")
         return 130
-    except (OSError, RuntimeError) as err:
+    except (CrystalError, OSError, RuntimeError) as err:
         full = disk_full(err, run_dir)
-        if full is None:
+        if full is not None:
+            print(f"\ndisk full: {full}; after freeing space: {resume_command(argv)}", file=sys.stderr)  # \n: after tqdm
+            return 1
+        if not isinstance(err, CrystalError):
             raise
-        print(f"\ndisk full: {full}; after freeing space: {resume_command(argv)}", file=sys.stderr)  # \n: after tqdm
-        return 1
+        if _main_process() or not isinstance(err, RunFolderError):  # (every rank meets the same folder)
+            print(f"{type(err).__name__}: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

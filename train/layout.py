@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text, read_json
 
 LOCK = "run.lock"
@@ -81,7 +82,7 @@ def read_config(folder: Path) -> dict | None:
     return read_json(Path(folder) / CONFIG)
 
 
-class NotARunFolder(ValueError):
+class NotARunFolder(CrystalError, ValueError):
     """A folder that holds no (finished) run phase; the message says what is missing."""
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.typed import option
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ VLM_MODEL_TYPES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "intern
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(CrystalError, RuntimeError):
     """A model or processor could not be loaded; the message says what was tried and what to do."""
 
 

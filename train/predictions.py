@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.distributed import barrier, gather_objects, rank_and_world
 from crystal_grpo.jsonl import Unreadable, atomic_write_text, iter_jsonl
 from crystal_grpo.rewards.parsing import ParsedOutput
@@ -26,7 +27,7 @@ PREDICTIONS = "predictions.jsonl"
 Backend = Literal["auto", "hf", "vllm"]
 
 
-class PredictionError(ValueError):
+class PredictionError(CrystalError, ValueError):
     """A predictions file that cannot be used; the message names the file and line."""
 
 

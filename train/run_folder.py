@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text, read_json
 from crystal_grpo.train.checkpoints import latest_complete
 from crystal_grpo.train.layout import (
@@ -50,7 +51,7 @@ from crystal_grpo.train.layout import (
 from crystal_grpo.typed import to_dict
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(CrystalError, RuntimeError):
     """The folder holds another run, or is in use; the message says which and what to do."""
 
 

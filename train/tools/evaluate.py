@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.distributed import barrier, rank_and_world
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.rewards import build_reward
@@ -49,7 +50,7 @@ CRYSTAL_METRICS = "crystal_metrics_predictions.jsonl"
 CRYSTAL_CLI = ("crystal_metrics/predictions.json", "crystal_metrics/references.json")
 
 
-class EvalError(ValueError):
+class EvalError(CrystalError, ValueError):
     """Bad input for an evaluation (not a model, ids that do not match the data, ...)."""
 
 
@@ -356,10 +357,7 @@ def _check_numbers(args) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from crystal_grpo.train.data import DataError
     from crystal_grpo.train.tools.eval_report import compare, compare_markdown
-    from crystal_grpo.train.models import ModelLoadError
-    from crystal_grpo.typed import ConfigError
 
     args = build_parser().parse_args(argv)
     try:
@@ -399,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(folders) > 1 and rank_and_world()[0] == 0:
             print(compare_markdown(compare(folders, args.bootstrap, args.seed)), end="")
         return 0
-    except (EvalError, DataError, ModelLoadError, ConfigError, ValueError, OSError) as err:
+    except (CrystalError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import iter_jsonl
 from crystal_grpo.train.checkpoints import checkpoint_problem, safetensors_problem
 from crystal_grpo.train.layout import MARKER
@@ -61,7 +62,7 @@ EXPECTED = ("expected a checkpoint folder: model.safetensors + config.json (a fu
 Kind = Literal["full", "lora", "zero"]
 
 
-class ExportError(ValueError):
+class ExportError(CrystalError, ValueError):
     """Input that cannot be exported (not a checkpoint, ``--out`` taken, base model missing);
     the message is one line that names what was expected."""
 
@@ -502,18 +503,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         export(a.checkpoint, a.out, keep_adapter=a.keep_adapter, dtype=a.dtype, max_shard_size=a.max_shard_size,
                overwrite=a.overwrite, base_model=a.base_model, max_new_tokens=a.max_new_tokens)
-    except ExportError as err:
+    except CrystalError as err:  # e.g. a base model or processor that does not load: bad input too
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"interrupted: nothing written to {a.out}", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - any failure: what it means for --out
-        from crystal_grpo.train.models import ModelLoadError  # (imports transformers: not before it is needed)
-
-        if isinstance(err, ModelLoadError):  # a base model or processor that does not load: bad input too
-            print(f"error: {err}", file=sys.stderr)
-            return 2
         traceback.print_exc()
         print(f"export failed, nothing written to {a.out}: {type(err).__name__}: {err}", file=sys.stderr)
         return 1

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
 from crystal_grpo.rewards.answers import answers_match
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM
@@ -44,7 +45,6 @@ from crystal_grpo.jsonl import atomic_write_text, read_json
 from crystal_grpo.train.generation import Sampling
 from crystal_grpo.train.predictions import (
     PREDICTIONS,
-    PredictionError,
     as_completion,
     choose_backend,
     default_device,
@@ -55,7 +55,7 @@ from crystal_grpo.train.predictions import (
 )
 
 
-class BuildError(ValueError):
+class BuildError(CrystalError, ValueError):
     """A build that cannot go on; the message says what to change."""
 
 
@@ -441,10 +441,6 @@ def build_parser():
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 built, 1 some rows failed (the rest are written), 2 bad input."""
-    from crystal_grpo.rewards.encoder import EncoderLoadError
-    from crystal_grpo.train.data import DataError
-    from crystal_grpo.train.models import ModelLoadError
-
     args = build_parser().parse_args(argv)
     try:
         for key, low in (("samples", 1), ("batch_size", 1), ("max_new_tokens", 1), ("min_support", 1),
@@ -471,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             keep_incorrect=args.keep_incorrect, reference_sets=args.reference_sets, rebuild=args.rebuild,
             keep_collapsed=args.keep_collapsed, max_rows=args.max_rows, device=args.device, seed=args.seed)
         summary = build(req)
-    except (BuildError, PredictionError, DataError, ModelLoadError, EncoderLoadError, OSError) as err:
+    except (CrystalError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 1 if summary["failed"] else 0

@@ -12,7 +12,8 @@ A sweep file (YAML, see configs/sweeps/) names::
     grid:                             # ... and/or the product of lists ("a,b": a list of zipped pairs)
       reward.params.answer_weight,reward.params.step_weight: [[0.8, 0.2], [0.65, 0.35]]
     seeds: [1, 2]                     # one more axis (training.seed); each point runs once per seed
-    eval: {data: data/demo/val.jsonl, max_samples: 24}   # score each best checkpoint (scripts/evaluate.py)
+    eval: {data: data/demo/val.jsonl, max_samples: 24}   # score each best checkpoint (scripts/evaluate.py;
+                                      # also batch_size, max_new_tokens, temperature, num_samples)
     x: reward.params.answer_weight    # a weight sweep: plot the metrics against this key
 
 Every point becomes a run folder ``<sweep folder>/<point>`` holding ``sweep_point.json`` (its
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.train.layout import BEST, FINAL, POINT_LOG, SWEEP_POINT, is_finished, run_targets
 from crystal_grpo.train.tools.sweep_report import STATUS_FILE, eval_targets, read_status, write_report
@@ -51,10 +53,10 @@ _CHECKOUT = Path(__file__).resolve().parents[2]
 #: shows), or, for an installed package, the folder the sweep is started from.
 ROOT = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
 KEYS = {"base", "launcher", "init_from", "output_dir", "overrides", "points", "grid", "seeds", "eval", "x"}
-EVAL_KEYS = {"data", "max_samples", "batch_size", "max_new_tokens"}
+EVAL_KEYS = {"data", "max_samples", "batch_size", "max_new_tokens", "temperature", "num_samples"}
 
 
-class SweepError(ValueError):
+class SweepError(CrystalError, ValueError):
     """A sweep file that cannot run; the message names the key or point."""
 
 
@@ -219,7 +221,7 @@ def start_checkpoint(folder: Path) -> Path:
     ckpt = best_checkpoint(folder) if is_phase else None
     if ckpt is None:
         raise SweepError(f"init_from: {folder} is neither a model folder nor a finished run phase (best "
-                         f"checkpoint or final/); `make demo` writes runs/demo/phase1-warm_start")
+                         f"checkpoint or final/); `make demo-smollm2` writes runs/demo/phase1-warm_start")
     return ckpt
 
 
