@@ -1,0 +1,211 @@
+"""The figures and the control comparison of a reward ablation (the paper's Table 4 in miniature,
+configs/sweeps/organism_ablation.yaml), read from a finished sweep's run folders:
+
+- ``collapse.png``: the paper's "reasoning collapse" question: steps written and step Match F1
+  over training (the training log, every step), one line an arm (mean over its seeds);
+- ``pcgrad.png``: the cosine between the accuracy and the reasoning gradients and the share of
+  updates PCGrad projected (they conflicted), over training, for the arms that use PCGrad;
+- ``curriculum.png``: held-out accuracy by step count k over training (validation's per-row
+  records), the curriculum arm against the same reward without it;
+- ``vs_control.md``: every arm against the control arm on the evaluation rows, with the
+  two-level interval (seeds, then rows) of train/tools/sweep_report.py.
+
+Global steps: a multi-phase arm's second phase continues its first phase's step count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from crystal_grpo.jsonl import atomic_write_text, read_jsonl
+from crystal_grpo.train.layout import samples_file
+from crystal_grpo.train.summary import read_phases
+from crystal_grpo.train.tools.sweep import Sweep
+from crystal_grpo.train.tools.sweep_report import paired_on_eval
+
+COLLAPSE_ARMS = ("answer_only", "shuffled_control", "cpr", "cpr_no_pcgrad", "cpr_curriculum")
+CURRICULUM_PAIR = ("cpr", "cpr_curriculum")
+CONTROL = "shuffled_control"
+
+
+def _done(sweep: Sweep) -> dict[str, list[Path]]:
+    """Arm -> the run folders of its finished seeds."""
+    out: dict[str, list[Path]] = defaultdict(list)
+    for p in sweep.points:
+        folder = sweep.output_dir / p.name
+        if (folder / "summary.json").is_file():
+            out[p.arm].append(folder)
+    return out
+
+
+def train_curve(run: Path, suffix: str) -> dict[int, float]:
+    """Global step -> the training log's ``suffix`` (``<reward>/<suffix>`` or ``suffix``)."""
+    out = {}
+    for phase in read_phases(run):
+        for r in phase.train:
+            key = next((k for k in r if k == suffix or k.endswith("/" + suffix)), None)
+            if key is not None and isinstance(r[key], (int, float)) and math.isfinite(r[key]):
+                out[phase.offset + r["step"]] = float(r[key])
+    return out
+
+
+def mean_curve(curves: list[dict[int, float]], window: int = 1) -> tuple[list[int], list[float]]:
+    """The steps every curve has, and the mean over curves (a trailing moving average of ``window``)."""
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    means = [sum(c[s] for c in curves) / len(curves) for s in steps]
+    smooth = [sum(means[max(0, i - window + 1):i + 1]) / len(means[max(0, i - window + 1):i + 1])
+              for i in range(len(means))]
+    return steps, smooth
+
+
+def accuracy_by_k(run: Path) -> dict[int, dict[str, float]]:
+    """Global validation step -> difficulty -> sampled accuracy, from validation's per-row records."""
+    out: dict[int, dict[str, float]] = {}
+    for phase in read_phases(run):
+        for v in phase.validation:
+            path = phase.folder / samples_file(v["step"])
+            by: dict[str, list[float]] = defaultdict(list)
+            for row in read_jsonl(path):
+                if row.get("difficulty") is not None:
+                    by[str(row["difficulty"])].append(row["correct"])
+            if by:  # (a later phase's step 0 is its start: the step before it keeps the one measured there)
+                out.setdefault(phase.offset + v["step"], {k: sum(xs) / len(xs) for k, xs in by.items()})
+    return out
+
+
+def _pcgrad_runs(done: dict[str, list[Path]]) -> dict[str, list[Path]]:
+    return {arm: runs for arm, runs in done.items() if any(train_curve(r, "pcgrad/cosine") for r in runs)}
+
+
+def figures(sweep: Sweep) -> list[Path]:
+    """Draw the three figures into the sweep folder; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done, out = _done(sweep), []
+    colors = {arm: plt.get_cmap("tab10")(i % 10) for i, arm in enumerate(done)}
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, (key, title) in zip(axes, (("steps_mean", "steps written"), ("f1", "step Match F1"))):
+        for arm in COLLAPSE_ARMS:
+            curves = [c for c in (train_curve(r, key) for r in done.get(arm, [])) if c]
+            if curves:
+                ax.plot(*mean_curve(curves, window=5), color=colors[arm], label=f"{arm} ({len(curves)})")
+        ax.set_title(f"training: {title} (mean over seeds, 5-step average)")
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    out.append(_save(fig, sweep.output_dir / "collapse.png"))
+
+    pc = _pcgrad_runs(done)
+    if pc:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        for arm, runs in pc.items():
+            for ax, key, window in ((axes[0], "pcgrad/cosine", 5), (axes[1], "pcgrad/conflict", 10)):
+                curves = [c for c in (train_curve(r, key) for r in runs) if c]
+                if curves:
+                    ax.plot(*mean_curve(curves, window), color=colors[arm], label=f"{arm} ({len(curves)})")
+        axes[0].axhline(0, color="grey", lw=0.8)
+        axes[0].set_title("cos(g_accuracy, g_reasoning)")
+        axes[1].set_title("share of updates projected (conflict)")
+        for ax in axes:
+            ax.set_xlabel("GRPO step")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        out.append(_save(fig, sweep.output_dir / "pcgrad.png"))
+
+    pair = [arm for arm in CURRICULUM_PAIR if done.get(arm)]
+    if pair:
+        fig, axes = plt.subplots(1, len(pair), figsize=(5 * len(pair), 3.6), squeeze=False)
+        for ax, arm in zip(axes[0], pair):
+            runs = [accuracy_by_k(r) for r in done[arm]]
+            steps = sorted(set.intersection(*(set(r) for r in runs)))
+            ks = sorted({k for r in runs for s in steps for k in r[s]}, key=int)
+            for k in ks:
+                ax.plot(steps, [sum(r[s].get(k, math.nan) for r in runs) / len(runs) for s in steps], marker="o",
+                        ms=3, label=f"k = {k}")
+            ax.set_title(f"{arm}: held-out accuracy by step count")
+            ax.set_xlabel("GRPO step")
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        out.append(_save(fig, sweep.output_dir / "curriculum.png"))
+    return out
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def pcgrad_summary(sweep: Sweep) -> dict[str, dict[str, float]]:
+    """Per PCGrad arm: mean cosine, share of updates projected, mean projected fraction."""
+    out = {}
+    for arm, runs in _pcgrad_runs(_done(sweep)).items():
+        values: dict[str, list[float]] = defaultdict(list)
+        for r in runs:
+            for key in ("cosine", "conflict", "projected_fraction"):
+                values[key] += list(train_curve(r, f"pcgrad/{key}").values())
+        out[arm] = {k: sum(v) / len(v) for k, v in values.items() if v} | {"updates": len(values["cosine"])}
+    return out
+
+
+def vs_control(sweep: Sweep) -> dict[str, Any] | None:
+    """Every arm against the control on the evaluation rows (paired, seeds then rows)."""
+    arms = list(dict.fromkeys(p.arm for p in sweep.points))
+    if CONTROL not in arms:
+        return None
+    return paired_on_eval(sweep, [CONTROL, *[a for a in arms if a != CONTROL]])
+
+
+def markdown(sweep: Sweep) -> str:
+    lines = [f"# {sweep.name}: against the control, PCGrad", ""]
+    paired = vs_control(sweep)
+    if paired:
+        lines += [f"Every arm minus `{CONTROL}` on {paired['rows']} evaluation rows (mean over seeds; 95% interval "
+                  "resampling seeds, then rows):", "",
+                  "| arm | seeds | accuracy | diff [95% CI] | Match F1 | diff [95% CI] |", "|---|---|---|---|---|---|"]
+        for arm, m in paired["arms"].items():
+            if arm == CONTROL:
+                continue
+            a, f = m["accuracy"], m["f1"]
+            lines.append(f"| {arm} | {a['seeds']} | {a['mean']:.3f} | {a['diff']:+.3f} [{a['ci_low']:+.3f}, "
+                         f"{a['ci_high']:+.3f}] | {f['mean']:.3f} | {f['diff']:+.3f} [{f['ci_low']:+.3f}, "
+                         f"{f['ci_high']:+.3f}] |")
+        lines.append("")
+    pc = pcgrad_summary(sweep)
+    if pc:
+        lines += ["| PCGrad arm | updates | mean cosine | share projected | mean projected fraction |",
+                  "|---|---|---|---|---|"]
+        for arm, s in pc.items():
+            lines.append(f"| {arm} | {s['updates']} | {s.get('cosine', math.nan):+.3f} | "
+                         f"{s.get('conflict', math.nan):.3f} | {s.get('projected_fraction', math.nan):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from crystal_grpo.train.tools.sweep import load_sweep
+
+    ap = argparse.ArgumentParser(description="Figures of a reward ablation: collapse, PCGrad, curriculum, control.")
+    ap.add_argument("sweep", help="the sweep YAML (e.g. configs/sweeps/organism_ablation.yaml)")
+    ap.add_argument("--output_dir", help="the sweep folder (default: the sweep's)")
+    a = ap.parse_args(argv)
+    sweep = load_sweep(a.sweep, a.output_dir, resolve_init=False)
+    text = markdown(sweep)
+    atomic_write_text(sweep.output_dir / "vs_control.md", text)
+    paths = figures(sweep)
+    atomic_write_text(sweep.output_dir / "pcgrad_summary.json", json.dumps(pcgrad_summary(sweep), indent=2))
+    print(text + "".join(f"\nplot: {p}" for p in paths))
+    return 0
