@@ -75,6 +75,25 @@ class StabilitySection:
 
 
 @dataclass
+class AlarmSection:
+    """Alarms on the training log (``alarms:`` in a run config; train/alarms.py); a bound of None
+    turns one off."""
+
+    max_truncated: Union[float, None] = option(
+        0.5, "Share of completions cut off at max_completion_length above which to warn (their rewards are "
+        "mostly the malformed ones).", ge=0, le=1)
+    min_steps: Union[float, None] = option(
+        3.0, "Mean reasoning steps written below which to warn (the authors' floor; only where the reward "
+        "scores steps).", ge=0)
+    min_recall: Union[float, None] = option(
+        0.25, "Step recall below which to warn (the authors' floor; only where the reward scores steps).", ge=0, le=1)
+    zero_std_steps: Union[int, None] = option(
+        20, "Warn after this many consecutive steps whose rewards have zero std (no advantage anywhere).", ge=1)
+    window: int = option(10, "Steps averaged before the steps/recall/truncation bounds are judged.", ge=1)
+    stop_on_alarm: bool = option(False, "Save and stop the run when an alarm fires.")
+
+
+@dataclass
 class RewardSection:
     """The reward (``reward:``): its name and the fields of its config class as ``params``."""
 
@@ -128,6 +147,8 @@ class RunConfig:
                                            "(train/callbacks.py).")
     stability: StabilitySection = option(default_factory=StabilitySection, help="Non-finite updates "
                                          "(train/trainer.py).")
+    alarms: AlarmSection = option(default_factory=AlarmSection, help="Warnings when the training signal goes bad: "
+                                  "truncation, steps or recall collapsing, zero reward std (train/alarms.py).")
     training: dict[str, Any] = option(default_factory=dict, help="Any field of trl.GRPOConfig (which extends "
                                       "transformers.TrainingArguments).")
     phases: list[PhaseSection] = option(default_factory=list, help="Empty: one phase.")

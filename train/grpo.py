@@ -195,6 +195,12 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     output_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no phase folder
     trainer = make_trainer(cfg, args, model, processing_class, module, train.dataset,
                            val.dataset if val is not None and args.eval_strategy != "no" else None)
+    if cfg.trainer == "grpo":  # before the metrics file: its alarm/* values join the same row
+        from crystal_grpo.train.alarms import AlarmCallback
+
+        alarms = AlarmCallback(cfg.alarms, say)
+        alarms.replay(read_jsonl(output_dir / METRICS_LOG) if checkpoint else [])
+        trainer.add_callback(alarms)
     trainer.add_callback(MetricsJsonlCallback(output_dir))
     if val is not None:
         trainer.add_callback(ValidationCallback(trainer, val.dataset, cfg.validation, output_dir, module))
