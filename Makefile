@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 
 PYTEST := -m pytest -q -p no:cacheprovider
 
-.PHONY: setup test test-latest lock latest-venv demo bench clean
+.PHONY: setup test test-latest lock latest-venv demo demo-smollm2 bench clean
 
 # The lock constrains every distribution, pip and the build backend included (PIP_CONSTRAINT
 # reaches pip's isolated build environment too). torch is pinned by version only, so a CPU
@@ -36,6 +36,9 @@ test: setup
 
 demo: setup
 	$(PY) scripts/demo.py
+
+demo-smollm2: setup
+	$(PY) scripts/demo.py --smollm2
 
 bench: setup
 	$(PY) scripts/bench_scorer.py

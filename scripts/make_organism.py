@@ -1,0 +1,17 @@
+#!/usr/bin/env python
+"""Build the model organism: the task's data splits and a from-scratch policy.
+
+    python scripts/make_organism.py                          # .cache/organism/{data,model}
+    python scripts/make_organism.py --error_rate 0.3         # demonstrations with slips (data/sft.jsonl)
+    python scripts/make_organism.py --help                   # every knob
+
+The logic lives in crystal_grpo.train.tools.organism (the task) and
+crystal_grpo.train.tools.organism_model (tokenizer and policy).
+"""
+
+import sys
+
+from crystal_grpo.train.tools.organism_model import main
+
+if __name__ == "__main__":
+    sys.exit(main())
