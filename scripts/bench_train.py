@@ -2,7 +2,7 @@
 """Benchmark GRPO training: this framework against plain TRL, LoRA against full fine-tuning,
 DeepSpeed ZeRO-3 against one process (one table, every ratio measured in the same run).
 
-    python scripts/bench_train.py [--model tiny|mid|PATH] [--device cpu|cuda]
+    python scripts/bench_train.py [--model tiny|organism|mid|PATH] [--device cpu|cuda]
         [--settings trl-full,plain-full-answer,plain-full,plain-full-pcgrad,...] [--rounds 2]
         [--steps 5] [--warmup 2] [--batch 8] [--completion_length 128] [--learning_rate 0]
         [--encoder packaged:all-MiniLM-L6-v2] [--dtype bfloat16|float32] [--threads N]
@@ -22,7 +22,9 @@ completions and the ratios compare equal work (ratios are per generated token an
 B C A, ...), so that a machine's load drift and any first-run effect fall on all of them
 alike; ratios pair runs of the same round.
 
-Models: ``tiny`` is the tests' tiny Qwen2 (built if missing); ``mid`` a Qwen2.5-0.5B-shaped
+Models: ``tiny`` is the tests' tiny Qwen2 (built if missing); ``organism`` the model
+organism's warm start on its own task and config (docs/organism.md; exact step matching);
+``mid`` a Qwen2.5-0.5B-shaped
 Qwen2 (about 360M parameters, random weights warmed up on the JSON format, built on the
 first use: ``scripts/make_tiny_models.py build_mid_lm``); or any model folder.
 
@@ -40,6 +42,7 @@ Columns (medians over the measured steps of a run, then over rounds):
   gen/default  a ``-static`` / ``-cb`` setting's per-token step s over the same setting with
              default generation (the inverse of the tokens-per-second ratio);
   peak GiB   CUDA max_memory_allocated (not measured on CPU);
+  gen s      time in generation (TRL's ``transformers.generate`` block), part of step s;
   score s, share   the reward's ``scoring_seconds`` (parsing, answers, embedding, matching)
              and its share of step s; format, steps: format rate and mean predicted steps.
 """
@@ -63,7 +66,14 @@ DEFAULT_SETTINGS = "trl-full,plain-full-answer,plain-full,plain-full-pcgrad,trl-
 
 
 def build_model(name: str) -> str:
-    """Path of ``tiny`` / ``mid`` (built on first use) or the folder given."""
+    """Path of ``tiny`` / ``mid`` (built on first use), the organism's warm start (its data
+    written on first use) or the folder given."""
+    if name == "organism":
+        from crystal_grpo.train.tools.organism import Layout, write_splits
+
+        if not (REPO_ROOT / ".cache/organism/data/train.jsonl").exists():
+            write_splits(Layout(), REPO_ROOT / ".cache/organism/data")
+        return str(REPO_ROOT / "data/organism/warm_start")
     if name not in ("tiny", "mid"):
         return name
     import make_tiny_models as mk  # a sibling: scripts/ is sys.path[0] when this file runs
@@ -98,6 +108,10 @@ def main() -> None:
     if a.threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(a.threads)
     model = build_model(a.model)
+    # the organism runs its own config (data, prompt, validation off) and matches steps exactly
+    a.config = "organism.yaml" if a.model == "organism" else "tiny.yaml"
+    if a.model == "organism" and a.encoder == ap.get_default("encoder"):
+        a.encoder = "exact"
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {platform.machine()})"
     settings = a.settings.split(",")
     print(f"GRPO steps on {device}, {time.strftime('%Y-%m-%d')}: model {Path(model).name}, {a.dtype}, "

@@ -392,12 +392,13 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
         prev = pdir
     if _main_process():
         atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2))  # last: the run is finished
+        from crystal_grpo.train.summary import write_summary
+
+        say(f"\nthe run{', phase by phase' if cfg.phases else ''} (validation before -> after; "
+            f"{run_dir / RUN_SUMMARY}):\n" + write_summary(run_dir))
         if cfg.phases:
             from crystal_grpo.train.plot import plot_run
-            from crystal_grpo.train.summary import write_summary
 
-            say(f"\nthe run, phase by phase (validation before -> after; {run_dir / RUN_SUMMARY}):\n"
-                + write_summary(run_dir))
             say(f"curves of all phases: {plot_run(run_dir)}")
     return summary
 

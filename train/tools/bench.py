@@ -13,6 +13,7 @@ A setting names one run: ``<launcher>-<weights>[-<reward>][-pcgrad][-<generation
   batching); without it, ``generate`` with the dynamic KV cache.
 
 Every run is ``python -m crystal_grpo.train.tools.bench ENTRY --config tiny.yaml <overrides>``
+(``organism.yaml`` for the model organism)
 with the same overrides, so model, data, batch, generation length, seed and every
 GRPOConfig value are identical: the baseline builds its GRPOConfig, dataset, model and
 LoRA config with the very functions ``train/grpo.py`` uses, only the trainer and the
@@ -39,6 +40,8 @@ from crystal_grpo.train.layout import METRICS_LOG
 
 GENERATIONS = 8
 CLOCK_FILE = "step_clock.json"
+#: TRL's profiling blocks (``profiling_context(trainer, name)``) that are generation itself.
+GENERATION_BLOCKS = ("transformers.generate", "transformers.generate_batch", "vLLM.generate")
 LORA = "{r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}"
 
 
@@ -103,7 +106,7 @@ def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool)
     device = "cuda" if cuda else "cpu"
     reward = {"cpr": "cpr", "answer": "answer_only", "trivial": "cpr"}[s.reward]  # trl: config only, never built
     args = [
-        "--config", "tiny.yaml", "--output_dir", str(out),
+        "--config", a.config, "--output_dir", str(out),
         "--model.name_or_path", model, "--model.dtype", a.dtype,
         "--data.validation", "null", "--data.validation_fraction", "0", "--data.max_train_samples", "null",
         "--reward.name", reward, "--reward.params", json.dumps({"encoder": a.encoder, "device": device}),
@@ -123,24 +126,45 @@ def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool)
 
 
 class StepClock(TrainerCallback):
-    """Wall and process CPU time between consecutive step ends (``step_clock.json``). CPU time
-    (all threads) is the work done, which on a loaded machine varies less than wall time."""
+    """Wall and process CPU time between consecutive step ends, and the time in generation
+    (``step_clock.json``). CPU time (all threads) is the work done, which on a loaded machine
+    varies less than wall time. Generation is timed by TRL's own profiling contexts
+    (``transformers.generate``, ``vLLM.generate``, ...), which TRL hands only to experiment
+    trackers: their ``_log_metrics`` is wrapped for the run."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / CLOCK_FILE
         self.ends: list[tuple[float, float]] = []
+        self.gen: list[float] = []
+        self._pending = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.ends = [(time.perf_counter(), time.process_time())]
+        from trl.extras.profiling import ProfilingContext
+
+        self.ends, self.gen, self._pending = [(time.perf_counter(), time.process_time())], [], 0.0
+        original = self._original = ProfilingContext._log_metrics
+        clock = self
+
+        def log_metrics(ctx, duration: float) -> None:
+            if ctx.name.split(".", 1)[-1] in GENERATION_BLOCKS:
+                clock._pending += duration
+            original(ctx, duration)
+
+        ProfilingContext._log_metrics = log_metrics
 
     def on_step_end(self, args, state, control, **kwargs):
         self.ends.append((time.perf_counter(), time.process_time()))
+        self.gen.append(self._pending)
+        self._pending = 0.0
 
     def on_train_end(self, args, state, control, **kwargs):
+        from trl.extras.profiling import ProfilingContext
+
+        ProfilingContext._log_metrics = self._original
         if state.is_world_process_zero:
             pairs = list(zip(self.ends, self.ends[1:]))
             self.path.write_text(json.dumps({"wall": [b[0] - a[0] for a, b in pairs],
-                                             "cpu": [b[1] - a[1] for a, b in pairs]}))
+                                             "cpu": [b[1] - a[1] for a, b in pairs], "gen": self.gen}))
 
 
 def trivial_reward(completions, **kwargs) -> list[float]:
@@ -203,10 +227,11 @@ def summarise(out: Path, warmup: int) -> dict[str, float]:
     prefix = score.removesuffix("scoring_seconds")
     peak = [r["memory/max_allocated_gb"] for r in rows if "memory/max_allocated_gb" in r]
     clock = json.loads((out / CLOCK_FILE).read_text()) if (out / CLOCK_FILE).exists() else {}
-    wall, cpu = (clock.get(k, [])[warmup:] for k in ("wall", "cpu"))
+    wall, cpu, gen = (clock.get(k, [])[warmup:] for k in ("wall", "cpu", "gen"))
     net = [r["step_time"] - r.get(score, 0.0) for r in steps]  # the step without the reward's scoring
     return {"step": med("step_time"), "net": statistics.median(net),
             "wall": statistics.median(wall) if wall else math.nan, "cpu": statistics.median(cpu) if cpu else math.nan,
+            "gen": statistics.median(gen) if gen else math.nan,
             "tokens": med("completions/mean_length"), "score": med(score), "format": med(prefix + "format_rate"),
             "steps": med(prefix + "steps_mean"), "peak": max(peak, default=math.nan)}
 
@@ -228,7 +253,7 @@ def table(results: dict[str, list[dict]]) -> str:
 
     head = (f"{'setting':<24}{'step s':>8}{'spread':>8}{'wall s':>8}{'tokens':>8}{'step/trl':>18}"
             f"{'net/trl':>18}{'wall/trl':>18}{'cpu/trl':>18}{'lora/full':>18}{'gen/default':>18}{'peak GiB':>9}"
-            f"{'score s':>9}{'share':>7}{'format':>7}{'steps':>6}")
+            f"{'gen s':>7}{'score s':>9}{'share':>7}{'format':>7}{'steps':>6}")
     lines = [head, "-" * len(head)]
     for name, runs in results.items():
         s = Setting.parse(name)
@@ -243,7 +268,7 @@ def table(results: dict[str, list[dict]]) -> str:
             f"{fmt_ratio(ratio(results, name, s.baseline, 'net')):>18}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'wall')):>18}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'cpu')):>18}{fmt_ratio(lora_vs):>18}{fmt_ratio(gen_vs):>18}"
-            f"{med('peak'):>9.2f}{med('score'):>9.3f}{med('score') / med('step'):>7.1%}{med('format'):>7.2f}"
+            f"{med('peak'):>9.2f}{med('gen'):>7.3f}{med('score'):>9.3f}{med('score') / med('step'):>7.1%}{med('format'):>7.2f}"
             f"{med('steps'):>6.1f}")
     return "\n".join(lines)
 
