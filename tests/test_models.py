@@ -343,7 +343,7 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     from crystal_grpo.train.config import load_config
 
     a = argparse.Namespace(dtype="bfloat16", encoder="packaged:all-MiniLM-L6-v2", warmup=1, steps=2,
-                           batch=16, completion_length=64, learning_rate=0.0, seed=7)
+                           batch=16, completion_length=64, learning_rate=0.0, seed=7, config="tiny.yaml")
     names = ("trl-full", "trl-lora", "plain-full", "plain-lora", "plain-full-answer", "plain-full-pcgrad",
              "zero3-full", "zero3-lora", "zero3-full-pcgrad", "zero3-lora-answer-pcgrad", "plain-lora-unmerged",
              "trl-full-static", "plain-full-static", "trl-lora-cb", "plain-lora-answer-pcgrad-cb")
@@ -356,7 +356,8 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
         for flag in ("--config", "--output_dir"):  # the entry's own arguments, not config keys
             i = overrides.index(flag)
             del overrides[i:i + 2]
-        cfg, _ = load_config("tiny.yaml", overrides)
+        assert cmd[cmd.index("--config") + 1] == a.config
+        cfg, _ = load_config(a.config, overrides)
         configs[setting] = cfg
         assert cfg.model.name_or_path == "some/model" and cfg.training["max_steps"] == 3
         assert cfg.training["learning_rate"] == 0 and cfg.training["seed"] == 7
@@ -374,6 +375,14 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     assert configs["trl-lora"].model == configs["plain-lora"].model
     assert configs["trl-full-static"].training == configs["plain-full-static"].training
     assert bench.Setting.parse("plain-lora-answer-cb").baseline == "trl-lora-cb"
+    # --model organism: the organism's own config (its data and prompt), exact step matching
+    org = argparse.Namespace(**{**vars(a), "config": "organism.yaml", "encoder": "exact"})
+    cmd = bench.command("plain-full", "data/organism/warm_start", tmp_path / "org", org, cuda)
+    overrides = cmd[cmd.index("crystal_grpo.train.tools.bench") + 2:]
+    assert overrides[:2] == ["--config", "organism.yaml"]
+    cfg, _ = load_config("organism.yaml", overrides[4:])
+    assert cfg.data.system_prompt == "Reply in JSON." and cfg.reward.params["encoder"] == "exact"
+    assert cfg.data.train.endswith("organism/data/train.jsonl") and cfg.training["max_steps"] == 3
     for bad in ("zero2-full", "trl-full-pcgrad", "plain-full-pcgrad-answer", "plain", "trl-lora-unmerged",
                 "plain-full-unmerged", "plain-full-static-pcgrad", "trl-full-cb-static"):
         with pytest.raises(SystemExit, match="allowed are"):
