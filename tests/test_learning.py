@@ -95,6 +95,32 @@ def test_cpr_with_pcgrad_raises_accuracy_and_step_match_f1(tmp_path, organism_da
     assert len(cosines) == STEPS and sum(cosines) / STEPS > 0  # PCGrad acted on every step
 
 
+#: Answer-only's terms on the accuracy objective and a reasoning term that pays wrong answers on half
+#: the questions (tests/organism_conflict.py): the two gradients conflict by construction.
+CONFLICT = ("[{fn: 'crystal:accuracy', weight: 1.0, objective: accuracy}, "
+            "{fn: 'crystal:format', weight: 0.1, objective: accuracy}, "
+            f"{{fn: '{Path(__file__).with_name('organism_conflict.py')}:wrong_on_odd', weight: 1.5, objective: reasoning}}]")
+
+
+def test_pcgrad_projects_a_constructed_conflict_and_accuracy_still_rises(tmp_path, organism_data):
+    """With PCGrad the conflicting gradients are projected (measured, 2 seeds: in 85-93% of the
+    steps, cosine -0.64 to -0.73 on average) and accuracy rises (0.35 -> 0.48-0.49)."""
+    before, after, run = sampled_accuracy(tmp_path, organism_data, "--reward.name", "composed",
+                                          "--reward.components", CONFLICT, "--pcgrad", "true")
+    logs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    conflict = [x["pcgrad/conflict"] for x in logs if "pcgrad/conflict" in x]
+    assert len(conflict) == STEPS and sum(conflict) / STEPS > 0.5, "the constructed reward must conflict"
+    assert learned(before, after), f"sampled held-out accuracy {before:.3f} -> {after:.3f}: no rise of {MARGIN}"
+
+
+def test_control_the_constructed_conflict_summed_fails_the_check(tmp_path, organism_data):
+    """The same reward without PCGrad: summed, the conflict pulls accuracy down (measured
+    0.35 -> 0.25 and 0.18, 2 seeds), so PCGrad's rise above is its projection's doing."""
+    before, after, _ = sampled_accuracy(tmp_path, organism_data, "--reward.name", "composed",
+                                        "--reward.components", CONFLICT)
+    assert not learned(before, after) and after < before
+
+
 def test_control_the_reward_with_its_sign_flipped_fails_the_check(tmp_path, organism_data):
     before, after, _ = sampled_accuracy(tmp_path, organism_data, "--reward.params.accuracy_weight", "-1",
                                         "--reward.params.format_weight", "-0.1",
