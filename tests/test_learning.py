@@ -60,6 +60,12 @@ def sampled_accuracy(tmp_path: Path, data: Path, *overrides: str, steps: int = S
     return first["accuracy"], last["accuracy"], run
 
 
+def logged(run: Path, key: str) -> list[float]:
+    """``key`` of every training step that logged it (metrics.jsonl)."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]
+
+
 def learned(before: float, after: float) -> bool:
     """The check itself."""
     return after - before >= MARGIN
@@ -76,8 +82,7 @@ def test_answer_only_grpo_raises_held_out_accuracy(tmp_path, organism_data):
     # The rollouts come from the policy being trained: their accuracy rises with it (steps 1-10
     # against 51-60: +0.25 to +0.40 measured); rollouts drawn from other weights (a stale copy or
     # the reference model generating) would not.
-    logs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    rollouts = [x["answer_only/accuracy"] for x in logs if "answer_only/accuracy" in x]
+    rollouts = logged(run, "answer_only/accuracy")
     assert len(rollouts) == STEPS
     first, last = sum(rollouts[:10]) / 10, sum(rollouts[-10:]) / 10
     assert learned(first, last), f"rollout accuracy {first:.3f} (steps 1-10) -> {last:.3f} (last 10)"
@@ -90,8 +95,7 @@ def test_cpr_with_pcgrad_raises_accuracy_and_step_match_f1(tmp_path, organism_da
     first, last, run = validations(tmp_path, organism_data, "--reward.name", "cpr", "--pcgrad", "true")
     assert learned(first["accuracy"], last["accuracy"]), (first, last)
     assert learned(first["f1"], last["f1"]), (first, last)
-    logs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    cosines = [x["pcgrad/cosine"] for x in logs if "pcgrad/cosine" in x]
+    cosines = logged(run, "pcgrad/cosine")
     assert len(cosines) == STEPS and sum(cosines) / STEPS > 0  # PCGrad acted on every step
 
 
@@ -107,8 +111,7 @@ def test_pcgrad_projects_a_constructed_conflict_and_accuracy_still_rises(tmp_pat
     steps, cosine -0.64 to -0.73 on average) and accuracy rises (0.35 -> 0.48-0.49)."""
     before, after, run = sampled_accuracy(tmp_path, organism_data, "--reward.name", "composed",
                                           "--reward.components", CONFLICT, "--pcgrad", "true")
-    logs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    conflict = [x["pcgrad/conflict"] for x in logs if "pcgrad/conflict" in x]
+    conflict = logged(run, "pcgrad/conflict")
     assert len(conflict) == STEPS and sum(conflict) / STEPS > 0.5, "the constructed reward must conflict"
     assert learned(before, after), f"sampled held-out accuracy {before:.3f} -> {after:.3f}: no rise of {MARGIN}"
 
