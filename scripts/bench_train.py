@@ -70,10 +70,12 @@ def build_model(name: str) -> str:
     written on first use) or the folder given."""
     if name == "organism":
         from crystal_grpo.train.tools.organism import Layout, write_splits
+        from crystal_grpo.train.tools.organism_model import DEFAULT_DIR, WARM_START_DIR
 
-        if not (REPO_ROOT / ".cache/organism/data/train.jsonl").exists():
-            write_splits(Layout(), REPO_ROOT / ".cache/organism/data")
-        return str(REPO_ROOT / "data/organism/warm_start")
+        data = REPO_ROOT / DEFAULT_DIR / "data"
+        if not (data / "train.jsonl").exists():
+            write_splits(Layout(), data)
+        return str(REPO_ROOT / WARM_START_DIR)
     if name not in ("tiny", "mid"):
         return name
     import make_tiny_models as mk  # a sibling: scripts/ is sys.path[0] when this file runs
