@@ -225,3 +225,24 @@ def test_check_prints_the_memory_per_gpu_and_warns_when_a_phase_cannot_fit(repo_
     warnings = [line for line in at40 if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: cpr: predicted ")
     assert "does not fit in 36.0 GiB (90% of 40.0)" in warnings[0] and "ZeRO-3 on 8 GPUs" in warnings[0]
+
+
+def test_the_warning_names_what_would_fit():
+    """Without gradient checkpointing the paper's CPR phase needs 98 GiB on each of 4 GPUs: a
+    smaller per-device batch fits, with a group TRL accepts (it divides the 24 completions of a
+    step), and so does checkpointing. Optimizer offload is offered where it fits (the answer-only
+    phase on one GPU), never with PCGrad, which refuses it (the CPR phase on two GPUs would fit)."""
+    from crystal_grpo.train.config import load_config
+
+    cfg, _ = load_config("cpr_curriculum", ["--model.gradient_checkpointing", "false"])
+    lines = capacity.check_lines(cfg, "zero3_1x4.yaml", gpu_memory=80)
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert [w.split(":")[1] for w in warnings] == [" answer_only", " cpr"]
+    assert warnings[1].endswith("it would with: per_device_train_batch_size 3 with num_generations 4; gradient "
+                                "checkpointing; LoRA (model.lora)")
+    paper, _ = load_config("cpr_curriculum")
+    one_gpu = [line for line in capacity.check_lines(paper, "zero3_1x1.yaml", gpu_memory=80) if "warning:" in line]
+    assert "ZeRO-3 optimizer offload to CPU" in one_gpu[0]
+    two_gpus = [line for line in capacity.check_lines(paper, "zero3_1x4.yaml", gpus=2, gpu_memory=80)
+                if "warning:" in line]
+    assert two_gpus == [two_gpus[0]] and two_gpus[0].startswith("warning: cpr:") and "offload" not in two_gpus[0]

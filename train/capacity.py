@@ -444,6 +444,7 @@ class Workload:
 
     micro_batch: int                 # sequences per forward/backward (per_device_train_batch_size)
     generation_batch: int = 0        # sequences generated at once (x steps_per_generation); 0: no generation
+    num_generations: int = 0         # completions per prompt (TRL: divides the global generation batch)
     prompt_tokens: int = PROMPT_TEXT_TOKENS  # text + image tokens of one prompt
     completion_tokens: int = 512     # generated (GRPO) or target (SFT) tokens
     images: int = 0                  # images per sequence
@@ -640,7 +641,8 @@ def workload(cfg, sizes: ModelSizes, gpus: int) -> Workload:
     steps = tr["steps_per_generation"] or int(tr["gradient_accumulation_steps"])
     gen = int(tr["generation_batch_size"]) // gpus if tr["generation_batch_size"] else per_device * int(steps)
     vllm = float(tr["vllm_gpu_memory_utilization"]) if tr["use_vllm"] and tr["vllm_mode"] == "colocate" else 0.0
-    return Workload(**common, generation_batch=gen, completion_tokens=int(tr["max_completion_length"]),
+    return Workload(**common, generation_batch=gen, num_generations=int(tr["num_generations"] or 0),
+                    completion_tokens=int(tr["max_completion_length"]),
                     reference=float(tr.get("beta", PaperRecipe.beta)) > 0, pcgrad=bool(cfg.pcgrad),
                     gather_for_generation=bool(tr["ds3_gather_for_generation"]), vllm_share=vllm)
 
@@ -691,8 +693,9 @@ def remedies(sizes: ModelSizes, launch: Launch, work: Workload, gpu_bytes: float
         out.append("ZeRO-3 optimizer offload to CPU")
     for b in range(work.micro_batch - 1, 0, -1):
         smaller = replace(work, micro_batch=b, generation_batch=work.generation_batch * b // work.micro_batch)
-        if ok(launch, smaller):
-            out.append(f"per_device_train_batch_size {b}")
+        group = _group(smaller, launch.gpus)
+        if group is not None and ok(launch, smaller):
+            out.append(f"per_device_train_batch_size {b}{group}")
             break
     if not work.checkpointing and ok(launch, replace(work, checkpointing=True)):
         out.append("gradient checkpointing")
@@ -700,6 +703,17 @@ def remedies(sizes: ModelSizes, launch: Launch, work: Workload, gpu_bytes: float
     if not work.lora_r and ok(launch, replace(work, lora_r=lora.r, lora_dropout=lora.dropout)):
         out.append("LoRA (model.lora)")
     return out
+
+
+def _group(work: Workload, gpus: int) -> Union[str, None]:
+    """`` with num_generations g`` when TRL needs a smaller group for this batch (the global
+    generation batch must be a multiple of it, g >= 2), "" when the group can stay, None when no
+    group fits."""
+    total, g = work.generation_batch * gpus, work.num_generations
+    if not g or not total or total % g == 0:
+        return ""
+    smaller = [d for d in range(2, g) if total % d == 0]
+    return f" with num_generations {smaller[-1]}" if smaller else None
 
 
 def check_lines(cfg, accelerate_config: Union[str, None] = None, gpus: Union[int, None] = None,
