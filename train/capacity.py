@@ -660,22 +660,23 @@ def gpu_memory_bytes(option_gib: Union[float, None]) -> tuple[float, str]:
     return DEFAULT_GPU_GIB * GIB, f"{DEFAULT_GPU_GIB:g} GiB (assumed; --gpu_memory GIB to change)"
 
 
-def _gib(n: float) -> str:
+def in_gib(n: float) -> str:
+    """Bytes as GiB, one decimal."""
     return f"{n / GIB:.1f}"
 
 
 def describe(memory: Memory, usable: float) -> str:
     """``41.2 GiB = model states 18.1 + ... ; fits`` (GiB)."""
-    parts = [f"model states {_gib(memory.model_states)}"]
-    parts += [f"reference model {_gib(memory.reference)}"] if memory.reference else []
-    parts += [f"PCGrad buffers {_gib(memory.pcgrad)}"] if memory.pcgrad else []
-    parts += [f"vLLM {_gib(memory.vllm)}"] if memory.vllm else []
-    peak = [f"generation {_gib(memory.generation)}"] if memory.generation else []
-    peak += [f"activations {_gib(memory.activations)}"]
-    peak += [f"PCGrad update {_gib(memory.pcgrad_update)}"] if memory.pcgrad_update else []
+    parts = [f"model states {in_gib(memory.model_states)}"]
+    parts += [f"reference model {in_gib(memory.reference)}"] if memory.reference else []
+    parts += [f"PCGrad buffers {in_gib(memory.pcgrad)}"] if memory.pcgrad else []
+    parts += [f"vLLM {in_gib(memory.vllm)}"] if memory.vllm else []
+    peak = [f"generation {in_gib(memory.generation)}"] if memory.generation else []
+    peak += [f"activations {in_gib(memory.activations)}"]
+    peak += [f"PCGrad update {in_gib(memory.pcgrad_update)}"] if memory.pcgrad_update else []
     verdict = "fits" if memory.total <= usable else "does NOT fit"
-    return (f"{_gib(memory.total)} GiB = {' + '.join(parts)} + max({', '.join(peak)}); {verdict} in "
-            f"{_gib(usable)} usable")
+    return (f"{in_gib(memory.total)} GiB = {' + '.join(parts)} + max({', '.join(peak)}); {verdict} in "
+            f"{in_gib(usable)} usable")
 
 
 def remedies(sizes: ModelSizes, launch: Launch, work: Workload, gpu_bytes: float) -> list[str]:
@@ -744,7 +745,7 @@ def check_lines(cfg, accelerate_config: Union[str, None] = None, gpus: Union[int
         lines.append(f"  {name}: {describe(memory, usable)}")
         if not fits(memory, gpu_bytes):
             fix = remedies(sizes, launch, work, gpu_bytes)
-            warnings.append(f"warning: {name}: predicted {_gib(memory.total)} GiB per GPU does not fit in "
-                            f"{_gib(usable)} GiB ({USABLE:.0%} of {_gib(gpu_bytes)})"
+            warnings.append(f"warning: {name}: predicted {in_gib(memory.total)} GiB per GPU does not fit in "
+                            f"{in_gib(usable)} GiB ({USABLE:.0%} of {in_gib(gpu_bytes)})"
                             + (f"; it would with: {'; '.join(fix)}" if fix else "; no single change makes it fit"))
     return lines + warnings

@@ -22,7 +22,7 @@ from crystal_grpo.train.capacity import (
     ModelSizes,
     Workload,
     fits,
-    pcgrad_partitions,
+    in_gib,
     plan,
     remedies,
     sizes_from_config,
@@ -79,8 +79,12 @@ def meta_lora_params(model, r: int) -> int:
 def deepspeed_estimators():
     """DeepSpeed's own ZeRO-3 and ZeRO-2 model-state estimators (the functions behind
     ``estimate_zero3_model_states_mem_needs_all_cold``, which only prints)."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed logs its accelerator choice to stdout
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     return estimate_zero3_model_states_mem_needs, estimate_zero2_model_states_mem_needs
 
@@ -157,8 +161,7 @@ def step_time(sizes: ModelSizes, launch: Launch, work: Workload, hw: Hardware, a
     trained_vision = 0.0 if work.lora_r else vision
     backward = (lm + trained_vision) if work.lora_r else 2 * (lm + vision)
     recompute = (lm + trained_vision) if work.checkpointing else 0.0
-    rows = pcgrad_partitions()[0] if work.pcgrad else 1  # one backward pass per buffer row
-    passes = rows if (work.pcgrad and work.reference) else (2 if work.pcgrad else 1)
+    passes = 2 + work.reference if work.pcgrad else 1  # PCGrad: accuracy, reasoning, and the KL term's
     flops = accumulation * ((lm + vision) * (1 + work.reference) + passes * (backward + recompute))
     comm = 0.0
     if launch.zero_stage == 3 and launch.gpus > 1:
@@ -172,21 +175,18 @@ def step_time(sizes: ModelSizes, launch: Launch, work: Workload, hw: Hardware, a
 # --- the table -------------------------------------------------------------------------------
 def paper_workload(sizes: ModelSizes, config: str = "cpr_curriculum.yaml", phase: int = -1) -> tuple[Workload, int]:
     """The paper config's phase (default: the last, CPR with PCGrad) as one GPU's workload, and its
-    gradient accumulation steps."""
+    gradient accumulation steps. (The GPU count only matters for a config that sets the global
+    ``generation_batch_size``; the paper's does not.)"""
     cfg, _ = load_config(config)
     pcfg = phase_configs(cfg)[phase]
     return workload(pcfg, sizes, gpus=4), int(pcfg.training.get("gradient_accumulation_steps", 1))
 
 
-def lora_variant(work: Workload, sizes: ModelSizes) -> Workload:
+def lora_variant(work: Workload) -> Workload:
     """The same workload with the project's default LoRA (model.lora: r 16, all-linear, dropout 0.05)."""
     d = LoraSection()
-    return replace(work, lora_r=d.r, lora_dropout=d.dropout, lora_targets=d.target_modules, lora_merged=True,
-                   reference=work.reference)
-
-
-def _g(n: float) -> str:
-    return f"{n / GIB:.1f}"
+    return replace(work, lora_r=d.r, lora_dropout=d.dropout, lora_targets=d.target_modules,
+                   lora_merged=d.merge_for_generation)
 
 
 def table(sizes: ModelSizes, work: Workload, accumulation: int, estimators=None) -> list[str]:
@@ -195,7 +195,7 @@ def table(sizes: ModelSizes, work: Workload, accumulation: int, estimators=None)
     head = ("| weights | GPUs | GPU | model states | reference | PCGrad kept + update | generation (KV cache) "
             "| activations ckpt / none | total | fits? | step s (range) | generation share |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
-    for name, wk in (("LoRA r16", lora_variant(work, sizes)), ("full", work)):
+    for name, wk in (("LoRA r16", lora_variant(work)), ("full", work)):
         for gpus in (1, 2, 4, 8):
             launch = Launch(gpus=gpus, zero_stage=3, source="table")
             for hw in (A100_40, A100_80):
@@ -205,9 +205,9 @@ def table(sizes: ModelSizes, work: Workload, accumulation: int, estimators=None)
                 verdict = "yes" if ok else "no: " + ("; ".join(remedies(sizes, launch, wk, gpu_bytes)) or "-")
                 st = step_time(sizes, launch, wk, hw, accumulation)
                 rows.append(
-                    f"| {name} | {gpus} | {hw.name} | {_g(m.model_states)} | {_g(m.reference)} | "
-                    f"{_g(m.pcgrad)} + {_g(m.pcgrad_update)} | {_g(m.generation)} ({_g(m.kv_cache)}) | "
-                    f"{_g(m.activations_ckpt)} / {_g(m.activations_full)} | {_g(m.total)} | {verdict} | "
+                    f"| {name} | {gpus} | {hw.name} | {in_gib(m.model_states)} | {in_gib(m.reference)} | "
+                    f"{in_gib(m.pcgrad)} + {in_gib(m.pcgrad_update)} | {in_gib(m.generation)} ({in_gib(m.kv_cache)}) | "
+                    f"{in_gib(m.activations_ckpt)} / {in_gib(m.activations_full)} | {in_gib(m.total)} | {verdict} | "
                     f"{st.total():.0f} ({st.total(0):.0f}-{st.total(2):.0f}) | {st.generation_share:.0%} |")
     return rows
 
@@ -238,8 +238,9 @@ def measured_check(estimators=None) -> list[str]:
         work = Workload(micro_batch=16, generation_batch=16, prompt_tokens=MID_PROMPT_TOKENS, checkpointing=False,
                         reference=weights == "full", pcgrad=rest == ["pcgrad"], lora_r=16 if weights == "lora" else 0)
         low, high = (plan(sizes, launch, replace(work, completion_tokens=c), zero3, zero2) for c in MID_COMPLETIONS)
-        rows.append(f"| {name} | {measured} | {_g(low.total)} / {_g(high.total)} | {_g(high.model_states)} + "
-                    f"{_g(high.reference)} + {_g(high.pcgrad)} + max({_g(high.generation)}, {_g(high.activations)}) |")
+        parts = " + ".join(in_gib(x) for x in (high.model_states, high.reference, high.pcgrad))
+        rows.append(f"| {name} | {measured} | {in_gib(low.total)} / {in_gib(high.total)} | {parts} + "
+                    f"max({in_gib(high.generation)}, {in_gib(high.activations)}) |")
     return rows
 
 
