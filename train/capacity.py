@@ -65,6 +65,7 @@ QWEN25_VL_3B_CONFIG: dict[str, Any] = {
     "sliding_window": 32768,
     "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
+    "transformers_version": "4.41.2",
     "use_cache": True,
     "use_sliding_window": False,
     "vision_config": {
