@@ -419,7 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overwrite_output_dir", action="store_true",
                     help="start again in a folder that holds a run: its checkpoints and logs are removed first")
     ap.add_argument("--check", action="store_true", help="check the config and that everything the run needs "
-                    "exists (model, encoder, data, DeepSpeed config), then stop: nothing is loaded or written")
+                    "exists (model, encoder, data, DeepSpeed config), then stop: nothing is loaded or written; also "
+                    "prints the predicted memory per GPU of each phase and warns when one cannot fit")
+    ap.add_argument("--accelerate_config", default=None, help="with --check: the accelerate config the run will be "
+                    "launched with (a path or a name in configs/accelerate/), for its GPU count and ZeRO stage")
+    ap.add_argument("--gpus", type=int, default=None, help="with --check: GPUs (processes) the run will use (default: "
+                    "the launcher's WORLD_SIZE, else --accelerate_config's num_processes, else 1)")
+    ap.add_argument("--gpu_memory", type=float, default=None, help="with --check: GiB per GPU (default: what torch "
+                    "reports when it is loaded and sees a GPU, else 80)")
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg, _ = load_config(args.config, overrides)
@@ -427,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     missing = preflight(cfg)
+    if args.check:
+        from crystal_grpo.train.capacity import check_lines
+
+        for line in check_lines(cfg, args.accelerate_config, args.gpus, args.gpu_memory):
+            say(line)
     if missing:  # every missing piece at once, before any folder, lock or model
         if _main_process():
             print("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing), file=sys.stderr)
