@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if not Path(a.model).exists():
-        from make_tiny_models import build_tiny_lm  # a sibling: scripts/ is sys.path[0] when this file runs
+        from crystal_grpo.train.tools.tiny_models import build_tiny_lm
 
         build_tiny_lm(Path(a.model))
 

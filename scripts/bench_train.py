@@ -78,7 +78,7 @@ def build_model(name: str) -> str:
         return str(REPO_ROOT / WARM_START_DIR)
     if name not in ("tiny", "mid"):
         return name
-    import make_tiny_models as mk  # a sibling: scripts/ is sys.path[0] when this file runs
+    from crystal_grpo.train.tools import tiny_models as mk
 
     build = mk.build_tiny_lm if name == "tiny" else mk.build_mid_lm
     return str(build(MODELS / ("tiny-qwen2" if name == "tiny" else "mid-qwen2")))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -37,25 +37,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@functools.lru_cache(maxsize=1)
-def _make_tiny_models():
-    """scripts/make_tiny_models.py as a module (scripts/ is not a package); loaded once, so the
-    trained tokenizer is cached for both tiny models."""
-    import importlib.util
+def shared_build(tmp_path_factory, name: str, build) -> Path:
+    """``build(folder)`` once per test session, shared by every pytest-xdist worker (they share
+    the session's base temp folder): the first to take the lock builds into a scratch folder and
+    renames it into place, so no worker ever sees a half-written model."""
+    from filelock import FileLock
 
-    spec = importlib.util.spec_from_file_location("_make_tiny_models", REPO_ROOT / "scripts" / "make_tiny_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / "shared" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            scratch = path.with_name(f"{name}.partial")
+            shutil.rmtree(scratch, ignore_errors=True)
+            build(scratch)
+            scratch.rename(path)
+    return path
 
 
 @pytest.fixture(scope="session")
 def tiny_lm_path(tmp_path_factory) -> Path:
     """Tiny random Qwen2ForCausalLM + trained byte-level BPE tokenizer, built once per session."""
-    return _make_tiny_models().build_tiny_lm(tmp_path_factory.mktemp("tiny_models") / "tiny-qwen2")
+    from crystal_grpo.train.tools.tiny_models import build_tiny_lm
+
+    return shared_build(tmp_path_factory, "tiny-qwen2", build_tiny_lm)
 
 
 @pytest.fixture(scope="session")
 def tiny_vlm_path(tmp_path_factory) -> Path:
     """Tiny random Qwen2.5-VL + image-only processor, built once per session."""
-    return _make_tiny_models().build_tiny_vlm(tmp_path_factory.mktemp("tiny_models") / "tiny-qwen2.5-vl")
+    from crystal_grpo.train.tools.tiny_models import build_tiny_vlm
+
+    return shared_build(tmp_path_factory, "tiny-qwen2.5-vl", build_tiny_vlm)

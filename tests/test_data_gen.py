@@ -1,15 +1,17 @@
-"""The demo data set of scripts/make_data.py (``--preset demo``): easy rows mixed with the
-hard word problems so a 135M model gets some answers right and GRPO sees reward variance."""
+"""The demo data set of scripts/make_data.py (``--preset demo``; crystal_grpo.train.tools.wordproblems):
+easy rows mixed with the hard word problems so a 135M model gets some answers right and GRPO sees
+reward variance."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import statistics
 from pathlib import Path
 
 import pytest
+
+from crystal_grpo.train.tools import wordproblems
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO = REPO_ROOT / "data" / "demo"
@@ -20,13 +22,6 @@ EASY_FAMILIES = {"addition", "subtraction", "multiplication", "division", "two_s
 CALC = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 CHAIN = re.compile(r"(\d+(?: [-+*/] \d+)+) = (\d+)")  # hard rows add up to four numbers at once
 ANSWER_STEP = re.compile(r"The answer is (\d+)\.")
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_test_gen_{name}", REPO_ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _rows(path: Path) -> list[dict]:
@@ -78,10 +73,9 @@ def easy_row_problems(row: dict) -> list[str]:
 
 
 def test_demo_files_match_the_generator_and_the_default_is_unchanged(tmp_path):
-    mk = _script("make_data")
-    mk.main(["--preset", "demo", "--out-dir", str(tmp_path / "a"), "--quiet"])
-    mk.make_demo(tmp_path / "b")
-    mk.main(["--out-dir", str(tmp_path / "wp"), "--quiet"])  # no preset: the hard set as before
+    wordproblems.main(["--preset", "demo", "--out-dir", str(tmp_path / "a"), "--quiet"])
+    wordproblems.make_demo(tmp_path / "b")
+    wordproblems.main(["--out-dir", str(tmp_path / "wp"), "--quiet"])  # no preset: the hard set as before
     for name in ("train.jsonl", "val.jsonl", "test.jsonl"):
         committed = (DEMO / name).read_bytes()
         assert (tmp_path / "a" / name).read_bytes() == committed, f"{name}: re-run make_data.py --preset demo"
@@ -136,10 +130,9 @@ def test_easy_rows_are_small_and_their_answers_follow_from_the_steps():
 def test_easy_targets_are_short_in_smollm2_tokens():
     from transformers import AutoTokenizer
 
-    mk = _script("make_data")
     tok = AutoTokenizer.from_pretrained(str(SMOLLM2))
     rows = _rows(DEMO / "train.jsonl") + _rows(DEMO / "val.jsonl")
-    lengths = {d: [len(tok(mk.target_text(r))["input_ids"]) for r in rows if r["difficulty"] == d]
+    lengths = {d: [len(tok(wordproblems.target_text(r))["input_ids"]) for r in rows if r["difficulty"] == d]
                for d in ("easy", "hard")}
     assert 35 <= statistics.mean(lengths["easy"]) <= 50 and max(lengths["easy"]) <= 64
     assert statistics.mean(lengths["hard"]) > 2 * statistics.mean(lengths["easy"])

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from crystal_grpo.train.tools import shapes, tiny_models, wordproblems
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("id", "question", "answer", "reference_steps", "source")
 
@@ -37,7 +39,7 @@ TEXTS = [
 def test_tiny_lm_token_ids_survive_save_and_reload(tiny_lm_path):
     from transformers import AutoTokenizer
 
-    raw = _script("make_tiny_models").train_tokenizer()  # the tokenizer as trained, before saving
+    raw = tiny_models.train_tokenizer()  # the tokenizer as trained, before saving
     tok = AutoTokenizer.from_pretrained(tiny_lm_path)
     for text in TEXTS:
         ids = tok(text)["input_ids"]
@@ -72,9 +74,8 @@ def test_tiny_lm_loads_via_load_policy_and_generates(tiny_lm_path):
 
 
 def test_builders_are_idempotent(tiny_lm_path):
-    mk = _script("make_tiny_models")
     before = (tiny_lm_path / "model.safetensors").stat().st_mtime_ns
-    assert mk.build_tiny_lm(tiny_lm_path) == Path(tiny_lm_path)
+    assert tiny_models.build_tiny_lm(tiny_lm_path) == Path(tiny_lm_path)
     assert (tiny_lm_path / "model.safetensors").stat().st_mtime_ns == before
 
 
@@ -210,7 +211,7 @@ def test_gguf_loads_as_a_plain_trainable_model_with_its_tokenizer(tmp_path, tiny
 
     from crystal_grpo.train.models import ModelSection, load_gguf_plain, load_policy
 
-    gguf_file = _script("make_tiny_models").build_tiny_gguf(tiny_lm_path, tmp_path)
+    gguf_file = tiny_models.build_tiny_gguf(tiny_lm_path, tmp_path)
     model = load_gguf_plain(str(tmp_path), gguf_file.name, "float32")
     assert not hasattr(model.config, "quantization_config") and model.dtype == torch.float32
     ref, got = load_file(str(tiny_lm_path / "model.safetensors")), model.state_dict()
@@ -246,9 +247,8 @@ def test_converted_smollm2_is_trainable_and_answers():
 
 # --------------------------------------------------------------------------- data files
 def test_make_data_is_deterministic_and_matches_the_committed_files(tmp_path):
-    mk = _script("make_data")
-    mk.make(tmp_path / "a")
-    mk.make(tmp_path / "b")
+    wordproblems.make(tmp_path / "a")
+    wordproblems.make(tmp_path / "b")
     for name in ("train.jsonl", "val.jsonl"):
         committed = (REPO_ROOT / "data" / "wordproblems" / name).read_bytes()
         assert (tmp_path / "a" / name).read_bytes() == committed, f"{name}: re-run scripts/make_data.py"
@@ -256,9 +256,8 @@ def test_make_data_is_deterministic_and_matches_the_committed_files(tmp_path):
 
 
 def test_make_shapes_is_deterministic_and_matches_the_committed_files(tmp_path):
-    mk = _script("make_shapes")
-    mk.generate(tmp_path / "a")
-    mk.generate(tmp_path / "b")
+    shapes.generate(tmp_path / "a")
+    shapes.generate(tmp_path / "b")
     committed = REPO_ROOT / "data" / "shapes"
     files = sorted(p.relative_to(committed) for p in committed.rglob("*") if p.is_file())
     assert Path("shapes.jsonl") in files and len(files) == 1 + len(_rows(committed / "shapes.jsonl"))
@@ -320,14 +319,13 @@ def test_mid_lm_builder_at_small_size_warms_up_on_full_answers(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    mk = _script("make_tiny_models")
-    path = mk.build_mid_lm(tmp_path / "mid", layers=2, hidden=128, steps=3)
+    path = tiny_models.build_mid_lm(tmp_path / "mid", layers=2, hidden=128, steps=3)
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     assert model.config.num_hidden_layers == 2 and model.config.intermediate_size == 128 * 38 // 7
     assert tok.padding_side == "left", "the warm-up's right padding must not leak into the saved tokenizer"
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # A warm-up with a given padding side restores the tokenizer's own afterwards.
-    loss = mk.warm_up_format(model, tok, steps=1, batch_size=2, lr=1e-4, target_steps=None,
+    loss = tiny_models.warm_up_format(model, tok, steps=1, batch_size=2, lr=1e-4, target_steps=None,
                              padding_side="right", max_grad_norm=1.0)
     assert math.isfinite(loss) and tok.padding_side == "left"
 

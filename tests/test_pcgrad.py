@@ -307,14 +307,9 @@ def pcg_model(request, tmp_path_factory) -> Path:
     try:
         return Path(request.getfixturevalue("tiny_lm_path"))
     except pytest.FixtureLookupError:
-        import importlib.util
+        from crystal_grpo.train.tools.tiny_models import build_tiny_lm
 
-        spec = importlib.util.spec_from_file_location("_mk_tiny", REPO_ROOT / "scripts" / "make_tiny_models.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        path = tmp_path_factory.mktemp("models") / "tiny-qwen2"
-        mod.build_tiny_lm(path)
-        return path
+        return build_tiny_lm(tmp_path_factory.mktemp("models") / "tiny-qwen2")
 
 
 def _launch(mode: str, model: Path, out: Path, cases: list[str], workdir: Path) -> dict:

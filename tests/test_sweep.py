@@ -121,21 +121,23 @@ def test_emit_slurm_is_valid_bash_with_one_task_a_point(tmp_path):
 
 # ------------------------------------------------------------------ the whole path, tiny
 @pytest.fixture(scope="module")
-def tiny_model():
-    """configs/tiny.yaml's model folder (scripts/make_tiny_models.py writes it; built if absent)."""
-    from conftest import _make_tiny_models
+def tiny_sweep_file(tiny_lm_path, tmp_path_factory) -> Path:
+    """configs/sweeps/tiny.yaml as shipped, its model (configs/tiny.yaml's .cache/models/tiny-qwen2,
+    which scripts/make_tiny_models.py writes) pointed at the session's tiny model instead."""
+    import yaml
 
-    path = REPO / ".cache" / "models" / "tiny-qwen2"
-    if not (path / "config.json").is_file():
-        _make_tiny_models().build_tiny_lm(path)
+    sweep = yaml.safe_load(TINY_SWEEP.read_text())
+    sweep["overrides"]["model.name_or_path"] = str(tiny_lm_path)
+    path = tmp_path_factory.mktemp("sweep_file") / TINY_SWEEP.name
+    path.write_text(yaml.safe_dump(sweep))
     return path
 
 
 @pytest.fixture(scope="module")
-def tiny_sweep(tiny_model, tmp_path_factory):
+def tiny_sweep(tiny_sweep_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "tiny"
-    assert sw.main([str(TINY_SWEEP), "--output_dir", str(out)]) == 0
-    return sw.load_sweep(TINY_SWEEP, out)
+    assert sw.main([str(tiny_sweep_file), "--output_dir", str(out)]) == 0
+    return sw.load_sweep(tiny_sweep_file, out)
 
 
 def test_tiny_sweep_report_equals_the_points_own_files(tiny_sweep):
@@ -170,8 +172,8 @@ def test_rerun_skips_finished_points(tiny_sweep):
         assert (tiny_sweep.output_dir / p.name / POINT_LOG).read_bytes() == logs[p.name]
 
 
-def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tmp_path):
-    sweep = sw.load_sweep(TINY_SWEEP, tmp_path / "copy")
+def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tiny_sweep_file, tmp_path):
+    sweep = sw.load_sweep(tiny_sweep_file, tmp_path / "copy")
     point = sweep.points[1]
     folder = sweep.output_dir / point.name
     shutil.copytree(tiny_sweep.output_dir / point.name, folder)
@@ -186,10 +188,10 @@ def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tmp_p
     assert (folder / "final").is_dir() and (folder / "checkpoint-2").is_dir()
 
 
-def test_a_failing_point_does_not_stop_the_others(tiny_model, tmp_path):
+def test_a_failing_point_does_not_stop_the_others(tiny_lm_path, tmp_path):
     path = write(tmp_path, f"""
 base: {REPO / 'configs' / 'tiny.yaml'}
-overrides: {{training.max_steps: 1, validation.eval_steps: 1}}
+overrides: {{training.max_steps: 1, validation.eval_steps: 1, model.name_or_path: {tiny_lm_path}}}
 points:
   - {{name: broken, overrides: {{model.name_or_path: {tmp_path / 'no-such-model'}}}}}
   - {{name: fine, overrides: {{reward.name: answer_only}}}}
