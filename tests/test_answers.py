@@ -266,24 +266,27 @@ HOSTILE = {  # 100,000-character shapes; the old number pattern was quadratic on
 }
 
 
+#: A hang guard, not a timing: on these 100,000-character inputs a linear scan takes milliseconds,
+#: a backtracking (quadratic or worse) one minutes to hours, on any machine.
+HANG = pytest.mark.timeout(60)
+
+
+@HANG
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_answer_scanners_are_linear(name):
     """The scanners themselves, below the length cap of answers_match."""
     text = HOSTILE[name]
-    start = time.perf_counter()
     answers._numbers(text)
     answers._read_letter(text)
     answers._yes_no(text)
-    assert time.perf_counter() - start < 1.0, name
 
 
+@HANG
 @pytest.mark.parametrize("name", list(HOSTILE))
 @pytest.mark.parametrize("truth", ["12", "B", "yes", "Paris"])
 def test_hostile_answers_never_match_and_return_fast(name, truth):
-    start = time.perf_counter()
     assert answers_match(HOSTILE[name], truth, CHOICES) is False
     assert answers_match(HOSTILE[name][:answers.MAX_ANSWER_CHARS], truth) in (True, False)
-    assert time.perf_counter() - start < 1.0, name
 
 
 def test_over_long_prediction_never_matches_unless_the_truth_is_as_long():

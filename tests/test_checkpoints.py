@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -155,9 +154,6 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(run / "metrics.jsonl", proc)
     proc.send_signal(sig)
-    if sig == signal.SIGINT:  # delivered twice at once (terminal + a launcher that forwards it): one interrupt
-        time.sleep(0.05)
-        proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + sig, err[-3000:]
     step = max(logged_steps(run))
@@ -177,30 +173,56 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
         assert logged_steps(run) == list(range(1, step + 2))
 
 
-SLOW_SAVE = grpo_with("""
+def test_one_interrupt_delivered_twice_is_one_and_a_later_one_aborts(monkeypatch):
+    """A terminal's Ctrl-C reaches every process of a torchrun job and the launcher forwards it
+    again: signals within SAME_INTERRUPT_S of the first are that interrupt; a later one aborts."""
+    from crystal_grpo.train import interrupt
+
+    clock = iter([100.0, 100.0 + interrupt.SAME_INTERRUPT_S / 2, 100.0 + interrupt.SAME_INTERRUPT_S * 2])
+    monkeypatch.setattr(interrupt.time, "monotonic", lambda: next(clock))
+    stop = interrupt.GracefulStop()
+    stop._handler(signal.SIGINT, None)
+    assert stop.signum == signal.SIGINT
+    stop._handler(signal.SIGINT, None)  # the same Ctrl-C, forwarded: nothing happens
+    with pytest.raises(KeyboardInterrupt):
+        stop._handler(signal.SIGINT, None)
+
+
+BLOCKED_SAVE = grpo_with("""
+from crystal_grpo.train import interrupt
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
-original = CrystalGRPOTrainer._save_checkpoint
-def slow(self, model, trial):
-    time.sleep(5)  # a save that takes a while, as a multi-GB one does
-    return original(self, model, trial)
-CrystalGRPOTrainer._save_checkpoint = slow
+interrupt.SAME_INTERRUPT_S = 0.0  # the test's second Ctrl-C comes whenever it comes
+def saving_for_an_hour(self, model, trial):  # a save that takes a while, as a multi-GB one does
+    print("SAVE STARTED", flush=True)
+    time.sleep(3600)
+CrystalGRPOTrainer._save_checkpoint = saving_for_an_hour
 """)
 
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_lm_path):
+    """The first Ctrl-C asks for a save; a second one during that save aborts the process
+    instead of waiting for it (which here would take an hour: the communicate timeout)."""
     run = tmp_path / "run"
     args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
                 "--validation.eval_steps", "0")[2:]
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *args], cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    wait_for(run / "metrics.jsonl", proc)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(1.5)  # the step ends, the graceful save starts (5 s); two signals within a second are one
-    start = time.time()
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-3000:]
-    assert time.time() - start < 4, "the second Ctrl-C did not wait for the save"
+    with open(tmp_path / "stderr.txt", "w+") as err:  # a file: an unread stderr pipe could fill and block the run
+        proc = subprocess.Popen([sys.executable, "-c", BLOCKED_SAVE, *args], cwd=REPO, env=env(),
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            wait_for(run / "metrics.jsonl", proc)
+            proc.send_signal(signal.SIGINT)
+            seen = []
+            for line in proc.stdout:  # until the graceful save has started
+                seen.append(line)
+                if line.startswith("SAVE STARTED"):
+                    break
+            assert seen and seen[-1].startswith("SAVE STARTED"), "".join(seen)[-3000:]
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        err.seek(0)
+        assert proc.returncode == 130, err.read()[-3000:]
     assert "aborted" in out and "interrupted by" not in out
     assert not [p for p in run.glob("checkpoint-*") if checkpoint_problem(p) is None]
 

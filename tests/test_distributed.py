@@ -19,9 +19,10 @@ import torch
 ZERO3 = ["--training.deepspeed", "configs/accelerate/zero3.json"]
 
 
-def torchrun(repo_root: Path, port: int, out: Path, model: Path, *extra: str, nproc: int = 2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(port), "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(out),
+def torchrun(repo_root: Path, out: Path, model: Path, *extra: str, nproc: int = 2):
+    """``torchrun --standalone``: its rendezvous takes a free port from the OS (parallel runs never collide)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(out),
            "--model.name_or_path", str(model), "--cpu_backend", "gloo", "--validation.eval_steps", "0",
            *extra]
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(repo_root / ".cache" / "torch_extensions")}
@@ -36,7 +37,7 @@ def losses(run: Path) -> list[tuple[float, float]]:
 @pytest.fixture(scope="module")
 def ddp_run(repo_root, tiny_lm_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "run"
-    proc = torchrun(repo_root, 29611, out, tiny_lm_path, "--training.log_completions", "true")
+    proc = torchrun(repo_root, out, tiny_lm_path, "--training.log_completions", "true")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -44,7 +45,7 @@ def ddp_run(repo_root, tiny_lm_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3_run(repo_root, tiny_lm_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3") / "run"
-    proc = torchrun(repo_root, 29612, out, tiny_lm_path, *ZERO3)
+    proc = torchrun(repo_root, out, tiny_lm_path, *ZERO3)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -84,12 +85,12 @@ def test_zero3_shards_weights_and_matches_ddp(zero3_run, ddp_run):
 
 
 def test_zero3_resumes_from_shards_and_refuses_another_world_size(zero3_run, repo_root, tiny_lm_path):
-    proc = torchrun(repo_root, 29613, zero3_run, tiny_lm_path, *ZERO3, "--training.max_steps", "3",
+    proc = torchrun(repo_root, zero3_run, tiny_lm_path, *ZERO3, "--training.max_steps", "3",
                     "--resume_from_checkpoint", "latest")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in map(json.loads, (zero3_run / "metrics.jsonl").read_text().splitlines())
             if "loss" in r] == [1, 2, 3]
-    proc = torchrun(repo_root, 29614, zero3_run, tiny_lm_path, *ZERO3, "--training.max_steps", "4",
+    proc = torchrun(repo_root, zero3_run, tiny_lm_path, *ZERO3, "--training.max_steps", "4",
                     "--resume_from_checkpoint", str(zero3_run / "checkpoint-3"), nproc=1)
     assert proc.returncode != 0  # the worker exits 2; torchrun reports it as a failure
     assert "written by 2 process(es), but this run has 1" in proc.stderr
@@ -102,10 +103,10 @@ def test_zero3_lora_generates_through_merged_adapters_bit_identically(repo_root,
     from safetensors.torch import load_file
 
     runs = {}
-    for i, merge in enumerate(("true", "false")):
+    for merge in ("true", "false"):
         out = tmp_path / merge
         lora = f"{{r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear, merge_for_generation: {merge}}}"
-        proc = torchrun(repo_root, 29615 + i, out, tiny_lm_path, *ZERO3, "--model.lora", lora,
+        proc = torchrun(repo_root, out, tiny_lm_path, *ZERO3, "--model.lora", lora,
                         "--reward.name", "answer_only", "--reward.params", "{}", "--training.learning_rate", "1e-2",
                         "--validation.eval_steps", "2", "--validation.at_start", "false")
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -46,7 +46,7 @@ def run(tmp_path_factory, tiny_lm_path) -> Path:
 @pytest.fixture(scope="module")
 def zero3_run(repo_root, tiny_lm_path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export_zero3") / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29631",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(out),
            "--model.name_or_path", str(tiny_lm_path), "--cpu_backend", "gloo",
            "--training.deepspeed", "configs/accelerate/zero3.json",
