@@ -17,8 +17,12 @@ export WANDB_MODE            ?= offline
 export TOKENIZERS_PARALLELISM := false
 
 PYTEST := -m pytest -q -p no:cacheprovider
+# One pytest-xdist worker per core, each torch at one thread: the suite's models are tiny, so a
+# second thread buys nothing while a second worker halves the time. Tests of a module that share a
+# module-scoped run stay on one worker (tests/conftest.py); OMP_NUM_THREADS=2 make test overrides.
+XDIST  := -n auto --dist loadgroup
 
-.PHONY: setup test test-latest lock latest-venv demo demo-smollm2 bench clean
+.PHONY: setup test test-fast test-latest lock latest-venv demo demo-smollm2 bench clean
 
 # The lock constrains every distribution, pip and the build backend included (PIP_CONSTRAINT
 # reaches pip's isolated build environment too). torch is pinned by version only, so a CPU
@@ -31,8 +35,15 @@ $(STAMP): pyproject.toml $(LOCK)
 
 setup: $(STAMP)
 
+test test-fast test-latest: export OMP_NUM_THREADS ?= 1
+
 test: setup
-	$(PY) $(PYTEST)
+	$(PY) $(PYTEST) $(XDIST)
+
+# The inner loop: everything that builds no model and launches no run (tests marked slow, see
+# tests/conftest.py), in under a minute.
+test-fast: setup
+	$(PY) $(PYTEST) $(XDIST) -m "not slow"
 
 demo: setup
 	$(PY) scripts/demo.py
@@ -58,7 +69,7 @@ lock: latest-venv
 # Not gating: the suite under the newest allowed versions, to see an upstream break before users do.
 test-latest: latest-venv
 	$(LATEST)/bin/python -m crystal_grpo.lock diff $(LOCK)
-	$(LATEST)/bin/python $(PYTEST)
+	$(LATEST)/bin/python $(PYTEST) $(XDIST)
 
 clean:
 	rm -rf .cache runs

@@ -14,6 +14,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Fixtures that build a model or launch a run: a test using one (directly or through another
+#: fixture) is ``slow``, left out of ``make test-fast``.
+MODEL_FIXTURES = {"tiny_lm_path", "tiny_vlm_path"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests ``make test-fast`` leaves out, and keep together on one pytest-xdist worker
+    the tests of a module that share a module-scoped fixture (a training run, an export, a
+    built wheel): built once, not once per worker. Other tests spread over the workers."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        info = getattr(item, "_fixtureinfo", None)
+        shared = info and any(d.scope == "module" and d.baseid == item.nodeid.split("::")[0]
+                              for defs in info.name2fixturedefs.values() for d in defs)
+        if shared and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 def encodable(s: str) -> bool:

@@ -162,6 +162,7 @@ def test_compare_pairs_rows_and_intervals(model_eval, tmp_path, capsys):
     assert d2["ci_low"] <= d2["value"] <= d2["ci_high"] and d2["p_seeds"] is not None
 
 
+@pytest.mark.slow
 def test_the_authors_crystal_metrics_cli_reads_an_evaluation_and_agrees_on_match_f1(tmp_path):
     """scripts/evaluate.py writes crystal-metrics' two JSON inputs; its own CLI re-scores them with
     the same encoder and threshold to the same Match F1. Accuracy differs by design: its checker

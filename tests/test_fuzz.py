@@ -13,6 +13,7 @@ import math
 import tempfile
 from pathlib import Path
 
+import pytest
 from conftest import encodable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -136,6 +137,7 @@ def test_hostile_batches_cover_every_shape_and_count():
     assert [b.shape for b in again] == [b.shape for b in batches]  # seeded
 
 
+@pytest.mark.slow
 def test_fuzz_runner_finds_nothing_in_the_real_rewards():
     stats = fuzz(MODULES, n=400, seed=1, batch=8)
     for s in stats.values():

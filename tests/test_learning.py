@@ -23,6 +23,8 @@ from crystal_grpo.train import grpo
 from crystal_grpo.train.config import load_config
 from crystal_grpo.train.tools.organism import Layout, TaskSpec, write_splits
 
+pytestmark = pytest.mark.slow  # GRPO runs of minutes: left out of make test-fast
+
 REPO = Path(__file__).resolve().parents[1]
 WARM_START = REPO / "data" / "organism" / "warm_start"
 #: GRPO steps of the check and of the controls (the controls need fewer to show they do not learn).
@@ -33,7 +35,7 @@ STEPS, CONTROL_STEPS = 60, 20
 MARGIN = 0.15
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not per module: the runs below spread over the test workers
 def organism_data(tmp_path_factory) -> Path:
     """The task's splits as `python scripts/make_organism.py` writes them (the warm start's task)."""
     out = tmp_path_factory.mktemp("organism")

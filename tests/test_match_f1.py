@@ -317,6 +317,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_loads_while_deepspeed_zero3_config_is_active(repo_root, free_port):
     """Under an active ZeRO-3 config a plain load is partitioned and breaks; ours is not."""
     out = subprocess.run([sys.executable, "-c", ZERO3_SCRIPT, str(free_port)], cwd=repo_root,

@@ -302,14 +302,8 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> No
 
 
 @pytest.fixture(scope="module")
-def pcg_model(request, tmp_path_factory) -> Path:
-    """The shared tiny Qwen2 (conftest's ``tiny_lm_path``), or one built here."""
-    try:
-        return Path(request.getfixturevalue("tiny_lm_path"))
-    except pytest.FixtureLookupError:
-        from crystal_grpo.train.tools.tiny_models import build_tiny_lm
-
-        return build_tiny_lm(tmp_path_factory.mktemp("models") / "tiny-qwen2")
+def pcg_model(tiny_lm_path) -> Path:
+    return Path(tiny_lm_path)
 
 
 def _launch(mode: str, model: Path, out: Path, cases: list[str], workdir: Path) -> dict:
@@ -378,6 +372,7 @@ def test_without_conflict_the_update_equals_plain_grpo(single):
     assert_close(update, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
 def test_same_update_in_two_processes(mode, single, pcg_model, tmp_path):
     two = _launch(mode, pcg_model, tmp_path / f"{mode}.pt", ["pcgrad"], tmp_path)

@@ -355,6 +355,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_composite_normalises_over_both_processes(repo_root, free_port, tmp_path):
     script = tmp_path / "two.py"
     script.write_text(TWO_PROCESS)

@@ -145,6 +145,7 @@ def test_encoder_load_failure_exits_2(tmp_path, capsys):
     assert "could not load sentence encoder" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_lone_surrogates_in_every_text_field_are_scored(repo_root, tmp_path):
     """The real command line, in its own process: surrogates reach the tokenizer, stdout and the report."""
     preds = write(tmp_path / "p.jsonl", [
