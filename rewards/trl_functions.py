@@ -4,6 +4,12 @@ and uses these for their names only).
 
 TRL calls each function separately on the same batch; the module's evaluation (parse, check,
 embed, gather across processes, the guard) must run once per batch, not once per component.
+A batch is recognised by *round* and *content*: the first function called evaluates it and
+the others read the result, each once; a function called again, or called on other
+completions, starts the next batch. (Keyed by the identity of the completions list, as it
+was, a list reused and refilled in place, or a new list at a freed list's address, read the
+previous batch's rewards; keyed by content alone, two batches that happen to be equal would
+be evaluated once and the guard would skip the second.)
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.distributed import gather_objects
@@ -20,12 +27,26 @@ if TYPE_CHECKING:
     from crystal_grpo.rewards.base import RewardModule
 
 
+def _content(prompts: Any, completions: Sequence[Any]) -> str:
+    """What identifies a batch's content (a snapshot: refilling the same list changes it)."""
+    return repr((prompts, completions))
+
+
+@dataclass
+class _Evaluated:
+    """One evaluated batch: its content, every component's values, the components not yet read."""
+
+    content: str
+    values: dict[str, list[float | None]]
+    unread: set[str]
+
+
 class TRLRewardFunctions:
     """The functions of one module, sharing one evaluation per generation batch."""
 
     def __init__(self, module: RewardModule) -> None:
         self.module = module
-        self._last: tuple[Any, dict[str, list]] | None = None
+        self._batch: _Evaluated | None = None
 
     def functions(self) -> list[Callable[..., list[float | None]]]:
         """One function per component, named after it and carrying its ``objective``."""
@@ -33,21 +54,24 @@ class TRLRewardFunctions:
         for comp, objective in self.module.objectives.items():
 
             def func(prompts=None, completions=None, _comp=comp, **kwargs):
-                return self.call(prompts, completions, kwargs)[_comp]
+                return self.call(_comp, prompts, completions, kwargs)[_comp]
 
             func.__name__ = func.__qualname__ = comp
             func.objective = objective  # type: ignore[attr-defined]
             funcs.append(func)
         return funcs
 
-    def call(self, prompts: Any, completions: Sequence[Any], kwargs: dict) -> dict[str, list[float | None]]:
-        """Every component's values for this process's completions; the batch is evaluated by
-        the first function TRL calls on it and read by the others."""
-        if self._last is not None and self._last[0] is completions:
-            return self._last[1]
-        out = self.evaluate(prompts, completions, kwargs)
-        self._last = (completions, out)
-        return out
+    def call(self, component: str, prompts: Any, completions: Sequence[Any], kwargs: dict
+             ) -> dict[str, list[float | None]]:
+        """Every component's values for this process's completions, asked for by ``component``'s
+        function: the batch is evaluated by the first function called on it, read by the others."""
+        content = _content(prompts, completions)
+        last = self._batch
+        if last is None or component not in last.unread or last.content != content:
+            last = self._batch = _Evaluated(content, self.evaluate(prompts, completions, kwargs),
+                                            set(self.module.objectives))
+        last.unread.discard(component)
+        return last.values
 
     def evaluate(self, prompts: Any, completions: Sequence[Any], kwargs: dict) -> dict[str, list[float | None]]:
         """Score this process's rows, gather every process's, reward the global batch (the guard
