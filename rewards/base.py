@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Union
 
 from crystal_grpo.metrics import VALIDATION
+from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.rewards.diagnostics import diagnostics, nanmean, total
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
 from crystal_grpo.rewards.evaluation import (  # noqa: F401 - the evaluation's names, importable from here too
@@ -54,7 +56,8 @@ if TYPE_CHECKING:
 Objective = Literal["accuracy", "reasoning"]
 OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
 #: What validation and evaluation report, in this order (``RewardModule.metrics``): the
-#: metric table's ``reward`` rows (crystal_grpo/metrics.py).
+#: metric table's own ``reward`` rows (crystal_grpo/metrics.py; rows registered from outside the
+#: package are in ``metrics.names("reward")``, which ``RewardModule.metrics`` reads).
 METRICS: tuple[str, ...] = VALIDATION
 
 _SCORERS: dict[tuple, MatchF1Scorer] = {}
@@ -111,7 +114,8 @@ class RewardModule:
     ``config_class`` (a :class:`RewardConfig` subclass holding their own weights, under the
     names configs use) and implement :meth:`components`. The rest is shared: :meth:`score` (the one evaluation of
     completions, used by training, validation and the CLIs), :meth:`rewards` (components
-    with the verbosity guard, and the diagnostics), :meth:`metrics` (the ``METRICS``),
+    with the verbosity guard, and the diagnostics), :meth:`per_row` and :meth:`metrics` (what
+    the metric table's rows read),
     checkpoint state, and :meth:`reward_funcs` for a plain ``trl.GRPOTrainer``.
     """
 
@@ -228,11 +232,23 @@ class RewardModule:
         format check is neither correct nor has a step score (the metrics keep the lenient reading)."""
         return zero_malformed(batch) if self.malformed == "zero" else batch
 
+    def per_row(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Each completion's value of every metric this reward can report, by name: the metric
+        table's ``reward`` and ``row`` rows (crystal_grpo/metrics.py) read them. The reward's
+        components (without the guard) and extra fields come under their own names, so a metric
+        row naming one is all a new metric takes; override this for a value of your own. The
+        evaluation's own names win where a component has the same name."""
+        comps = self.components(self.as_rewarded(batch))
+        extra = {} if batch.extra is None else {n: batch.extra[:, i] for i, n in enumerate(self.extra_fields)}
+        return {**extra, **comps, "accuracy": batch.correct, "format_rate": batch.format_ok, "steps_mean": batch.n_pred,
+                **{f: getattr(batch, f) for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1")},
+                "reward": total(comps, len(batch))}
+
     def metrics(self, batch: Batch) -> dict[str, float]:
-        """The :data:`METRICS` of a batch: what validation and evaluation report."""
-        per_row = {"accuracy": batch.correct, "format_rate": batch.format_ok, "steps_mean": batch.n_pred,
-                   "reward": self.total(batch)}
-        return {m: nanmean(per_row[m] if m in per_row else getattr(batch, m)) for m in METRICS}
+        """The metric table's ``reward`` rows for a batch, in table order: what validation and
+        evaluation report (NaN for a row this reward has no value for, see :meth:`per_row`)."""
+        values = self.per_row(batch)
+        return {m: nanmean(values[m]) if m in values else math.nan for m in metric_names("reward")}
 
     # -- plain TRL (rewards/trl_functions.py) ---------------------------------------------
     def reward_funcs(self) -> list[Callable[..., list[float | None]]]:

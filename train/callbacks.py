@@ -13,7 +13,8 @@ from transformers import TrainerCallback
 from crystal_grpo.distributed import gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.metrics import better
-from crystal_grpo.rewards.base import METRICS, RewardModule
+from crystal_grpo.metrics import names as metric_names
+from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.config import ValidationSection
 from crystal_grpo.train.generation import Engine, Sampling, generate
 from crystal_grpo.train.layout import (
@@ -53,7 +54,7 @@ class ValidationCallback(TrainerCallback):
                 self.best = None
                 for row in rows:  # replay the record up to the resumed step (step 0 is no candidate)
                     if row["step"] > 0:
-                        self._record(row["step"], {k: row[k] for k in METRICS if k in row})
+                        self._record(row["step"], {k: row[k] for k in metric_names("reward") if k in row})
                 if trainer.is_world_process_zero():
                     write_best(self.run_dir, self.best)
 

@@ -404,12 +404,15 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from crystal_grpo.curricula.schedule import Schedule
     from crystal_grpo.typed import describe
 
     epilog = ("config fields (any of them also as --section.key VALUE; reward.params are the fields of the "
               "reward's config class, training any field of trl.GRPOConfig):\n" + "\n".join(describe(RunConfig))
               + "\n\nthe paper's recipe: training defaults of a GRPO phase (a training key of the config wins):\n"
-              + "\n".join(describe(PaperRecipe, "training.")))
+              + "\n".join(describe(PaperRecipe, "training."))
+              + "".join(f"\n\ncurriculum.mode: {mode}: its own options\n" + "\n".join(describe(cls.Options, "curriculum."))
+                        for mode, cls in Schedule.registry.items() if dataclasses.fields(cls.Options)))
     ap = argparse.ArgumentParser(description=__doc__, epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML file, or a name in configs/")
