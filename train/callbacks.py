@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -22,11 +23,14 @@ from crystal_grpo.train.layout import (
     METRICS_LOG,
     VALIDATION_LOG,
     BestCheckpoint,
+    checkpoint_name,
     read_best,
     samples_file,
     write_best,
 )
 from crystal_grpo.train.lora_merge import merged_adapters
+
+logger = logging.getLogger(__name__)
 
 
 class ValidationCallback(TrainerCallback):
@@ -129,7 +133,7 @@ class ValidationCallback(TrainerCallback):
         value = metrics.get(self.cfg.metric, math.nan)
         if not math.isfinite(value) or (self.best is not None and not better(self.cfg.metric, value, self.best.value)):
             return False
-        self.best = BestCheckpoint(self.cfg.metric, value, step, f"checkpoint-{step}", metrics)
+        self.best = BestCheckpoint(self.cfg.metric, value, step, checkpoint_name(step), metrics)
         return True
 
 
@@ -176,4 +180,4 @@ class PlotCallback(TrainerCallback):
             try:
                 plot_run(self.run_dir)
             except Exception as err:  # noqa: BLE001 - a plot must never fail a finished run
-                print(f"could not draw the training plot: {err}")
+                logger.warning("could not draw the training plot: %s", err)

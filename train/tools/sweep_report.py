@@ -27,7 +27,7 @@ import numpy as np
 from crystal_grpo.jsonl import atomic_write_text, read_json
 from crystal_grpo.metrics import label, per_completion, spec
 from crystal_grpo.rewards.base import METRICS
-from crystal_grpo.train.layout import FINAL, PHASE_DONE, is_finished, read_best, run_targets
+from crystal_grpo.train.layout import FINAL, PHASE_DONE, is_finished, read_best, run_targets, step_of
 from crystal_grpo.train.summary import Phase, read_phases, slope
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def eval_targets(folder: Path) -> dict[str, Path]:
     final = best.parent / FINAL
     targets = {"eval": final} if final.is_dir() else {}
     last = (read_json(best.parent / PHASE_DONE) or {}).get("global_step")  # (its checkpoint may be rotated away)
-    if best.name.startswith("checkpoint-") and best.name != f"checkpoint-{last}":
+    if step_of(best) not in (None, last):
         targets["eval_best"] = best
     return targets
 
