@@ -112,11 +112,11 @@ class RewardModule:
 
     Subclasses set ``name``, ``objectives`` (component -> objective), ``uses_steps``,
     ``config_class`` (a :class:`RewardConfig` subclass holding their own weights, under the
-    names configs use) and implement :meth:`components`. The rest is shared: :meth:`score` (the one evaluation of
-    completions, used by training, validation and the CLIs), :meth:`rewards` (components
-    with the verbosity guard, and the diagnostics), :meth:`per_row` and :meth:`metrics` (what
-    the metric table's rows read),
-    checkpoint state, and :meth:`reward_funcs` for a plain ``trl.GRPOTrainer``.
+    names configs use) and implement :meth:`components`. The rest is shared: :meth:`score`
+    (the one evaluation of completions, used by training, validation and the CLIs),
+    :meth:`rewards` (components with the verbosity guard, and the diagnostics),
+    :meth:`per_row` and :meth:`metrics` (what the metric table's rows read), checkpoint
+    state, and :meth:`reward_funcs` for a plain ``trl.GRPOTrainer``.
     """
 
     name: str = ""
