@@ -1,13 +1,33 @@
-"""The few collective operations outside the trainer, in one place.
+"""Which process this is, and the few collective operations outside the trainer, in one place.
 
 Reward statistics and validation need every process's rows; they run outside TRL's
 own gathers, so they use ``torch.distributed`` directly when it is initialised and are
-a no-op in one process.
+a no-op in one process. Whether this process prints and writes the run's files is
+:func:`is_main_process` (accelerate's state; the launcher's ``RANK`` before it is set up),
+the one place the rank is read for that (docs/training.md: what is printed, what is logged).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
+
+
+def accelerate_state() -> Any:
+    """accelerate's ``PartialState`` once something set it up (the trainer, a launcher's worker),
+    else None; neither imports accelerate nor sets it up (``PartialState()`` would)."""
+    state = sys.modules.get("accelerate.state")
+    return state.PartialState() if state is not None and state.PartialState._shared_state else None
+
+
+def is_main_process() -> bool:
+    """Whether this process is the main one (rank 0), the one that prints and writes the run's
+    files: accelerate's state once it is set up; before that (the config check, the run folder's
+    lock) the rank the launcher gave it (``RANK``, what accelerate reads too), read without
+    importing torch or accelerate, so ``--check`` stays light."""
+    state = accelerate_state()
+    return state.is_main_process if state is not None else int(os.environ.get("RANK", "0")) == 0
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -43,8 +63,6 @@ def launcher() -> list[str]:
     """How this process was started, up to its script: ``python`` for a plain run; for a worker,
     its launcher's own command line (torchrun, ``accelerate launch`` ...), read from the parent
     process, so a printed resume command repeats the launcher actually used."""
-    import os
-    import sys
     from pathlib import Path
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:

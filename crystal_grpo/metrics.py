@@ -3,11 +3,15 @@ plots and the run summary show, with its label, format and which way is better.
 
 Reports look names up here, so a metric missing from the table fails at import or in the tests
 (``tests/test_metrics.py``), never as a KeyError halfway through writing a report. Adding a
-metric is one row; where its value comes from is the row's ``source``:
+metric is one row: in :data:`TABLE`, or, from your own code, :func:`register` (e.g. at the top
+of the module your config names as its reward, so every process and tool that loads the
+reward has the row). Where its value comes from is the row's ``source``:
 
-- ``"reward"``: a per-completion value of :meth:`RewardModule.metrics` (``rewards/base.py``),
-  averaged by validation and evaluation (a custom reward adds it to its ``per_row`` output);
-- ``"row"``: a per-completion value only evaluation keeps (``train/eval_report.py``);
+- ``"reward"``: a per-completion value of :meth:`RewardModule.per_row` (``rewards/base.py``:
+  the evaluation's fields, the reward, and each of the reward's components and extra fields
+  under its own name), averaged by validation and evaluation; a name the reward has no value
+  for is NaN (not measured), as step metrics are on rows without references;
+- ``"row"``: a per-completion value only evaluation keeps (``train/tools/eval_report.py``);
 - ``"evaluation"``: computed over a row's samples by the evaluation report (pass@k);
 - ``"training"``: a key of the trainer's log (``metrics.jsonl``) or a sweep diagnostic derived
   from it (``train/sweep_report.py``).
@@ -74,6 +78,24 @@ TABLE: tuple[MetricSpec, ...] = (
 )
 
 
+class MetricTableError(CrystalError, ValueError):
+    """A registered metric row that contradicts the table."""
+
+
+def register(*specs: MetricSpec) -> None:
+    """Add rows to the table (from outside this package). Registering a row again is a no-op,
+    so a module may register at import however often it is imported; a name the table has with
+    another spec is an error."""
+    global TABLE
+    known = {m.name: m for m in TABLE}
+    for m in specs:
+        if m.name in known and known[m.name] != m:
+            raise MetricTableError(f"metric {m.name!r} is already in the metric table as {known[m.name]}; "
+                                   f"registering {m} would change it")
+        if m.name not in known:
+            TABLE, known[m.name] = (*TABLE, m), m
+
+
 class UnknownMetric(CrystalError, KeyError):
     def __str__(self) -> str:
         return (f"metric {self.args[0]!r} is not in the metric table (crystal_grpo/metrics.py); "
@@ -102,7 +124,14 @@ def better(name: str, new: float, old: float) -> bool:
     return new < old if spec(name).higher_is_better is False else new > old
 
 
-#: What validation and evaluation report (``RewardModule.metrics``), in this order.
+def per_completion() -> tuple[str, ...]:
+    """What evaluation keeps for each completion: the ``reward`` rows, then the ``row`` rows."""
+    return names("reward") + names("row")
+
+
+#: What validation and evaluation report (``RewardModule.metrics``), in this order: the table's own
+#: rows (``names("reward")`` has the registered ones too).
 VALIDATION: tuple[str, ...] = names("reward")
-#: A validation metric by name (``validation.metric`` of a run config picks the best checkpoint by it).
+#: A validation metric of the table's own rows (``validation.metric`` of a run config picks the best
+#: checkpoint by one; a registered row is allowed there once the reward that registers it loads).
 Metric = Literal[VALIDATION]  # type: ignore[valid-type]

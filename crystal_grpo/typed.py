@@ -6,7 +6,10 @@ Every component declares its settings as a dataclass beside its code, each field
 help; :func:`from_dict` builds one from a mapping, checking every key and value, and is the
 one validation the run config and ``build_reward(**params)`` both use. A field with
 ``init=False`` (:func:`derived`) is what validation makes of the others (e.g. a reward's typed
-config): no file sets it, and :func:`to_dict` leaves it out.
+config): no file sets it, and :func:`to_dict` leaves it out. A ``rest`` field (``option(...,
+rest=True)``, a dict) takes the keys a section does not declare itself, unchecked, for the code
+that knows their types to check them later (e.g. a curriculum mode's own options, typed against
+the mode's class once the mode is known); :func:`to_dict` writes them back beside the others.
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ class Range:
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *,
-           default_factory: Any = dataclasses.MISSING, weight: bool = False, **bounds: float) -> Any:
+           default_factory: Any = dataclasses.MISSING, weight: bool = False, rest: bool = False,
+           **bounds: float) -> Any:
     """A dataclass field with its help text and, for a number, the range it must lie in.
-    ``weight``: a reward weight (negative only when the config opts in: ``negative_weights``)."""
-    metadata: dict[str, Any] = {"help": help, "weight": weight}
+    ``weight``: a reward weight (negative only when the config opts in: ``negative_weights``);
+    ``rest``: the dict field that takes the keys the section does not declare (module docstring)."""
+    metadata: dict[str, Any] = {"help": help, "weight": weight, "rest": rest}
     if bounds:
         metadata["range"] = Range(**bounds)
     return field(default=default, default_factory=default_factory, metadata=metadata)
@@ -143,16 +148,26 @@ def from_dict(cls: type, data: Any, where: str = ""):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
+    rest = rest_field(cls)
+    kwargs: dict[str, Any] = {rest: {}} if rest else {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
+        if rest and key not in fields:
+            kwargs[rest][key] = value
+            continue
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(f"unknown key {path!r}{hint}; allowed keys: {', '.join(fields)}")
         value = check_value(path, value, hints[key], fields[key].metadata.get("range"))
-        kwargs[key] = _build(hints[key], value, path)
+        value = _build(hints[key], value, path)
+        kwargs[key] = {**value, **kwargs[key]} if key == rest else value
     return cls(**kwargs)
+
+
+def rest_field(cls: type) -> str | None:
+    """The name of ``cls``'s ``rest`` field (module docstring), or None."""
+    return next((f.name for f in dataclasses.fields(cls) if f.metadata.get("rest")), None)
 
 
 def _build(tp: Any, value: Any, path: str):
@@ -175,6 +190,9 @@ def describe(cls: type, prefix: str = "") -> list[str]:
         if not f.init:
             continue
         tp, key = hints[f.name], f"{prefix}{f.name}"
+        if f.metadata.get("rest"):
+            lines.append(f"  --{prefix}<key>  {f.metadata.get('help', '')}")
+            continue
         nested = [t for t in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(t)]
         if nested:
             lines.extend(describe(nested[0], key + "."))
@@ -190,7 +208,11 @@ def describe(cls: type, prefix: str = "") -> list[str]:
 def to_dict(obj: Any) -> Any:
     """A config as the mapping a file would hold: ``dataclasses.asdict`` without derived fields."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        rest = rest_field(type(obj))
+        if rest:
+            out.update(out.pop(rest))
+        return out
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_dict(v) for v in obj)
     if isinstance(obj, dict):

@@ -45,7 +45,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from crystal_grpo.curricula.complexity import TIERS, annotate, rows
-from crystal_grpo.curricula.schedule import CurriculumSection, Difficulty, Pacing, Schedule
+from crystal_grpo.curricula.schedule import CurriculumSection, Difficulty, Schedule, resolve, schedule_class
 
 _RECENT = 512  # chunks kept for logging calls right after iteration
 
@@ -72,23 +72,25 @@ class CurriculumSampler(Sampler[int]):
         batch_size: int = 1,
         repeat_count: int = 1,
         *,
-        mode: str = "competence",
-        c0: float = 0.25,
+        mode: str | type[Schedule] = "competence",
         total_steps: int | None = None,
-        pacing: Pacing = "linear",
         seed: int = 42,
         buckets: Sequence[Hashable] | None = None,
-        bucket_order: Sequence[Hashable] | None = None,
         start_chunk: int = 0,
+        options: Any = None,
+        **mode_options: Any,
     ) -> None:
+        """``mode``: a registered mode, a Schedule subclass or its import path; its options as the
+        typed ``options`` (``CurriculumSection.config``) or as keyword arguments (``c0=0.3``)."""
         n = len(difficulty)
-        if mode not in Schedule.registry:
-            raise ValueError(f"mode {mode!r} is unknown: allowed values are {', '.join(Schedule.registry)}")
+        schedule = schedule_class(mode)
+        if options is None:
+            options = schedule.make_options(mode_options)
         if min(mini_repeat_count, batch_size, repeat_count) < 1:
             raise ValueError("mini_repeat_count, batch_size and repeat_count must be >= 1")
         if n < batch_size:
             raise ValueError(f"{n} examples cannot fill one chunk of batch_size={batch_size}")
-        if Schedule.registry[mode].needs_horizon and (total_steps is None or total_steps < 1):
+        if schedule.needs_horizon and (total_steps is None or total_steps < 1):
             raise ValueError(f"mode {mode!r} needs total_steps >= 1 (pacing horizon T, in chunks)")
         if seed < 0 or start_chunk < 0:
             raise ValueError("seed and start_chunk must be >= 0")
@@ -102,8 +104,7 @@ class CurriculumSampler(Sampler[int]):
         self.start_chunk = start_chunk
         self.epoch = 0
         self.order: list[int] = sorted(range(n), key=lambda i: (float(difficulty[i]), i))
-        self.schedule = Schedule.registry[mode](self.order, batch_size, total_steps, c0=c0, pacing=pacing,
-                                                buckets=buckets, bucket_order=bucket_order)
+        self.schedule = schedule(self.order, batch_size, total_steps, options=options, buckets=buckets)
         self._walk = _Walk()
         self._recent: OrderedDict[int, list[int]] = OrderedDict()
 
@@ -224,13 +225,14 @@ class CurriculumSamplerFactory:
     steps (1 with TRL's defaults). Without a horizon (``max_steps <= 0``) T is one epoch.
     """
 
-    def __init__(self, dataset: Any, *, mode: str = "competence", c0: float = 0.25,
-                 total_steps: int | None = None, difficulty: Difficulty = "steps",
-                 pacing: Pacing = "linear", start_chunk: int = 0) -> None:
+    def __init__(self, dataset: Any, *, mode: str | type[Schedule] = "competence", total_steps: int | None = None,
+                 difficulty: Difficulty = "steps", start_chunk: int = 0, options: Any = None,
+                 **mode_options: Any) -> None:
         if difficulty not in ("steps", "complexity"):
             raise ValueError(f"difficulty {difficulty!r} is unknown: allowed values are steps, complexity")
-        self.mode, self.c0, self.total_steps = mode, c0, total_steps
-        self.difficulty_key, self.pacing, self.start_chunk = difficulty, pacing, start_chunk
+        self.mode, self.total_steps = schedule_class(mode), total_steps
+        self.options = options if options is not None else self.mode.make_options(mode_options)
+        self.difficulty_key, self.start_chunk = difficulty, start_chunk
         self.sampler: CurriculumSampler | None = None
         self.steps_per_chunk = 1.0
         self._annotate(dataset)
@@ -248,9 +250,8 @@ class CurriculumSamplerFactory:
         t_chunks = max(1, math.ceil(horizon / steps_per_chunk)) if horizon else max(1, n_chunks)
         self.steps_per_chunk = steps_per_chunk
         self.sampler = CurriculumSampler(
-            self.difficulty, mini_repeat_count, batch_size, repeat_count, mode=self.mode, c0=self.c0,
-            total_steps=t_chunks, pacing=self.pacing, seed=seed,
-            buckets=self.tiers, start_chunk=self.start_chunk)
+            self.difficulty, mini_repeat_count, batch_size, repeat_count, mode=self.mode, total_steps=t_chunks,
+            seed=seed, buckets=self.tiers, start_chunk=self.start_chunk, options=self.options)
         return self.sampler
 
     def callback(self) -> Any:
@@ -288,7 +289,10 @@ class CurriculumSamplerFactory:
 def make_sampler_factory(section: CurriculumSection, dataset: Any, max_steps: int | None = None
                          ) -> CurriculumSamplerFactory:
     """Factory for ``CrystalGRPOTrainer(sampler_factory=...)`` from a ``curriculum:`` config
-    section; ``total_steps`` defaults to the run's ``max_steps``."""
+    section (resolved here unless the config's validation did); ``total_steps`` defaults to the
+    run's ``max_steps``."""
+    if section.schedule is None:
+        resolve(section)
     return CurriculumSamplerFactory(
-        dataset, mode=section.mode, c0=section.c0, total_steps=section.total_steps or max_steps,
-        difficulty=section.difficulty, pacing=section.pacing, start_chunk=section.start_chunk)
+        dataset, mode=section.schedule, total_steps=section.total_steps or max_steps,
+        difficulty=section.difficulty, start_chunk=section.start_chunk, options=section.config)

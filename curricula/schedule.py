@@ -2,8 +2,16 @@
 the pacing; :class:`~crystal_grpo.curricula.sampler.CurriculumSampler` lays the chunks out as
 TRL's RepeatSampler does and draws from the pool.
 
-Modes (one :class:`Schedule` subclass each; a new subclass with a ``mode`` name is a new
-mode, no other change):
+A mode is one :class:`Schedule` subclass. Its own options are the fields of its nested
+``Options`` dataclass: in a run config they are keys of the ``curriculum:`` section beside
+``mode`` (``curriculum: {mode: buckets, bucket_order: [easy, medium, hard]}``), typed and
+range-checked with the rest of the config, and the schedule reads them as ``self.options``.
+A subclass with a ``mode`` name is usable as ``curriculum.mode: <name>`` once imported; from
+outside this package, ``curriculum.mode: my_pkg.schedules:MySchedule`` (or
+``./my_schedules.py:MySchedule``) imports it (crystal_grpo/user_code.py). So a new mode is one
+class, and a new option of a mode is one field.
+
+Modes:
 
 - ``competence`` (Platanios et al. 2019): at chunk t the pool is the easiest
   ``c(t) = min(1, c0 + (1 - c0) t / T)`` share of the data (``pacing="sqrt"``:
@@ -21,14 +29,17 @@ mode, no other change):
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Union
 
 from crystal_grpo.curricula.complexity import TIERS
-from crystal_grpo.typed import option
+from crystal_grpo.typed import ConfigError, derived, from_dict, option
+from crystal_grpo.user_code import FORMS, is_import_path, load_subclass
 
 Pacing = Literal["linear", "sqrt"]
 Difficulty = Literal["steps", "complexity"]
@@ -36,15 +47,23 @@ Difficulty = Literal["steps", "complexity"]
 
 @dataclass
 class CurriculumSection:
-    """The step-count curriculum (``curriculum:`` in a run config; CPR-Curriculum, docs/method.md section 8)."""
+    """The step-count curriculum (``curriculum:`` in a run config; CPR-Curriculum, docs/method.md section 8).
+
+    The fields are what every mode takes; any other key is an option of the mode (its
+    Schedule's ``Options``), checked against it by :func:`resolve` when the config is validated.
+    """
 
     mode: str = option("competence", "A Schedule's mode: competence (the pool grows from the easiest c0 share), "
-                       "buckets (complexity tiers open in turn), sorted (the whole data easiest-first).")
-    c0: float = option(0.25, "Initial competence: share of the easiest data available at step 0.", gt=0, le=1)
+                       "buckets (complexity tiers open in turn), sorted (the whole data easiest-first); or your "
+                       "Schedule subclass as 'package.module:Name' or 'path/file.py:Name'.")
     total_steps: Union[int, None] = option(None, "Pacing horizon T in optimizer steps (default: max_steps).", ge=1)
     difficulty: Difficulty = option("steps", "Order by reference step count or by complexity score.")
-    pacing: Pacing = option("linear", "c(t) = c0 + (1 - c0) t/T (linear) or sqrt(c0^2 + (1 - c0^2) t/T).")
     start_chunk: int = option(0, "Global chunk the run starts at (continue a curriculum in a new run).", ge=0)
+    options: dict[str, Any] = option(
+        default_factory=dict, rest=True, help="The mode's own options (its Schedule's Options fields), as keys of "
+        "this section: e.g. competence's c0 and pacing, buckets' bucket_order (each mode's are listed below).")
+    schedule: Union[type, None] = derived("The mode's Schedule class, found when the config is validated.")
+    config: Any = derived("The mode's options, typed (its Schedule's Options), made when the config is validated.")
 
 
 def _default_bucket_order(labels: Sequence[Hashable]) -> list[Hashable]:
@@ -54,17 +73,26 @@ def _default_bucket_order(labels: Sequence[Hashable]) -> list[Hashable]:
     return sorted(present)
 
 
+@dataclass
+class NoOptions:
+    """A mode without options of its own."""
+
+
 class Schedule:
     """A curriculum mode: which examples chunk t may draw from, and its pacing.
 
     Example i is in the pool of chunk t iff ``key[i] < threshold(t)``; the sampler draws
-    chunks from the pool (the pass walk of the module docstring) unless the mode fixes them
-    itself (:meth:`fixed_chunk`). A subclass with a ``mode`` name registers itself: adding a
-    mode is one class, usable as ``curriculum.mode: <name>``.
+    chunks from the pool (the pass walk of curricula/sampler.py) unless the mode fixes them
+    itself (:meth:`fixed_chunk`). ``options`` is an instance of the nested ``Options``
+    dataclass (the mode's keys of the ``curriculum:`` section, defaults where not given);
+    ``buckets`` the examples' labels (complexity tiers) for modes that group them. A subclass
+    with a ``mode`` name registers itself: adding a mode is one class, usable as
+    ``curriculum.mode: <name>`` (or by import path from outside this package).
     """
 
     mode: ClassVar[str] = ""
     needs_horizon: ClassVar[bool] = True
+    Options: ClassVar[type] = NoOptions
     registry: ClassVar[dict[str, type[Schedule]]] = {}
     key: list[int]
 
@@ -73,9 +101,26 @@ class Schedule:
         if cls.mode:
             Schedule.registry[cls.mode] = cls
 
-    def __init__(self, order: list[int], batch_size: int, total_steps: int | None, **options: Any) -> None:
+    def __init__(self, order: list[int], batch_size: int, total_steps: int | None, options: Any = None,
+                 buckets: Sequence[Hashable] | None = None) -> None:
         self.order, self.batch_size, self.total_steps = order, batch_size, total_steps
         self.n = len(order)
+        self.options = options if options is not None else self.Options()
+        self.buckets = buckets
+
+    @classmethod
+    def make_options(cls, options: Mapping[str, Any], where: str = "curriculum") -> Any:
+        """The mode's typed options from the section's other keys: an unknown key or a bad
+        value is one line naming it."""
+        fields = [f.name for f in dataclasses.fields(cls.Options)]
+        unknown = [k for k in options if k not in fields]
+        if unknown:
+            near = difflib.get_close_matches(str(unknown[0]), fields, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            own = f"its options: {', '.join(fields)}" if fields else "it has no options of its own"
+            raise ConfigError(f"unknown key {f'{where}.{unknown[0]}'!r}{hint} for mode {cls.mode or cls.__name__!r}; "
+                              f"{where} takes {', '.join(SECTION_KEYS)}, and {own}")
+        return from_dict(cls.Options, dict(options), where)
 
     def threshold(self, t: int) -> int:
         raise NotImplementedError
@@ -92,19 +137,46 @@ class Schedule:
         return None
 
 
+#: The ``curriculum:`` keys every mode takes; any other key is the mode's own.
+SECTION_KEYS = tuple(f.name for f in dataclasses.fields(CurriculumSection) if f.init and not f.metadata.get("rest"))
+
+
+def schedule_class(mode: str | type[Schedule]) -> type[Schedule]:
+    """A ``curriculum.mode``: a registered mode's name, or a Schedule subclass (or its import path)."""
+    if isinstance(mode, type) and issubclass(mode, Schedule):
+        return mode
+    if mode in Schedule.registry:
+        return Schedule.registry[mode]
+    if not is_import_path(mode):
+        raise ConfigError(f"curriculum.mode: invalid value {mode!r}; expected one of "
+                          f"{', '.join(map(repr, Schedule.registry))}, or a Schedule subclass as {FORMS}")
+    return load_subclass(mode, Schedule, "curriculum.mode")
+
+
+def resolve(section: CurriculumSection, where: str = "") -> CurriculumSection:
+    """Find the section's mode and type its options (``section.schedule``, ``section.config``);
+    every problem is one line, raised while the config is checked."""
+    try:
+        section.schedule = schedule_class(section.mode)
+    except ConfigError as err:
+        raise ConfigError(f"{where}{err}") from None
+    section.config = section.schedule.make_options(section.options, f"{where}curriculum")
+    return section
+
+
 class CompetenceSchedule(Schedule):
     """Platanios et al. 2019: the easiest ``c(t)`` share of the data, never under one chunk."""
 
     mode = "competence"
 
-    def __init__(self, order, batch_size, total_steps, *, c0: float = 0.25, pacing: Pacing = "linear",
-                 **options: Any) -> None:
-        super().__init__(order, batch_size, total_steps)
-        if not 0.0 < c0 <= 1.0:
-            raise ValueError(f"c0 must be in (0, 1], got {c0}")
-        if pacing not in ("linear", "sqrt"):
-            raise ValueError(f"pacing {pacing!r} is unknown: allowed values are linear, sqrt")
-        self.c0, self.pacing = c0, pacing
+    @dataclass
+    class Options:
+        c0: float = option(0.25, "Initial competence: share of the easiest data available at step 0.", gt=0, le=1)
+        pacing: Pacing = option("linear", "c(t) = c0 + (1 - c0) t/T (linear) or sqrt(c0^2 + (1 - c0^2) t/T).")
+
+    def __init__(self, order, batch_size, total_steps, options=None, buckets=None) -> None:
+        super().__init__(order, batch_size, total_steps, options, buckets)
+        self.c0, self.pacing = self.options.c0, self.options.pacing
         self.key = [0] * self.n
         for r, i in enumerate(order):
             self.key[i] = r
@@ -129,12 +201,18 @@ class BucketSchedule(Schedule):
 
     mode = "buckets"
 
-    def __init__(self, order, batch_size, total_steps, *, buckets: Sequence[Hashable] | None = None,
-                 bucket_order: Sequence[Hashable] | None = None, **options: Any) -> None:
-        super().__init__(order, batch_size, total_steps)
+    @dataclass
+    class Options:
+        bucket_order: Union[list[Union[str, int]], None] = option(
+            None, "The bucket labels in the order they open (default: easy, medium, hard for complexity tiers, "
+            "else sorted).")
+
+    def __init__(self, order, batch_size, total_steps, options=None, buckets=None) -> None:
+        super().__init__(order, batch_size, total_steps, options, buckets)
         if buckets is None or len(buckets) != self.n:
             raise ValueError("mode 'buckets' needs one bucket label per example")
-        self.bucket_order = list(bucket_order) if bucket_order is not None else _default_bucket_order(buckets)
+        given = self.options.bucket_order
+        self.bucket_order = list(given) if given is not None else _default_bucket_order(buckets)
         rank = {b: k for k, b in enumerate(self.bucket_order)}
         missing = sorted({str(b) for b in buckets if b not in rank})
         if missing:
@@ -168,8 +246,8 @@ class SortedSchedule(Schedule):
     mode = "sorted"
     needs_horizon = False
 
-    def __init__(self, order, batch_size, total_steps, **options: Any) -> None:
-        super().__init__(order, batch_size, total_steps)
+    def __init__(self, order, batch_size, total_steps, options=None, buckets=None) -> None:
+        super().__init__(order, batch_size, total_steps, options, buckets)
         self.key = [0] * self.n
 
     def competence(self, t: int) -> float:

@@ -23,8 +23,9 @@ from crystal_grpo.rewards.composite import CompositeConfig, CompositeReward
 from crystal_grpo.rewards.cpr import CPRConfig, CPRReward, cpr_reward
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
 from crystal_grpo.rewards.shuffled import ShuffledAnswerReward, ShuffledConfig
-from crystal_grpo.rewards.user import ComposedConfig, ComposedReward, RewardImportError, load_object
+from crystal_grpo.rewards.user import ComposedConfig, ComposedReward
 from crystal_grpo.typed import ConfigError
+from crystal_grpo.user_code import FORMS, is_import_path, load_subclass
 
 #: Reward name (``reward.name`` in a config) -> module class. A new reward is one file with a
 #: ``RewardModule`` subclass plus one line here; from outside this package, ``reward.name:
@@ -52,14 +53,10 @@ def reward_class(name: str) -> type[RewardModule]:
     """A ``reward.name``: registered (``REWARDS``) or an import path to a RewardModule subclass."""
     if name in REWARDS:
         return REWARDS[name]
-    if ":" not in name:
+    if not is_import_path(name):
         raise ConfigError(f"reward.name: invalid value {name!r}; expected one of {', '.join(map(repr, REWARDS))}, "
-                          "or a RewardModule subclass as 'package.module:Name' or 'path/file.py:Name'")
-    obj = load_object(name)
-    if not (isinstance(obj, type) and issubclass(obj, RewardModule)):
-        raise RewardImportError(f"reward {name!r} is a {type(obj).__name__}, not a RewardModule subclass (a "
-                                "plain reward function goes in reward.components)")
-    return obj
+                          f"or a RewardModule subclass as {FORMS}")
+    return load_subclass(name, RewardModule, "reward", " (a plain reward function goes in reward.components)")
 
 
 def reward_params(name: str) -> dict[str, Any]:

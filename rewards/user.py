@@ -22,19 +22,16 @@ values travel with the rest of the evaluation (``Batch.extra``).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.rewards.base import Batch, Objective, RewardConfig, RewardModule, Scored
 from crystal_grpo.rewards.cpr import CPRConfig
 from crystal_grpo.typed import ConfigError, option
+from crystal_grpo.user_code import ImportPathError, load_object  # noqa: F401 - load_object: importable here too
 
 if TYPE_CHECKING:
     import torch
@@ -50,40 +47,13 @@ TERMS: dict[str, Callable[[Batch], torch.Tensor]] = {
 }
 
 
-class RewardImportError(ConfigError):
-    """A reward or component named by import path that cannot be used."""
+#: The error of a reward or component named by import path that cannot be used (the loader,
+#: crystal_grpo/user_code.py, serves curriculum modes too).
+RewardImportError = ImportPathError
 
 
 class RewardFunctionError(CrystalError, ValueError):
     """A user's reward function returned something that is not one number (or None) a completion."""
-
-
-def load_object(spec: str, what: str = "reward") -> Any:
-    """``pkg.module:Name`` or ``path/to/file.py:Name`` (relative to the working folder)."""
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise RewardImportError(f"{what} {spec!r}: expected 'package.module:Name' or 'path/file.py:Name'")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name).resolve()
-            if not path.is_file():
-                raise FileNotFoundError(f"no such file {str(path)!r}")
-            name = f"crystal_grpo_user_{path.stem}_{abs(hash(str(path)))}"
-            module = sys.modules.get(name)
-            if module is None:
-                loader_spec = importlib.util.spec_from_file_location(name, path)
-                module = importlib.util.module_from_spec(loader_spec)
-                sys.modules[name] = module
-                loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 - any error while importing the user's code
-        sys.modules.pop(locals().get("name", ""), None)
-        raise RewardImportError(f"{what} {spec!r}: {module_name} does not import "
-                                f"({type(err).__name__}: {err})") from None
-    if not hasattr(module, attr):
-        raise RewardImportError(f"{what} {spec!r}: {module_name} has no {attr!r}")
-    return getattr(module, attr)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from crystal_grpo.train.checkpoints import (
     write_marker,
 )
 from crystal_grpo.train.config import load_config
-from crystal_grpo.train.layout import MARKER
+from crystal_grpo.train.layout import MARKER, checkpoint_folders, checkpoint_name, step_of
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
 from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, wait_for
 
@@ -41,6 +41,18 @@ def _fake_checkpoint(run: Path, step: int, marker: bool = True) -> Path:
     if marker:
         write_marker(folder, step)
     return folder
+
+
+def test_checkpoint_folders_are_named_as_transformers_saves_them(tmp_path):
+    """train/layout.py spells the folder name once, and it is the one the Trainer writes."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    assert checkpoint_name(12) == f"{PREFIX_CHECKPOINT_DIR}-12" and step_of(tmp_path / checkpoint_name(12)) == 12
+    for name in ("checkpoint-10", "checkpoint-9", "checkpoint-x", "final"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "checkpoint-11").write_text("not a folder")
+    assert [p.name for p in checkpoint_folders(tmp_path)] == ["checkpoint-9", "checkpoint-10"]
+    assert step_of(tmp_path / "final") is None and step_of(tmp_path / "checkpoint-x") is None
 
 
 def test_latest_is_the_newest_complete_checkpoint_and_says_what_it_skipped(tmp_path):

@@ -212,7 +212,7 @@ def test_curriculum_stats():
 def test_factory_as_the_trainer_calls_it():
     data = [{"prompt": [{"role": "user", "content": f"Is {k} big?"}], "answer": "yes",
              "reference_steps": ["s"] * k} for k in range(2, 42)]
-    factory = make_sampler_factory(CurriculumSection(mode="competence", c0=0.25, difficulty="steps"), data, max_steps=20)
+    factory = make_sampler_factory(CurriculumSection(mode="competence", difficulty="steps", options={"c0": 0.25}), data, max_steps=20)
     s = factory(data, mini_repeat_count=2, batch_size=4, repeat_count=2, seed=42, steps_per_chunk=2.0)
     assert s.total_steps == 10 and s.pool_size(0) == 10  # 20 optimizer steps = 10 chunks
     assert max(factory.step_counts[i] for i in s.chunk_indices(0)) <= 11

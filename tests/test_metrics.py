@@ -25,7 +25,7 @@ def test_names_are_unique_and_sources_known():
 
 @pytest.mark.parametrize("where, used", [
     ("validation (RewardModule.metrics)", METRICS),
-    ("evaluation report rows", eval_report.ROW_METRICS),
+    ("evaluation report rows", eval_report.row_metrics()),
     ("sweep report: best checkpoint, evaluations", sweep_report.BEST + sweep_report.EVAL),
     ("sweep report: diagnostics, paired, columns",
      sweep_report.DIAGNOSTICS + sweep_report.PAIRED + sweep_report.COLUMNS),

@@ -328,6 +328,27 @@ def test_diagnostics_logged_through_trl_hook():
     assert logged["cpr/f1"] == pytest.approx(F1.mean().item(), abs=1e-6)
 
 
+def test_plain_trl_functions_evaluate_each_batch_once_by_round_and_content(monkeypatch):
+    """TRL calls every component's function on one batch, which is evaluated once. A list
+    refilled in place between batches is a new batch (the old key, the list's identity, read
+    the previous batch's rewards), and so is an equal batch that comes again (the guard and
+    the log count it)."""
+    module = build_reward("answer_only")
+    evaluations = []
+    score = module.score
+    monkeypatch.setattr(module, "score", lambda *a, **k: evaluations.append(1) or score(*a, **k))
+    accuracy, fmt = module.reward_funcs()
+    right, wrong = completion(REFS, "9"), completion(REFS, "8")
+    comps = [right, wrong]
+    batch = lambda: {"prompts": ["p", "q"], "completions": comps, "answer": ["9", "9"]}  # noqa: E731
+    assert accuracy(**batch()) == [1.0, 0.0] and fmt(**batch()) == [0.1, 0.1] and len(evaluations) == 1
+    comps[:] = [wrong, right]  # the same list object, the next batch's completions
+    assert accuracy(**batch()) == [0.0, 1.0] and fmt(**batch()) == [0.1, 0.1] and len(evaluations) == 2
+    comps = [wrong, right]  # an equal batch again
+    assert accuracy(**batch()) == [0.0, 1.0] and len(evaluations) == 3
+    assert accuracy(**batch()) == [0.0, 1.0] and len(evaluations) == 4  # one function alone: each call a batch
+
+
 def test_unknown_reward_and_parameter_errors():
     with pytest.raises(ValueError, match="reward.name: invalid value 'prm'; expected one of 'format', 'answer_only', "
                                          "'composite', 'cpr'.*or a RewardModule subclass as 'package.module:Name'"):

@@ -12,6 +12,7 @@ one ``warning:`` line, ``alarm/<name>`` = 1 in that step's log row (``metrics.js
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from typing import Any, Callable
@@ -19,6 +20,8 @@ from typing import Any, Callable
 from transformers import TrainerCallback
 
 from crystal_grpo.train.config import AlarmSection
+
+logger = logging.getLogger(__name__)
 
 
 def _metric(logs: dict[str, Any], suffix: str) -> float | None:
@@ -34,7 +37,7 @@ class AlarmCallback(TrainerCallback):
     """Watches every training log row (see the module docstring). Add it before the callback that
     writes ``metrics.jsonl``, so the ``alarm/*`` values land in the same row."""
 
-    def __init__(self, cfg: AlarmSection, say: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: AlarmSection, say: Callable[[str], None] = logger.warning) -> None:
         self.cfg, self.say = cfg, say
         self.recent: dict[str, deque] = {k: deque(maxlen=cfg.window) for k in ("truncated", "steps", "recall")}
         self.zero_std_run = 0

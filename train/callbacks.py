@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -13,7 +14,8 @@ from transformers import TrainerCallback
 from crystal_grpo.distributed import gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.metrics import better
-from crystal_grpo.rewards.base import METRICS, RewardModule
+from crystal_grpo.metrics import names as metric_names
+from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.config import ValidationSection
 from crystal_grpo.train.generation import Engine, Sampling, generate
 from crystal_grpo.train.layout import (
@@ -21,11 +23,14 @@ from crystal_grpo.train.layout import (
     METRICS_LOG,
     VALIDATION_LOG,
     BestCheckpoint,
+    checkpoint_name,
     read_best,
     samples_file,
     write_best,
 )
 from crystal_grpo.train.lora_merge import merged_adapters
+
+logger = logging.getLogger(__name__)
 
 
 class ValidationCallback(TrainerCallback):
@@ -53,7 +58,7 @@ class ValidationCallback(TrainerCallback):
                 self.best = None
                 for row in rows:  # replay the record up to the resumed step (step 0 is no candidate)
                     if row["step"] > 0:
-                        self._record(row["step"], {k: row[k] for k in METRICS if k in row})
+                        self._record(row["step"], {k: row[k] for k in metric_names("reward") if k in row})
                 if trainer.is_world_process_zero():
                     write_best(self.run_dir, self.best)
 
@@ -128,7 +133,7 @@ class ValidationCallback(TrainerCallback):
         value = metrics.get(self.cfg.metric, math.nan)
         if not math.isfinite(value) or (self.best is not None and not better(self.cfg.metric, value, self.best.value)):
             return False
-        self.best = BestCheckpoint(self.cfg.metric, value, step, f"checkpoint-{step}", metrics)
+        self.best = BestCheckpoint(self.cfg.metric, value, step, checkpoint_name(step), metrics)
         return True
 
 
@@ -175,4 +180,4 @@ class PlotCallback(TrainerCallback):
             try:
                 plot_run(self.run_dir)
             except Exception as err:  # noqa: BLE001 - a plot must never fail a finished run
-                print(f"could not draw the training plot: {err}")
+                logger.warning("could not draw the training plot: %s", err)

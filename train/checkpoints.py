@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
-import re
 import shutil
 import struct
 from pathlib import Path
@@ -25,14 +25,15 @@ from typing import Any
 
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.train.layout import LOG_FILES, MARKER
+from crystal_grpo.train.layout import LOG_FILES, MARKER, checkpoint_folders, step_of
+
+logger = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
 #: Training settings that live in the optimizer/scheduler state: a resumed run keeps the
 #: checkpoint's values whatever the config says (torch restores param-group hyperparameters
 #: and the scheduler's base learning rates from the saved state).
 RESTORED_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
-_STEP = re.compile(r"^checkpoint-(\d+)$")
 
 
 class CheckpointError(CrystalError, RuntimeError):
@@ -113,9 +114,10 @@ def checkpoint_problem(folder: str | Path, require_marker: bool = True) -> str |
 
 
 def checkpoint_step(folder: str | Path) -> int:
-    m = _STEP.match(Path(folder).name)
-    if m:
-        return int(m.group(1))
+    """The step a checkpoint holds: N of ``checkpoint-N``, else its trainer state's (0 without)."""
+    step = step_of(folder)
+    if step is not None:
+        return step
     state = Path(folder) / TRAINER_STATE
     return int(json.loads(state.read_text())["global_step"]) if state.is_file() else 0
 
@@ -125,8 +127,7 @@ def latest_complete(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None, []
-    found = sorted((p for p in run_dir.iterdir() if p.is_dir() and _STEP.match(p.name)),
-                   key=checkpoint_step, reverse=True)
+    found = checkpoint_folders(run_dir)[::-1]
     skipped = []
     for folder in found:
         problem = checkpoint_problem(folder)
@@ -136,7 +137,7 @@ def latest_complete(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
-def resolve_resume(run_dir: str | Path, resume: str | None, say=print) -> str | None:
+def resolve_resume(run_dir: str | Path, resume: str | None, say=logger.info) -> str | None:
     """The checkpoint to resume from: ``latest`` (newest complete) or a checked explicit path."""
     if not resume:
         return None

@@ -30,8 +30,11 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from crystal_grpo.curricula.schedule import CurriculumSection, Schedule
+from crystal_grpo.curricula.schedule import SECTION_KEYS as CURRICULUM_KEYS
+from crystal_grpo.curricula.schedule import CurriculumSection
+from crystal_grpo.curricula.schedule import resolve as resolve_curriculum
 from crystal_grpo.metrics import Metric
+from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.rewards import RewardConfig, RewardModule, reward_class
 from crystal_grpo.train.data import DataSection
 from crystal_grpo.train.models import LoraSection, ModelSection  # noqa: F401 - part of the run config
@@ -61,8 +64,9 @@ class ValidationSection:
                                 "state untouched): the policy's sampled accuracy, which GRPO optimises and which "
                                 "greedy decoding can hide.", ge=0)
     num_samples: int = option(1, "Completions a row (metrics average over all of them).", ge=1)
-    metric: Metric = option("accuracy", "Best checkpoint by this metric (a validation metric of the metric "
-                            "table, crystal_grpo/metrics.py).")
+    metric: str = option("accuracy", "Best checkpoint by this metric: a validation metric of the metric table "
+                         "(crystal_grpo/metrics.py: " + ", ".join(typing.get_args(Metric)) + "), or one your "
+                         "reward's module registers.")
     at_start: bool = option(True, "Also validate before the first step (step 0), so every curve shows where it "
                             "began; not a best-checkpoint candidate (no checkpoint holds those weights).")
 
@@ -418,9 +422,8 @@ def validate(cfg: RunConfig) -> None:
             for key, value in (("curriculum", c.curriculum), ("pcgrad", c.pcgrad)):
                 if value:
                     raise ConfigError(f"{where}{key}: set for an SFT phase; the curriculum and PCGrad are GRPO's")
-        if c.curriculum is not None and c.curriculum.mode not in Schedule.registry:
-            raise ConfigError(f"{where}curriculum.mode: invalid value {c.curriculum.mode!r}; expected one of "
-                              + ", ".join(map(repr, Schedule.registry)))
+        check_value(f"{where}validation.metric", c.validation.metric, Literal[metric_names("reward")])  # after the
+        # reward's module loaded: a row it registers is a validation metric too
         if c.pcgrad and c.training.get("use_liger_kernel"):
             raise ConfigError(f"{where}training.use_liger_kernel: {LIGER_REFUSED}")
         if c.trainer == "grpo" and c.training.get("use_vllm"):
@@ -446,9 +449,12 @@ def validate(cfg: RunConfig) -> None:
 
 
 def check_dict_sections(cfg: RunConfig, where: str = "") -> RunConfig:
-    """Type the two free-form sections: reward.params into ``reward.config``, training (coerced
+    """Type the free-form parts: reward.params into ``reward.config``, the curriculum mode's own
+    keys into ``curriculum.config`` (its Schedule found, by import path too), training (coerced
     in place, TRL's names for other sections' settings moved there: :func:`_move_aliases`)."""
     _check_reward_params(cfg.reward, where)
+    if cfg.curriculum is not None:
+        resolve_curriculum(cfg.curriculum, where)
     _check_training(cfg.training, where, cfg.trainer)
     _move_aliases(cfg, where)
     return cfg
@@ -501,6 +507,10 @@ def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
     over = phase.overrides.get("reward")
     if isinstance(over, dict) and over.get("name", base["reward"]["name"]) != base["reward"]["name"]:
         base["reward"] = {}  # another reward: the base reward's weights do not carry over
+    over, curriculum = phase.overrides.get("curriculum"), base["curriculum"]
+    if isinstance(over, dict) and curriculum and over.get("mode", curriculum["mode"]) != curriculum["mode"]:
+        # another mode: the base mode's own options do not carry over either
+        base["curriculum"] = {k: v for k, v in curriculum.items() if k in CURRICULUM_KEYS}
     if phase.trainer != cfg.trainer:  # e.g. an SFT warm start in a GRPO run: GRPO's own settings stay out
         base["training"], phase.left_out = split_training(base["training"])
         if phase.trainer == "sft":

@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-from crystal_grpo.distributed import launch_command
+from crystal_grpo.distributed import is_main_process, launch_command
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.train.checkpoints import (
@@ -35,6 +35,7 @@ from crystal_grpo.train.checkpoints import (
 )
 from crystal_grpo.train.config import ConfigError, PaperRecipe, PhaseSection, RunConfig, load_config, phase_configs
 from crystal_grpo.train.layout import (
+    CHECKPOINT_GLOB,
     CONFIG,
     CURVES,
     FINAL,
@@ -42,6 +43,7 @@ from crystal_grpo.train.layout import (
     RUN_SUMMARY,
     SUMMARY,
     VALIDATION_LOG,
+    checkpoint_name,
     phase_dir,
     read_best,
     read_config,
@@ -60,12 +62,8 @@ from crystal_grpo.train.run_folder import (
 from crystal_grpo.typed import to_dict
 
 
-def _main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def say(msg: str) -> None:
-    if _main_process():
+    if is_main_process():
         print(msg, flush=True)
 
 
@@ -176,11 +174,11 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
         for line in settings_undone((read_json(state) or {}).get("settings", {}), args):
             say(f"warning: {line}")
         with args.main_process_first(desc="truncating the run's logs to the checkpoint"):
-            if _main_process():  # every rank then reads the same logs (validation record)
+            if is_main_process():  # every rank then reads the same logs (validation record)
                 truncate_logs(output_dir, checkpoint_step(checkpoint))
     else:
         with args.main_process_first(desc="starting the phase over"):
-            if _main_process() and output_dir.is_dir() and METRICS_LOG in clear_attempt(output_dir):
+            if is_main_process() and output_dir.is_dir() and METRICS_LOG in clear_attempt(output_dir):
                 say(f"{output_dir}: no complete checkpoint, so the phase starts over at step 0; the logs of "
                     "the attempt that was stopped before its first checkpoint are removed")
     # The sentence encoder loads outside DeepSpeed's partitioning (rewards/match_f1.py).
@@ -207,7 +205,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     trainer.add_callback(PlotCallback(output_dir))
     for cb in callbacks or []:
         trainer.add_callback(cb)
-    if _main_process():
+    if is_main_process():
         atomic_write_text(output_dir / CONFIG, json.dumps(to_dict(cfg), indent=2, default=str))
     if checkpoint and 0 < args.max_steps <= checkpoint_step(checkpoint):
         say(f"{checkpoint} already holds step {checkpoint_step(checkpoint)} of max_steps {args.max_steps}: "
@@ -218,7 +216,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
             trainer.train(resume_from_checkpoint=checkpoint)
     if trainer.interrupt.stopped_at is not None:
         step = trainer.interrupt.stopped_at
-        raise Interrupted(trainer.interrupt.signum, step, str(output_dir / f"checkpoint-{step}"))
+        raise Interrupted(trainer.interrupt.signum, step, str(output_dir / checkpoint_name(step)))
     if trainer.stopped_nonfinite:
         raise SystemExit(
             f"stopped: {cfg.stability.max_consecutive_nonfinite} consecutive updates had non-finite "
@@ -228,7 +226,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     trainer.save_model(str(output_dir / FINAL))
     val_file = output_dir / VALIDATION_LOG
     last = (read_jsonl(val_file) or [{}])[-1]
-    say(f"\nrun folder: {output_dir}\n  checkpoints: {output_dir}/checkpoint-*  final model: {output_dir / FINAL}"
+    say(f"\nrun folder: {output_dir}\n  checkpoints: {output_dir / CHECKPOINT_GLOB}  final model: {output_dir / FINAL}"
         f"\n  metrics: {output_dir / METRICS_LOG}  validation: {val_file}"
         f"\n  plot: {output_dir / CURVES}")
     return last, trainer.state.global_step
@@ -350,7 +348,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
     """
     phases = copy.deepcopy(phase_configs(cfg))  # a phase may be given its start below
     max_steps = [p.training.get("max_steps") for p in phases]
-    main, created = _main_process(), not run_dir.exists()
+    main, created = is_main_process(), not run_dir.exists()
     try:
         with RunLock(run_dir, launch_command(), say) if main else contextlib.nullcontext():
             launch = plan_launch(run_dir, as_record(cfg), max_steps, resume, overwrite, say, write=main)
@@ -387,10 +385,10 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
                 say(left_out_line(phase))
         validation, step = run_phase(pcfg, pdir, "latest" if started else None, callbacks)
         summary[phase.name] = validation
-        if _main_process():
+        if is_main_process():
             mark_phase_done(pdir, pcfg.training.get("max_steps"), step, validation)
         prev = pdir
-    if _main_process():
+    if is_main_process():
         atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2))  # last: the run is finished
         from crystal_grpo.train.summary import write_summary
 
@@ -404,12 +402,15 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from crystal_grpo.curricula.schedule import Schedule
     from crystal_grpo.typed import describe
 
     epilog = ("config fields (any of them also as --section.key VALUE; reward.params are the fields of the "
               "reward's config class, training any field of trl.GRPOConfig):\n" + "\n".join(describe(RunConfig))
               + "\n\nthe paper's recipe: training defaults of a GRPO phase (a training key of the config wins):\n"
-              + "\n".join(describe(PaperRecipe, "training.")))
+              + "\n".join(describe(PaperRecipe, "training."))
+              + "".join(f"\n\ncurriculum.mode: {mode}: its own options\n" + "\n".join(describe(cls.Options, "curriculum."))
+                        for mode, cls in Schedule.registry.items() if dataclasses.fields(cls.Options)))
     ap = argparse.ArgumentParser(description=__doc__, epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML file, or a name in configs/")
@@ -440,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in check_lines(cfg, args.accelerate_config, args.gpus, args.gpu_memory):
             say(line)
     if missing:  # every missing piece at once, before any folder, lock or model
-        if _main_process():
+        if is_main_process():
             print("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing), file=sys.stderr)
         return 2
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
@@ -471,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if not isinstance(err, CrystalError):
             raise
-        if _main_process() or not isinstance(err, RunFolderError):  # (every rank meets the same folder)
+        if is_main_process() or not isinstance(err, RunFolderError):  # (every rank meets the same folder)
             print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0

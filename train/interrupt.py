@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from transformers import TrainerCallback
 
-from crystal_grpo.distributed import rank_and_world
+from crystal_grpo.distributed import is_main_process, rank_and_world
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: Signals this close together count as one: a terminal's Ctrl-C reaches every process of
@@ -57,8 +57,9 @@ class GracefulStop(TrainerCallback):
                 return  # one Ctrl-C delivered twice: by the terminal and forwarded by torchrun
             raise KeyboardInterrupt  # a second interrupt: abort now
         self.signum, self._first_at = signum, now
-        print(f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint and "
-              "stopping (press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+        if is_main_process():  # (torchrun forwards the signal to every worker)
+            print(f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint and "
+                  "stopping (press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def handling(self) -> Iterator["GracefulStop"]:

@@ -25,6 +25,10 @@ from typing import Any
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text, read_json
 
+#: A checkpoint's folder: transformers' Trainer saves step N in ``checkpoint-N``
+#: (``PREFIX_CHECKPOINT_DIR``; tests/test_checkpoints.py keeps the two equal).
+CHECKPOINT_PREFIX = "checkpoint-"
+CHECKPOINT_GLOB = CHECKPOINT_PREFIX + "*"
 LOCK = "run.lock"
 RECORD = "run.json"
 SUMMARY = "summary.json"  # the run's validation per phase; written last: the run is finished
@@ -46,6 +50,24 @@ PROGRESS = (METRICS_LOG, VALIDATION_LOG, PHASE_DONE, FINAL)
 ATTEMPT_FILES = (METRICS_LOG, VALIDATION_LOG, BEST, PHASE_DONE, CURVES)
 
 _PHASE_DIR = re.compile(r"phase(\d+)-(.+)")
+_CHECKPOINT_DIR = re.compile(re.escape(CHECKPOINT_PREFIX) + r"(\d+)")
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder name of the checkpoint of ``step``."""
+    return f"{CHECKPOINT_PREFIX}{step}"
+
+
+def step_of(folder: str | Path) -> int | None:
+    """N of a ``checkpoint-N`` folder; None for any other folder (``final/``, a model folder)."""
+    m = _CHECKPOINT_DIR.fullmatch(Path(folder).name)
+    return int(m[1]) if m else None
+
+
+def checkpoint_folders(folder: Path) -> list[Path]:
+    """The ``checkpoint-N`` folders in a phase folder, oldest (lowest N) first."""
+    found = [p for p in Path(folder).glob(CHECKPOINT_GLOB) if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
 
 
 def samples_file(step: int | str) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from crystal_grpo.train.layout import (
     phase_folders,
     read_best,
     read_config,
+    step_of,
 )
 from crystal_grpo.train.summary import Phase, read_phase, read_phases
 
@@ -99,7 +99,6 @@ def write_model_card(trainer, model_name: str | None = None) -> Path:
 
 
 # --- the card of an exported checkpoint -------------------------------------------------
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 UNKNOWN = "unknown"
 
 
@@ -142,9 +141,9 @@ class RunRecord:
 def recorded_step(folder: Path, phase_dir: Path | None) -> int | None:
     """``checkpoint-N``: N; else the saved trainer state's step; a phase's ``final/`` (saved
     without trainer state): the phase's last logged step; else unknown."""
-    m = _CHECKPOINT.match(folder.name)
-    if m:
-        return int(m[1])
+    step = step_of(folder)
+    if step is not None:
+        return step
     state = read_json(folder / TRAINER_STATE)
     if isinstance(state, dict) and isinstance(state.get("global_step"), int):
         return state["global_step"]

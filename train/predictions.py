@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from crystal_grpo.errors import CrystalError
-from crystal_grpo.distributed import barrier, gather_objects, rank_and_world
+from crystal_grpo.distributed import accelerate_state, barrier, gather_objects, rank_and_world
 from crystal_grpo.jsonl import Unreadable, atomic_write_text, iter_jsonl
 from crystal_grpo.rewards.parsing import ParsedOutput
 from crystal_grpo.train.generation import Sampling
@@ -202,9 +202,12 @@ def choose_backend(requested: Backend, world: int) -> str:
 
 
 def default_device():
-    """This process's GPU (``LOCAL_RANK``), else the CPU."""
+    """This process's device: accelerate's once it is set up, else its GPU (``LOCAL_RANK``), else the CPU."""
     import torch
 
+    state = accelerate_state()
+    if state is not None:
+        return state.device
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import socket
@@ -44,11 +45,15 @@ from crystal_grpo.train.layout import (
     SAMPLES_GLOB,
     SUMMARY,
     SWEEP_POINT,
+    checkpoint_folders,
     is_finished,
     phase_dir,
     phase_folders,
+    step_of,
 )
 from crystal_grpo.typed import to_dict
+
+logger = logging.getLogger(__name__)
 
 
 class RunFolderError(CrystalError, RuntimeError):
@@ -67,7 +72,7 @@ def _process_start(pid: int) -> str | None:
 class RunLock:
     """``with RunLock(run_dir, command, say):`` one live run in ``run_dir`` at a time."""
 
-    def __init__(self, run_dir: Path, command: str, say: Callable[[str], None] = print) -> None:
+    def __init__(self, run_dir: Path, command: str, say: Callable[[str], None] = logger.warning) -> None:
         self.path, self.command, self.say = Path(run_dir) / LOCK, command, say
         self.fd: int | None = None
 
@@ -168,7 +173,7 @@ def phase_state(folder: Path, max_steps: Any) -> PhaseState:
     record = read_json(folder / PHASE_DONE)
     if record is None and is_finished(folder) and (folder / FINAL).is_dir():
         ckpt, _ = latest_complete(folder)  # a single-phase run finished before phase_done.json existed
-        record = {"max_steps": max_steps, "global_step": int(ckpt.name.split("-")[1]) if ckpt else None}
+        record = {"max_steps": max_steps, "global_step": step_of(ckpt) if ckpt else None}
     if record is None:
         return PhaseState(folder, "open")
     reached = record.get("global_step", record.get("max_steps"))
@@ -268,7 +273,7 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
 
 
 def _started(folder: Path) -> bool:
-    return any((folder / name).exists() for name in PROGRESS) or next(folder.glob("checkpoint-*"), None) is not None
+    return any((folder / name).exists() for name in PROGRESS) or bool(checkpoint_folders(folder))
 
 
 def _record(run_dir: Path, config: dict, record: dict | None, how: str, write: bool) -> None:

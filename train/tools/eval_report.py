@@ -18,15 +18,11 @@ import numpy as np
 
 from crystal_grpo.curricula.complexity import complexity_tier, step_count
 from crystal_grpo.jsonl import atomic_write_text
-from crystal_grpo.metrics import names as metric_names
+from crystal_grpo.metrics import per_completion as row_metrics
 from crystal_grpo.metrics import spec
-from crystal_grpo.rewards.base import METRICS
 from crystal_grpo.train.tools.stats import bootstrap_ci, seed_test, two_level_ci
 from crystal_grpo.train.tools.stats import nanmean as _nanmean
 
-#: Per-example numbers a report aggregates: the metric table's validation rows, and those
-#: only evaluation keeps (the LIS ratio).
-ROW_METRICS = (*METRICS, *metric_names("row"))
 #: Reference-step-count buckets (CRYSTAL's references have 3-42 steps, mean 11.6).
 STEP_BUCKETS = ((1, 2), (3, 5), (6, 10), (11, 20), (21, None))
 
@@ -40,16 +36,19 @@ def step_bucket(n: int) -> str:
 
 def per_row_values(rows: Sequence[dict], scored: Sequence[dict]) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Row ids, ``[rows, metrics]`` means over each row's samples (NaN where undefined, e.g.
-    step metrics of a row without references), and pass@k (1 if any sample is correct)."""
+    step metrics of a row without references), and pass@k (1 if any sample is correct). The
+    metrics are :func:`row_metrics` (the table's validation rows, and those only evaluation
+    keeps, e.g. the LIS ratio), in its order."""
     by_id: dict[str, list[dict]] = defaultdict(list)
     for s in scored:
         by_id[s["id"]].append(s)
     ids = [r["id"] for r in rows]
-    values = np.full((len(ids), len(ROW_METRICS)), np.nan)
+    metrics = row_metrics()
+    values = np.full((len(ids), len(metrics)), np.nan)
     passed = np.zeros(len(ids))
     for n, rid in enumerate(ids):
         samples = by_id.get(rid, [])
-        for m, name in enumerate(ROW_METRICS):
+        for m, name in enumerate(metrics):
             xs = [s[name] for s in samples if s.get(name) is not None]
             if xs:
                 values[n, m] = float(np.mean(xs))
@@ -69,7 +68,7 @@ def build_report(rows: Sequence[dict], scored: Sequence[dict], identity: dict, b
     ids, values, passed = per_row_values(rows, scored)
     k = max((s["sample"] for s in scored), default=0) + 1
     table = np.column_stack([values, passed]) if k > 1 else values
-    names = list(ROW_METRICS) + (["pass_at_k"] if k > 1 else [])
+    names = list(row_metrics()) + (["pass_at_k"] if k > 1 else [])
     lo, hi = bootstrap_ci(table, bootstrap, seed)
     mean = _nanmean(table)
     overall = {m: {"value": _finite(mean[i]), "ci_low": _finite(lo[i]), "ci_high": _finite(hi[i])}
@@ -178,7 +177,7 @@ def compare(arms: Sequence[Path | Sequence[Path]], bootstrap: int = 1000, seed: 
     out = {"rows": len(common), "folders": [",".join(map(str, g)) for g in groups],
            "seeds": [len(g) for g in groups], "metrics": {}}
     lows, highs = zip(*[two_level_ci(arr[0], a, bootstrap, seed) for a in arr[1:]]) if len(arr) > 1 else ((), ())
-    for m, name in enumerate(ROW_METRICS):
+    for m, name in enumerate(row_metrics()):
         entry = {"means": [_finite(_nanmean(_nanmean(a[:, :, m], axis=1))) for a in arr], "diffs": []}
         for j in range(1, len(arr)):
             per_seed = [_nanmean(a[:, :, m], axis=1) for a in (arr[0], arr[j])]

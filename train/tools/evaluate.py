@@ -23,6 +23,7 @@ from typing import Any
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.distributed import barrier, rank_and_world
 from crystal_grpo.jsonl import atomic_write_text
+from crystal_grpo.metrics import per_completion
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.generation import Sampling
@@ -110,7 +111,7 @@ def score_predictions(module: RewardModule, rows: Sequence[dict], predictions: S
     data_rows = [by_id[p["id"]] for p in preds]
     scored = module.score([as_completion(p) for p in preds], data_rows, with_steps=True)
     b = scored.batch
-    reward = module.total(b)
+    values = module.per_row(b)
     pairs: dict[int, tuple[list, int]] = {}
     if scored.steps is not None:
         for n, i in enumerate(scored.step_rows):
@@ -118,14 +119,12 @@ def score_predictions(module: RewardModule, rows: Sequence[dict], predictions: S
             pairs[i] = (scored.steps.pairs[n].tolist(), int(best[n]) if best is not None else 0)
     out = []
     for i, (p, parsed) in enumerate(zip(preds, scored.parsed)):
-        num = lambda t: None if math.isnan(float(t[i])) else float(t[i])  # noqa: E731
+        num = lambda t: None if t is None or math.isnan(float(t[i])) else float(t[i])  # noqa: E731
         matched, chain = pairs.get(i, ([], None))
         out.append({
             "id": p["id"], "sample": p["sample"], "completion": p.get("completion"),
             "reasoning_steps": parsed.steps, "answer": parsed.answer,
-            "accuracy": num(b.correct), "format_rate": num(b.format_ok), "steps_mean": num(b.n_pred),
-            "precision": num(b.precision), "recall": num(b.recall), "f1": num(b.f1), "lis_ratio": num(b.lis_ratio),
-            "ordered_f1": num(b.ordered_f1), "reward": num(reward),
+            **{m: num(values.get(m)) for m in per_completion()},
             "matched_pairs": matched, "reference_chain": chain,
         })
     return out

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crystal_grpo.jsonl import read_jsonl
-from crystal_grpo.train.layout import FINAL, LOCK, MARKER, METRICS_LOG, RECORD, VALIDATION_LOG
+from crystal_grpo.train.layout import FINAL, LOCK, MARKER, METRICS_LOG, RECORD, VALIDATION_LOG, checkpoint_name
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Logged values that must match the reference exactly (timings are not compared).
@@ -52,12 +52,12 @@ def command(model: str, out: Path, steps: int, resume: bool) -> list[str]:
 
 def _saving(out: Path, step: int) -> bool:
     """``checkpoint-<step>`` is being written (its folder is there, its marker not yet)."""
-    folder = out / f"checkpoint-{step}"
+    folder = out / checkpoint_name(step)
     return folder.is_dir() and not (folder / MARKER).exists()
 
 
 def _after_last(out: Path, steps: int) -> bool:
-    return (out / f"checkpoint-{steps}" / MARKER).exists()
+    return (out / checkpoint_name(steps) / MARKER).exists()
 
 
 def launch(cmd: list[str], kill: str | None, deadline: float | None, out: Path, steps: int, log,
@@ -71,7 +71,7 @@ def launch(cmd: list[str], kill: str | None, deadline: float | None, out: Path, 
                 kill == "random" and deadline is not None and time.monotonic() - start >= deadline):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            where = f"checkpoint-{save_step}" if kill == "saving" else f"{time.monotonic() - start:.1f}s"
+            where = checkpoint_name(save_step) if kill == "saving" else f"{time.monotonic() - start:.1f}s"
             return f"{kill}@{where}"
         time.sleep(0.005)
     return f"exit {proc.returncode}"

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from crystal_grpo.jsonl import atomic_write_text, read_json
-from crystal_grpo.metrics import label, spec
+from crystal_grpo.metrics import label, per_completion, spec
 from crystal_grpo.rewards.base import METRICS
-from crystal_grpo.train.layout import FINAL, PHASE_DONE, is_finished, read_best, run_targets
+from crystal_grpo.train.layout import FINAL, PHASE_DONE, is_finished, read_best, run_targets, step_of
 from crystal_grpo.train.summary import Phase, read_phases, slope
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def eval_targets(folder: Path) -> dict[str, Path]:
     final = best.parent / FINAL
     targets = {"eval": final} if final.is_dir() else {}
     last = (read_json(best.parent / PHASE_DONE) or {}).get("global_step")  # (its checkpoint may be rotated away)
-    if best.name.startswith("checkpoint-") and best.name != f"checkpoint-{last}":
+    if step_of(best) not in (None, last):
         targets["eval_best"] = best
     return targets
 
@@ -150,7 +150,7 @@ def paired_on_eval(sweep: Sweep, arms: list[str], bootstrap: int = 1000, seed: i
     """Every arm against the first on the evaluation rows, paired by row: the difference of the
     means with a 95% interval that resamples each arm's seeds, then rows (train/tools/stats.py), a
     Welch test on the per-seed means, and the seeds a difference of that size would need."""
-    from crystal_grpo.train.tools.eval_report import ROW_METRICS, load_scored
+    from crystal_grpo.train.tools.eval_report import load_scored
     from crystal_grpo.train.tools.stats import seed_test, two_level_ci
 
     per_arm = {}
@@ -162,7 +162,7 @@ def paired_on_eval(sweep: Sweep, arms: list[str], bootstrap: int = 1000, seed: i
     if len(per_arm) < 2 or arms[0] not in per_arm:
         return None
     common = sorted(set.intersection(*(set(r) for runs in per_arm.values() for r in runs)))
-    cols = [ROW_METRICS.index(m) for m in PAIRED]
+    cols = [per_completion().index(m) for m in PAIRED]
     table = {arm: np.array([[r[i][cols] for i in common] for r in runs]) for arm, runs in per_arm.items()}
     base = table[arms[0]]  # [seeds, rows, metrics]
     out = {"baseline": arms[0], "rows": len(common), "arms": {}}
