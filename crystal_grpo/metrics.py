@@ -14,7 +14,7 @@ reward has the row). Where its value comes from is the row's ``source``:
 - ``"row"``: a per-completion value only evaluation keeps (``train/tools/eval_report.py``);
 - ``"evaluation"``: computed over a row's samples by the evaluation report (pass@k);
 - ``"training"``: a key of the trainer's log (``metrics.jsonl``) or a sweep diagnostic derived
-  from it (``train/sweep_report.py``).
+  from it (``train/tools/sweep_report.py``).
 
 No torch here: configs, reports and the sweep read this table without loading a model stack.
 """

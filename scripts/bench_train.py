@@ -13,7 +13,7 @@ process or under ZeRO-3; LoRA generates through merged adapters, ``-unmerged`` a
 by default, answer-only with ``-answer``; the encoder on the device), either with a generation
 suffix: ``-static`` (``cache_implementation: static``) or ``-cb`` (transformers' continuous
 batching, ``use_transformers_continuous_batching: true``);
-``crystal_grpo/train/tools/bench.py`` says exactly what each runs. Every run has the same model,
+``train/tools/bench.py`` says exactly what each runs. Every run has the same model,
 data, batch (``--batch`` completions = ``--batch`` / 8 prompts x 8 generations), generation
 length, seed and GRPOConfig, and does ``--warmup + --steps`` optimizer steps. With the
 default learning rate 0 the policy never changes, so every setting samples the same

@@ -10,6 +10,7 @@ building, benchmarks). ``if TYPE_CHECKING:`` imports are annotations only and ar
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,26 @@ def test_every_error_of_the_library_is_a_crystal_error():
                 found.append(obj)
     assert len(found) >= 15
     assert [e.__qualname__ for e in found if not issubclass(e, CrystalError)] == []
+
+
+#: A repository path as the code and the docs name them (``train/tools/sweep.py``, ``docs/method.md``).
+REPO_PATH = re.compile(r"(?<![\w./-])((?:train|rewards|curricula|crystal_grpo|scripts|tests|configs|docs)/[\w/.-]+"
+                       r"\.(?:py|md|yaml|json))")
+#: Paths of other projects' repositories that the text names as such.
+ELSEWHERE = {"tests/test_grpo_trainer.py"}  # TRL's own test file
+
+
+def named_paths(text: str) -> set[str]:
+    return {m.group(1) for m in REPO_PATH.finditer(text)} - ELSEWHERE
+
+
+def test_every_file_the_code_and_docs_name_exists():
+    """A moved or renamed module leaves no comment, docstring or doc pointing at where it was."""
+    texts = [p for p in REPO.rglob("*") if p.suffix in (".py", ".md", ".yaml")
+             and not {".venv", ".cache", ".git", "runs"} & set(p.relative_to(REPO).parts)]
+    missing = sorted(f"{p.relative_to(REPO)}: {path}" for p in texts
+                     for path in named_paths(p.read_text(encoding="utf-8", errors="replace"))
+                     if not (REPO / path).exists())
+    assert missing == []
+    gone = "train/" + "sweep.py"  # spelled apart, or this file would name it
+    assert named_paths(f"see {gone}, or ``{gone}``.") == {gone}  # what the check flags

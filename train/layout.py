@@ -11,7 +11,7 @@ The one place these names are spelled; every other module asks here. A run folde
         checkpoint-<step>/ (complete once checkpoint_complete.json is in it)  final/
 
 A run is *finished* when ``summary.json`` exists: it is written last, after every phase's
-``phase_done.json``. A sweep point (train/sweep.py) adds ``sweep_point.json`` and ``train.log``.
+``phase_done.json``. A sweep point (train/tools/sweep.py) adds ``sweep_point.json`` and ``train.log``.
 """
 
 from __future__ import annotations

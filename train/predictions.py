@@ -4,7 +4,7 @@ resumable chunks and read back.
 One ``{"id", "sample", "completion"}`` line a sample (or the scorer CLI's ``reasoning_steps``
 and ``answer`` instead of ``completion``). Rows are appended a round at a time in the data's
 order, so a killed generation continues where it stopped: :func:`drop_partial` removes what a
-kill can leave. Evaluation (train/evaluate.py) and reference building (train/references.py)
+kill can leave. Evaluation (train/tools/evaluate.py) and reference building (train/tools/references.py)
 both generate through here, with HF ``generate`` (:mod:`crystal_grpo.train.generation`, the
 validation callback's code) or vLLM.
 """
