@@ -335,7 +335,8 @@ def sft_dataset(ds: Dataset, processing_class: Any, chat_template_kwargs: Mappin
         extra = {"chat_template_kwargs": dict(chat_template_kwargs)} if chat_template_kwargs else {}  # TRL's column
         out = raw.map(lambda r: {"completion": [{"role": "assistant", "content": render_target(r)}], **extra},
                       remove_columns=[c for c in raw.column_names if c not in ("prompt", "images")])
-        return out.with_transform(ImageLoader(out))
+        loader = ImageLoader.of(ds)
+        return own_image_loader(out, loader.where if loader else {})
 
     def encode(row: dict) -> dict:
         prompt, completion = encode_example(processing_class, row, chat_template_kwargs)
@@ -389,45 +390,70 @@ class ImageLoader:
 
     Images are checked at start-up, but a file can vanish or break during a long run. Such
     a row is skipped (like ``data.skip_invalid``): it is replaced by the next row whose
-    images open, with one warning per row and a count, instead of crashing the run. The
-    replacement depends on the row alone, so every generation of a prompt gets the same one.
+    images open, with one warning per row naming its ``file:line`` (``where``: image paths ->
+    the row's place in the data) and a count, instead of crashing the run. The replacement
+    depends on the row alone, so every generation of a prompt gets the same one.
     """
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: Dataset, where: Mapping[tuple, str] | None = None) -> None:
         self.raw = dataset.with_format(None)
         self.position = {tuple(p): i for i, p in reversed(list(enumerate(self.raw["images"])))}
+        self.where = dict(where or {})
         self.skipped: set[tuple] = set()
 
-    def __call__(self, batch: dict) -> dict:
-        from PIL import Image
+    @staticmethod
+    def of(dataset: Dataset) -> ImageLoader | None:
+        """The loader a data set reads its images with (None: it has none)."""
+        transform = (dataset.format.get("format_kwargs") or {}).get("transform")
+        return transform if isinstance(transform, ImageLoader) else None
 
+    def __call__(self, batch: dict) -> dict:
         if "images" not in batch:
             return batch
         out = {k: list(v) for k, v in batch.items()}
         for j, paths in enumerate(batch["images"]):
             try:
-                out["images"][j] = [Image.open(p).convert("RGB") for p in paths]
+                out["images"][j] = _open_images(paths)
             except (OSError, ValueError) as err:
                 row, images = self._replacement(tuple(paths), err)
                 for k in out:
                     out[k][j] = images if k == "images" else row.get(k)
         return out
 
-    def _replacement(self, paths: tuple, err: Exception) -> tuple[dict, list]:
-        from PIL import Image
+    def _skip(self, paths: tuple, err: Exception) -> None:
+        if paths in self.skipped:
+            return
+        self.skipped.add(paths)
+        where = self.where.get(paths, f"row {self.position.get(paths, '?')}")
+        logger.warning("%s: the row's image is unreadable now (%s: %s); row skipped, the next readable row takes its "
+                       "place (%d row(s) skipped so far)", where, type(err).__name__, err, len(self.skipped))
 
+    def _replacement(self, paths: tuple, err: Exception) -> tuple[dict, list]:
+        self._skip(paths, err)
         start = self.position.get(paths, 0)
-        if paths not in self.skipped:
-            self.skipped.add(paths)
-            logger.warning("a row's image is unreadable now (%s: %s); row %d skipped, the next readable row takes "
-                           "its place (%d row(s) skipped so far)", type(err).__name__, err, start, len(self.skipped))
         for k in range(1, len(self.raw) + 1):
             row = self.raw[(start + k) % len(self.raw)]
             try:
-                return row, [Image.open(p).convert("RGB") for p in row["images"]]
-            except (OSError, ValueError):
-                self.skipped.add(tuple(row["images"]))
+                return row, _open_images(row["images"])
+            except (OSError, ValueError) as other:
+                self._skip(tuple(row["images"]), other)
         raise DataError("no row's images can be read any more (were the image files removed?)")
+
+
+def own_image_loader(ds: Dataset, where: Mapping[tuple, str] | None = None) -> Dataset:
+    """``ds`` reading its images through an :class:`ImageLoader` of its own rows (``where``: the
+    rows' places, default those of the loader it had). A split or selection otherwise shares its
+    parent's loader, which could hand a validation row to training as a replacement, or the reverse."""
+    loader = ImageLoader.of(ds)
+    if where is None and loader is None:
+        return ds
+    return ds.with_transform(ImageLoader(ds, where if where is not None else loader.where))
+
+
+def _open_images(paths: Sequence[str]) -> list:
+    from PIL import Image
+
+    return [Image.open(p).convert("RGB") for p in paths]
 
 
 def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_shown: int = 20,
@@ -439,7 +465,7 @@ def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_sho
     path = locate(source)
     columns = columns or {}
     base = path if path.is_dir() else path.parent
-    records, errors, bad_rows = [], [], 0
+    records, places, errors, bad_rows = [], [], [], 0
     for no, row in read_rows(path, split, columns):
         problems = [_name_columns(p, columns) for p in row_problems(row, base, require_references)]
         if problems:
@@ -447,6 +473,7 @@ def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_sho
             bad_rows += 1
             continue
         records.append(_to_record(row, base, no, Path(str(source)), system_prompt))
+        places.append(f"{source}:{no}")
     if errors and not skip_invalid:
         shown = "\n  ".join(errors[:max_errors_shown])
         more = f"\n  ... and {len(errors) - max_errors_shown} more" if len(errors) > max_errors_shown else ""
@@ -470,7 +497,10 @@ def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_sho
 
     ds = Dataset.from_list(records)
     if has_images:
-        ds = ds.with_transform(ImageLoader(ds))
+        where: dict[tuple, str] = {}
+        for r, place in zip(records, places):
+            where.setdefault(tuple(r["images"]), place)
+        ds = own_image_loader(ds, where)
     return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(source))
 
 
@@ -484,8 +514,8 @@ def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, L
     if data_cfg.validation_fraction <= 0:
         return train, None
     split = train.dataset.train_test_split(test_size=data_cfg.validation_fraction, seed=seed)
-    return (LoadedSplit(split["train"], train.skipped, train.source),
-            LoadedSplit(split["test"], 0, train.source + " (held out)"))
+    return (LoadedSplit(own_image_loader(split["train"]), train.skipped, train.source),
+            LoadedSplit(own_image_loader(split["test"]), 0, train.source + " (held out)"))
 
 
 def context_length(model: Any) -> int | None:
@@ -522,5 +552,5 @@ def limit_prompt_lengths(split: LoadedSplit, tokenizer: Any, room: int, mode: st
     keep = [i for i in range(len(prompts)) if i not in dropped]
     if not keep:
         raise DataError(f"{what}: none is left")
-    return (LoadedSplit(split.dataset.select(keep), split.skipped, split.source),
+    return (LoadedSplit(own_image_loader(split.dataset.select(keep)), split.skipped, split.source),
             f"{what}; skipped (data.long_prompts: skip)")
