@@ -182,6 +182,20 @@ def test_every_vlm_family_in_the_table_has_its_parts_in_transformers():
         assert sum(total for _, total in counts.values()) == sum(p.numel() for p in model.parameters())
 
 
+def test_parameter_counts_take_zero3s_full_sizes():
+    """Under DeepSpeed ZeRO-3 a rank holds an empty slice of each parameter and DeepSpeed records
+    the full size as ``ds_numel`` (a 2-process run of the tiny VLM printed 0 of 0 without it)."""
+    import torch
+
+    from crystal_grpo.train.vision import parameter_counts
+
+    layer = torch.nn.Linear(4, 3)
+    for p in layer.parameters():
+        p.ds_numel, p.data = p.numel(), torch.empty(0)
+    layer.bias.requires_grad_(False)
+    assert parameter_counts(layer) == {"model": (12, 15)}
+
+
 def test_freezing_and_lora_targets_split_the_tiny_vlm_into_its_parts(tiny_vlm_path, caplog):
     import torch
     from peft import get_peft_model
