@@ -123,10 +123,14 @@ def test_autoprocessor_alone_returns_a_bare_tokenizer(tiny_vlm_path):
     assert not isinstance(AutoProcessor.from_pretrained(tiny_vlm_path), ProcessorMixin)
 
 
-def _image_token_count(processor, image) -> int:
+def _image_inputs(processor, image):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = processor(text=[text], images=[image], return_tensors="pt")["input_ids"]
+    return processor(text=[text], images=[image], return_tensors="pt")
+
+
+def _image_token_count(processor, image) -> int:
+    ids = _image_inputs(processor, image)["input_ids"]
     return int((ids == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum())
 
 
@@ -149,10 +153,8 @@ def test_max_pixels_sets_the_image_tokens_everywhere_a_processor_loads(tiny_vlm_
     _, bounded = load_policy(ModelSection(str(tiny_vlm_path), vision=small))
     assert _image_token_count(bounded, photo) == image_tokens(bounded, 336, 448) == 8 * 6  # halved on each side
     assert _image_token_count(bounded, dot) == 16 and _image_token_count(default, dot) == 4
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}]
-    text = bounded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     with torch.no_grad():  # the model takes the resized image's patches
-        assert torch.isfinite(model(**bounded(text=[text], images=[photo], return_tensors="pt")).logits).all()
+        assert torch.isfinite(model(**_image_inputs(bounded, photo)).logits).all()
     recorded = EvalSetup.from_config_dict({"model": {"name_or_path": "x", "vision": {"max_pixels": 28 * 28 * 48}}})
     assert recorded.vision.max_pixels == 28 * 28 * 48
     _, evaluated = load_checkpoint(tiny_vlm_path, vision=recorded.vision)
@@ -160,6 +162,22 @@ def test_max_pixels_sets_the_image_tokens_everywhere_a_processor_loads(tiny_vlm_
     export(tiny_vlm_path, tmp_path / "out", say=lambda _: None)  # outside a run: model.vision's defaults
     saved = json.loads((tmp_path / "out" / "processor_config.json").read_text())["image_processor"]["size"]
     assert saved == {"shortest_edge": 3136, "longest_edge": 602112}  # the folder's own processor said 12,544
+
+
+def test_other_families_keep_their_own_resizing_with_a_warning(caplog):
+    """CLIP-style processors (LLaVA's) name edge lengths, not areas: the bounds do not apply."""
+    from types import SimpleNamespace
+
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from crystal_grpo.train.vision import VisionSection, image_tokens, resolution_line, set_image_resolution
+
+    processor = SimpleNamespace(image_processor=CLIPImageProcessorPil())
+    with caplog.at_level("WARNING"):
+        set_image_resolution(processor, VisionSection())
+    assert dict(processor.image_processor.size) == {"shortest_edge": 224}
+    assert "CLIPImageProcessorPil keeps its own resizing" in caplog.text
+    assert image_tokens(processor, 480, 640) is None and "own resizing" in resolution_line(processor)
 
 
 def test_every_vlm_family_in_the_table_has_its_parts_in_transformers():

@@ -94,8 +94,10 @@ def is_vision_language(config: Any) -> bool:
 def _pixel_bounded(image_processor: Any) -> bool:
     """A Qwen2-VL-family image processor: ``size`` holds area bounds in pixels (other families'
     ``shortest_edge``/``longest_edge`` are edge lengths) and images become patch grids."""
-    size = getattr(image_processor, "size", None)
-    keys = set(dict(size)) if size is not None else set()
+    try:
+        keys = {k for k, v in dict(getattr(image_processor, "size", None)).items() if v is not None}
+    except (TypeError, ValueError):  # no size, or a single number
+        keys = set()
     return {"shortest_edge", "longest_edge"} <= keys and all(
         hasattr(image_processor, a) for a in ("patch_size", "merge_size", "temporal_patch_size"))
 
