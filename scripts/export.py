@@ -1,6 +1,6 @@
 """Export a run's checkpoint as a standalone Hugging Face folder (full, LoRA or DeepSpeed ZeRO).
 
-    python scripts/export.py runs/cpr/checkpoint-2800 --out exports/cpr-2800 [--merge_lora | --keep_adapter]
+    python scripts/export.py runs/cpr/checkpoint-2800 --out exports/cpr-2800 [--keep_adapter]
         [--dtype bfloat16] [--max_shard_size 5GB] [--overwrite] [--base_model PATH]
 
 The logic lives in crystal_grpo.train.tools.export (its docstring says what each kind becomes).

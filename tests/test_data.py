@@ -149,3 +149,52 @@ def test_training_from_a_hub_dataset_with_its_own_column_names(tmp_path, tiny_lm
     assert json.loads((out / "validation.jsonl").read_text().splitlines()[-1])["step"] == 1
     samples = [json.loads(x) for x in (out / "validation_samples_step1.jsonl").read_text().splitlines()]
     assert [s["id"] for s in samples] == [r["id"] for r in ROWS[4:]]  # the repository's test split
+
+
+def _shapes(tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree("data/shapes", tmp_path / "shapes")) / "shapes.jsonl"
+
+
+def _image_of(data: Path, line: int) -> Path:
+    row = json.loads(data.read_text().splitlines()[line - 1])
+    return data.parent / (row.get("images") or [row["image"]])[0]
+
+
+def test_missing_and_broken_images_stop_a_vlm_run_before_training_with_file_and_line(tmp_path, tiny_vlm_path,
+                                                                                       capsys):
+    data = _shapes(tmp_path)
+    _image_of(data, 3).unlink()
+    broken = _image_of(data, 7)
+    broken.write_bytes(broken.read_bytes()[:200])  # a truncated PNG
+    run = tmp_path / "run"
+    argv = ["--config", "tiny.yaml", "--output_dir", str(run), "--model.name_or_path", str(tiny_vlm_path),
+            "--data.train", str(data), "--data.validation", "null", "--data.max_train_samples", "null"]
+    assert grpo.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"DataError: 2 invalid row(s) in {data} (set data.skip_invalid: true to drop them):" in err
+    assert err.count(f"{data}:3: unreadable image '{_image_of(data, 3)}' (FileNotFoundError") == 1
+    assert err.count(f"{data}:7: unreadable image '{broken}' (OSError") == 1
+    assert not run.exists()  # stopped before the model loaded or anything was written
+
+
+def test_an_image_lost_mid_run_is_replaced_from_the_same_split(tmp_path, caplog):
+    """After a split, each part replaces a row whose image broke with one of its own rows (a
+    shared loader would hand a training row to validation) and names the row's file:line."""
+    from crystal_grpo.train.data import DataSection, load_datasets
+
+    data = _shapes(tmp_path)
+    train, val = load_datasets(DataSection(train=str(data), validation_fraction=0.25), seed=3)
+    ids = [json.loads(x)["id"] for x in data.read_text().splitlines()]
+    val_ids = set(val.dataset.with_format(None)["id"])
+    # a validation row whose successor in the file is a training row
+    i = next(i for i, v in enumerate(ids[:-1]) if v in val_ids and ids[i + 1] not in val_ids)
+    _image_of(data, i + 1).unlink()
+    with caplog.at_level("WARNING"):
+        rows = [val.dataset[k] for k in range(len(val.dataset))]
+    got = [r["id"] for r in rows]
+    assert ids[i] not in got and set(got) <= val_ids
+    assert [r.getMessage()[:len(f"{data}:{i + 1}: ")] for r in caplog.records] == [f"{data}:{i + 1}: "]
+    assert "image is unreadable now (FileNotFoundError" in caplog.text
+    assert len(train.dataset[0]["images"]) == 1  # the other split still reads its own

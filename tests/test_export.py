@@ -256,3 +256,12 @@ def test_vision_language_model_keeps_its_processor(tiny_vlm_path, tmp_path):
     load = lambda p: Qwen2_5_VLForConditionalGeneration.from_pretrained(p).eval()  # noqa: E731
     assert_same(logits(load(out), tok), logits(load(tiny_vlm_path), tok), atol=1e-6)
     assert "how it was trained is unknown" in (out / "README.md").read_text()
+
+
+def test_the_removed_merge_lora_flag_is_one_line(tmp_path, capsys):
+    """--merge_lora changed nothing (merging is what export does without --keep_adapter): an old
+    command line using it gets one line and exit 2, not a traceback, and nothing is written."""
+    assert main([str(tmp_path), "--out", str(tmp_path / "x"), "--merge_lora"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --merge_lora is gone") and "--keep_adapter" in err
+    assert not (tmp_path / "x").exists()

@@ -124,6 +124,137 @@ def test_autoprocessor_alone_returns_a_bare_tokenizer(tiny_vlm_path):
     assert not isinstance(AutoProcessor.from_pretrained(tiny_vlm_path), ProcessorMixin)
 
 
+def _image_inputs(processor, image):
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return processor(text=[text], images=[image], return_tensors="pt")
+
+
+def _image_token_count(processor, image) -> int:
+    ids = _image_inputs(processor, image)["input_ids"]
+    return int((ids == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum())
+
+
+def test_max_pixels_sets_the_image_tokens_everywhere_a_processor_loads(tiny_vlm_path, tmp_path):
+    """model.vision's bounds reach the policy (training, validation, SFT), a checkpoint loaded
+    for evaluation (from the run's recorded config) and export: one 448 x 336 image is 192
+    tokens under the default bound, 48 under 37,632 pixels; a 28 x 28 one is raised to 16."""
+    import torch
+    from PIL import Image
+
+    from crystal_grpo.train.models import ModelSection, load_checkpoint, load_policy
+    from crystal_grpo.train.tools.evaluate import EvalSetup
+    from crystal_grpo.train.tools.export import export
+    from crystal_grpo.train.vision import VisionSection, image_tokens
+
+    photo, dot = Image.new("RGB", (448, 336), (90, 20, 200)), Image.new("RGB", (28, 28), (0, 200, 0))
+    model, default = load_policy(ModelSection(str(tiny_vlm_path)))
+    assert _image_token_count(default, photo) == image_tokens(default, 336, 448) == 16 * 12
+    small = VisionSection(max_pixels=28 * 28 * 48, min_pixels=28 * 28 * 16)
+    _, bounded = load_policy(ModelSection(str(tiny_vlm_path), vision=small))
+    assert _image_token_count(bounded, photo) == image_tokens(bounded, 336, 448) == 8 * 6  # halved on each side
+    assert _image_token_count(bounded, dot) == 16 and _image_token_count(default, dot) == 4
+    with torch.no_grad():  # the model takes the resized image's patches
+        assert torch.isfinite(model(**_image_inputs(bounded, photo)).logits).all()
+    recorded = EvalSetup.from_config_dict({"model": {"name_or_path": "x", "vision": {"max_pixels": 28 * 28 * 48}}})
+    assert recorded.vision.max_pixels == 28 * 28 * 48
+    _, evaluated = load_checkpoint(tiny_vlm_path, vision=recorded.vision)
+    assert _image_token_count(evaluated, photo) == 48
+    export(tiny_vlm_path, tmp_path / "out", say=lambda _: None)  # outside a run: model.vision's defaults
+    saved = json.loads((tmp_path / "out" / "processor_config.json").read_text())["image_processor"]["size"]
+    assert saved == {"shortest_edge": 3136, "longest_edge": 602112}  # the folder's own processor said 12,544
+
+
+def test_other_families_keep_their_own_resizing_with_a_warning(caplog):
+    """CLIP-style processors (LLaVA's) name edge lengths, not areas: the bounds do not apply."""
+    from types import SimpleNamespace
+
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from crystal_grpo.train.vision import VisionSection, image_tokens, resolution_line, set_image_resolution
+
+    processor = SimpleNamespace(image_processor=CLIPImageProcessorPil())
+    with caplog.at_level("WARNING"):
+        set_image_resolution(processor, VisionSection())
+    assert dict(processor.image_processor.size) == {"shortest_edge": 224}
+    assert "CLIPImageProcessorPil keeps its own resizing" in caplog.text
+    assert image_tokens(processor, 480, 640) is None and "own resizing" in resolution_line(processor)
+
+
+def test_every_vlm_family_in_the_table_has_its_parts_in_transformers():
+    """VLM_PARTS names real modules: each family's model, built from its default config on the
+    meta device (no memory), splits into a non-empty vision tower, projector and language model."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from crystal_grpo.train.vision import VLM_PARTS, parameter_counts
+
+    for model_type in VLM_PARTS:
+        cls = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
+        with torch.device("meta"):
+            model = cls._from_config(AutoConfig.for_model(model_type))
+        counts = parameter_counts(model)
+        assert set(counts) == {"vision tower", "projector", "language model"}, model_type
+        assert all(total > 0 for _, total in counts.values()), (model_type, counts)
+        assert sum(total for _, total in counts.values()) == sum(p.numel() for p in model.parameters())
+
+
+def test_parameter_counts_take_zero3s_full_sizes():
+    """Under DeepSpeed ZeRO-3 a rank holds an empty slice of each parameter and DeepSpeed records
+    the full size as ``ds_numel`` (a 2-process run of the tiny VLM printed 0 of 0 without it)."""
+    import torch
+
+    from crystal_grpo.train.vision import parameter_counts
+
+    layer = torch.nn.Linear(4, 3)
+    for p in layer.parameters():
+        p.ds_numel, p.data = p.numel(), torch.empty(0)
+    layer.bias.requires_grad_(False)
+    assert parameter_counts(layer) == {"model": (12, 15)}
+
+
+def test_freezing_and_lora_targets_split_the_tiny_vlm_into_its_parts(tiny_vlm_path, caplog):
+    import torch
+    from peft import get_peft_model
+
+    from crystal_grpo.train.models import LoraSection, ModelSection, load_policy, peft_config
+    from crystal_grpo.train.vision import VisionError, VisionSection, freeze_parts, parameter_line
+
+    frozen = ModelSection(str(tiny_vlm_path), vision=VisionSection(freeze_vision_tower=True, freeze_projector=True))
+    model, _ = load_policy(frozen)
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trains and all(n.startswith("model.language_model.") for n in trains)
+    assert parameter_line(model) == ("trainable parameters: 130,432 of 203,456 (64.1%): vision tower 0 of 48,224 "
+                                     "(frozen), projector 0 of 24,800 (frozen), language model 130,432 of 130,432")
+    # LoRA's default targets: the language model's linear layers, every one of them, nothing else.
+    model, _ = load_policy(ModelSection(str(tiny_vlm_path)))
+    language = {n for n, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and n.startswith("model.language_model.")}
+    wrapped = get_peft_model(model, peft_config(ModelSection("x", lora=LoraSection(r=4)), model))
+    adapted = {n.removeprefix("base_model.model.") for n, m in wrapped.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == language and len(language) == 2 * 7
+    assert "vision tower 0 of 48,224 (frozen), projector 0 of 24,800 (frozen)" in parameter_line(wrapped)
+    # The user's explicit targets win: all-linear adapts the vision tower and projector too.
+    model, _ = load_policy(ModelSection(str(tiny_vlm_path)))
+    everything = get_peft_model(model, peft_config(ModelSection("x", lora=LoraSection(target_modules="all-linear")),
+                                                   model))
+    assert any(n.startswith("base_model.model.model.visual.merger") and "lora_A" in n
+               for n, _ in everything.named_parameters())
+    # A family whose parts are unknown: trained and counted whole; freezing it is refused.
+    model.config.model_type = "some_vlm"
+    assert parameter_line(model).endswith("not split into parts: model_type 'some_vlm' (vision tower / projector / "
+                                          "language model known for: gemma3, glm4v, idefics3, internvl, llava, "
+                                          "llava_next, llava_onevision, mllama, paligemma, qwen2_5_vl, qwen2_vl, "
+                                          "qwen3_vl, qwen3_vl_moe, smolvlm)")
+    with pytest.raises(VisionError, match="cannot tell the vision tower apart in model_type 'some_vlm'"):
+        freeze_parts(model, VisionSection(freeze_vision_tower=True))
+    with caplog.at_level("WARNING"):
+        assert peft_config(ModelSection("x", lora=LoraSection()), model).target_modules == "all-linear"
+    assert "LoRA adapts every linear layer, the vision tower's too" in caplog.text
+
+
 # --------------------------------------------------------------------------- config mapping and errors
 def test_peft_config_mapping():
     from peft import LoraConfig

@@ -136,13 +136,17 @@ def test_run_warns_about_limits_that_cut_off_targets(tmp_path, tiny_lm_path, cap
     assert "cuts off" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("variant", ["lora", "vlm"])
+SHAPES = ["--data.train", "data/shapes/shapes.jsonl", "--data.validation", "null", "--data.validation_fraction",
+          "0.25", "--data.max_train_samples", "null"]
+
+
+@pytest.mark.parametrize("variant", ["lora", "vlm", "vlm-lora"])
 def test_sft_phase_with_lora_and_with_images(tmp_path, tiny_lm_path, tiny_vlm_path, variant):
-    """LoRA and vision-language models work in an SFT phase as in a GRPO phase."""
+    """LoRA and vision-language models work in an SFT phase as in a GRPO phase; a VLM's LoRA
+    adapts its language model only (the default targets)."""
     model = tiny_lm_path if variant == "lora" else tiny_vlm_path
-    extra = (["--model.lora", "{r: 4, alpha: 8, dropout: 0.0, target_modules: all-linear}"] if variant == "lora" else
-             ["--data.train", "data/shapes/shapes.jsonl", "--data.validation", "null", "--data.validation_fraction",
-              "0.25", "--data.max_train_samples", "null"])
+    extra = {"lora": ["--model.lora", "{r: 4, alpha: 8, dropout: 0.0, target_modules: all-linear}"], "vlm": SHAPES,
+             "vlm-lora": [*SHAPES, "--model.lora", "{r: 4, alpha: 8, dropout: 0.0}"]}[variant]
     phases = ("[{name: warm, trainer: sft, init_from: none, overrides: {training: {max_steps: 2, "
               "per_device_train_batch_size: 2, learning_rate: 1.0e-3}}}]")
     argv = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "run"), "--model.name_or_path", str(model),
@@ -151,6 +155,37 @@ def test_sft_phase_with_lora_and_with_images(tmp_path, tiny_lm_path, tiny_vlm_pa
     warm = tmp_path / "run" / "phase1-warm"
     rows = _training_rows(warm)
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
-    saved = "adapter_model.safetensors" if variant == "lora" else "model.safetensors"
+    saved = "adapter_model.safetensors" if variant.endswith("lora") else "model.safetensors"
     assert (warm / "checkpoint-1" / saved).exists() and (warm / "final" / saved).exists()
     assert [v["step"] for v in read_jsonl(warm / "validation.jsonl")] == [0, 2]
+    if variant == "vlm-lora":
+        from safetensors.torch import load_file
+
+        keys = list(load_file(warm / "final" / saved))
+        assert keys and all(".language_model." in k for k in keys), keys
+
+
+def test_a_frozen_vision_tower_is_unchanged_after_training_steps(tmp_path, tiny_vlm_path, capsys):
+    """model.vision.freeze_vision_tower in full fine-tuning: after SFT steps at a high learning
+    rate the vision tower's weights are bit-identical while the projector and the language model
+    moved; the run said so in its first lines, and records the setting."""
+    from safetensors.torch import load_file
+
+    phases = ("[{name: warm, trainer: sft, init_from: none, overrides: {training: {max_steps: 2, "
+              "per_device_train_batch_size: 2, learning_rate: 1.0e-2}}}]")
+    argv = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "run"), "--model.name_or_path", str(tiny_vlm_path),
+            "--validation.eval_steps", "0", "--validation.at_start", "false", "--validation.max_samples", "1",
+            "--phases", phases, "--model.vision.freeze_vision_tower", "true", *SHAPES]
+    assert grpo.main(argv) == 0
+    assert ("trainable parameters: 155,232 of 203,456 (76.3%): vision tower 0 of 48,224 (frozen), projector 24,800 "
+            "of 24,800, language model 130,432 of 130,432") in capsys.readouterr().out
+    before = load_file(tiny_vlm_path / "model.safetensors")
+    after = load_file(tmp_path / "run" / "phase1-warm" / "final" / "model.safetensors")
+    # (saved under the checkpoint format's names: visual.*, visual.merger.*, model.layers.*)
+    tower = [k for k in before if "visual." in k and "merger." not in k]
+    moved = lambda keys: [k for k in keys if not torch.equal(before[k], after[k])]  # noqa: E731
+    assert len(tower) > 10 and moved(tower) == []
+    assert moved([k for k in before if "merger." in k]) and moved([k for k in before if "layers." in k
+                                                                   and "visual." not in k])
+    recorded = json.loads((tmp_path / "run" / "phase1-warm" / "config.json").read_text())["model"]["vision"]
+    assert recorded["freeze_vision_tower"] is True and recorded["max_pixels"] == 602112

@@ -286,11 +286,14 @@ def test_an_image_deleted_mid_run_skips_its_row_with_a_warning(tmp_path, tiny_vl
                                        str(data / "shapes.jsonl"), "--data.validation", "null",
                                        "--data.validation_fraction", "0", "--data.max_train_samples", "null",
                                        "--training.max_steps", "4", "--training.save_steps", "100"])
-    with caplog.at_level("WARNING", logger="crystal_grpo.train.data"):
+    with caplog.at_level("WARNING"):
         grpo.run(cfg, tmp_path / "run", callbacks=[DeleteImages(data / "images")])
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4]
     skipped = [r.getMessage() for r in caplog.records if "image is unreadable now" in r.getMessage()]
     assert skipped and "skipped, the next readable row takes its place (1 row(s) skipped so far)" in skipped[0]
+    places = [m.split(": ")[0] for m in skipped]  # each row named by its file:line, once
+    assert all(p.startswith(f"{data / 'shapes.jsonl'}:") and p.rsplit(":", 1)[1].isdigit() for p in places)
+    assert len(set(places)) == len(places)
 
 
 def test_vision_language_run_with_images(tmp_path, tiny_vlm_path):

@@ -38,6 +38,7 @@ from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.rewards import RewardConfig, RewardModule, reward_class
 from crystal_grpo.train.data import DataSection
 from crystal_grpo.train.models import LoraSection, ModelSection  # noqa: F401 - part of the run config
+from crystal_grpo.train.vision import VisionSection  # noqa: F401 - part of the run config
 from crystal_grpo.train.trl_fields import newer_field_type, training_field_types
 from crystal_grpo.typed import ConfigError, Range, check_value, derived, from_dict, option, to_dict
 
@@ -416,6 +417,9 @@ def validate(cfg: RunConfig) -> None:
                               "validation split: set data.validation (or data.validation_fraction > 0)")
         if not c.model.name_or_path:
             raise ConfigError(f"{where}model.name_or_path: required (an HF folder, hub id or GGUF folder)")
+        low, high = c.model.vision.min_pixels, c.model.vision.max_pixels
+        if low is not None and high is not None and low > high:
+            raise ConfigError(f"{where}model.vision.min_pixels: {low} is above model.vision.max_pixels: {high}")
         if not c.data.train:
             raise ConfigError(f"{where}data.train: required (a JSONL file or a datasets folder)")
         if c.trainer == "sft":

@@ -163,6 +163,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     from crystal_grpo.train.interrupt import Interrupted
     from crystal_grpo.train.models import load_policy, model_source
     from crystal_grpo.train.trainer import STATE_FILE
+    from crystal_grpo.train.vision import parameter_line, resolution_line
 
     extra = setup_distributed(cfg)
     args = training_args(cfg, output_dir, extra)  # TRL's own value checks, before anything loads
@@ -193,6 +194,9 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     output_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no phase folder
     trainer = make_trainer(cfg, args, model, processing_class, module, train.dataset,
                            val.dataset if val is not None and args.eval_strategy != "no" else None)
+    for line in (parameter_line(trainer.model), resolution_line(processing_class)):
+        if line:
+            say(line)
     if cfg.trainer == "grpo":  # before the metrics file: its alarm/* values join the same row
         from crystal_grpo.train.alarms import AlarmCallback
 
@@ -238,7 +242,7 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset,
     evaluation) is what TRL's own evaluation loop reads."""
     from crystal_grpo.train.models import peft_config
 
-    common = dict(model=model, args=args, processing_class=processing_class, peft_config=peft_config(cfg.model),
+    common = dict(model=model, args=args, processing_class=processing_class, peft_config=peft_config(cfg.model, model),
                   max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite,
                   merge_lora_for_generation=cfg.model.lora is not None and cfg.model.lora.merge_for_generation)
     if cfg.trainer == "sft":
@@ -307,7 +311,9 @@ def length_warnings(cfg: RunConfig, args, processing_class, train, val) -> list[
     targets of 90-97 on average)."""
     from crystal_grpo.train.data import target_lengths, truncation_warning
 
-    sample = lambda split: [split.dataset[i] for i in range(min(len(split.dataset), 256))]  # noqa: E731
+    def sample(split) -> list[dict]:  # the text of the rows: their images stay unopened paths
+        return split.dataset.with_format(None).select(range(min(len(split.dataset), 256))).to_list()
+
     rows, kwargs = sample(train), cfg.data.chat_template_kwargs
     checks = []
     if cfg.trainer == "grpo":

@@ -17,13 +17,21 @@
 - GGUF (``gguf_file``): dequantised on load and copied into a plain model without
   ``quantization_config`` (TRL refuses to fine-tune a "purely quantized" model).
 
-The model is returned *without* PEFT wrapping: pass ``peft_config(model_cfg)`` to TRL's
+Every load goes one way, here: :func:`open_source` (folder or cached hub id, config, remote
+code refused unless allowed), :func:`load_processing` (tokenizer, or processor with the run's
+image resolution, ``model.vision``: train/vision.py) and :func:`load_weights` (the class the
+config calls for; missing weights are an error). The policy (:func:`load_policy`, for
+training, validation and the SFT phase), a run's checkpoints (:func:`load_checkpoint`, for
+evaluation) and export (train/tools/export.py) use them. The policy's frozen parts
+(``model.vision.freeze_*``) are set here too.
+
+The model is returned *without* PEFT wrapping: pass ``peft_config(model_cfg, model)`` to TRL's
 ``GRPOTrainer(peft_config=...)``, which wraps it. Hub ids load from the local cache only
 when ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` is set; a failure names the path or id
 that was tried and how to point at a local folder.
 
 ``ModelSection`` (the ``model:`` section of a run config) is defined here, beside the code
-that reads it.
+that reads it (its ``vision`` part in train/vision.py).
 """
 
 from __future__ import annotations
@@ -37,15 +45,14 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from crystal_grpo.errors import CrystalError
-from crystal_grpo.typed import option
+from crystal_grpo.train.vision import VisionSection, freeze_parts, is_vision_language, language_lora_target
+from crystal_grpo.train.vision import set_image_resolution
+from crystal_grpo.typed import from_dict, option
 
 logger = logging.getLogger(__name__)
 
 #: model_type -> needs remote code. Original InternVL checkpoints ship their modeling code.
 REMOTE_CODE_MODEL_TYPES = {"internvl_chat": "InternVL"}
-#: Known vision-language model types (others are found through the auto mapping or vision_config).
-VLM_MODEL_TYPES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "internvl_chat",
-                   "llava", "llava_next", "idefics3", "smolvlm", "gemma3", "paligemma", "mllama"}
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
@@ -60,7 +67,10 @@ class LoraSection:
     r: int = option(16, "LoRA rank.", ge=1)
     alpha: int = option(32, "LoRA scaling numerator (peft's lora_alpha).", gt=0)
     dropout: float = option(0.05, "Dropout on the LoRA branch.", ge=0, lt=1)
-    target_modules: Union[list[str], str] = option("all-linear", "Modules to adapt (names or 'all-linear').")
+    target_modules: Union[list[str], str, None] = option(
+        None, "Modules to adapt: names, a regex PEFT full-matches, or 'all-linear'. Unset: every linear layer of the "
+        "language model: 'all-linear' for a text model; for a vision-language model its language model's linear "
+        "layers only, not the vision tower's or the projector's (which 'all-linear' would adapt too).")
     merge_for_generation: bool = option(
         True, "Generate (training rollouts, validation) through adapters merged into a copy of the base weights: "
         "as fast as the base model, at the memory of one more copy of the adapted weights while generating "
@@ -83,6 +93,8 @@ class ModelSection:
         "attn_implementation, trust_remote_code and revision in the fields above.")
     gradient_checkpointing: bool = option(False, "Also sets TRL's flag of the same name.")
     lora: Union[LoraSection, None] = option(None, "Set to train a LoRA adapter instead of all weights.")
+    vision: VisionSection = option(default_factory=VisionSection, help="Image resolution and frozen parts of a "
+                                   "vision-language model.")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -139,11 +151,15 @@ def from_pretrained_kwargs(cfg: ModelSection) -> dict[str, Any]:
     return out
 
 
-def recorded_kwargs(model: dict) -> dict[str, Any]:
-    """:func:`from_pretrained_kwargs` of a model section as a run folder records it (config.json)."""
-    return from_pretrained_kwargs(ModelSection(revision=model.get("revision"),
-                                               attn_implementation=model.get("attn_implementation"),
-                                               init_kwargs=dict(model.get("init_kwargs") or {})))
+def recorded_model(model: dict) -> ModelSection:
+    """The model section a run folder records (its config.json) as far as loading the run's
+    checkpoints again needs it: remote code, revision, attention, ``from_pretrained`` extras and
+    the image resolution (evaluation and export use what training used)."""
+    return ModelSection(name_or_path=str(model.get("name_or_path") or ""),
+                        trust_remote_code=bool(model.get("trust_remote_code", False)),
+                        revision=model.get("revision"), attn_implementation=model.get("attn_implementation"),
+                        init_kwargs=dict(model.get("init_kwargs") or {}),
+                        vision=from_dict(VisionSection, model.get("vision") or {}, "model.vision"))
 
 
 def _fail(what: str, src: str, local: bool, err: BaseException) -> ModelLoadError:
@@ -196,21 +212,6 @@ def _known_model_type(mt: str) -> bool:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     return mt in CONFIG_MAPPING_NAMES
-
-
-def is_vision_language(config: Any) -> bool:
-    """Whether an ``AutoConfig`` describes a vision-language (image-text-to-text) model."""
-    mt = getattr(config, "model_type", "")
-    if mt in VLM_MODEL_TYPES:
-        return True
-    try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-        if mt in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    return getattr(config, "vision_config", None) is not None
 
 
 # --------------------------------------------------------------------------- image-only processors
@@ -368,33 +369,25 @@ def load_gguf_plain(folder: str, gguf_file: str, dtype="float32", **kw):
     return model.eval()
 
 
-# --------------------------------------------------------------------------- public API
-def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
-    """Load ``(model, processing_class)`` as described in the module docstring."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+# --------------------------------------------------------------------------- one path for every load
+@dataclass
+class Source:
+    """A model's files, resolved once; every load of it (weights, tokenizer or processor) reads these."""
+
+    path: str  # what from_pretrained takes: a local folder or a hub id
+    local: bool
+    kwargs: dict[str, Any]  # every file's from_pretrained settings: remote code, revision, offline
+    config: Any  # its AutoConfig
+
+
+def open_source(model_cfg: ModelSection) -> Source:
+    """The model's folder (or cached hub id) and config, remote code refused unless the config
+    allows it; a failure is one :class:`ModelLoadError` naming what was tried."""
+    from transformers import AutoConfig
 
     src, local = model_source(model_cfg)
     kw = _load_kwargs(model_cfg, local)
-    gguf_file = model_cfg.gguf_file
-    dtype = torch_dtype(model_cfg.dtype or "float32")
     trust = kw["trust_remote_code"]
-
-    if gguf_file:
-        if local and not (Path(src) / gguf_file).is_file():
-            found = sorted(p.name for p in Path(src).glob("*.gguf"))
-            raise ModelLoadError(f"model.gguf_file: {gguf_file!r} is not in {str(Path(src).resolve())!r} "
-                                 f"(GGUF files there: {found or 'none'})")
-        try:
-            model = load_gguf_plain(src, gguf_file, dtype, **{**kw, **from_pretrained_kwargs(model_cfg)})
-            tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file, **kw)
-        except ModelLoadError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise _fail(f"GGUF model {gguf_file!r}", src, local, e) from e
-        _prepare_tokenizer(tok)
-        _finish(model, tok, model_cfg)
-        return model, tok
-
     check_remote_code(_raw_config(src, local, kw, None), trust, src)
     try:
         config = AutoConfig.from_pretrained(src, **kw)
@@ -405,43 +398,113 @@ def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
         raise _fail("model config", src, local, e) from e
     if getattr(config, "model_type", "") in REMOTE_CODE_MODEL_TYPES and not trust:
         raise ModelLoadError(f"{src!r} is an InternVL checkpoint with remote code: set model.trust_remote_code: true")
+    return Source(src, local, kw, config)
 
-    model_kw = {**kw, **from_pretrained_kwargs(model_cfg), "dtype": dtype}
-    vlm = is_vision_language(config)
-    # The processing class first: it is cheap, and a missing processor should not wait for the weights.
-    if vlm:
-        processing = load_processor(src, local, config, kw)
+
+def load_processing(source: Source, vision: VisionSection):
+    """The tokenizer (pad token, left padding), or for a VLM a real processor (never a bare
+    tokenizer) with the run's image resolution (``vision``: the one place it is applied)."""
+    from transformers import AutoTokenizer
+
+    if is_vision_language(source.config):
+        processing = load_processor(source.path, source.local, source.config, source.kwargs)
+        set_image_resolution(processing, vision)
         _prepare_tokenizer(processing.tokenizer)
-    else:
-        try:
-            processing = AutoTokenizer.from_pretrained(src, **kw)
-        except Exception as e:  # noqa: BLE001
-            raise _fail("tokenizer", src, local, e) from e
-        _prepare_tokenizer(processing)
+        return processing
     try:
-        model = _load_vlm(src, config, model_kw) if vlm else AutoModelForCausalLM.from_pretrained(src, **model_kw)
+        processing = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
     except Exception as e:  # noqa: BLE001
-        raise _fail("model weights", src, local, e) from e
+        raise _fail("tokenizer", source.path, source.local, e) from e
+    _prepare_tokenizer(processing)
+    return processing
+
+
+def model_class(config: Any):
+    """``AutoModelForCausalLM`` for a language model; for a VLM the class that wrote it (its
+    ``architectures``), else the image-text-to-text auto class (``AutoModel`` for remote code)."""
+    import transformers
+
+    if not is_vision_language(config):
+        return transformers.AutoModelForCausalLM
+    if getattr(config, "model_type", "") in REMOTE_CODE_MODEL_TYPES:
+        return transformers.AutoModel  # its auto_map registers AutoModel, not the image-text-to-text class
+    arch = (getattr(config, "architectures", None) or [""])[0]
+    return getattr(transformers, arch, None) or transformers.AutoModelForImageTextToText
+
+
+def concrete_class(cls, config: Any, trust: bool):
+    """The model class an auto class picks for ``config`` (an auto class needs a folder or
+    hub id to load from, not a bare state dict)."""
+    if getattr(cls, "_model_mapping", None) is None:
+        return cls
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust and cls.__name__ in auto_map:  # the checkpoint's own modeling code, as the auto class would load it
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(auto_map[cls.__name__], config._name_or_path)
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    return _get_model_class(config, cls._model_mapping)
+
+
+def load_weights(source: Source, dtype: str, extra: dict[str, Any] | None = None, state_dict: dict | None = None):
+    """The weights of ``source`` (or ``state_dict`` into its config's model) in ``dtype``, with
+    :func:`model_class`: the one ``from_pretrained`` of the policy, checkpoints and export.
+    ``extra``: :func:`from_pretrained_kwargs`. Weights missing from the checkpoint are an error,
+    never filled with random values."""
+    cls = model_class(source.config)
+    kw = {**source.kwargs, **(extra or {}), "dtype": torch_dtype(dtype), "output_loading_info": True}
+    if state_dict is None:
+        model, info = cls.from_pretrained(source.path, **kw)
+    else:
+        cls = concrete_class(cls, source.config, bool(source.kwargs.get("trust_remote_code")))
+        model, info = cls.from_pretrained(None, config=source.config, state_dict=state_dict, **kw)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise ModelLoadError(f"{source.path}: weights missing from the checkpoint: {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+    return model
+
+
+# --------------------------------------------------------------------------- public API
+def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
+    """Load ``(model, processing_class)`` as described in the module docstring."""
+    from transformers import AutoTokenizer
+
+    if model_cfg.gguf_file:
+        src, local = model_source(model_cfg)
+        kw, gguf_file = _load_kwargs(model_cfg, local), model_cfg.gguf_file
+        if local and not (Path(src) / gguf_file).is_file():
+            found = sorted(p.name for p in Path(src).glob("*.gguf"))
+            raise ModelLoadError(f"model.gguf_file: {gguf_file!r} is not in {str(Path(src).resolve())!r} "
+                                 f"(GGUF files there: {found or 'none'})")
+        try:
+            model = load_gguf_plain(src, gguf_file, torch_dtype(model_cfg.dtype or "float32"),
+                                    **{**kw, **from_pretrained_kwargs(model_cfg)})
+            tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file, **kw)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _fail(f"GGUF model {gguf_file!r}", src, local, e) from e
+        _prepare_tokenizer(tok)
+        _finish(model, tok, model_cfg)
+        return model, tok
+
+    torch_dtype(model_cfg.dtype or "float32")  # a bad dtype before anything loads
+    source = open_source(model_cfg)
+    # The processing class first: it is cheap, and a missing processor should not wait for the weights.
+    processing = load_processing(source, model_cfg.vision)
+    try:
+        model = load_weights(source, model_cfg.dtype or "float32", from_pretrained_kwargs(model_cfg))
+    except ModelLoadError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _fail("model weights", source.path, source.local, e) from e
     # A config-level quantization_config (e.g. a saved GGUF conversion) would block fine-tuning.
     if getattr(model, "hf_quantizer", None) is None and hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     _finish(model, processing, model_cfg)
     return model, processing
-
-
-def _load_vlm(src: str, config: Any, model_kw: dict):
-    from transformers import AutoModelForImageTextToText
-
-    mt = getattr(config, "model_type", "")
-    if mt == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLForConditionalGeneration as cls
-    elif mt == "qwen2_vl":
-        from transformers import Qwen2VLForConditionalGeneration as cls
-    elif mt == "internvl_chat":  # remote code: its auto_map registers AutoModel, not the image-text-to-text class
-        from transformers import AutoModel as cls
-    else:
-        cls = AutoModelForImageTextToText
-    return cls.from_pretrained(src, **model_kw)
 
 
 def _finish(model, processing, model_cfg: ModelSection) -> None:
@@ -452,6 +515,7 @@ def _finish(model, processing, model_cfg: ModelSection) -> None:
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(text_cfg, "pad_token_id", None) is None and tok.pad_token_id is not None:
         text_cfg.pad_token_id = tok.pad_token_id
+    freeze_parts(model, model_cfg.vision)
     if model_cfg.gradient_checkpointing:
         # transformers 5 renamed it (activation_checkpointing_enable); the old name still works, with a warning.
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -462,8 +526,10 @@ def _finish(model, processing, model_cfg: ModelSection) -> None:
         model.config.use_cache = False
 
 
-def peft_config(model_cfg: ModelSection):
-    """``peft.LoraConfig`` from ``model_cfg.lora`` (None when LoRA is off); for TRL's ``peft_config=``."""
+def peft_config(model_cfg: ModelSection, model: Any = None):
+    """``peft.LoraConfig`` from ``model_cfg.lora`` (None when LoRA is off); for TRL's ``peft_config=``.
+    Unset ``target_modules``: every linear layer of the language model (``model``, when given
+    and a VLM: its language model's only, :func:`~crystal_grpo.train.vision.language_lora_target`)."""
     lora = model_cfg.lora
     if lora is None:
         return None
@@ -472,6 +538,9 @@ def peft_config(model_cfg: ModelSection):
     target = lora.target_modules
     if isinstance(target, (list, tuple)):
         target = list(target)
+    elif target is None:
+        vlm = model is not None and is_vision_language(getattr(model, "config", None))
+        target = language_lora_target(model) if vlm else "all-linear"
     return LoraConfig(
         r=int(lora.r),
         lora_alpha=int(lora.alpha),
@@ -503,11 +572,13 @@ def adapter_base(folder: str | Path, override: str | None = None) -> str:
 
 def load_checkpoint(path: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
                     device: Any = None, base_model: str | None = None,
-                    model_kwargs: dict[str, Any] | None = None) -> tuple[Any, Any]:
+                    model_kwargs: dict[str, Any] | None = None,
+                    vision: VisionSection | None = None) -> tuple[Any, Any]:
     """A checkpoint the trainer wrote ready to generate: ``(model in eval mode, processing
     class)``. A LoRA adapter is loaded onto its base and merged (PEFT ``merge_and_unload``),
     so generation runs at full-model speed. ``model_kwargs``: the run's
-    :func:`from_pretrained_kwargs`. A folder without a model is a one-line :class:`ModelLoadError`."""
+    :func:`from_pretrained_kwargs`; ``vision``: its image resolution (default: ``model.vision``'s
+    defaults). A folder without a model is a one-line :class:`ModelLoadError`."""
     folder = Path(path)
     adapter = (folder / "adapter_config.json").is_file()
     if not folder.is_dir() or not (adapter or (folder / "config.json").is_file()):
@@ -519,7 +590,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None, trust_remote_cod
         name_or_path=source, dtype=dtype or "float32", trust_remote_code=trust_remote_code,
         attn_implementation=kwargs.pop("attn_implementation", None),
         revision=kwargs.pop("revision", None) if adapter else None,  # a revision of the base, not of the folder
-        init_kwargs=kwargs))
+        init_kwargs=kwargs, vision=vision or VisionSection()))
     if adapter:
         from peft import PeftModel
 

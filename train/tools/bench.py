@@ -187,7 +187,7 @@ def run_trl(argv: list[str]) -> None:
     train, _ = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
     model, processing_class = load_policy(cfg.model)
     trainer = GRPOTrainer(model=model, reward_funcs=trivial_reward, args=args, train_dataset=train.dataset,
-                          processing_class=processing_class, peft_config=peft_config(cfg.model))
+                          processing_class=processing_class, peft_config=peft_config(cfg.model, model))
     trainer.add_callback(MetricsJsonlCallback(out))
     trainer.add_callback(StepClock(out))
     trainer.train()

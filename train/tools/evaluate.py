@@ -28,7 +28,8 @@ from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.generation import Sampling
 from crystal_grpo.train.layout import CONFIG, read_config, run_targets
-from crystal_grpo.train.models import recorded_kwargs
+from crystal_grpo.train.models import from_pretrained_kwargs, recorded_model
+from crystal_grpo.train.vision import VisionSection
 from crystal_grpo.train.predictions import (
     PREDICTIONS,
     Backend,
@@ -68,6 +69,7 @@ class EvalSetup:
     dtype: str | None = None
     trust_remote_code: bool = False
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # the run's from_pretrained settings
+    vision: VisionSection = field(default_factory=VisionSection)  # the run's image resolution (model.vision)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # data.chat_template_kwargs of the run
     max_new_tokens: int = 256
     run_config: str | None = None  # the config.json this came from
@@ -80,12 +82,13 @@ class EvalSetup:
     def from_config_dict(cls, cfg: dict, where: str | None = None) -> "EvalSetup":
         """From a resolved run config (a phase's ``config.json``, or a loaded YAML config)."""
         data, model, reward = cfg.get("data") or {}, cfg.get("model") or {}, cfg.get("reward") or {}
+        section = recorded_model(model)
         return cls(reward=reward.get("name", "cpr"), reward_params=dict(reward.get("params") or {}),
                    system_prompt=data.get("system_prompt"), data=data.get("validation"),
                    data_split=data.get("validation_split") or "validation", columns=dict(data.get("columns") or {}),
                    dtype=model.get("dtype"),
                    trust_remote_code=bool(model.get("trust_remote_code")),
-                   model_kwargs=recorded_kwargs(model),
+                   model_kwargs=from_pretrained_kwargs(section), vision=section.vision,
                    chat_template_kwargs=dict(data.get("chat_template_kwargs") or {}),
                    max_new_tokens=int((cfg.get("validation") or {}).get("max_new_tokens") or 256),
                    run_config=where)
@@ -245,7 +248,7 @@ def evaluate(req: EvalRequest) -> dict | None:
 
             model, processing = load_checkpoint(req.model, dtype=req.setup.dtype,
                                                 trust_remote_code=req.setup.trust_remote_code, device=default_device(),
-                                                model_kwargs=req.setup.model_kwargs)
+                                                model_kwargs=req.setup.model_kwargs, vision=req.setup.vision)
             generate_predictions(model, processing, ds, out, req.sampling, req.batch_size,
                                  engine=Engine(chat_template_kwargs=req.setup.chat_template_kwargs))
         seconds = time.perf_counter() - start

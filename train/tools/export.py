@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -44,14 +45,24 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import iter_jsonl
 from crystal_grpo.train.checkpoints import checkpoint_problem, safetensors_problem
 from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.model_card import RunRecord, export_card, framework_versions, read_run_record
-from crystal_grpo.train.models import check_remote_code, recorded_kwargs, torch_dtype
+from crystal_grpo.train.models import (
+    ModelSection,
+    Source,
+    from_pretrained_kwargs,
+    load_processing,
+    load_weights,
+    model_class,
+    open_source,
+    recorded_model,
+    torch_dtype,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: Asked when the run's config names no readable training file (or the folder has no run records).
@@ -167,70 +178,19 @@ def default_dtype(raw: dict) -> str:
     return "float32"
 
 
-# --- loading ----------------------------------------------------------------------------
-def model_class(config: Any):
-    """AutoModelForCausalLM for language models; the class that wrote a VLM (its
-    ``architectures``), or the auto class for its type."""
-    import transformers
-
-    from crystal_grpo.train.models import REMOTE_CODE_MODEL_TYPES, is_vision_language
-
-    if not is_vision_language(config):
-        return transformers.AutoModelForCausalLM
-    if getattr(config, "model_type", "") in REMOTE_CODE_MODEL_TYPES:
-        return transformers.AutoModel
-    arch = (getattr(config, "architectures", None) or [""])[0]
-    return getattr(transformers, arch, None) or transformers.AutoModelForImageTextToText
+# --- loading (through train/models.py, as training and evaluation load) ----------------------
+def open_model(source: str, section: ModelSection) -> Source:
+    """``source`` (the checkpoint, its LoRA base, the exported folder) with the run's load settings:
+    remote code, revision, attention, ``from_pretrained`` extras, image resolution."""
+    return open_source(dataclasses.replace(section, name_or_path=source, gguf_file=None))
 
 
-def load_config(source: str, trust: bool):
-    from transformers import AutoConfig
-
-    check_remote_code(_raw_config(source) if Path(source).is_dir() else None, trust, source)
-    return AutoConfig.from_pretrained(source, trust_remote_code=trust)
-
-
-def load_processing(sources: list[str], config: Any, trust: bool):
-    """The tokenizer, or for a VLM the processor (never a bare tokenizer), from the first
+def processing_of(sources: list[str], opened: Source, section: ModelSection):
+    """The tokenizer, or for a VLM the processor with the run's image resolution, from the first
     source that has tokenizer files (a LoRA checkpoint's own, else its base's)."""
-    from transformers import AutoTokenizer
-
-    from crystal_grpo.train.models import is_vision_language, load_processor
-
     local = [s for s in sources if any((Path(s) / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json"))]
     src = (local or sources)[0]
-    kw = {"trust_remote_code": trust}
-    if is_vision_language(config):
-        return load_processor(src, Path(src).is_dir(), config, kw)
-    return AutoTokenizer.from_pretrained(src, **kw)
-
-
-def concrete_class(cls, config: Any, trust: bool):
-    """The model class an auto class picks for ``config`` (an auto class needs a folder or
-    hub id to load from, not a bare state dict)."""
-    if getattr(cls, "_model_mapping", None) is None:
-        return cls
-    auto_map = getattr(config, "auto_map", None) or {}
-    if trust and cls.__name__ in auto_map:  # the checkpoint's own modeling code, as the auto class would load it
-        from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
-        return get_class_from_dynamic_module(auto_map[cls.__name__], config._name_or_path)
-    from transformers.models.auto.auto_factory import _get_model_class
-
-    return _get_model_class(config, cls._model_mapping)
-
-
-def _from_pretrained(cls, source: str | None, dtype: str, trust: bool, **kw):
-    """``from_pretrained`` that refuses to fill missing weights with random ones; with
-    ``source`` None, from ``state_dict=`` and ``config=`` in ``kw``."""
-    if source is None:
-        cls = concrete_class(cls, kw["config"], trust)
-    model, info = cls.from_pretrained(source, dtype=torch_dtype(dtype), trust_remote_code=trust,
-                                      output_loading_info=True, **kw)
-    missing = sorted(info.get("missing_keys") or [])
-    if missing:
-        raise RuntimeError(f"weights missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    return model
+    return load_processing(dataclasses.replace(opened, path=src, local=Path(src).is_dir()), section.vision)
 
 
 def zero_state_dict(ckpt: Checkpoint) -> dict:
@@ -358,8 +318,7 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     if keep_adapter and ckpt.kind != "lora":
         raise ExportError(f"--keep_adapter: {ckpt.path} is a {ckpt.describe()}, not a LoRA adapter checkpoint")
     rec = read_run_record(ckpt.path)
-    trust = bool(rec.model_section.get("trust_remote_code", False))
-    init = recorded_kwargs(rec.model_section)
+    section = recorded_model(rec.model_section)
     base = resolve_base(ckpt, base_model) if ckpt.kind == "lora" else None
     source = base or str(ckpt.path)
     dtype_note = "" if dtype else " (the checkpoint's config)"
@@ -376,7 +335,7 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would become --out's mode
-        how = _write(ckpt, tmp, base, dtype, trust, init, keep_adapter, max_shard_size, say)
+        how = _write(ckpt, tmp, base, dtype, section, keep_adapter, max_shard_size, say)
         say(f"  dtype: {dtype}{dtype_note}")
         (tmp / "README.md").write_text(export_card(rec, out.name, how, dtype, framework_versions(),
                                                    adapter_base=base if keep_adapter else None), encoding="utf-8")
@@ -386,8 +345,7 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
         shards = "" if keep_adapter else f" (max_shard_size {max_shard_size})"
         say(f"  wrote {len(weights)} safetensors file(s){' + ' + index[0] if index else ''}{shards}, "
             + ", ".join(f for f in files if not f.endswith(".safetensors") and f not in index))
-        source_desc, completion, cls_name = _check(tmp, rec, base if keep_adapter else None, trust, init,
-                                                   max_new_tokens)
+        source_desc, completion, cls_name = _check(tmp, rec, base if keep_adapter else None, section, max_new_tokens)
         say(f"  check: reloaded with {cls_name} and generated up to {max_new_tokens} greedy tokens from {source_desc}:")
         say(f"         {completion!r}")
         _swap_in(tmp, out)
@@ -401,19 +359,19 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     return ExportResult(out, kind, dtype, files, source_desc, completion)
 
 
-def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, trust: bool, init: dict, keep_adapter: bool,
+def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, section: ModelSection, keep_adapter: bool,
            max_shard_size: str, say) -> str:
     """Write the weights and the processing class into ``tmp``; returns how (for the card)."""
+    opened = open_model(base or str(ckpt.path), section)
+    processing = processing_of([str(ckpt.path), *([base] if base else [])], opened, section)
     if keep_adapter:
-        return _write_adapter(ckpt, tmp, base, dtype, trust, say)
-    config = load_config(base or str(ckpt.path), trust)
-    cls = model_class(config)
-    processing = load_processing([str(ckpt.path), *([base] if base else [])], config, trust)
+        return _write_adapter(ckpt, tmp, base, dtype, processing, say)
+    init = from_pretrained_kwargs(section)
     if ckpt.kind == "full":
-        model = _from_pretrained(cls, str(ckpt.path), dtype, trust, **init)
+        model = load_weights(opened, dtype, init)
         how = "full checkpoint"
     elif ckpt.kind == "zero":
-        model = _from_pretrained(cls, None, dtype, trust, config=config, state_dict=zero_state_dict(ckpt), **init)
+        model = load_weights(opened, dtype, init, state_dict=zero_state_dict(ckpt))
         if (ckpt.path / "generation_config.json").is_file():  # (from a state dict it is derived from the config)
             from transformers import GenerationConfig
 
@@ -427,8 +385,7 @@ def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, trust: boo
     else:
         from peft import PeftModel
 
-        base_model = _from_pretrained(cls, base, "float32", trust, **init)
-        peft_model = PeftModel.from_pretrained(base_model, str(ckpt.path))
+        peft_model = PeftModel.from_pretrained(load_weights(opened, "float32", init), str(ckpt.path))
         if ckpt.zero_tag:
             from peft import set_peft_model_state_dict
 
@@ -443,7 +400,7 @@ def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, trust: boo
     return how
 
 
-def _write_adapter(ckpt: Checkpoint, tmp: Path, base: str, dtype: str, trust: bool, say) -> str:
+def _write_adapter(ckpt: Checkpoint, tmp: Path, base: str, dtype: str, processing, say) -> str:
     """The adapter as trained (cast to ``dtype``), its config naming the base by a path that
     loads from anywhere, and the checkpoint's tokenizer or processor."""
     from safetensors.torch import save_file
@@ -452,30 +409,26 @@ def _write_adapter(ckpt: Checkpoint, tmp: Path, base: str, dtype: str, trust: bo
     save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     (tmp / "adapter_config.json").write_text(json.dumps({**ckpt.adapter, "base_model_name_or_path": base}, indent=2),
                                              encoding="utf-8")
-    load_processing([str(ckpt.path), base], load_config(base, trust), trust).save_pretrained(tmp)
+    processing.save_pretrained(tmp)
     say(f"  weights: the LoRA adapter kept as an adapter ({dtype}); adapter_config.json names the base as {base}")
     return f"LoRA adapter for `{base}` (not merged)"
 
 
-def _check(folder: Path, rec: RunRecord, adapter_base: str | None, trust: bool, init: dict, max_new_tokens: int):
+def _check(folder: Path, rec: RunRecord, adapter_base: str | None, section: ModelSection, max_new_tokens: int):
     """Reload ``folder`` the way a user would and generate once; returns (prompt source,
     completion, the class that loaded it)."""
+    init = from_pretrained_kwargs(section)
     if adapter_base:
         from peft import PeftModel
 
-        config = load_config(adapter_base, trust)
-        cls = model_class(config)
-        model = PeftModel.from_pretrained(_from_pretrained(cls, adapter_base, "float32", trust, **init), str(folder))
-        name = f"PeftModel over {cls.__name__}"
+        opened = open_model(adapter_base, section)
+        model = PeftModel.from_pretrained(load_weights(opened, "float32", init), str(folder))
+        name = f"PeftModel over {model_class(opened.config).__name__}"
     else:
-        config = load_config(str(folder), trust)
-        cls = model_class(config)
-        model, info = cls.from_pretrained(folder, dtype="auto", trust_remote_code=trust, output_loading_info=True,
-                                          **init)
-        if info.get("missing_keys"):
-            raise RuntimeError(f"the exported folder reloads without {sorted(info['missing_keys'])[:5]}")
-        name = cls.__name__
-    processing = load_processing([str(folder)], config, trust)
+        opened = open_model(str(folder), section)
+        model = load_weights(opened, "auto", init)
+        name = model_class(opened.config).__name__
+    processing = processing_of([str(folder)], opened, section)
     source, prompt, images = training_prompt(rec.config)
     kwargs = ((rec.config or {}).get("data") or {}).get("chat_template_kwargs") or {}
     return source, generate_once(model, processing, prompt, images, max_new_tokens, kwargs), name
@@ -486,10 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoint-N or final/ folder of a run phase (full, LoRA or DeepSpeed ZeRO)")
     ap.add_argument("--out", required=True, help="the folder to create")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--merge_lora", action="store_true", help="LoRA: merge the adapter into the base (default)")
-    mode.add_argument("--keep_adapter", action="store_true",
-                      help="LoRA: write the adapter (+ tokenizer, card), to load with PEFT over the base")
+    ap.add_argument("--keep_adapter", action="store_true",
+                    help="LoRA: write the adapter (+ tokenizer, card), to load with PEFT over the base, instead of "
+                         "merging it into the base's weights (the default)")
     ap.add_argument("--dtype", choices=DTYPES, default=None,
                     help="weights dtype (default: the dtype in the checkpoint's config)")
     ap.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default 5GB)")
@@ -498,6 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base_model", default=None,
                     help="LoRA: the base model folder, when adapter_config.json's path does not resolve from here")
     ap.add_argument("--max_new_tokens", type=int, default=16, help="tokens generated by the check (default 16)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(x == "--merge_lora" or x.startswith("--merge_lora=") for x in argv):
+        print("error: --merge_lora is gone: a LoRA checkpoint is merged into its base without it (--keep_adapter "
+              "writes the adapter instead); drop the flag", file=sys.stderr)
+        return 2
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars would bury the report
     try:
