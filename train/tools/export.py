@@ -50,7 +50,7 @@ from typing import Literal
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import iter_jsonl
 from crystal_grpo.train.checkpoints import checkpoint_problem, safetensors_problem
-from crystal_grpo.train.layout import MARKER
+from crystal_grpo.train.layout import MARKER, step_of
 from crystal_grpo.train.model_card import RunRecord, export_card, framework_versions, read_run_record
 from crystal_grpo.train.models import (
     ModelSection,
@@ -325,7 +325,7 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     dtype = dtype or default_dtype(_raw_config(source))
     kind = {"lora": "lora-adapter" if keep_adapter else "lora-merged"}.get(ckpt.kind, ckpt.kind)
     say(f"export {ckpt.path} -> {out}")
-    if ckpt.path.name.startswith("checkpoint-") and not (ckpt.path / MARKER).exists():
+    if step_of(ckpt.path) is not None and not (ckpt.path / MARKER).exists():
         say(f"  warning: {ckpt.path} has no {MARKER}: the run may have been stopped while saving it (or an older "
             "version wrote it); only its safetensors headers could be checked, not that every file is there")
     say(f"  checkpoint: {ckpt.describe()}" + (f", base model {base}" if base else "")
