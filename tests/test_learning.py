@@ -27,8 +27,9 @@ pytestmark = pytest.mark.slow  # GRPO runs of minutes: left out of make test-fas
 
 REPO = Path(__file__).resolve().parents[1]
 WARM_START = REPO / "data" / "organism" / "warm_start"
-#: GRPO steps of the check and of the controls (the controls need fewer to show they do not learn).
-STEPS, CONTROL_STEPS = 60, 20
+#: GRPO steps of the check and of the controls (the controls need fewer to show they do not learn;
+#: where nothing may move at all, a few steps show it as well as many).
+STEPS, CONTROL_STEPS, NO_SIGNAL_STEPS = 60, 20, 5
 #: The smallest rise of sampled held-out accuracy (and, for CPR, of step Match F1) that counts as
 #: learning: under half the smallest rise in 60 steps over 10 seeds (0.33; mean 0.39, sd 0.035),
 #: six standard errors of a difference of two 800-completion estimates above 0 (docs/organism.md).
@@ -108,22 +109,22 @@ CONFLICT = ("[{fn: 'crystal:accuracy', weight: 1.0, objective: accuracy}, "
             f"{{fn: '{Path(__file__).with_name('organism_conflict.py')}:wrong_on_odd', weight: 1.5, objective: reasoning}}]")
 
 
-def test_pcgrad_projects_a_constructed_conflict_and_accuracy_still_rises(tmp_path, organism_data):
-    """With PCGrad the conflicting gradients are projected (measured, 2 seeds: in 85-93% of the
-    steps, cosine -0.64 to -0.73 on average) and accuracy rises (0.35 -> 0.48-0.49)."""
-    before, after, run = sampled_accuracy(tmp_path, organism_data, "--reward.name", "composed",
-                                          "--reward.components", CONFLICT, "--pcgrad", "true")
+def test_pcgrad_projects_a_constructed_conflict_and_ends_above_the_plain_sum(tmp_path, organism_data):
+    """The same conflicting reward with and without PCGrad, same seed. Summed, the reasoning term
+    pulls accuracy down (the control: it must fail the check); with PCGrad the gradients are
+    projected in most steps and accuracy ends well above the sum's. Measured over 6 seeds at 60
+    steps (docs/organism.md): PCGrad projects in 83-93% of the steps; its final accuracy is
+    0.285-0.49 (a rise of -0.09 to +0.15 from 0.33-0.38: PCGrad does not reliably *raise*
+    accuracy under this conflict, so that is not asserted), the sum's 0.115-0.25 (-0.10 to
+    -0.27), and PCGrad beats the sum by CONFLICT_MARGIN_PLACEHOLDER at every seed."""
+    before, summed, _ = sampled_accuracy(tmp_path / "summed", organism_data, "--reward.name", "composed",
+                                         "--reward.components", CONFLICT)
+    assert not learned(before, summed) and summed < before, (before, summed)
+    _, projected, run = sampled_accuracy(tmp_path / "pcgrad", organism_data, "--reward.name", "composed",
+                                         "--reward.components", CONFLICT, "--pcgrad", "true")
     conflict = logged(run, "pcgrad/conflict")
     assert len(conflict) == STEPS and sum(conflict) / STEPS > 0.5, "the constructed reward must conflict"
-    assert learned(before, after), f"sampled held-out accuracy {before:.3f} -> {after:.3f}: no rise of {MARGIN}"
-
-
-def test_control_the_constructed_conflict_summed_fails_the_check(tmp_path, organism_data):
-    """The same reward without PCGrad: summed, the conflict pulls accuracy down (measured
-    0.35 -> 0.25 and 0.18, 2 seeds), so PCGrad's rise above is its projection's doing."""
-    before, after, _ = sampled_accuracy(tmp_path, organism_data, "--reward.name", "composed",
-                                        "--reward.components", CONFLICT)
-    assert not learned(before, after) and after < before
+    assert projected - summed >= CONFLICT_MARGIN, f"PCGrad {projected:.3f} against the plain sum {summed:.3f}"
 
 
 def test_control_the_reward_with_its_sign_flipped_fails_the_check(tmp_path, organism_data):
@@ -139,7 +140,7 @@ def test_control_no_signal_or_no_step_fails_the_check(tmp_path, organism_data, b
     """A constant reward (no group varies) and a zero learning rate: the weights must not move at
     all, so the check cannot pass (accuracy moves only by sampling noise: validation draws from a
     seed fixed per step)."""
-    before, after, run = sampled_accuracy(tmp_path, organism_data, *broken, steps=CONTROL_STEPS)
+    before, after, run = sampled_accuracy(tmp_path, organism_data, *broken, steps=NO_SIGNAL_STEPS)
     assert not learned(before, after)
     start, end = load_file(WARM_START / "model.safetensors"), load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(start[k], end[k]) for k in start)
