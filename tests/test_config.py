@@ -67,6 +67,21 @@ def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_pa
                                                "must be >= 0 (set reward.params.negative_weights: true"),
     (["--training.reward_weights", "[1, -1]"], "training.reward_weights: invalid value [1, -1]; a reward weight"),
     (["--data.long_prompts", "truncate"], "data.long_prompts: invalid value 'truncate'; expected one of 'skip'"),
+    (["--dynamic_sampling.mode", "drop"], "dynamic_sampling.mode: invalid value 'drop'; expected one of 'none', "
+                                          "'mask', 'refill'"),
+    (["--dynamic_sampling.mode", "off"], "dynamic_sampling.mode: invalid value False; expected one of 'none'"),
+    (["--dynamic_sampling.max_num_gen_batches", "0"], "dynamic_sampling.max_num_gen_batches: invalid value 0; "
+                                                      "expected x >= 1"),
+    (["--dynamic_sampling.min_std", "-0.1"], "dynamic_sampling.min_std: invalid value -0.1; expected x >= 0"),
+    (["--dynamic_sampling", "{mode: mask, metric: objectives}"],
+     "dynamic_sampling.metric: 'objectives' filters each of PCGrad's two losses on its own objective and needs "
+     "pcgrad: true"),
+    (["--dynamic_sampling.mode", "refill", "--training.scale_rewards", "batch"],
+     "training.scale_rewards: 'batch' cannot be combined with dynamic_sampling.mode: refill"),
+    (["--dynamic_sampling.mode", "mask", "--training.multi_objective_aggregation", "normalize_then_sum"],
+     "training.multi_objective_aggregation: 'normalize_then_sum' cannot be combined with dynamic_sampling.mode: mask"),
+    (["--phases", "[{name: warm, trainer: sft, overrides: {dynamic_sampling: {mode: mask}}}]"],
+     "phases[warm].overrides.dynamic_sampling.mode: set for an SFT phase"),
 ])
 def test_bad_values_stop_with_one_line_naming_key_value_and_type(override, message, capsys):
     assert grpo.main(["--config", "tiny.yaml", *override]) == 2
@@ -179,6 +194,8 @@ def test_help_shows_the_papers_recipe_and_training_uses_it(capsys, tmp_path):
         grpo.main(["--help"])
     text = capsys.readouterr().out
     assert "--training.beta  float (a finite number) = 0.04" in text and "--training.loss_type  str = 'grpo'" in text
+    assert "--dynamic_sampling.mode  one of 'none', 'mask', 'refill' = 'none'" in text
+    assert "--dynamic_sampling.max_num_gen_batches  int = 3 (x >= 1)" in text
     cfg, _ = load_config("tiny.yaml")
     cfg.training = {k: v for k, v in cfg.training.items() if k not in ("beta", "temperature", "seed")}
     args = grpo.training_args(cfg, tmp_path, {"use_cpu": True})

@@ -21,6 +21,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
+from crystal_grpo.train.dynamic_sampling import MICRO_BATCH_TOKEN_MEAN, ROW_MEAN, TOKEN_COUNT
 from crystal_grpo.train.pcgrad import TESTED_TRL, PCGradMixin
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +132,8 @@ def trainer(tiny_lm_path, tmp_path_factory):
 def test_attributes_pcgrad_reads_and_swaps(trainer):
     for name in (*PCGradMixin._STATE_ATTRS, "_entropy_bonus_enabled", "aux_loss_enabled", "beta",
                  "multi_objective_aggregation", "scale_rewards", "reward_weights", "reward_func_names",
-                 "num_generations", "_metrics", "_step", "_current_train_step_time", "accelerator"):
+                 "num_generations", "_metrics", "_step", "_current_train_step_time", "accelerator",
+                 "loss_type", "_tokenizer", "state", "train_dataset"):  # the last three: dynamic sampling
         assert hasattr(trainer, name), name
     assert trainer.multi_objective_aggregation == "sum_then_normalize"  # the default PCGrad splits
     assert set(trainer._metrics) == {"train", "eval"} and trainer._metrics["train"]["x"] == []
@@ -184,6 +186,38 @@ def test_compute_loss_uses_one_logps_call_and_reads_beta_and_advantages_at_call_
         kl = loss(torch.zeros(4))
         assert kl > 0  # the KL penalty alone, read from self.beta at call time
         assert loss(a) == pytest.approx(la + kl, rel=1e-5)  # KL adds to the surrogate
+
+
+@pytest.mark.parametrize("loss_type", sorted(ROW_MEAN | TOKEN_COUNT | MICRO_BATCH_TOKEN_MEAN))
+def test_each_loss_type_weighs_rows_by_tool_mask_as_dynamic_sampling_assumes(trainer, monkeypatch, loss_type):
+    """What train/dynamic_sampling.py relies on: ``completion_mask * tool_mask`` weighs every term
+    of TRL's loss (surrogate, KL, normaliser), and each loss_type's normaliser is of the family
+    the module files it under. Two of four rows masked must give the loss of the other two alone."""
+    batch = _batch(trainer)
+    kept = torch.tensor([1, 1, 0, 0])
+    adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    monkeypatch.setattr(trainer, "loss_type", loss_type)
+    monkeypatch.setattr(trainer, "beta", 0.04)
+    trainer.model.train()
+    masked = {**batch, "advantages": adv, "tool_mask": kept.unsqueeze(1).expand_as(batch["completion_mask"])}
+    if loss_type in TOKEN_COUNT:  # divided by num_items_in_batch: recounted over the kept tokens
+        masked["num_items_in_batch"] = (batch["completion_mask"] * masked["tool_mask"]).sum()
+    if loss_type in ROW_MEAN:  # a mean over rows: the surrogate and the KL term scaled by rows / kept rows
+        masked["advantages"] = adv * 2
+        monkeypatch.setattr(trainer, "beta", 0.08)
+    alone = {k: (v[:2] if v.dim() else v) for k, v in {**batch, "advantages": adv}.items()}
+    alone["num_items_in_batch"] = batch["completion_mask"][:2].sum()
+    with torch.no_grad():
+        got = float(trainer.compute_loss(trainer.model, masked))
+        monkeypatch.setattr(trainer, "beta", 0.04)
+        want = float(trainer.compute_loss(trainer.model, alone))
+    assert got == pytest.approx(want, rel=1e-5) and abs(want) > 1e-4
+
+
+def test_the_calls_dynamic_sampling_intercepts():
+    """It swaps two methods on the instance for one generation: they must be called through self."""
+    assert "self._generate_and_score_completions(generation_batch)" in inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert "self._calculate_rewards(" in inspect.getsource(GRPOTrainer._generate_and_score_completions)
 
 
 def test_generation_output_carries_advantages_of_local_rows(trainer):

@@ -1,9 +1,9 @@
 """One YAML file describes a run: model, data, reward, curriculum, validation and TRL's
 ``GRPOConfig`` fields (under ``training``). Each section is a config dataclass documented
 beside the code that reads it (``ModelSection`` in train/models.py, ``CPRConfig`` in
-rewards/cpr.py, ``CurriculumSection`` in curricula/schedule.py, ...); the two whose code
-subclasses transformers' classes (validation, stability) are defined here, and ``RunConfig``
-composes them all.
+rewards/cpr.py, ``CurriculumSection`` in curricula/schedule.py, ...); the ones whose code
+subclasses transformers' or TRL's classes (validation, stability, dynamic sampling) are defined
+here, and ``RunConfig`` composes them all.
 
 Every key and value is checked once, at load, before any model loads: unknown keys,
 values of the wrong type (for ``training`` against ``GRPOConfig``'s own field types, read
@@ -77,6 +77,43 @@ class StabilitySection:
     """What to do about non-finite updates (``stability:`` in a run config)."""
 
     max_consecutive_nonfinite: int = option(5, "Save and stop after this many skipped non-finite updates.", ge=1)
+
+
+@dataclass
+class DynamicSamplingSection:
+    """Groups whose rewards do not vary (DAPO's dynamic sampling; ``dynamic_sampling:`` in a run
+    config, train/dynamic_sampling.py). Off by default: every group trains, as in TRL."""
+
+    mode: Literal["none", "mask", "refill"] = option(
+        "none", "none: every group trains (TRL). mask: a flat group gets zero weight: out of the loss, the KL term "
+        "and the loss's normaliser. refill (DAPO): up to max_num_gen_batches generation batches a step, informative "
+        "groups of the later ones taking the flat groups' places; the flat groups still left are masked.")
+    min_std: float = option(0.0, "A group is flat when the std of its rewards is at most this (0: only groups whose "
+                            "rewards are all equal).", ge=0)
+    metric: Literal["reward", "objectives"] = option(
+        "reward", "Whose std: reward, the total reward (TRL's advantage is made of it); objectives (pcgrad: true "
+        "only), each objective's part: PCGrad's accuracy loss leaves out the groups flat on accuracy, its reasoning "
+        "loss those flat on reasoning, and only a group flat on both is out of the KL term and refilled.")
+    max_num_gen_batches: int = option(3, "refill: generation batches a step at most, the first included (verl's "
+                                      "name); 1 is mask.", ge=1)
+
+
+def dynamic_sampling_refused(section: DynamicSamplingSection, *, pcgrad: bool, scale_rewards: Any,
+                             aggregation: str) -> tuple[str, str] | None:
+    """(key, why) when ``section`` cannot work with these settings, else None (the config's
+    check and a trainer built by hand share it)."""
+    if section.mode == "none":
+        return None
+    if section.metric == "objectives" and not pcgrad:
+        return ("dynamic_sampling.metric", "'objectives' filters each of PCGrad's two losses on its own objective and "
+                "needs pcgrad: true; without PCGrad there is one loss, on the total reward (metric: reward)")
+    if scale_rewards == "batch" or aggregation == "normalize_then_sum":
+        key, value = (("training.scale_rewards", "'batch'") if scale_rewards == "batch" else
+                      ("training.multi_objective_aggregation", "'normalize_then_sum'"))
+        return (key, f"{value} cannot be combined with dynamic_sampling.mode: {section.mode}: the advantages would be "
+                "scaled by a std over the whole batch, flat groups included, so dropping or replacing those would "
+                "change every other group's advantage; use scale_rewards: group or none (sum_then_normalize)")
+    return None
 
 
 @dataclass
@@ -154,6 +191,9 @@ class RunConfig:
                                          "(train/trainer.py).")
     alarms: AlarmSection = option(default_factory=AlarmSection, help="Warnings when the training signal goes bad: "
                                   "truncation, steps or recall collapsing, zero reward std (train/alarms.py).")
+    dynamic_sampling: DynamicSamplingSection = option(
+        default_factory=DynamicSamplingSection, help="Groups whose rewards do not vary: masked, or replaced by "
+        "informative ones (DAPO's dynamic sampling; train/dynamic_sampling.py).")
     training: dict[str, Any] = option(default_factory=dict, help="Any field of trl.GRPOConfig (which extends "
                                       "transformers.TrainingArguments).")
     phases: list[PhaseSection] = option(default_factory=list, help="Empty: one phase.")
@@ -423,9 +463,11 @@ def validate(cfg: RunConfig) -> None:
         if not c.data.train:
             raise ConfigError(f"{where}data.train: required (a JSONL file or a datasets folder)")
         if c.trainer == "sft":
-            for key, value in (("curriculum", c.curriculum), ("pcgrad", c.pcgrad)):
+            for key, value in (("curriculum", c.curriculum), ("pcgrad", c.pcgrad),
+                               ("dynamic_sampling.mode", c.dynamic_sampling.mode != "none")):
                 if value:
-                    raise ConfigError(f"{where}{key}: set for an SFT phase; the curriculum and PCGrad are GRPO's")
+                    raise ConfigError(f"{where}{key}: set for an SFT phase; the curriculum, PCGrad and dynamic "
+                                      "sampling are GRPO's")
         check_value(f"{where}validation.metric", c.validation.metric, Literal[metric_names("reward")])  # after the
         # reward's module loaded: a row it registers is a validation metric too
         if c.pcgrad and c.training.get("use_liger_kernel"):
@@ -446,6 +488,11 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{where}reward.components[{untagged[0]}].objective: required with pcgrad: true "
                               "(accuracy or reasoning: PCGrad splits the reward on it)")
         aggregation = c.training.get("multi_objective_aggregation", "sum_then_normalize")
+        scale = {True: "group", False: "none"}.get(c.training.get("scale_rewards"), c.training.get("scale_rewards"))
+        refused = c.trainer == "grpo" and dynamic_sampling_refused(c.dynamic_sampling, pcgrad=c.pcgrad,
+                                                                   scale_rewards=scale, aggregation=aggregation)
+        if refused:
+            raise ConfigError(f"{where}{refused[0]}: {refused[1]}")
         if c.pcgrad and aggregation != "sum_then_normalize":
             raise ConfigError(
                 f"{where}training.multi_objective_aggregation: {aggregation!r} cannot be combined with pcgrad: "
@@ -518,7 +565,7 @@ def apply_phase(cfg: RunConfig, phase: PhaseSection) -> RunConfig:
     if phase.trainer != cfg.trainer:  # e.g. an SFT warm start in a GRPO run: GRPO's own settings stay out
         base["training"], phase.left_out = split_training(base["training"])
         if phase.trainer == "sft":
-            base["curriculum"], base["pcgrad"] = None, False
+            base["curriculum"], base["pcgrad"], base["dynamic_sampling"] = None, False, {}
     if "trainer" in phase.overrides:
         raise ConfigError(f"phases[{phase.name}].overrides.trainer: set the phase's kind as phases[].trainer")
     merged = deep_merge({**base, "trainer": phase.trainer}, phase.overrides)

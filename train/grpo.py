@@ -258,8 +258,8 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset,
     extra = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
     with _reference_kwargs_meant():
         return trainer_class(cfg.pcgrad)(reward=module, train_dataset=dataset, eval_dataset=eval_dataset,
-                                         sampler_factory=_sampler_factory(cfg, dataset, args.max_steps), **common,
-                                         **extra)
+                                         sampler_factory=_sampler_factory(cfg, dataset, args.max_steps),
+                                         dynamic_sampling=cfg.dynamic_sampling, **common, **extra)
 
 
 @contextlib.contextmanager

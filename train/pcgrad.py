@@ -48,6 +48,7 @@ import torch
 
 from crystal_grpo.rewards.base import OBJECTIVES
 from crystal_grpo.train.config import LIGER_REFUSED
+from crystal_grpo.train.dynamic_sampling import objective_inputs
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -358,8 +359,10 @@ class PCGradMixin:
                 setattr(self, k, v)
             losses = []
             with self._pcgrad_quiet(beta=0.0, _entropy_bonus_enabled=False, aux_loss_enabled=False):
-                for key in ("advantages_acc", "advantages_reason"):
-                    losses.append(self._compute_loss(model, {**inputs, "advantages": inputs[key]}))
+                for key, objective in (("advantages_acc", "accuracy"), ("advantages_reason", "reasoning")):
+                    # objective_inputs: the objective's own loss mask with dynamic_sampling.metric: objectives
+                    losses.append(self._compute_loss(model, {**objective_inputs(inputs, objective),
+                                                             "advantages": inputs[key]}))
             if self.beta != 0.0 or self._entropy_bonus_enabled or self.aux_loss_enabled:
                 with self._pcgrad_quiet():
                     zeros = torch.zeros_like(inputs["advantages"])

@@ -13,6 +13,8 @@
   guard's window) and the optimizer settings travel with every checkpoint, and a
   completion marker is written last (``train/checkpoints.py``), so an interrupted save is
   never resumed from. The curriculum order is a pure function of (seed, step).
+- ``_prepare_inputs`` / ``_compute_loss`` (``DynamicSamplingMixin``, train/dynamic_sampling.py):
+  with ``dynamic_sampling=``, groups whose rewards do not vary are masked or refilled.
 - ``_generate_single_turn``: with LoRA, TRL's ``generate`` runs through adapters merged
   into (a copy of) the base weights (``train/lora_merge.py``), as fast as the base model.
 - ``log``: adds the KL maximum over the logging window (docs/method.md section 6 diagnostics).
@@ -51,7 +53,8 @@ from crystal_grpo.train.checkpoints import (
     space_report,
     write_marker,
 )
-from crystal_grpo.train.config import ValidationSection
+from crystal_grpo.train.config import DynamicSamplingSection, ValidationSection
+from crystal_grpo.train.dynamic_sampling import DynamicSamplingMixin
 from crystal_grpo.train.interrupt import GracefulStop
 from crystal_grpo.train.lora_merge import merged_generate
 
@@ -225,7 +228,7 @@ class CrystalTrainerMixin:
             write_model_card(self, model_name)
 
 
-class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
+class CrystalGRPOTrainer(CrystalTrainerMixin, DynamicSamplingMixin, GRPOTrainer):
     """A drop-in ``trl.GRPOTrainer``: the same constructor, every argument meaning what it
     means in TRL, plus what this project adds (the non-finite guard, complete-checkpoint
     markers and ``latest`` resume, Ctrl-C / SIGTERM save, the curriculum sampler, the model
@@ -239,12 +242,14 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
     (``accuracy`` / ``reasoning``; a function's own ``objective`` attribute does too), which
     PCGrad needs. ``validation=`` (a :class:`ValidationSection`) with ``reward=`` validates
     greedily on ``eval_dataset`` with the module's metrics (Match F1 included) and records the
-    best checkpoint, as ``train/grpo.py`` runs do.
+    best checkpoint, as ``train/grpo.py`` runs do. ``dynamic_sampling=`` (a
+    :class:`DynamicSamplingSection`) masks or refills the groups whose rewards do not vary.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, *args: Any, reward: RewardModule | None = None,
                  reward_objectives: Sequence[str | None] | None = None, sampler_factory: Callable | None = None,
-                 validation: ValidationSection | None = None, **kwargs: Any) -> None:
+                 validation: ValidationSection | None = None,
+                 dynamic_sampling: DynamicSamplingSection | None = None, **kwargs: Any) -> None:
         if isinstance(reward_funcs, RewardModule):  # CrystalGRPOTrainer(model, module, ...)
             reward, reward_funcs = reward_funcs, None
         if reward is not None and reward_funcs is not None:
@@ -264,6 +269,7 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
                              "would be a second reward beside the reward module, which scores every completion "
                              "itself; give the environment no get_reward method, or use plain reward_funcs with it")
         self.reward_objectives = self._objectives(reward_objectives)
+        self.setup_dynamic_sampling(dynamic_sampling)
         if reward is not None:
             start = time.perf_counter()
             pinned = reward.pin_references(self.train_dataset)  # out of the steps, once (MatchF1Scorer.pin)
