@@ -56,6 +56,7 @@ from crystal_grpo.train.checkpoints import (
 from crystal_grpo.train.config import DynamicSamplingSection, ValidationSection
 from crystal_grpo.train.dynamic_sampling import DynamicSamplingMixin
 from crystal_grpo.train.interrupt import GracefulStop
+from crystal_grpo.train.layout import checkpoint_name
 from crystal_grpo.train.lora_merge import merged_generate
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class CrystalTrainerMixin:
 
     def _save_checkpoint(self, model, trial):
         run_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        folder = os.path.join(run_dir, checkpoint_name(self.state.global_step))
         need = checkpoint_bytes(run_dir)  # the previous checkpoint's size: this one's, to the byte or so
         if not self._all_ranks(need is None or free_bytes(run_dir) >= need * SPACE_MARGIN):
             raise DiskFull(f"not saving {folder}: {space_report(run_dir, need)}")
@@ -199,7 +200,7 @@ class CrystalTrainerMixin:
         """``True`` or ``"latest"`` resume from the newest *complete* checkpoint of ``output_dir``
         (HF's own ``True`` takes the newest folder, complete or not); none yet: a fresh start."""
         if resume_from_checkpoint is True or resume_from_checkpoint == "latest":
-            resume_from_checkpoint = resolve_resume(self.args.output_dir, "latest", say=logger.info)
+            resume_from_checkpoint = resolve_resume(self.args.output_dir, "latest")
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _issue_warnings_after_load(self, load_result: Any) -> None:
