@@ -474,7 +474,7 @@ def test_window_in_a_bf16_storage_accumulates_in_fp32():
 
 
 @pytest.mark.parametrize("steps, rest", [(1, True), (2, False), (2, True)])
-def test_window_allocates_its_rows_and_one_chunk(steps, rest, monkeypatch):
+def test_window_allocates_its_rows_and_nothing_gradient_sized(steps, rest, monkeypatch):
     """What PCGrad allocates over a window, counted by torch (AllocationPeak): the plan's rows,
     plus at most one chunk of temporaries; no gradient-sized temporary."""
     from crystal_grpo.train import pcgrad_gradients

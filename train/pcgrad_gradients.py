@@ -6,9 +6,9 @@ one flat tensor per dtype, or DeepSpeed ZeRO-3's flat gradient partition buffer.
 pass adds its gradient into the storage (ZeRO-3 overwrites it in the window's first micro-step;
 the storage is zero whenever that happens, so both read as "add"). Which sum the storage holds
 and how many rows the others take is :func:`crystal_grpo.train.pcgrad_memory.pcgrad_plan`'s:
-the sum about to receive a gradient is swapped into the storage (chunk by chunk), or, where
-the storage cannot hold a sum exactly (bf16 over several micro-steps), each gradient is moved
-out into its fp32 row. At the optimizer step the sums are averaged across DDP ranks (ZeRO-3's
+the sum about to receive a gradient is swapped into the storage (in place), or, where the
+storage cannot hold a sum exactly (bf16 over several micro-steps), each gradient is moved out
+into its fp32 row. At the optimizer step the sums are averaged across DDP ranks (ZeRO-3's
 are averaged by DeepSpeed; only the three dot products are summed across its ranks), projected
 (docs/method.md section 9) and combined in place into the storage.
 """

@@ -16,8 +16,9 @@ these sums; every other one is an fp32 row the size of this rank's trainable par
   reasoning sums, so the earlier micro-steps' rest must wait apart from both): **2 rows** (3
   when the storage is not fp32).
 
-Besides the rows PCGrad's only temporaries are chunks of at most :data:`CHUNK_ELEMENTS` (the
-projection and the write-back run in place). The rows live from the window's first backward
+Besides the rows PCGrad makes no temporary of gradient size (swaps, projection and write-back
+run in place); with a bf16 storage and one micro-step, one chunk of :data:`CHUNK_ELEMENTS`
+converts between the dtypes. The rows live from the window's first backward
 pass to the optimizer step; between steps (generation) PCGrad holds nothing.
 docs/training.md ("PCGrad memory") has the figures; train/pcgrad_gradients.py follows
 :func:`pcgrad_plan`, so the code and these answers cannot drift apart.
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ACCURACY, REASONING, REST = "accuracy", "reasoning", "rest"
-#: Elements per chunk of PCGrad's temporaries (swaps, mixed-dtype dot products): 64 MiB in fp32.
+#: Elements per chunk where PCGrad converts between a bf16 storage and an fp32 row: 64 MiB in fp32.
 CHUNK_ELEMENTS = 1 << 24
 
 #: Why PCGrad refuses DeepSpeed ZeRO-1/2 (printed by ``train/grpo.py --check``; the trainer says the same).
@@ -70,7 +71,8 @@ def pcgrad_extra_partitions(gradient_accumulation_steps: int, beta: float, entro
     router aux loss (MoE models). ``fp32_gradients``: the model's own gradient storage is fp32
     (float32 weights, also with ``bf16: true`` autocast; DeepSpeed with ``data_types.grad_accum_dtype:
     fp32``); false for bfloat16 weights without DeepSpeed and for DeepSpeed bf16's default bf16
-    gradient buffer. Add :data:`CHUNK_ELEMENTS` x 4 bytes of temporaries for the peak.
+    gradient buffer. The peak adds nothing else (one chunk of :data:`CHUNK_ELEMENTS` x 4 bytes with
+    bf16 gradients and one micro-step).
     """
     rest = beta != 0 or entropy_bonus or aux_loss
     return pcgrad_plan(gradient_accumulation_steps, rest, fp32_gradients).extra_partitions
