@@ -497,11 +497,11 @@ def test_window_allocates_its_rows_and_nothing_gradient_sized(steps, rest, monke
 def test_memory_plan_per_config():
     """docs/training.md's table: fp32 partitions PCGrad adds."""
     assert pcgrad_extra_partitions(1, 0.04) == 1 and pcgrad_extra_partitions(1, 0.0) == 1
-    assert pcgrad_extra_partitions(2, 0.0) == 1 and pcgrad_extra_partitions(2, 0.04) == 2  # the paper's: 2
+    assert pcgrad_extra_partitions(2, 0.0) == 1 and pcgrad_extra_partitions(2, 0.04) == 2  # the paper's, fp32 grads
     assert pcgrad_extra_partitions(4, 0.0, entropy_bonus=True) == 2 and pcgrad_extra_partitions(4, 0.0, aux_loss=True) == 2
     assert pcgrad_extra_partitions(1, 0.04, fp32_gradients=False) == 1  # a single gradient fits its own dtype
     assert pcgrad_extra_partitions(2, 0.0, fp32_gradients=False) == 2
-    assert pcgrad_extra_partitions(2, 0.04, fp32_gradients=False) == 3
+    assert pcgrad_extra_partitions(2, 0.04, fp32_gradients=False) == 3  # the paper's under bf16 ZeRO-3
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         pcgrad_extra_partitions(0, 0.0)
 

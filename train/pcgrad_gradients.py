@@ -36,7 +36,7 @@ def is_deepspeed_engine(model: Any) -> bool:
     return isinstance(model, DeepSpeedEngine)
 
 
-# --------------------------------------------------------------------------- chunked vector ops
+# --------------------------------------------------------------------------- vector ops
 def _chunks(n: int) -> Iterable[slice]:
     return (slice(i, min(i + CHUNK_ELEMENTS, n)) for i in range(0, n, CHUNK_ELEMENTS))
 
