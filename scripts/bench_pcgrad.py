@@ -197,7 +197,8 @@ def memory_table(a: argparse.Namespace) -> int:
     for topology in a.topologies.split(","):
         if topology not in ("single", "zero3"):
             raise SystemExit(f"--topologies: {topology!r} is not single or zero3")
-        rows += memory_rows(topology, a.model, a.workdir, a.baseline, a.repeats if topology == "zero3" else 1)
+        cases = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in a.cases.split(",")]
+        rows += memory_rows(topology, a.model, a.workdir, a.baseline, a.repeats if topology == "zero3" else 1, cases)
         print(f"  done: {topology}", file=sys.stderr, flush=True)
     mib = 2 ** 20
     print(f"\nPCGrad memory: {Path(a.model).name}, fixed batch of 8 completions, 2 optimizer steps (AdamW); "
@@ -251,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory", action="store_true", help="the memory table (bytes per parameter) instead")
     ap.add_argument("--baseline", default=None, help="--memory: another train/pcgrad.py to measure beside this one")
     ap.add_argument("--topologies", default="single,zero3", help="--memory: single and/or zero3")
+    ap.add_argument("--cases", default="1:0,1:0.04,2:0,2:0.04",
+                    help="--memory: gradient_accumulation_steps:beta configurations")
     ap.add_argument("--repeats", type=int, default=3,
                     help="--memory: runs of each ZeRO-3 configuration (its CPU peaks vary from run to run; "
                          "one process's do not)")

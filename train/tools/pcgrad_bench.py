@@ -227,8 +227,8 @@ def measure(mode: str, model_path: str, workdir: str, steps: int, beta: float, i
 
 
 def memory_rows(mode: str, model_path: str, workdir: str, baseline: str | None = None,
-                repeats: int = 1) -> list[dict[str, Any]]:
-    """For each of :data:`MEMORY_CASES`: the peaks of plain GRPO, PCGrad, and the PCGrad of
+                repeats: int = 1, cases: list[tuple[int, float]] = MEMORY_CASES) -> list[dict[str, Any]]:
+    """For each of ``cases`` (gradient accumulation steps, beta): the peaks of plain GRPO, PCGrad, and the PCGrad of
     ``baseline`` (a module file) if given; each in its own process (``zero3``: two, under
     torchrun; rank 0's figures), ``repeats`` times (lists of peaks, in the order run)."""
     import subprocess
@@ -238,7 +238,7 @@ def memory_rows(mode: str, model_path: str, workdir: str, baseline: str | None =
                                    if mode == "zero3" else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rows = []
-    for steps, beta in MEMORY_CASES:
+    for steps, beta in cases:
         row: dict[str, Any] = {"mode": mode, "steps": steps, "beta": beta, **{label: [] for label in impls}}
         for repeat in range(repeats):
             for label, impl in impls.items():
