@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Benchmark PCGrad: GRPO step time and peak memory with PCGrad off and on, side by side,
-for full fine-tuning and LoRA on the same tiny model (one table, one run).
+for full fine-tuning and LoRA on the same tiny model (one table, one run); with ``--memory``,
+the bytes PCGrad allocates per trainable parameter instead (second table, below).
 
     python scripts/bench_pcgrad.py [--model .cache/models/tiny-qwen2] [--pairs 10] [--warmup 2]
                                    [--batch 8] [--completion_length 32] [--beta 0.04] [--threads N]
+    python scripts/bench_pcgrad.py --memory [--baseline old_pcgrad.py] [--model ...]
 
 Workload: TRL GRPO steps through ``train.pcgrad.trainer_class`` exactly as ``train/grpo.py``
 builds it (loss_type grpo, beta 0.04 so the KL term and its third backward pass are on,
@@ -24,9 +26,21 @@ only), so peaks do not mix. Columns:
               the forward/backward/optimizer part that PCGrad changes;
   ratio       on / off for both (median of paired ratios);
   peak MiB    CUDA: max_memory_allocated; CPU: peak RSS above the RSS before training
-              (sampled every 2 ms), plus the analytic size of PCGrad's gradient buffers
-              (3 x trainable parameters x 4 bytes).
+              (sampled every 2 ms); buffers MiB: the fp32 rows PCGrad's plan allocates
+              (train/pcgrad_memory.py; one micro-step per update here: 1 row).
 Targets (issue): step-time ratio <= 1.6 with full fine-tuning, <= 1.3 with LoRA.
+
+Memory (``--memory``): two optimizer steps (AdamW) on a fixed batch of 8 completions
+(generation replaced, train/tools/pcgrad_bench.py), plain GRPO and PCGrad, for 1 and 2
+micro-steps per update and beta 0 and 0.04, in one process and under DeepSpeed ZeRO-3 in two
+CPU processes (rank 0's figures; ``trainable`` is its partition). Columns: the peak of bytes
+allocated during training above what was allocated before it (CUDA: max_memory_allocated;
+CPU: torch's profiler memory events, every allocation and free of the CPU allocator), in MiB;
+``B/param``: PCGrad's peak minus plain GRPO's, per trainable parameter (it includes the
+activations PCGrad keeps for its later backward passes, the same for every version); ``plan``:
+4 x train.pcgrad.pcgrad_extra_partitions. ``--baseline FILE`` measures another version of
+train/pcgrad.py in the same run (``git show 686a6c0:train/pcgrad.py > old.py``: the first
+implementation, three fp32 buffers) and prints the ratio of the extra bytes, this / baseline.
 """
 
 from __future__ import annotations
@@ -48,31 +62,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 TARGETS = {"full": 1.6, "lora": 1.3}
-
-
-def _hash_reward():
-    """Both objectives, values hashed from the completion text: cheap and never constant."""
-    import zlib
-
-    import torch
-
-    from crystal_grpo.rewards.base import RewardModule
-
-    class HashReward(RewardModule):
-        name = "hash"
-        objectives = {"hash_accuracy": "accuracy", "hash_reasoning": "reasoning"}
-        uses_steps = False
-
-        def score(self, completions, rows, with_steps=None):
-            scored = super().score(completions, rows, with_steps=False)
-            h = torch.tensor([zlib.crc32(json.dumps(c).encode()) for c in completions], dtype=torch.float64)
-            scored.batch.correct, scored.batch.format_ok = h % 2, (h // 7 % 10) / 10
-            return scored
-
-        def components(self, batch):
-            return {"hash_accuracy": batch.correct, "hash_reasoning": batch.format_ok}
-
-    return HashReward()
 
 
 def _prompts(n: int) -> list:
@@ -115,7 +104,8 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
-    from crystal_grpo.train.pcgrad import trainer_class
+    from crystal_grpo.train.pcgrad import pcgrad_extra_partitions, trainer_class
+    from crystal_grpo.train.tools.pcgrad_bench import HashReward
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -135,7 +125,7 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.padding_side = "left"
     trainer = trainer_class(mode != "off")(
-        model=a.model, reward=_hash_reward(), args=args, processing_class=tok,
+        model=a.model, reward=HashReward(), args=args, processing_class=tok,
         train_dataset=Dataset.from_dict({"prompt": _prompts(n_prompts)}), peft_config=peft)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
 
@@ -170,7 +160,7 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
         trainer.train()
     peak = (torch.cuda.max_memory_allocated() - base) if cuda else (rss.peak - rss.base)
     return {"rows": rows[a.warmup:], "peak_mib": peak / 2**20, "trainable": trainable,
-            "buffers_mib": 3 * trainable * 4 / 2**20,
+            "buffers_mib": pcgrad_extra_partitions(1, a.beta) * trainable * 4 / 2**20,
             "device": "cuda" if cuda else f"cpu ({torch.get_num_threads()} threads)"}
 
 
@@ -197,6 +187,52 @@ def _child(setting: str, mode: str, a: argparse.Namespace) -> dict:
     return json.loads(line[0][len("RESULT"):])
 
 
+def memory_table(a: argparse.Namespace) -> int:
+    import torch
+
+    from crystal_grpo.train.pcgrad import pcgrad_extra_partitions
+    from crystal_grpo.train.tools.pcgrad_bench import memory_rows
+
+    rows = []
+    for topology in a.topologies.split(","):
+        if topology not in ("single", "zero3"):
+            raise SystemExit(f"--topologies: {topology!r} is not single or zero3")
+        cases = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in a.cases.split(",")]
+        rows += memory_rows(topology, a.model, a.workdir, a.baseline, a.repeats if topology == "zero3" else 1, cases)
+        print(f"  done: {topology}", file=sys.stderr, flush=True)
+    mib = 2 ** 20
+    print(f"\nPCGrad memory: {Path(a.model).name}, fixed batch of 8 completions, 2 optimizer steps (AdamW); "
+          f"peak allocated above the start of training "
+          f"({'CUDA allocator' if torch.cuda.is_available() else 'CPU: torch profiler memory events'}); "
+          "medians, [min-max] over the runs")
+    head = (f"{'topology':<9}{'accum':>6}{'beta':>6}{'trainable':>12}{'plain MiB':>11}{'PCGrad MiB':>12}"
+            f"{'B/param':>20}{'plan':>6}")
+    if a.baseline:
+        head += f"{'baseline MiB':>14}{'B/param':>20}{'ratio':>7}"
+    print(head)
+    print("-" * len(head))
+
+    def extra(r: dict, label: str) -> list[float]:  # per run: that run's peak over plain GRPO's, per parameter
+        return [(x - p) / r["trainable"] for x, p in zip(r[label], r["plain"])]
+
+    def spread(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.1f}" + (f" [{min(xs):.1f}-{max(xs):.1f}]" if len(xs) > 1 else "")
+
+    for r in rows:
+        plan = 4 * pcgrad_extra_partitions(r["steps"], r["beta"])
+        line = (f"{r['mode']:<9}{r['steps']:>6}{r['beta']:>6.2f}{r['trainable']:>12,}"
+                f"{statistics.median(r['plain']) / mib:>11.2f}{statistics.median(r['pcgrad']) / mib:>12.2f}"
+                f"{spread(extra(r, 'pcgrad')):>20}{plan:>6}")
+        if a.baseline:
+            ratio = statistics.median(extra(r, "pcgrad")) / statistics.median(extra(r, "baseline"))
+            line += (f"{statistics.median(r['baseline']) / mib:>14.2f}{spread(extra(r, 'baseline')):>20}"
+                     f"{ratio:>7.2f}")
+        print(line)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(REPO_ROOT / ".cache" / "models" / "tiny-qwen2"),
@@ -213,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", default="full,lora")
     ap.add_argument("--workdir", default=str(REPO_ROOT / ".cache" / "bench_pcgrad"))
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
+    ap.add_argument("--memory", action="store_true", help="the memory table (bytes per parameter) instead")
+    ap.add_argument("--baseline", default=None, help="--memory: another train/pcgrad.py to measure beside this one")
+    ap.add_argument("--topologies", default="single,zero3", help="--memory: single and/or zero3")
+    ap.add_argument("--cases", default="1:0,1:0.04,2:0,2:0.04",
+                    help="--memory: gradient_accumulation_steps:beta configurations")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="--memory: runs of each ZeRO-3 configuration (its CPU peaks vary from run to run; "
+                         "one process's do not)")
     ap.add_argument("--_one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
@@ -225,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         from crystal_grpo.train.tools.tiny_models import build_tiny_lm
 
         build_tiny_lm(Path(a.model))
+    if a.memory:
+        return memory_table(a)
 
     settings = [s for s in a.settings.split(",") if s]
     raw = {f"{s}:{m}": _child(s, m, a) for s in settings for m in ("alternate", "off", "on")}

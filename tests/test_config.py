@@ -187,6 +187,26 @@ def test_check_validates_and_finds_everything_then_stops(tmp_path, tiny_lm_path,
     assert f"data.train: no such file or folder '{tmp_path / 'missing.jsonl'}'" in capsys.readouterr().err
 
 
+def test_check_refuses_pcgrad_under_zero1_and_zero2(tmp_path, tiny_lm_path, repo_root, capsys, monkeypatch):
+    """pcgrad: true with a ZeRO-1/2 DeepSpeed config is one line at ``--check`` (why, and what
+    to use instead), whether the config comes from training.deepspeed or from accelerate launch."""
+    base = ["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), "--output_dir", str(tmp_path / "r"),
+            "--check"]
+    zero = {stage: str(repo_root / "configs" / "accelerate" / f"zero{stage}.json") for stage in (2, 3)}
+    assert grpo.main([*base, "--pcgrad", "true", "--training.deepspeed", zero[2]]) == 2
+    err = capsys.readouterr().err
+    assert "pcgrad: true cannot run under DeepSpeed ZeRO-2: " in err and "use ZeRO-3" in err
+    assert len([line for line in err.splitlines() if "pcgrad" in line]) == 1
+    assert grpo.main([*base, "--pcgrad", "true", "--training.deepspeed", zero[3]]) == 0
+    assert grpo.main([*base, "--pcgrad", "false", "--training.deepspeed", zero[2]]) == 0
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", zero[2])  # accelerate launch --config_file zero2_1x4.yaml
+    assert grpo.main([*base, "--pcgrad", "true"]) == 2
+    assert "cannot run under DeepSpeed ZeRO-2" in capsys.readouterr().err
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "1")
+    assert grpo.main([*base, "--pcgrad", "true"]) == 2
+    assert "cannot run under DeepSpeed ZeRO-1" in capsys.readouterr().err
+
+
 def test_help_shows_the_papers_recipe_and_training_uses_it(capsys, tmp_path):
     from crystal_grpo.train.config import PaperRecipe
 

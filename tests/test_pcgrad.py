@@ -1,7 +1,9 @@
-"""PCGrad (train/pcgrad.py): hand-computed projections, the objective advantages, the
-trainer hook on a fixed batch (against plain TRL GRPO runs, and the same update in one
-process, two DDP processes and two DeepSpeed ZeRO-3 processes on CPU), and short
-end-to-end runs of train/grpo.py with ``pcgrad: true`` (full fine-tuning and LoRA).
+"""PCGrad (train/pcgrad*.py): hand-computed projections, the objective advantages, the
+accumulation window against the first implementation's maths (every memory plan, the rows it
+allocates counted by torch), the trainer hook on a fixed batch (against plain TRL GRPO runs
+and the first implementation's maths, and the same update in one process, two DDP processes
+and two DeepSpeed ZeRO-3 processes on CPU), and short end-to-end runs of train/grpo.py with
+``pcgrad: true`` (full fine-tuning and LoRA).
 
 Run as a script (``torchrun ... tests/test_pcgrad.py MODE MODEL OUT CASES``) this file is
 also the worker of the multi-process tests.
@@ -14,7 +16,6 @@ import math
 import os
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,23 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.pcgrad import (
     objective_advantages,
     pcgrad_coefficients,
+    pcgrad_extra_partitions,
     pcgrad_stats,
     project_conflicting,
+)
+from crystal_grpo.train.pcgrad_gradients import AccumulationWindow
+from crystal_grpo.train.pcgrad_memory import ACCURACY, REASONING, REST, pcgrad_plan
+from crystal_grpo.train.tools.pcgrad_bench import (
+    COMP_LEN,
+    N_GLOBAL,
+    AllocationPeak,
+    HashReward,
+    fixed_batch,
+    fixed_batch_trainer,
+    topology_args,
 )
 
 
@@ -156,80 +168,41 @@ def test_objective_advantages_own_std_and_single_objective():
         objective_advantages(r, ["accuracy", "style", "accuracy"], torch.ones(3), 4)
 
 
-# ----------------------------------------------------------------------------- a reward for these tests
-class HashReward(RewardModule):
-    """A cheap reward with both objectives whose values vary across completions (a random
-    tiny model never writes valid JSON, so the paper rewards would all be 0): C and F of the
-    evaluation are replaced by numbers hashed from the completion's text."""
-
-    name = "hash"
-    objectives = {"hash_accuracy": "accuracy", "hash_reasoning": "reasoning"}
-    uses_steps = False
-
-    def score(self, completions, rows, with_steps=None):
-        scored = super().score(completions, rows, with_steps=False)
-        h = torch.tensor([zlib.crc32((c if isinstance(c, str) else json.dumps(c)).encode()) for c in completions],
-                         dtype=torch.float64)
-        scored.batch.correct, scored.batch.format_ok = h % 2, (h // 7 % 10) / 10
-        return scored
-
-    def components(self, batch):
-        return {"hash_accuracy": batch.correct, "hash_reasoning": batch.format_ok}
-
-
 # ----------------------------------------------------------------------------- fixed-batch trainer runs
-N_GLOBAL, PROMPT_LEN, COMP_LEN = 8, 6, 5
-LENGTHS = [5, 3, 4, 5, 2, 5, 4, 1]
 BETA = 0.04
 
 
-def fixed_batch(model, vocab: int, kind: str) -> dict[str, torch.Tensor]:
-    """A global batch of 8 completions (2 prompts x 4). Prompts have no padding and
-    completions are right-padded, so a row's log-probs do not depend on its neighbours.
-
-    The reference log-probs lie within about 0.3 nats of the policy's own. Arbitrary ones
-    (a KL of thousands of nats per token) make the KL gradient a small difference of huge
-    per-token terms, whose float32 rounding (about 3e-5 relative) would blur the exact
-    identities these tests check."""
-    g = torch.Generator().manual_seed(0)
-    batch = {
-        "prompt_ids": torch.randint(20, vocab, (N_GLOBAL, PROMPT_LEN), generator=g),
-        "prompt_mask": torch.ones(N_GLOBAL, PROMPT_LEN, dtype=torch.long),
-        "completion_ids": torch.randint(20, vocab, (N_GLOBAL, COMP_LEN), generator=g),
-        "completion_mask": (torch.arange(COMP_LEN)[None] < torch.tensor(LENGTHS)[:, None]).long(),
-    }
-    with torch.no_grad():
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1:-1].float()
-        logps = logits.log_softmax(-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
-    batch["ref_per_token_logps"] = logps + 0.3 * torch.randn(N_GLOBAL, COMP_LEN, generator=g)
-    acc = torch.randn(N_GLOBAL, generator=g)
-    noise = torch.randn(N_GLOBAL, generator=g)
-    reason = {"conflict": -0.6 * acc + 0.5 * noise, "aligned": 0.5 * acc}[kind]
-    batch.update(advantages=acc + reason, advantages_acc=acc, advantages_reason=reason)
-    batch["num_items_in_batch"] = batch["completion_mask"].sum()
-    return batch
-
-
-# name -> (advantage kind, pcgrad, which advantages TRL sees, beta)
+# name -> (advantage kind, pcgrad, which advantages TRL sees, beta, gradient accumulation steps)
 CASES = {
-    "pcgrad": ("conflict", True, "advantages", BETA),
-    "plain": ("conflict", False, "advantages", BETA),
-    "acc_only": ("conflict", False, "advantages_acc", 0.0),
-    "reason_only": ("conflict", False, "advantages_reason", 0.0),
-    "kl_only": ("conflict", False, None, BETA),
-    "aligned_pcgrad": ("aligned", True, "advantages", BETA),
-    "aligned_plain": ("aligned", False, "advantages", BETA),
+    "pcgrad": ("conflict", True, "advantages", BETA, 2),
+    "plain": ("conflict", False, "advantages", BETA, 2),
+    "acc_only": ("conflict", False, "advantages_acc", 0.0, 2),
+    "reason_only": ("conflict", False, "advantages_reason", 0.0, 2),
+    "kl_only": ("conflict", False, None, BETA, 2),
+    "aligned_pcgrad": ("aligned", True, "advantages", BETA, 2),
+    "aligned_plain": ("aligned", False, "advantages", BETA, 2),
+    # each of PCGrad's memory plans (train/pcgrad_memory.py): one micro-step with and without a KL
+    # term, several micro-steps without one (several with one: "pcgrad")
+    "pcgrad_k1": ("conflict", True, "advantages", BETA, 1),
+    "pcgrad_k1_beta0": ("conflict", True, "advantages", 0.0, 1),
+    "pcgrad_beta0": ("conflict", True, "advantages", 0.0, 2),
 }
+#: ZeRO-3 with a bf16 gradient buffer (DeepSpeed bf16's default): the paper configs' case.
+BF16_BUFFER = "pcgrad_bf16_buffer"
+#: SGD's learning rate: large enough that a weight delta (w - lr g) - w carries float32 rounding of
+#: about 1e-7 of lr g, not of the weight itself.
+LR = 1e4
 
 
 def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workdir: str) -> None:
-    """One optimizer step (SGD, lr 1, no clipping, 2 accumulation micro-steps) per case on
-    the fixed batch, through the real training loop; saves each weight delta (= -update)
-    and the logged pcgrad metrics."""
-    from accelerate import PartialState
+    """One optimizer step (SGD, no clipping) per case on the fixed batch, through the real
+    training loop; saves each update (-delta / lr) and the logged pcgrad metrics. In one
+    process PCGrad cases also save the gradient PCGrad wrote for the optimizer and the
+    reference: the first implementation's maths (each loss's gradient, from ``autograd.grad``,
+    summed over the micro-steps in its own fp32 vector; ``project_conflicting`` on the two
+    sums; the KL part added)."""
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
     from crystal_grpo.train.pcgrad import trainer_class
@@ -238,65 +211,72 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
     # named_parameters, not the state dict: tied weights (embeddings / lm_head) count once.
     policy = AutoModelForCausalLM.from_pretrained(model_path)
     initial = {k: v.detach().clone() for k, v in policy.named_parameters()}
-    extra: dict = {}
-    if mode == "zero3":  # ZeRO-3 on CPU: gloo, set up before the training arguments (train/grpo.py setup_distributed)
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        PartialState(backend="gloo")
-        extra.update(use_cpu=False, deepspeed=str(REPO_ROOT / "configs" / "accelerate" / "zero3.json"),
-                     accelerator_config={"use_configured_state": True})
-    elif mode == "ddp":  # cpu=True: without it the state is DistributedType.NO (no DDP wrapping, no gather)
-        PartialState(cpu=True, backend="gloo")
-        extra.update(use_cpu=True, accelerator_config={"use_configured_state": True})
     tok = AutoTokenizer.from_pretrained(model_path)
     vocab = min(len(tok), AutoConfig.from_pretrained(model_path).vocab_size)
 
     results = {}
-    for name in cases:
-        kind, pcgrad, adv_key, beta = CASES[name]
+    for i, name in enumerate(cases):
+        extra = topology_args(mode, first=i == 0, grad_accum_dtype="bf16" if name == BF16_BUFFER else None)
+        kind, pcgrad, adv_key, beta, steps = CASES[name if name != BF16_BUFFER else "pcgrad"]
         batch = fixed_batch(policy, vocab, kind)
         if adv_key is None:
             batch["advantages"] = torch.zeros(N_GLOBAL)
         else:
             batch["advantages"] = batch[adv_key].clone()
+        sums: dict[str, torch.Tensor] = {}
+        captured: dict[str, torch.Tensor] = {}
 
-        class FixedBatchTrainer(trainer_class(pcgrad)):
-            """Generation replaced by the fixed batch (this process's rows); everything
-            after it (shuffle, split, loss, backward, PCGrad, optimizer) is the real loop."""
+        class FixedBatchTrainer(fixed_batch_trainer(trainer_class(pcgrad), batch)):
+            def pcgrad_losses(self, model, inputs):
+                plain, losses = super().pcgrad_losses(model, inputs)
+                if mode == "single":
+                    params = [p for p in model.parameters() if p.requires_grad]
+                    for key, loss in losses.items():
+                        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+                        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float()
+                                          for p, g in zip(params, grads)])
+                        sums[key] = sums[key] + flat if key in sums else flat
+                return plain, losses
 
-            def _generate_and_score_completions(self, inputs):
-                n = len(inputs)
-                mine = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
-                return {k: (v[mine] if v.dim() else v).to(self.accelerator.device) for k, v in batch.items()}
+        class Capture(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+                if mode == "single" and sums:
+                    captured["grad"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()
+                                                  if p.requires_grad]).double()
+                    combined, _ = project_conflicting(sums["accuracy"], sums["reasoning"])
+                    captured["reference"] = (combined + sums.get("rest", 0.0)).double()
 
         args = GRPOConfig(
-            output_dir=os.path.join(workdir, f"{mode}-{name}"), per_device_train_batch_size=4 // world,
-            gradient_accumulation_steps=2, num_generations=4, max_steps=1, learning_rate=1.0, optim="sgd",
+            output_dir=os.path.join(workdir, f"{mode}-{name}"), per_device_train_batch_size=N_GLOBAL // world // steps,
+            gradient_accumulation_steps=steps, num_generations=4, max_steps=1, learning_rate=LR, optim="sgd",
             lr_scheduler_type="constant", max_grad_norm=0.0, beta=beta, loss_type="grpo", scale_rewards="group",
             bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1,
             disable_tqdm=True, seed=0, max_completion_length=COMP_LEN, remove_unused_columns=False, **extra)
         trainer = FixedBatchTrainer(
-            model=model_path, reward=HashReward(), args=args,
+            model=model_path, reward=HashReward(), args=args, callbacks=[Capture()],
             train_dataset=Dataset.from_dict({"prompt": ["q"] * 16}), processing_class=tok)
         trainer.train()
         if mode == "ddp":
             assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
         state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
         if trainer.accelerator.is_main_process:
-            delta = {k: (state[k].float().cpu() - initial[k].float()) for k in initial if k in state}
+            update = {k: (initial[k].float() - state[k].float().cpu()) / LR for k in initial if k in state}
             logs = {k: v for row in trainer.state.log_history for k, v in row.items() if k.startswith("pcgrad/")}
-            results[name] = {"delta": delta, "logs": logs}
+            results[name] = {"update": update, "logs": logs, **captured}
+            if mode == "zero3":
+                results[name]["grad_dtype"] = str(trainer.model_wrapped.optimizer.grad_partitions_flat_buffer.dtype)
         trainer.accelerator.wait_for_everyone()
         del trainer
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_file)
 
 
-def _flat(delta: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([delta[k].reshape(-1) for k in sorted(delta)]).double()
+def _flat(update: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([update[k].reshape(-1) for k in sorted(update)]).double()
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> None:
-    """Relative error in norm: weight deltas carry float32 rounding of the weights."""
+def assert_close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-6) -> None:
+    """Relative error in norm (updates read from weight deltas carry float32 rounding)."""
     err = float((got - want).norm() / want.norm())
     assert err < rel, f"relative error {err:.3g}"
 
@@ -340,11 +320,11 @@ def single(pcg_model, tmp_path_factory) -> dict:
 
 
 def test_projected_update_matches_projection_of_plain_trl_gradients(single):
-    # lr 1 SGD without clipping: delta = -update. Plain TRL runs give each gradient alone.
-    g_acc, g_reason = -_flat(single["acc_only"]["delta"]), -_flat(single["reason_only"]["delta"])
-    g_kl = -_flat(single["kl_only"]["delta"])
+    # SGD without clipping: the update is the gradient. Plain TRL runs give each gradient alone.
+    g_acc, g_reason = _flat(single["acc_only"]["update"]), _flat(single["reason_only"]["update"])
+    g_kl = _flat(single["kl_only"]["update"])
     combined, cos = project_conflicting(g_acc, g_reason)
-    update = -_flat(single["pcgrad"]["delta"])
+    update = _flat(single["pcgrad"]["update"])
     assert cos < -0.1, "the fixed batch is built to conflict"
     assert_close(update, combined + g_kl)
     logs = single["pcgrad"]["logs"]
@@ -356,7 +336,7 @@ def test_projected_update_matches_projection_of_plain_trl_gradients(single):
     assert logs["pcgrad/projected_fraction"] == pytest.approx(frac, rel=1e-3)
     assert logs["pcgrad/overhead_seconds"] >= 0
     # ... and the projection changed the update: it is not plain GRPO's.
-    plain = -_flat(single["plain"]["delta"])
+    plain = _flat(single["plain"]["update"])
     assert (update - plain).norm() > 0.1 * plain.norm()
     assert not single["plain"]["logs"], "pcgrad: false is plain TRL GRPO (no PCGrad metrics)"
     # Plain GRPO's gradient is the sum of the three parts (the surrogate is linear on-policy).
@@ -364,7 +344,7 @@ def test_projected_update_matches_projection_of_plain_trl_gradients(single):
 
 
 def test_without_conflict_the_update_equals_plain_grpo(single):
-    update, plain = -_flat(single["aligned_pcgrad"]["delta"]), -_flat(single["aligned_plain"]["delta"])
+    update, plain = _flat(single["aligned_pcgrad"]["update"]), _flat(single["aligned_plain"]["update"])
     assert single["aligned_pcgrad"]["logs"]["pcgrad/conflict"] == 0.0
     assert single["aligned_pcgrad"]["logs"]["pcgrad/cosine"] == pytest.approx(1.0, abs=1e-4)
     assert single["aligned_pcgrad"]["logs"]["pcgrad/projected_fraction"] == 0.0
@@ -372,15 +352,148 @@ def test_without_conflict_the_update_equals_plain_grpo(single):
     assert_close(update, plain)
 
 
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[1]])
+def test_update_equals_the_first_implementations(single, name):
+    """What PCGrad hands the optimizer is, to 1e-6, what its first implementation computed from
+    the same losses (three fp32 buffers, ``project_conflicting``): for each memory plan, with and
+    without conflict."""
+    case = single[name]
+    conflict = CASES[name][0] == "conflict"
+    assert case["logs"]["pcgrad/conflict"] == float(conflict), "the fixed batch is built to (not) conflict"
+    err = float((case["grad"] - case["reference"]).norm() / case["reference"].norm())
+    assert err < 1e-6, f"relative error {err:.3g}"
+    in_order = torch.cat([u.reshape(-1) for u in case["update"].values()]).double()  # parameters' order
+    assert_close(in_order, case["reference"])  # ... and it is the update the optimizer made
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
 def test_same_update_in_two_processes(mode, single, pcg_model, tmp_path):
-    two = _launch(mode, pcg_model, tmp_path / f"{mode}.pt", ["pcgrad"], tmp_path)
-    ref, got = _flat(single["pcgrad"]["delta"]), _flat(two["pcgrad"]["delta"])
-    assert_close(got, ref)
-    for key, value in single["pcgrad"]["logs"].items():
-        if key != "pcgrad/overhead_seconds":
-            assert two["pcgrad"]["logs"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    cases = ["pcgrad", "pcgrad_k1"]  # several micro-steps with a KL term; one (the KL after the projection)
+    two = _launch(mode, pcg_model, tmp_path / f"{mode}.pt", cases + ([BF16_BUFFER] if mode == "zero3" else []), tmp_path)
+    if mode == "zero3":
+        # A bf16 gradient buffer cannot hold the sums: they stay in fp32 rows (the first
+        # implementation, zeroing an fp32 copy of it, was 96% off here), rounded to bf16 once.
+        assert two[BF16_BUFFER]["grad_dtype"] == "torch.bfloat16"
+        assert_close(_flat(two[BF16_BUFFER]["update"]), _flat(single["pcgrad"]["update"]), rel=1e-2)
+    for name in cases:
+        assert_close(_flat(two[name]["update"]), _flat(single[name]["update"]))
+        for key, value in single[name]["logs"].items():
+            if key != "pcgrad/overhead_seconds":
+                assert two[name]["logs"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, key)
+
+
+# ----------------------------------------------------------------------------- the accumulation window
+def _storage(n: int, dtype=torch.float32) -> list[torch.Tensor]:
+    return [torch.full((n,), 7.0, dtype=dtype)]  # stale content: the window zeroes it
+
+
+def _window_run(grads: list[dict[str, torch.Tensor]], plan, storage: list[torch.Tensor], copy_first: bool):
+    """Drive an :class:`AccumulationWindow` with given per-micro-step gradients, the storage
+    receiving each as autograd does (added) or, with ``copy_first``, as ZeRO-3 does in a window's
+    first micro-step (overwritten). Returns the update left in the storage and the window."""
+    dtype = storage[0].dtype
+    window = AccumulationWindow(storage, plan)
+
+    def backward(k: int, g: torch.Tensor):
+        def run():
+            if copy_first and k == 0:
+                storage[0].copy_(g)
+            else:
+                storage[0].add_(g.to(dtype))
+        return run
+
+    for k, g in enumerate(grads):
+        for name in window.order(g):
+            window.accumulate(name, backward(k, g[name]))
+    late = backward(len(grads) - 1, grads[-1][REST]) if plan.late_rest else None
+    window.project(late_backward=late)
+    return storage[0], window
+
+
+def _first_implementation(grads: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    sums = {k: torch.zeros_like(grads[0][ACCURACY]) for k in grads[0]}
+    for g in grads:
+        for k, v in g.items():
+            sums[k].add_(v)
+    combined, _ = project_conflicting(sums[ACCURACY], sums[REASONING])
+    return combined + sums.get(REST, 0.0)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+@pytest.mark.parametrize("rest", [False, True])
+def test_window_is_exact_and_allocates_what_the_plan_says(steps, rest):
+    """Every plan, both storage semantics, conflicting and aligned gradients: the in-place update
+    equals the first implementation's to 1e-6, with exactly the rows the memory plan counts."""
+    gen = torch.Generator().manual_seed(steps * 2 + rest)
+    names = [ACCURACY, REASONING] + ([REST] if rest else [])
+    for conflict in (True, False):
+        grads = [{k: torch.randn(300, generator=gen) for k in names} for _ in range(steps)]
+        for g in grads:  # the reasoning gradients pull against the accuracy ones, or with them
+            g[REASONING] += (-1.5 if conflict else 1.5) * g[ACCURACY]
+        want = _first_implementation(grads)
+        cos = float(torch.nn.functional.cosine_similarity(sum(g[ACCURACY] for g in grads),
+                                                          sum(g[REASONING] for g in grads), dim=0))
+        assert (cos < 0) == conflict
+        for holds in (True, False):  # fp32 storage; storage that cannot hold a sum (bf16 over micro-steps)
+            plan = pcgrad_plan(steps, rest, fp32_gradients=holds)
+            for copy_first in (False, True):
+                got, window = _window_run(grads, plan, _storage(300), copy_first)
+                err = float((got - want).norm() / want.norm())
+                assert err < 1e-6, (conflict, holds, copy_first, err)
+                assert window.rows_allocated == plan.extra_partitions == pcgrad_extra_partitions(
+                    steps, BETA if rest else 0.0, fp32_gradients=holds)
+
+
+def test_window_in_a_bf16_storage_accumulates_in_fp32():
+    """bf16 gradients (bf16-valued, as a bf16 backward pass makes them): the sums stay fp32 and
+    the update is rounded to bf16 once, so it is the first implementation's, rounded."""
+    gen = torch.Generator().manual_seed(5)
+    for steps, rest in ((1, True), (1, False), (2, True), (3, False)):
+        names = [ACCURACY, REASONING] + ([REST] if rest else [])
+        grads = [{k: torch.randn(300, generator=gen).bfloat16().float() for k in names} for _ in range(steps)]
+        for g in grads:
+            g[REASONING] = (g[REASONING] - 1.5 * g[ACCURACY]).bfloat16().float()
+        want = _first_implementation(grads)
+        plan = pcgrad_plan(steps, rest, fp32_gradients=False)
+        got, _ = _window_run(grads, plan, _storage(300, torch.bfloat16), copy_first=True)
+        assert got.dtype == torch.bfloat16
+        # one bf16 rounding of (nearly) the same fp32 value: within one bf16 step of it
+        assert torch.all((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-30), (steps, rest)
+        assert (got.float() == want.bfloat16().float()).float().mean() > 0.95, (steps, rest)
+
+
+@pytest.mark.parametrize("steps, rest", [(1, True), (2, False), (2, True)])
+def test_window_allocates_its_rows_and_nothing_gradient_sized(steps, rest, monkeypatch):
+    """What PCGrad allocates over a window, counted by torch (AllocationPeak): the plan's rows,
+    plus at most one chunk of temporaries; no gradient-sized temporary."""
+    from crystal_grpo.train import pcgrad_gradients
+
+    monkeypatch.setattr(pcgrad_gradients, "CHUNK_ELEMENTS", 1024)
+    n, gen = 100_000, torch.Generator().manual_seed(3)
+    names = [ACCURACY, REASONING] + ([REST] if rest else [])
+    grads = [{k: torch.randn(n, generator=gen) for k in names} for _ in range(steps)]
+    for g in grads:
+        g[REASONING] -= 1.5 * g[ACCURACY]  # a conflict: the projection runs
+    for holds in (True, False):
+        plan = pcgrad_plan(steps, rest, fp32_gradients=holds)
+        storage = _storage(n)
+        with AllocationPeak() as measured:
+            _window_run(grads, plan, storage, copy_first=False)
+        rows = measured.peak / (4 * n)
+        assert plan.extra_partitions <= rows <= plan.extra_partitions + 1024 / n + 0.001, (holds, rows)
+
+
+def test_memory_plan_per_config():
+    """docs/training.md's table: fp32 partitions PCGrad adds."""
+    assert pcgrad_extra_partitions(1, 0.04) == 1 and pcgrad_extra_partitions(1, 0.0) == 1
+    assert pcgrad_extra_partitions(2, 0.0) == 1 and pcgrad_extra_partitions(2, 0.04) == 2  # the paper's, fp32 grads
+    assert pcgrad_extra_partitions(4, 0.0, entropy_bonus=True) == 2 and pcgrad_extra_partitions(4, 0.0, aux_loss=True) == 2
+    assert pcgrad_extra_partitions(1, 0.04, fp32_gradients=False) == 1  # a single gradient fits its own dtype
+    assert pcgrad_extra_partitions(2, 0.0, fp32_gradients=False) == 2
+    assert pcgrad_extra_partitions(2, 0.04, fp32_gradients=False) == 3  # the paper's under bf16 ZeRO-3
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        pcgrad_extra_partitions(0, 0.0)
 
 
 # ----------------------------------------------------------------------------- end to end

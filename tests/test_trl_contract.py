@@ -22,9 +22,19 @@ from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
 from crystal_grpo.train.dynamic_sampling import MICRO_BATCH_TOKEN_MEAN, ROW_MEAN, TOKEN_COUNT
-from crystal_grpo.train.pcgrad import TESTED_TRL, PCGradMixin
+from crystal_grpo.train.pcgrad import TESTED_TRL
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def unwrapped(method):
+    """A DeepSpeed method without its NVTX decorator (which sets no ``__wrapped__``)."""
+    return inspect.getclosurevars(method).nonlocals.get("func", method)
+
+
+def normalised(source: str) -> str:
+    """Source text with its whitespace collapsed, to compare code across formatting."""
+    return " ".join(source.split())
 
 
 def test_installed_trl_is_the_tested_minor_and_pyproject_pins_it():
@@ -91,20 +101,26 @@ def test_helpers_the_project_imports_exist():
 
 def test_deepspeed_internals_used_under_zero3():
     deepspeed = pytest.importorskip("deepspeed")
-    from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+    from deepspeed.runtime.zero import parameter_offload, stage3
 
-    assert list(inspect.signature(safe_get_local_grad).parameters) == ["param"]
-    assert list(inspect.signature(safe_set_local_grad).parameters) == ["param", "value"]
-    backward = deepspeed.DeepSpeedEngine.backward  # wrapped by an NVTX decorator without __wrapped__
-    backward = inspect.getclosurevars(backward).nonlocals.get("func", backward)
+    backward = unwrapped(deepspeed.DeepSpeedEngine.backward)
     assert list(inspect.signature(backward).parameters) == ["self", "loss", "retain_graph", "scale_wrt_gas"]
     assert "is_boundary" in inspect.signature(deepspeed.DeepSpeedEngine.set_gradient_accumulation_boundary).parameters
     # The per-module counters ZeRO-3's backward hooks consume (restored between PCGrad's backwards).
-    from deepspeed.runtime.zero import parameter_offload
-
     source = inspect.getsource(parameter_offload)
     for counter in ("applied_pre_backward_ref_cnt", "ds_grads_remaining"):
         assert counter in source, counter
+    # PCGrad's gradient storage under ZeRO-3 is the optimizer's flat partition buffer: every
+    # parameter's partition a view of it, the optimizer's gradients those views, and a backward
+    # pass overwriting them in a window's first micro-step and adding to them afterwards.
+    zero3 = normalised(inspect.getsource(stage3.DeepSpeedZeroOptimizer_Stage3))
+    assert "self.grad_partitions_flat_buffer: Tensor = torch.zeros(" in zero3
+    assert "self.__param_id_to_grad_partition[param.ds_id] = self.grad_partitions_flat_buffer.narrow(" in zero3
+    assert ("self.averaged_gradients[i] = [ self.__param_id_to_grad_partition[param.ds_id] if param.requires_grad"
+            in zero3)
+    partition = normalised(inspect.getsource(unwrapped(stage3.DeepSpeedZeroOptimizer_Stage3.partition_grads)))
+    assert "if self.micro_step_id == 0: # don't accumulate grad_buffer.copy_(grad_partition" in partition
+    assert "grad_buffer.add_(grad_partition" in partition
 
 
 # --- behaviours, on a real trainer with the tiny model -----------------------------------------
@@ -130,17 +146,129 @@ def trainer(tiny_lm_path, tmp_path_factory):
 
 
 def test_attributes_pcgrad_reads_and_swaps(trainer):
-    for name in (*PCGradMixin._STATE_ATTRS, "_entropy_bonus_enabled", "aux_loss_enabled", "beta",
-                 "multi_objective_aggregation", "scale_rewards", "reward_weights", "reward_func_names",
-                 "num_generations", "_metrics", "_step", "_current_train_step_time", "accelerator",
-                 "loss_type", "_tokenizer", "state", "train_dataset"):  # the last three: dynamic sampling
+    for name in ("_entropy_bonus_enabled", "aux_loss_enabled", "beta", "multi_objective_aggregation", "scale_rewards",
+                 "reward_weights", "reward_func_names", "num_generations", "_metrics", "accelerator",
+                 "loss_type", "_tokenizer", "state", "train_dataset"):  # the last four: dynamic sampling
         assert hasattr(trainer, name), name
     assert trainer.multi_objective_aggregation == "sum_then_normalize"  # the default PCGrad splits
     assert set(trainer._metrics) == {"train", "eval"} and trainer._metrics["train"]["x"] == []
-    # PCGrad's training_step reads it; HF's loop sets it at each accumulation window.
+    # PCGrad sizes its accumulation window by it; HF's loop sets it at each accumulation window.
     from transformers import Trainer
 
     assert "self.current_gradient_accumulation_steps =" in inspect.getsource(Trainer)
+
+
+def test_training_step_is_trl_and_transformers_own_with_the_loss_and_backward_standing_in():
+    """PCGrad's training_step is TRL's (which wraps transformers'), with ``compute_loss`` and
+    ``accelerator.backward`` standing in: transformers' step must call each once, in that
+    order, and hand the loss to backward as computed (GRPO's loss is scaled for gradient
+    accumulation already, so transformers does not divide it)."""
+    import re
+
+    from transformers import Trainer
+
+    assert "super().training_step(model, inputs, num_items_in_batch)" in normalised(
+        inspect.getsource(GRPOTrainer.training_step))
+    hf = inspect.getsource(Trainer.training_step)
+    assert re.findall(r"self\.(compute_loss|accelerator\.backward)\(", hf) == ["compute_loss", "accelerator.backward"]
+    assert GRPOTrainer.loss_is_scaled_for_ga is True
+    # PCGrad runs each of its backward passes through accelerate's own backward, retaining the graph.
+    from accelerate import Accelerator
+
+    assert list(inspect.signature(Accelerator.backward).parameters) == ["self", "loss", "kwargs"]
+    assert "loss.backward(**kwargs)" in inspect.getsource(Accelerator.backward)
+
+
+@pytest.fixture(scope="module")
+def adaptive(tiny_lm_path, tmp_path_factory):
+    """A PCGrad trainer whose loss moves state: TRL's adaptive entropy controller (its
+    coefficient applied: last entropy below the target; raised at every optimizer step)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
+
+    def acc(completions, **kw):
+        return [float(len(c) % 2) for c in completions]
+
+    def reason(completions, **kw):
+        return [0.5] * len(completions)
+
+    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("adaptive")), per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, beta=0.04, loss_type="grpo", bf16=False,
+                      use_cpu=True, report_to="none", max_steps=1, seed=0, entropy_coef=0.01,
+                      use_adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.5)
+    trainer = PCGradGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[acc, reason], args=args,
+                                reward_objectives=["accuracy", "reasoning"],
+                                train_dataset=Dataset.from_dict({"prompt": ["q"] * 8}),
+                                processing_class=AutoTokenizer.from_pretrained(tiny_lm_path))
+    trainer.current_gradient_accumulation_steps = 1  # set by HF's training loop; one micro-step: a boundary
+    trainer._last_world_entropy = 0.0
+    trainer.model.train()
+    return trainer
+
+
+def test_trls_loss_mutates_no_attribute_in_place_but_its_metrics(adaptive):
+    """PCGrad resets what TRL's loss rebinds (attributes compared by identity, no hand-kept
+    list) and swaps its metrics out; anything else mutated in place would escape that."""
+    import copy
+
+    def snapshot() -> dict:
+        out = {}
+        for k, v in vars(trainer).items():
+            if k == "_metrics" or not isinstance(v, (torch.Tensor, int, float, str, bool, type(None), list, tuple, dict)):
+                continue
+            try:
+                out[k] = (v, copy.deepcopy(v))
+            except Exception:  # noqa: BLE001 - not copyable: not state a loss keeps
+                continue
+        return out
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001 - containers of tensors: compare element-wise
+            return type(a) is type(b) and len(a) == len(b) and all(
+                same(x, y) for x, y in (zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)))
+
+    trainer = adaptive
+    batch = {**_batch(trainer), "advantages": torch.tensor([1.0, -2.0, 0.5, 0.0])}
+    before = snapshot()
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, batch)
+    rebound = [k for k, (obj, _) in before.items() if vars(trainer).get(k) is not obj]
+    assert "entropy_coef" in rebound, "the loss moved the controller (the precondition)"
+    changed = [k for k, (obj, copied) in before.items() if vars(trainer).get(k) is obj and not same(obj, copied)]
+    assert not changed, f"TRL's loss mutates {changed} in place"
+
+
+def test_pcgrad_losses_see_and_leave_the_trainer_as_the_plain_loss_does(adaptive):
+    """The objective losses and the rest see the state the plain loss saw (the controller's
+    coefficient before its update) and the trainer ends as the plain loss alone leaves it."""
+    from crystal_grpo.train.pcgrad import reset_attributes
+
+    trainer = adaptive
+    trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = 0.01, 0.0, None
+    a, b = torch.tensor([1.0, -2.0, 0.5, 0.0]), torch.tensor([0.3, 0.3, -1.0, 2.0])
+    batch = {**_batch(trainer), "advantages": a + b, "advantages_acc": a, "advantages_reason": b}
+    start = dict(vars(trainer))
+    counts = [{k: len(v) for k, v in trainer._metrics["train"].items()}]
+    with torch.no_grad():
+        alone = float(trainer.compute_loss(trainer.model, batch))
+    left = {k: vars(trainer)[k] for k in ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")}
+    assert left["entropy_coef"] == pytest.approx(0.51)  # the precondition: the plain loss moved it
+    counts.append({k: len(v) for k, v in trainer._metrics["train"].items()})
+    reset_attributes(trainer, start)
+    plain, losses = trainer.pcgrad_losses(trainer.model, batch)
+    assert set(losses) == {"accuracy", "reasoning", "rest"}
+    assert float(plain) == pytest.approx(alone, rel=1e-6)
+    assert float(sum(losses.values()).detach()) == pytest.approx(alone, rel=1e-5)  # the rest used the old coefficient
+    assert {k: vars(trainer)[k] for k in left} == left
+    # The extra losses logged nothing: the metrics grew as by the plain loss alone, not four times as much.
+    counts.append({k: len(v) for k, v in trainer._metrics["train"].items()})
+    assert {k: n - counts[1][k] for k, n in counts[2].items()} == {k: n - counts[0].get(k, 0) for k, n in counts[1].items()}
 
 
 def test_calculate_rewards_is_one_global_column_per_function_with_none_as_nan(trainer):

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from crystal_grpo.train.config import RunConfig, phase_configs
+from crystal_grpo.train.pcgrad_memory import zero_stage_problem
 
 
 def _offline() -> bool:
@@ -121,6 +122,24 @@ def data_problem(key: str, source: str | None) -> str | None:
     return None
 
 
+def zero_stage(deepspeed: object) -> object:
+    """The ZeRO stage of a DeepSpeed config (``training.deepspeed``: a JSON file or a mapping), or
+    of the one ``accelerate launch`` passes on (its DeepSpeed environment variables); None if none."""
+    import json
+
+    if isinstance(deepspeed, str) and Path(deepspeed).is_file():
+        try:
+            deepspeed = json.loads(Path(deepspeed).read_text())
+        except (OSError, ValueError):
+            return None  # DeepSpeed itself reports a broken file
+    if isinstance(deepspeed, dict):
+        return (deepspeed.get("zero_optimization") or {}).get("stage")
+    if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        return os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"]
+    launched = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    return zero_stage(launched) if launched and launched != "none" and Path(launched).is_file() else None
+
+
 def preflight(cfg: RunConfig) -> list[str]:
     """One line per missing piece, over every phase (each line once)."""
     out: list[str] = []
@@ -135,6 +154,8 @@ def preflight(cfg: RunConfig) -> list[str]:
         ds = c.training.get("deepspeed")
         if isinstance(ds, str) and not Path(ds).is_file():
             problems.append(f"training.deepspeed: no such file {ds!r}")
+        elif c.trainer == "grpo" and c.pcgrad:
+            problems.append(zero_stage_problem(zero_stage(ds)))
         out.extend(p for p in problems if p and p not in out)
     return out
 
