@@ -89,6 +89,25 @@ def test_helpers_the_project_imports_exist():
     assert all(torch.equal(p["advantages_acc"], p["advantages"] * 10) for p in parts)
 
 
+def test_trl_training_order_is_one_seeded_permutation_an_epoch(trainer):
+    """What train/prompt_order.py relies on: TRL's training sampler is a RepeatSampler whose
+    iteration e (epoch e) is the (e+1)-th permutation of a generator seeded with ``seed``, so
+    ``EpochRepeatSampler.set_epoch(e)`` on a fresh sampler gives TRL's epoch e, in any order."""
+    from trl.trainer.utils import RepeatSampler
+
+    from crystal_grpo.train.prompt_order import EpochRepeatSampler
+
+    trl_sampler = trainer._get_train_sampler()
+    assert type(trl_sampler) is RepeatSampler and trl_sampler.shuffle and trl_sampler.seed == trainer.args.seed
+    epochs = [list(trl_sampler) for _ in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2]  # the check can fail
+    ours = EpochRepeatSampler.like(trainer._get_train_sampler())
+    for e in (2, 0, 1, 1):  # backwards and repeated too
+        ours.set_epoch(e)
+        assert list(ours) == epochs[e], e
+    assert list(ours) == epochs[2]  # an iteration moves to the next epoch, as RepeatSampler's does
+
+
 def test_deepspeed_internals_used_under_zero3():
     deepspeed = pytest.importorskip("deepspeed")
     from deepspeed.utils import safe_get_local_grad, safe_set_local_grad

@@ -6,7 +6,8 @@
 - ``_calculate_rewards``: the reward module (the trainer's explicit ``reward`` argument)
   evaluates each generation batch once; TRL's reward functions only name its components.
   The training set's reference steps are embedded once, when the trainer is built.
-- ``_get_train_sampler``: the step-count curriculum, when one is configured.
+- ``_get_train_sampler``: the step-count curriculum, when one is configured; else TRL's order
+  with the epoch set from the trainer's state, so a resumed run continues it (train/prompt_order.py).
 - ``create_optimizer``: a guard that skips an update whose gradients are not finite and
   stops the run (after saving) when that happens too many times in a row.
 - ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: reward state (the verbosity
@@ -58,6 +59,7 @@ from crystal_grpo.train.dynamic_sampling import DynamicSamplingMixin
 from crystal_grpo.train.interrupt import GracefulStop
 from crystal_grpo.train.layout import checkpoint_name
 from crystal_grpo.train.lora_merge import merged_generate
+from crystal_grpo.train.prompt_order import EpochRepeatSampler, SamplerEpoch
 
 logger = logging.getLogger(__name__)
 
@@ -277,8 +279,8 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, DynamicSamplingMixin, GRPOTrainer)
             if pinned:
                 logger.info("embedded %d reference steps before training in %.1f s", pinned,
                             time.perf_counter() - start)
-        if sampler_factory is not None and hasattr(sampler_factory, "callback"):
-            self.add_callback(sampler_factory.callback())
+        self.sampler_epoch = SamplerEpoch()  # the prompt order a resumed run continues (train/prompt_order.py)
+        self.add_callback(self.sampler_epoch)
         if validation is not None:  # the metrics train/grpo.py runs validate with, for a trainer built by hand
             if reward is None or not isinstance(self.eval_dataset, Sized):
                 raise ValueError("validation= reports a reward module's metrics: give reward= (a RewardModule) and "
@@ -355,9 +357,9 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, DynamicSamplingMixin, GRPOTrainer)
 
     # -- curriculum -------------------------------------------------------------------
     def _get_train_sampler(self, dataset=None):
-        if self.sampler_factory is None:
-            return super()._get_train_sampler(dataset)
-        return self.sampler_factory(
+        if self.sampler_factory is None:  # TRL's order, with the epoch a resumed run is in
+            return self.sampler_epoch.track(EpochRepeatSampler.like(super()._get_train_sampler(dataset)))
+        return self.sampler_epoch.track(self.sampler_factory(
             dataset if dataset is not None else self.train_dataset,
             mini_repeat_count=self.num_generations,
             batch_size=self.args.generation_batch_size // self.num_generations,
@@ -365,7 +367,7 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, DynamicSamplingMixin, GRPOTrainer)
             seed=self.args.seed,
             steps_per_chunk=self.num_iterations * self.args.steps_per_generation
             / self.args.gradient_accumulation_steps,
-        )
+        ))
 
     # -- logging ----------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
