@@ -51,6 +51,18 @@ def gather_objects(values: list[Any]) -> tuple[list[Any], int]:
     return [v for p in parts for v in p], sum(len(p) for p in parts[:rank])
 
 
+def even_share(n: int, rank: int, world: int) -> tuple[list[int], int]:
+    """Process ``rank``'s indices of ``n`` items (``rank``, ``rank + world``, ...) padded to
+    ceil(n / world) with repeats of the first items, and how many are its own (the results of
+    the repeats are dropped). Every process then generates as often: under DeepSpeed ZeRO-3
+    ``generate`` takes a collective step with the other processes at every token
+    (transformers' ``synced_gpus``), so a process with fewer rows, or none (fewer rows than
+    processes), would leave the others waiting for ever. Padding by looping back to the first
+    items is what accelerate's ``even_batches`` does for a Trainer's evaluation."""
+    own = list(range(rank, n, world))
+    return own + list(range(-(-n // world) - len(own))), len(own)
+
+
 def barrier() -> None:
     """Wait for every process (a no-op in one process)."""
     import torch.distributed as dist
