@@ -41,7 +41,7 @@ def test_installed_trl_is_the_tested_minor_and_pyproject_pins_it():
 SIGNATURES = {
     (GRPOTrainer, "_calculate_rewards"): ["self", "inputs", "prompts", "completions", "completion_ids_list"],
     (GRPOTrainer, "_generate_and_score_completions"): ["self", "inputs"],
-    # train/trainer.py merges LoRA adapters around the ``generate`` call inside it; that TRL's
+    # train/lora_merge.py merges LoRA adapters around the ``generate`` call inside it; that TRL's
     # generation really goes through that call is checked by tests/test_lora_merge.py.
     (GRPOTrainer, "_generate_single_turn"): ["self", "prompt_ids", "images", "multimodal_fields", "num_generations",
                                              "has_tool_images"],
@@ -56,7 +56,7 @@ SIGNATURES = {
     (GRPOTrainer, "create_model_card"): ["self", "model_name", "dataset_name", "tags"],
     (GRPOTrainer, "log"): ["self", "logs", "start_time"],
     (GRPOTrainer, "_log_metric"): ["self", "name", "value"],
-    # train/trainer.py drops tied weights (lm_head of tied embeddings) from the resume warning
+    # train/checkpointing.py drops tied weights (lm_head of tied embeddings) from the resume warning
     (GRPOTrainer, "_issue_warnings_after_load"): ["self", "load_result"],
 }
 

@@ -1,4 +1,9 @@
-"""Which prompts each step trains on: a pure function of (seed, epoch), so a run resumes anywhere.
+"""Which prompts each step trains on: the curriculum's order or TRL's, a pure function of the
+seed and the step either way, so a run resumes anywhere.
+
+:class:`PromptOrderMixin` is the trainer's ``_get_train_sampler``: the curriculum sampler
+(``sampler_factory=``, curricula/sampler.py: a pure function of (seed, chunk)) when one is
+configured, else TRL's own order made resumable, below.
 
 TRL's ``RepeatSampler`` draws one permutation per iteration from a generator seeded once:
 epoch e trains on the (e+1)-th permutation of that generator. transformers 5 no longer
@@ -8,8 +13,7 @@ iterates the sampler through the epochs a resumed run skips; it calls the sample
 step 3, and every later step was an uninterrupted step two earlier). :class:`EpochRepeatSampler`
 is RepeatSampler with ``set_epoch``: epoch e is the (e+1)-th permutation of a generator
 seeded with ``seed``, exactly the order an uninterrupted TRL run trains on, whatever was
-iterated before. The curriculum's sampler (``curricula/sampler.py``) is a pure function of
-(seed, chunk) in the same way.
+iterated before.
 
 :class:`SamplerEpoch` sets the epoch at every epoch start from the trainer's state.
 transformers and accelerate call ``set_epoch`` themselves, except in a multi-process run
@@ -20,6 +24,7 @@ call reaches the sampler, which would then replay epoch 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,3 +77,36 @@ class SamplerEpoch(TrainerCallback):
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(math.floor(float(state.epoch or 0.0) + 1e-9))
+
+
+class PromptOrderMixin:
+    """``GRPOTrainer._get_train_sampler``: the curriculum (``sampler_factory=``, a
+    ``CurriculumSamplerFactory`` or any callable with its arguments) or TRL's order, with the
+    epoch a resumed run is in (:class:`SamplerEpoch`)."""
+
+    def __init__(self, *args: Any, sampler_factory: Callable | None = None, **kwargs: Any) -> None:
+        self.sampler_factory = sampler_factory
+        super().__init__(*args, **kwargs)
+        self.sampler_epoch = SamplerEpoch()
+        self.add_callback(self.sampler_epoch)
+
+    def _get_train_sampler(self, dataset=None):
+        if self.sampler_factory is None:  # TRL's order, with the epoch a resumed run is in
+            return self.sampler_epoch.track(EpochRepeatSampler.like(super()._get_train_sampler(dataset)))
+        return self.sampler_epoch.track(self.sampler_factory(
+            dataset if dataset is not None else self.train_dataset,
+            mini_repeat_count=self.num_generations,
+            batch_size=self.args.generation_batch_size // self.num_generations,
+            repeat_count=self.num_iterations * self.args.steps_per_generation,
+            seed=self.args.seed,
+            steps_per_chunk=self.num_iterations * self.args.steps_per_generation
+            / self.args.gradient_accumulation_steps,
+        ))
+
+    def curriculum_logs(self) -> dict[str, float]:
+        """``curriculum/*``: the curriculum's record of the chunk the last step trained on
+        (pacing, pool, what it held); empty without a curriculum that keeps one."""
+        if not hasattr(self.sampler_factory, "stats"):
+            return {}
+        chunk = self.sampler_factory.chunk_at_step(self.state.global_step - 1)
+        return {f"curriculum/{k}": v for k, v in self.sampler_factory.stats(chunk).items()}
