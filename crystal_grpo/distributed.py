@@ -1,10 +1,11 @@
-"""Which process this is, and the few collective operations outside the trainer, in one place.
+"""Which process this is, and the few collective operations outside TRL's own, in one place.
 
-Reward statistics and validation need every process's rows; they run outside TRL's
-own gathers, so they use ``torch.distributed`` directly when it is initialised and are
-a no-op in one process. Whether this process prints and writes the run's files is
-:func:`is_main_process` (accelerate's state; the launcher's ``RANK`` before it is set up),
-the one place the rank is read for that (docs/training.md: what is printed, what is logged).
+Reward statistics and validation need every process's rows, and the trainer's guards need
+every process to agree; they run outside TRL's own gathers, so they use ``torch.distributed``
+directly when it is initialised and are a no-op in one process. Whether this process prints
+and writes the run's files is :func:`is_main_process` (accelerate's state; the launcher's
+``RANK`` before it is set up), the one place the rank is read for that (docs/training.md:
+what is printed, what is logged).
 """
 
 from __future__ import annotations
@@ -49,6 +50,31 @@ def gather_objects(values: list[Any]) -> tuple[list[Any], int]:
     parts: list[list[Any]] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(parts, list(values))
     return [v for p in parts for v in p], sum(len(p) for p in parts[:rank])
+
+
+def all_ranks(ok: Any, device: Any = None) -> bool:
+    """True when ``ok`` (a bool or a one-element tensor) holds on every process; a collective:
+    every rank calls it (under ZeRO each rank sees only its part of the gradients, the disk of
+    its own node)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = ok.float() if isinstance(ok, torch.Tensor) else torch.tensor(float(ok), device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
+def even_share(n: int, rank: int, world: int) -> tuple[list[int], int]:
+    """Process ``rank``'s indices of ``n`` items (``rank``, ``rank + world``, ...) padded to
+    ceil(n / world) with repeats of the first items, and how many are its own (the results of
+    the repeats are dropped). Every process then generates as often: under DeepSpeed ZeRO-3
+    ``generate`` takes a collective step with the other processes at every token
+    (transformers' ``synced_gpus``), so a process with fewer rows, or none (fewer rows than
+    processes), would leave the others waiting for ever. Padding by looping back to the first
+    items is what accelerate's ``even_batches`` does for a Trainer's evaluation."""
+    own = list(range(rank, n, world))
+    return own + list(range(-(-n // world) - len(own))), len(own)
 
 
 def barrier() -> None:

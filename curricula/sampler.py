@@ -13,7 +13,8 @@ Progress is the GLOBAL chunk index ``t = start_chunk + epoch * chunks_per_epoch 
 A chunk is a pure function of (seed, t) and the constructor's arguments, never of the
 rank, the epoch or what was iterated before; every rank therefore yields the same
 order, and a resumed run that skips chunks continues the identical sequence.
-``set_epoch`` (called by the Trainer/accelerate every epoch) selects the epoch; an
+``set_epoch`` (called by the Trainer/accelerate every epoch, and by the trainer's
+``SamplerEpoch`` callback from its state, train/prompt_order.py) selects the epoch; an
 iteration that runs to its end also moves to the next epoch, as RepeatSampler's
 advancing generator does.
 
@@ -253,23 +254,6 @@ class CurriculumSamplerFactory:
             self.difficulty, mini_repeat_count, batch_size, repeat_count, mode=self.mode, total_steps=t_chunks,
             seed=seed, buckets=self.tiers, start_chunk=self.start_chunk, options=self.options)
         return self.sampler
-
-    def callback(self) -> Any:
-        """A ``TrainerCallback`` that re-selects the sampler's epoch from ``state.epoch``
-        at every epoch start. Needed when a multi-process run resumes inside epoch >= 1:
-        accelerate's ``skip_first_batches`` wraps the batch sampler so that neither the
-        Trainer's nor accelerate's ``set_epoch`` reaches this sampler, which would then
-        replay epoch 0. Harmless otherwise (the Trainer sets the same epoch after it)."""
-        from transformers import TrainerCallback
-
-        factory = self
-
-        class CurriculumEpochCallback(TrainerCallback):
-            def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                if factory.sampler is not None:
-                    factory.sampler.set_epoch(math.floor(float(state.epoch or 0.0) + 1e-9))
-
-        return CurriculumEpochCallback()
 
     def chunk_at_step(self, step: int) -> int:
         """Global chunk used by 0-based optimizer step ``step`` of a run started at chunk

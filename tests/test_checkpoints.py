@@ -270,6 +270,39 @@ def test_resume_with_logs_after_the_checkpoint_logs_each_step_once(tmp_path, tin
     assert (run / best["checkpoint"]).is_dir()
 
 
+def _trained_prompts(model: Path, out: Path, resume: str | None = None, trainer_class=CrystalGRPOTrainer) -> dict:
+    """{step: the prompts it trained on, in order}: 8 prompts, 4 a step, so an epoch is 2 steps."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    seen = {}
+
+    def record(prompts, completions, trainer_state, **kwargs):
+        seen[trainer_state.global_step + 1] = list(dict.fromkeys(prompts))
+        return [float(i % 2) for i in range(len(completions))]
+
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=2, max_completion_length=4,
+                      max_steps=6, save_strategy="no" if resume else "steps", save_steps=1, report_to="none",
+                      bf16=False, use_cpu=True)
+    trainer_class(model=str(model), reward_funcs=record, args=args,
+                  train_dataset=Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(8)])
+                  ).train(resume_from_checkpoint=resume)
+    return seen
+
+
+def test_a_run_resumed_in_a_later_epoch_trains_the_prompts_of_the_uninterrupted_one(tmp_path, tiny_lm_path):
+    """Without a curriculum (TRL's sampler): resumed at the epoch boundary, a run trained epoch
+    0's prompts again (step 3 got step 1's); mid-epoch 1, epoch 0's second half."""
+    from trl import GRPOTrainer
+
+    straight = _trained_prompts(tiny_lm_path, tmp_path / "run")
+    assert straight == _trained_prompts(tiny_lm_path, tmp_path / "trl", trainer_class=GRPOTrainer)  # TRL's order
+    assert [straight[1], straight[2]] != [straight[3], straight[4]]  # epochs differ (seed 42): the check can fail
+    for step in (2, 3):  # at the boundary of epochs 0 and 1; inside epoch 1
+        resumed = _trained_prompts(tiny_lm_path, tmp_path / f"from{step}", str(tmp_path / "run" / f"checkpoint-{step}"))
+        assert resumed == {s: straight[s] for s in range(step + 1, 7)}, step
+
+
 @pytest.mark.slow
 def test_ctrl_c_on_a_torchrun_job_stops_gracefully(tmp_path, tiny_lm_path, free_port):
     """A terminal's Ctrl-C reaches the launcher's process group; torchrun forwards it to the

@@ -312,12 +312,16 @@ def test_factory_reads_a_datasets_table_without_running_its_transform():
 
 
 def test_epoch_callback_reselects_the_epoch_on_resume():
+    """The trainer's SamplerEpoch callback (train/prompt_order.py) reaches the curriculum's sampler."""
     from types import SimpleNamespace
+
+    from crystal_grpo.train.prompt_order import SamplerEpoch
 
     data = [{"answer": "yes", "reference_steps": ["s"] * k} for k in range(1, 21)]
     factory = make_sampler_factory(CurriculumSection(mode="competence"), data, max_steps=10)
-    s = factory(None, mini_repeat_count=1, batch_size=4)
-    factory.callback().on_epoch_begin(None, SimpleNamespace(epoch=1.4), None)
+    callback = SamplerEpoch()
+    s = callback.track(factory(None, mini_repeat_count=1, batch_size=4))
+    callback.on_epoch_begin(None, SimpleNamespace(epoch=1.4), None)
     assert s.epoch == 1 and s.first_chunk() == 5
 
 

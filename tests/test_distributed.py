@@ -1,4 +1,5 @@
-"""Real two-process runs on CPU (gloo): DDP and DeepSpeed ZeRO-3 with the CPR reward.
+"""Real two-process runs on CPU (gloo): DDP and DeepSpeed ZeRO-3 with the CPR reward (the ZeRO-3 run
+validates one row on two processes).
 
 Both processes sample with the same seed, so DDP and ZeRO-3 see the same rollouts and
 must produce the same losses; ZeRO-3 must really shard the weights, save a consolidated
@@ -17,6 +18,8 @@ import pytest
 import torch
 
 ZERO3 = ["--training.deepspeed", "configs/accelerate/zero3.json"]
+#: Fewer validation rows than processes (validation at step 0 and at the end).
+ONE_VALIDATION_ROW = ["--validation.max_samples", "1"]
 
 
 def torchrun(repo_root: Path, out: Path, model: Path, *extra: str, nproc: int = 2):
@@ -45,7 +48,7 @@ def ddp_run(repo_root, tiny_lm_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3_run(repo_root, tiny_lm_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3") / "run"
-    proc = torchrun(repo_root, out, tiny_lm_path, *ZERO3)
+    proc = torchrun(repo_root, out, tiny_lm_path, *ZERO3, *ONE_VALIDATION_ROW)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -84,8 +87,29 @@ def test_zero3_shards_weights_and_matches_ddp(zero3_run, ddp_run):
         assert l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-4)
 
 
+def test_zero3_validates_fewer_rows_than_processes(zero3_run):
+    """One validation row, two processes: the rank without a row generates a repeat of it, whose
+    result is dropped. Under ZeRO-3 every rank generates in step with the others (a collective at
+    every token); the rank that skipped generation left the other waiting in gloo (the fixture's
+    run hung until its timeout)."""
+    steps = [json.loads(x)["step"] for x in (zero3_run / "validation.jsonl").read_text().splitlines()]
+    assert steps[:2] == [0, 2]
+    for step in (0, 2):
+        (line,) = (zero3_run / f"validation_samples_step{step}.jsonl").read_text().splitlines()
+        assert json.loads(line)["id"] == "0"
+
+
+def test_even_share_gives_every_process_as_many_rows_and_drops_the_repeats():
+    from crystal_grpo.distributed import even_share
+
+    assert [even_share(1, r, 2) for r in (0, 1)] == [([0], 1), ([0], 0)]
+    assert [even_share(5, r, 2) for r in (0, 1)] == [([0, 2, 4], 3), ([1, 3, 0], 2)]
+    assert [even_share(4, r, 2) for r in (0, 1)] == [([0, 2], 2), ([1, 3], 2)]
+    assert even_share(0, 1, 2) == ([], 0) and even_share(3, 0, 1) == ([0, 1, 2], 3)
+
+
 def test_zero3_resumes_from_shards_and_refuses_another_world_size(zero3_run, repo_root, tiny_lm_path):
-    proc = torchrun(repo_root, zero3_run, tiny_lm_path, *ZERO3, "--training.max_steps", "3",
+    proc = torchrun(repo_root, zero3_run, tiny_lm_path, *ZERO3, *ONE_VALIDATION_ROW, "--training.max_steps", "3",
                     "--resume_from_checkpoint", "latest")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in map(json.loads, (zero3_run / "metrics.jsonl").read_text().splitlines())

@@ -51,7 +51,7 @@ def test_installed_trl_is_the_tested_minor_and_pyproject_pins_it():
 SIGNATURES = {
     (GRPOTrainer, "_calculate_rewards"): ["self", "inputs", "prompts", "completions", "completion_ids_list"],
     (GRPOTrainer, "_generate_and_score_completions"): ["self", "inputs"],
-    # train/trainer.py merges LoRA adapters around the ``generate`` call inside it; that TRL's
+    # train/lora_merge.py merges LoRA adapters around the ``generate`` call inside it; that TRL's
     # generation really goes through that call is checked by tests/test_lora_merge.py.
     (GRPOTrainer, "_generate_single_turn"): ["self", "prompt_ids", "images", "multimodal_fields", "num_generations",
                                              "has_tool_images"],
@@ -66,7 +66,7 @@ SIGNATURES = {
     (GRPOTrainer, "create_model_card"): ["self", "model_name", "dataset_name", "tags"],
     (GRPOTrainer, "log"): ["self", "logs", "start_time"],
     (GRPOTrainer, "_log_metric"): ["self", "name", "value"],
-    # train/trainer.py drops tied weights (lm_head of tied embeddings) from the resume warning
+    # train/checkpointing.py drops tied weights (lm_head of tied embeddings) from the resume warning
     (GRPOTrainer, "_issue_warnings_after_load"): ["self", "load_result"],
 }
 
@@ -97,6 +97,25 @@ def test_helpers_the_project_imports_exist():
     batch = {"advantages": torch.arange(4.0), "advantages_acc": torch.arange(4.0) * 10, "n": None}
     parts = split_tensor_dict(shuffle_sequence_dict(batch), 2)
     assert all(torch.equal(p["advantages_acc"], p["advantages"] * 10) for p in parts)
+
+
+def test_trl_training_order_is_one_seeded_permutation_an_epoch(trainer):
+    """What train/prompt_order.py relies on: TRL's training sampler is a RepeatSampler whose
+    iteration e (epoch e) is the (e+1)-th permutation of a generator seeded with ``seed``, so
+    ``EpochRepeatSampler.set_epoch(e)`` on a fresh sampler gives TRL's epoch e, in any order."""
+    from trl.trainer.utils import RepeatSampler
+
+    from crystal_grpo.train.prompt_order import EpochRepeatSampler
+
+    trl_sampler = trainer._get_train_sampler()
+    assert type(trl_sampler) is RepeatSampler and trl_sampler.shuffle and trl_sampler.seed == trainer.args.seed
+    epochs = [list(trl_sampler) for _ in range(3)]
+    assert epochs[0] != epochs[1] != epochs[2]  # the check can fail
+    ours = EpochRepeatSampler.like(trainer._get_train_sampler())
+    for e in (2, 0, 1, 1):  # backwards and repeated too
+        ours.set_epoch(e)
+        assert list(ours) == epochs[e], e
+    assert list(ours) == epochs[2]  # an iteration moves to the next epoch, as RepeatSampler's does
 
 
 def test_deepspeed_internals_used_under_zero3():

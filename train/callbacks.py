@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from transformers import TrainerCallback
 
-from crystal_grpo.distributed import gather_objects, rank_and_world
+from crystal_grpo.distributed import even_share, gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.metrics import better
 from crystal_grpo.metrics import names as metric_names
@@ -84,8 +84,8 @@ class ValidationCallback(TrainerCallback):
         trainer = self.trainer
         n = len(self.dataset) if self.cfg.max_samples is None else min(self.cfg.max_samples, len(self.dataset))
         rank, world = rank_and_world()
-        mine = list(range(rank, n, world))
-        rows = [{"id": str(i), **self.dataset[i]} for i in mine]  # a user's eval set may have no id
+        share, own = even_share(n, rank, world)  # as many rows on every rank: ZeRO-3 generates together
+        rows = [{"id": str(i), **self.dataset[i]} for i in share]  # a user's eval set may have no id
         images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
         model = trainer.model_wrapped
         was_training = model.training
@@ -102,10 +102,10 @@ class ValidationCallback(TrainerCallback):
                                                 images, sampling, self.cfg.batch_size, Engine.from_trainer(trainer))
                            for c in cs]
         model.train(was_training)
-        completions, _ = gather_objects(completions)
+        completions, _ = gather_objects(completions[:own * k])  # the padding's completions dropped
         rows, _ = gather_objects([{k: r.get(k) for k in ("answer", "reference_steps", "choices", "id", "difficulty")}
                                   | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
-                                  for r in rows for _ in range(k)])
+                                  for r in rows[:own] for _ in range(k)])
         batch = self.module.score(completions, rows, with_steps=True).batch
         metrics = self.module.metrics(batch)
         self.last_step = state.global_step

@@ -9,7 +9,9 @@ a valid header; ``latest`` is the newest complete one. The marker is removed bef
 folder is (re)written, so a checkpoint being overwritten never counts as complete.
 
 Resuming also truncates the run folder's logs to the checkpoint's step, so every step is
-logged once, and warns about overrides the restored optimizer state silently undoes.
+logged once, and warns about overrides the restored optimizer state silently undoes. The
+trainer's hooks that use these are in train/checkpointing.py; this module imports neither
+torch nor transformers (train/grpo.py imports it at the top, and ``--check`` stays fast).
 """
 
 from __future__ import annotations

@@ -188,7 +188,7 @@ class RunConfig:
     validation: ValidationSection = option(default_factory=ValidationSection, help="Greedy validation "
                                            "(train/callbacks.py).")
     stability: StabilitySection = option(default_factory=StabilitySection, help="Non-finite updates "
-                                         "(train/trainer.py).")
+                                         "(train/nonfinite.py).")
     alarms: AlarmSection = option(default_factory=AlarmSection, help="Warnings when the training signal goes bad: "
                                   "truncation, steps or recall collapsing, zero reward std (train/alarms.py).")
     dynamic_sampling: DynamicSamplingSection = option(

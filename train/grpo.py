@@ -41,6 +41,7 @@ from crystal_grpo.train.layout import (
     FINAL,
     METRICS_LOG,
     RUN_SUMMARY,
+    STATE_FILE,
     SUMMARY,
     VALIDATION_LOG,
     checkpoint_name,
@@ -162,7 +163,6 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     from crystal_grpo.train.data import load_datasets
     from crystal_grpo.train.interrupt import Interrupted
     from crystal_grpo.train.models import load_policy, model_source
-    from crystal_grpo.train.trainer import STATE_FILE
     from crystal_grpo.train.vision import parameter_line, resolution_line
 
     extra = setup_distributed(cfg)

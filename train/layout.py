@@ -42,6 +42,7 @@ PHASE_DONE = "phase_done.json"
 CURVES = "training_curves.png"
 FINAL = "final"
 MARKER = "checkpoint_complete.json"  # inside a checkpoint folder, written last
+STATE_FILE = "crystal_state.json"  # inside a checkpoint folder: what this project's trainer adds to HF's state
 SWEEP_POINT = "sweep_point.json"
 POINT_LOG = "train.log"
 #: What a phase leaves once it has trained at least one step (or was killed trying).

@@ -98,6 +98,15 @@ def write_model_card(trainer, model_name: str | None = None) -> Path:
     return out
 
 
+class ModelCardMixin:
+    """The trainer's ``create_model_card``: this card (main process) instead of TRL's."""
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        if self.is_world_process_zero():
+            write_model_card(self, model_name)
+
+
 # --- the card of an exported checkpoint -------------------------------------------------
 UNKNOWN = "unknown"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from crystal_grpo.errors import CrystalError
-from crystal_grpo.distributed import accelerate_state, barrier, gather_objects, rank_and_world
+from crystal_grpo.distributed import accelerate_state, barrier, even_share, gather_objects, rank_and_world
 from crystal_grpo.jsonl import Unreadable, atomic_write_text, iter_jsonl
 from crystal_grpo.rewards.parsing import ParsedOutput
 from crystal_grpo.train.generation import Sampling
@@ -127,8 +127,8 @@ def generate_predictions(model, processing_class, dataset, out_dir: Path, sampli
                          progress: bool = True, engine: Engine | None = None) -> int:
     """Append the missing completions of ``dataset`` to ``out_dir/predictions.jsonl``; returns
     how many rows were generated now. Rows are split over processes round by round (every
-    process runs the same number of rounds), and the main process writes each round in
-    the data's order, so a kill loses at most the round in flight."""
+    process generates as many rows a round, :func:`even_share`), and the main process writes
+    each round in the data's order, so a kill loses at most the round in flight."""
     from crystal_grpo.train.generation import Engine, generate
 
     rank, world = rank_and_world()
@@ -138,12 +138,14 @@ def generate_predictions(model, processing_class, dataset, out_dir: Path, sampli
     bar = _progress(len(pending), enabled=progress and rank == 0)
     per_round = batch_size * world
     for start in range(0, len(pending), per_round):
-        mine = pending[start:start + per_round][rank::world]
+        chunk = pending[start:start + per_round]
+        share, own = even_share(len(chunk), rank, world)
+        mine = [chunk[i] for i in share]
         rows = [dataset[i] for i in mine]
         images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
         texts = generate(model, processing_class, [r["prompt"] for r in rows], images, sampling,
-                         batch_size, engine or Engine()) if rows else []
-        done, _ = gather_objects(list(zip(mine, texts)))
+                         batch_size, engine or Engine())
+        done, _ = gather_objects(list(zip(mine[:own], texts[:own])))
         if rank == 0:
             _append(path, [(ids[i], completions) for i, completions in sorted(done)])
             bar.update(len(done))

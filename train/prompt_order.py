@@ -1,0 +1,112 @@
+"""Which prompts each step trains on: the curriculum's order or TRL's, a pure function of the
+seed and the step either way, so a run resumes anywhere.
+
+:class:`PromptOrderMixin` is the trainer's ``_get_train_sampler``: the curriculum sampler
+(``sampler_factory=``, curricula/sampler.py: a pure function of (seed, chunk)) when one is
+configured, else TRL's own order made resumable, below.
+
+TRL's ``RepeatSampler`` draws one permutation per iteration from a generator seeded once:
+epoch e trains on the (e+1)-th permutation of that generator. transformers 5 no longer
+iterates the sampler through the epochs a resumed run skips; it calls the sampler's
+``set_epoch``, which RepeatSampler lacks. So a run resumed in epoch e >= 1 trained on epoch
+0's order again (measured: a run resumed at the epoch boundary trained step 1's prompts at
+step 3, and every later step was an uninterrupted step two earlier). :class:`EpochRepeatSampler`
+is RepeatSampler with ``set_epoch``: epoch e is the (e+1)-th permutation of a generator
+seeded with ``seed``, exactly the order an uninterrupted TRL run trains on, whatever was
+iterated before.
+
+:class:`SamplerEpoch` sets the epoch at every epoch start from the trainer's state.
+transformers and accelerate call ``set_epoch`` themselves, except in a multi-process run
+resumed mid-epoch: accelerate's ``skip_first_batches`` wraps the batch sampler so that neither
+call reaches the sampler, which would then replay epoch 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from trl.trainer.utils import RepeatSampler
+
+
+class EpochRepeatSampler(RepeatSampler):
+    """TRL's ``RepeatSampler`` (same arguments, same order) whose epoch is chosen by ``set_epoch``;
+    an iteration moves to the next epoch, as RepeatSampler's advancing generator does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch = 0
+        self.drawn = 0  # permutations drawn from ``self.generator`` since it was seeded
+        self.initial_seed = self.generator.initial_seed() if self.shuffle else None
+
+    @classmethod
+    def like(cls, sampler: RepeatSampler) -> "EpochRepeatSampler":
+        """The sampler TRL built (``GRPOTrainer._get_train_sampler``), with ``set_epoch``."""
+        return cls(sampler.data_source, sampler.mini_repeat_count, sampler.batch_size, sampler.repeat_count,
+                   sampler.shuffle, sampler.seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        if self.shuffle:
+            if self.drawn > epoch:  # an earlier epoch than the generator's: start it over
+                self.generator.manual_seed(self.initial_seed)
+                self.drawn = 0
+            for _ in range(epoch - self.drawn):  # the permutations of the epochs before this one
+                torch.randperm(self.num_samples, generator=self.generator)
+            self.drawn = epoch + 1  # RepeatSampler's own draw, at its first item
+        yield from super().__iter__()
+
+
+class SamplerEpoch(TrainerCallback):
+    """At every epoch start, ``set_epoch(floor(state.epoch))`` on the training sampler
+    (:meth:`track` it when it is built); a sampler without ``set_epoch`` is left alone."""
+
+    def __init__(self) -> None:
+        self.sampler: Any = None
+
+    def track(self, sampler: Any) -> Any:
+        self.sampler = sampler
+        return sampler
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(math.floor(float(state.epoch or 0.0) + 1e-9))
+
+
+class PromptOrderMixin:
+    """``GRPOTrainer._get_train_sampler``: the curriculum (``sampler_factory=``, a
+    ``CurriculumSamplerFactory`` or any callable with its arguments) or TRL's order, with the
+    epoch a resumed run is in (:class:`SamplerEpoch`)."""
+
+    def __init__(self, *args: Any, sampler_factory: Callable | None = None, **kwargs: Any) -> None:
+        self.sampler_factory = sampler_factory
+        super().__init__(*args, **kwargs)
+        self.sampler_epoch = SamplerEpoch()
+        self.add_callback(self.sampler_epoch)
+
+    def _get_train_sampler(self, dataset=None):
+        if self.sampler_factory is None:  # TRL's order, with the epoch a resumed run is in
+            return self.sampler_epoch.track(EpochRepeatSampler.like(super()._get_train_sampler(dataset)))
+        return self.sampler_epoch.track(self.sampler_factory(
+            dataset if dataset is not None else self.train_dataset,
+            mini_repeat_count=self.num_generations,
+            batch_size=self.args.generation_batch_size // self.num_generations,
+            repeat_count=self.num_iterations * self.args.steps_per_generation,
+            seed=self.args.seed,
+            steps_per_chunk=self.num_iterations * self.args.steps_per_generation
+            / self.args.gradient_accumulation_steps,
+        ))
+
+    def curriculum_logs(self) -> dict[str, float]:
+        """``curriculum/*``: the curriculum's record of the chunk the last step trained on
+        (pacing, pool, what it held); empty without a curriculum that keeps one."""
+        if not hasattr(self.sampler_factory, "stats"):
+            return {}
+        chunk = self.sampler_factory.chunk_at_step(self.state.global_step - 1)
+        return {f"curriculum/{k}": v for k, v in self.sampler_factory.stats(chunk).items()}
