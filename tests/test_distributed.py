@@ -87,16 +87,17 @@ def test_zero3_shards_weights_and_matches_ddp(zero3_run, ddp_run):
         assert l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-4)
 
 
-def test_zero3_validates_fewer_rows_than_processes(zero3_run):
+def test_zero3_validates_fewer_rows_than_processes(zero3_run, repo_root):
     """One validation row, two processes: the rank without a row generates a repeat of it, whose
     result is dropped. Under ZeRO-3 every rank generates in step with the others (a collective at
     every token); the rank that skipped generation left the other waiting in gloo (the fixture's
     run hung until its timeout)."""
     steps = [json.loads(x)["step"] for x in (zero3_run / "validation.jsonl").read_text().splitlines()]
     assert steps[:2] == [0, 2]
+    first = json.loads((repo_root / "data" / "wordproblems" / "val.jsonl").read_text().splitlines()[0])["id"]
     for step in (0, 2):
         (line,) = (zero3_run / f"validation_samples_step{step}.jsonl").read_text().splitlines()
-        assert json.loads(line)["id"] == "0"
+        assert json.loads(line)["id"] == first
 
 
 def test_even_share_gives_every_process_as_many_rows_and_drops_the_repeats():

@@ -222,10 +222,10 @@ Trainer._save_optimizer_and_scheduler = full
 """)
 
 NO_ROOM_AT_STEP_2 = grpo_with("""
-from crystal_grpo.train import checkpoints, trainer
+from crystal_grpo.train import checkpointing, checkpoints
 real = checkpoints.free_bytes
 fake = lambda path: 1000 if os.path.isdir(os.path.join(path, "checkpoint-1")) else real(path)
-checkpoints.free_bytes = trainer.free_bytes = fake
+checkpoints.free_bytes = checkpointing.free_bytes = fake
 """)
 
 
