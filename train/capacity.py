@@ -239,7 +239,8 @@ class ModelSizes:
         if v is not None:
             out.update({f"model.visual.blocks.{n}.{name}": ("vision", i, o)
                         for n in range(v.depth) for name, (i, o) in v.block_linears().items()})
-            out.update({f"model.visual.merger.{name}": ("projector", i, o) for name, (i, o) in v.merger_linears().items()})
+            out.update({f"model.visual.merger.{name}": ("projector", i, o)
+                        for name, (i, o) in v.merger_linears().items()})
         return out
 
     def lora_layers(self, target_modules: Targets = None) -> dict[str, tuple[str, int, int]]:
@@ -406,7 +407,7 @@ class Launch:
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_params: bool = False
-    #: DeepSpeed's gradient buffer: fp32, bf16, fp16, or auto (the run's precision: :func:`storage_is_fp32`)
+    #: DeepSpeed's gradient buffer: fp32, bf16, fp16, or auto (the run's precision: :func:`fp32_gradient_storage`)
     gradient_dtype: str = "auto"
     source: str = "one process: --accelerate_config FILE or --gpus N for another launch"
 

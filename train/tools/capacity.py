@@ -85,9 +85,9 @@ def meta_lora_params(model, r: int, target_modules: Targets = None) -> int:
     from peft import get_peft_model
 
     model = copy.deepcopy(model)
+    lora = LoraSection(r=r, target_modules=target_modules)
     with torch.device("meta"):
-        peft = get_peft_model(model, peft_config(ModelSection("meta", lora=LoraSection(r=r, target_modules=target_modules)),
-                                                 model))
+        peft = get_peft_model(model, peft_config(ModelSection("meta", lora=lora), model))
     return sum(p.numel() for p in peft.parameters() if p.requires_grad)
 
 
