@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -85,6 +86,47 @@ def test_parameter_counts_of_the_vlms_equal_the_meta_model(tiny_vlm_path):
     _check_counts(json.loads((tiny_vlm_path / "config.json").read_text()), lora_too=True)
     _check_counts(QWEN25_VL_3B_CONFIG, lora_too=True)
     assert sizes_from_config(QWEN25_VL_3B_CONFIG).total == 3_754_622_976  # the model card: "3B" (3.75B)
+
+
+def test_lora_targets_of_the_plan_are_the_trainers(tiny_vlm_path):
+    """The plan's LoRA count follows the trainer's targets (train/vision.py lora_targets, used by
+    peft_config): unset on a VLM, the language model's layers only (29,933,568 trainable on the
+    3B at r 16); an explicit all-linear, names or a regex as PEFT matches them on the model, the
+    vision tower's and the projector's layers included."""
+    paper = sizes_from_config(QWEN25_VL_3B_CONFIG)
+    assert paper.lora_params(16) == 29_933_568
+    parts = paper.lora_parts(16, "all-linear")
+    assert parts["language"] == 29_933_568 and parts["vision"] > 0 and parts["projector"] > 0
+    assert paper.lora_params(16, "all-linear") == meta_lora_params(meta_model(QWEN25_VL_3B_CONFIG), 16, "all-linear")
+    config = json.loads((tiny_vlm_path / "config.json").read_text())
+    sizes, model = sizes_from_config(config), meta_model(config)
+    for targets in ("all-linear", ["q_proj", "qkv", "mlp.0"], r".*\.(mlp\.down_proj|attn\.proj)"):
+        assert sizes.lora_params(4, targets) == meta_lora_params(model, 4, targets), targets
+        assert sizes.lora_parts(4, targets)["vision"] > 0, targets
+    # the vision tower counts in the activations when LoRA adapts it, not by default
+    work = Workload(micro_batch=2, images=1, image_tokens=16, lora_r=4)
+    everything = replace(work, lora_targets="all-linear")
+    assert not capacity.vision_trains(sizes, work) and capacity.vision_trains(sizes, everything)
+    assert capacity.activation_bytes(sizes, everything, True) > capacity.activation_bytes(sizes, work, True)
+
+
+@pytest.mark.parametrize("bounds", [(3_136, 602_112), (28 * 28 * 16, 28 * 28 * 48), (3_136, 12_845_056)])
+def test_resized_image_tokens_are_the_processors(tiny_vlm_path, bounds):
+    """resized_image_tokens (what the plan counts without transformers) equals the Qwen2-VL
+    processor's own count for images inside, above and below the bounds, odd aspect ratios too."""
+    from crystal_grpo.train.models import ModelSection, load_processing, open_source
+    from crystal_grpo.train.vision import VisionSection, image_tokens, resized_image_tokens
+
+    low, high = bounds
+    processing = load_processing(open_source(ModelSection(str(tiny_vlm_path))), VisionSection(min_pixels=low,
+                                                                                                max_pixels=high))
+    ip = processing.image_processor
+    for h, w in [(768, 1024), (336, 448), (3024, 4032), (1000, 37), (50, 90), (20, 20), (28, 28), (599, 601)]:
+        expected = image_tokens(processing, h, w)
+        assert resized_image_tokens(h, w, low, high, factor=ip.patch_size * ip.merge_size) == expected, (h, w)
+    assert capacity.prompt_image_tokens(sizes_from_config(QWEN25_VL_3B_CONFIG), VisionSection()) == 768
+    assert capacity.prompt_image_tokens(sizes_from_config(QWEN25_VL_3B_CONFIG),
+                                        VisionSection(max_pixels=None)) == 999  # the published processor's bound
 
 
 def _saved_bytes(model, run) -> int:
@@ -201,9 +243,10 @@ def test_a_model_without_a_reachable_config_is_not_estimated(tmp_path, monkeypat
 
 
 def test_check_prints_the_memory_per_gpu_and_warns_when_a_phase_cannot_fit(repo_root, tmp_path):
-    """--check on the paper config, launched as the paper does: a line per phase, a warning for
-    the phase that cannot fit on 40 GB cards (PCGrad's buffers), with what would fit; without
-    importing torch, TRL or DeepSpeed."""
+    """--check on the paper config, launched as the paper does (4 GPUs): a line per phase, PCGrad's
+    3 rows (bf16 gradient buffer, 2 micro-steps, beta 0.04) in the CPR phase's training peak; on 2
+    GPUs of 40 GB a warning per phase with what would fit (optimizer offload only without PCGrad);
+    without importing torch, TRL or DeepSpeed."""
     from crystal_grpo.train.preflight import gpu_device_nodes
 
     heavy = ("torch", "trl", "transformers", "deepspeed", "peft", "accelerate")
@@ -211,28 +254,31 @@ def test_check_prints_the_memory_per_gpu_and_warns_when_a_phase_cannot_fit(repo_
             "--accelerate_config", "zero3_1x4.yaml"]
     base += ["--model.dtype", "float32"] if gpu_device_nodes() else []  # then the precision check asks torch
     code = (f"import sys; from crystal_grpo.train import grpo; base = {base!r}; "
-            "[grpo.main(base + ['--gpu_memory', gib]) for gib in ('80', '40')]; "
+            "[grpo.main(base + ['--gpu_memory', gib] + more) for gib, more in (('80', []), ('40', ['--gpus', '2']))]; "
             f"print('heavy:', sorted(m for m in {heavy!r} if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root, timeout=120)
     out = done.stdout.splitlines()
     assert out[-1] == "heavy: []", done.stdout + done.stderr
     heads = [i for i, line in enumerate(out) if line.startswith("memory per GPU, predicted")]
     assert len(heads) == 2 and "3.75B parameters" in out[heads[0]] and "4 GPUs, DeepSpeed ZeRO-3" in out[heads[0]]
+    assert "768 image tokens (a 1024 x 768 picture at 3,136-602,112 pixels)" in out[heads[0]]
     at80, at40 = out[heads[0]:heads[1]], out[heads[1]:-1]
     assert [line.split(":")[0] for line in at80[1:3]] == ["  answer_only", "  cpr"]
     assert all("; fits in 72.0 usable" in line for line in at80[1:3]) and not any("warning" in x for x in at80)
-    assert "fits in 36.0 usable" in at40[1] and "does NOT fit in 36.0 usable" in at40[2]
+    assert "PCGrad" not in at80[1] and "max(generation 8.2, activations 6.2 + PCGrad rows 10.5)" in at80[2]
+    assert "2 GPUs" in at40[0] and all("does NOT fit in 36.0 usable" in line for line in at40[1:3])
     warnings = [line for line in at40 if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].startswith("warning: cpr: predicted ")
-    assert "does not fit in 36.0 GiB (90% of 40.0)" in warnings[0] and "ZeRO-3 on 8 GPUs" in warnings[0]
+    assert [w.split(":")[1] for w in warnings] == [" answer_only", " cpr"]
+    assert all("does not fit in 36.0 GiB (90% of 40.0)" in w and "ZeRO-3 on 4 GPUs" in w for w in warnings)
+    assert "optimizer offload" in warnings[0] and "offload" not in warnings[1]
 
 
 def test_the_warning_names_what_would_fit():
     """Without gradient checkpointing the paper's CPR phase needs 98 GiB on each of 4 GPUs: a
     smaller per-device batch fits, with a group TRL accepts (it divides the 24 completions of a
     step), and so does checkpointing. Optimizer offload is offered where it fits (the answer-only
-    phase on one GPU), never with PCGrad, which refuses it (the CPR phase on two GPUs would fit)."""
-    from crystal_grpo.train.config import load_config
+    phase on one GPU), never with PCGrad, which refuses it (the CPR phase on one GPU would fit)."""
+    from crystal_grpo.train.config import load_config, phase_configs
 
     cfg, _ = load_config("cpr_curriculum", ["--model.gradient_checkpointing", "false"])
     lines = capacity.check_lines(cfg, "zero3_1x4.yaml", gpu_memory=80)
@@ -242,7 +288,51 @@ def test_the_warning_names_what_would_fit():
                                 "checkpointing; LoRA (model.lora)")
     paper, _ = load_config("cpr_curriculum")
     one_gpu = [line for line in capacity.check_lines(paper, "zero3_1x1.yaml", gpu_memory=80) if "warning:" in line]
-    assert "ZeRO-3 optimizer offload to CPU" in one_gpu[0]
-    two_gpus = [line for line in capacity.check_lines(paper, "zero3_1x4.yaml", gpus=2, gpu_memory=80)
-                if "warning:" in line]
-    assert two_gpus == [two_gpus[0]] and two_gpus[0].startswith("warning: cpr:") and "offload" not in two_gpus[0]
+    assert [w.split(":")[1] for w in one_gpu] == [" answer_only", " cpr"]
+    assert "ZeRO-3 optimizer offload to CPU" in one_gpu[0] and "offload" not in one_gpu[1]
+    sizes, offload = sizes_from_config(QWEN25_VL_3B_CONFIG), capacity.Launch(zero_stage=3, offload_optimizer=True)
+    cpr = capacity.workload(phase_configs(paper)[-1], sizes, offload)
+    assert cpr.pcgrad and capacity.fits(capacity.plan(sizes, offload, cpr), 80 * capacity.GIB)  # but PCGrad refuses it
+
+
+def test_pcgrad_rows_follow_the_config_and_the_gradient_storage():
+    """The plan's PCGrad rows are pcgrad_extra_partitions of the run's accumulation steps, KL /
+    entropy terms and gradient storage: DeepSpeed's buffer (bf16 under the shipped zero3.json's
+    "auto" with a bf16 run; data_types.grad_accum_dtype fp32 makes it fp32, 2 bytes a parameter
+    more in the model states), else the trainable parameters (LoRA's adapters fp32, PEFT's
+    upcast). They count in the training phase only, not while generating."""
+    from crystal_grpo.train.config import load_config, phase_configs
+
+    sizes = sizes_from_config(QWEN25_VL_3B_CONFIG)
+    fp32_buffer = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"},
+                   "data_types": {"grad_accum_dtype": "fp32"}}
+
+    def work(*overrides, accelerate="zero3_1x4.yaml", deepspeed=None, phase=-1):
+        cfg, _ = load_config("cpr_curriculum", list(overrides))
+        launch = launch_from(accelerate, deepspeed=deepspeed, env={})
+        return capacity.workload(phase_configs(cfg)[phase], sizes, launch), launch
+
+    cases = [  # overrides, accelerate config, DeepSpeed config: rows, fp32 gradient storage
+        (((), "zero3_1x4.yaml", None), (3, False)),  # the paper's: 2 micro-steps, beta 0.04, bf16 buffer
+        (((), "zero3_1x4.yaml", fp32_buffer), (2, True)),
+        ((("--training.beta", "0"), "zero3_1x4.yaml", None), (2, False)),
+        ((("--training.beta", "0"), "zero3_1x4.yaml", fp32_buffer), (1, True)),
+        ((("--training.beta", "0", "--training.entropy_coef", "0.01"), "zero3_1x4.yaml", None), (3, False)),
+        ((("--training.gradient_accumulation_steps", "1"), "zero3_1x4.yaml", None), (1, False)),
+        ((("--model.dtype", "float32"), "zero3_1x4.yaml", None), (2, True)),  # "auto": the run is not bf16
+        ((("--training.bf16", "false"), "zero3_1x4.yaml", None), (2, True)),
+        (((), None, None), (3, False)),  # one process, bf16 weights
+        ((("--model.lora", "{}"), None, None), (2, True)),
+        ((("--model.lora", "{}"), "zero3_1x4.yaml", None), (3, False)),
+    ]
+    for (overrides, accelerate, deepspeed), want in cases:
+        w, _ = work(*overrides, accelerate=accelerate, deepspeed=deepspeed)
+        assert (w.pcgrad_rows, w.fp32_gradients) == want, (overrides, accelerate, deepspeed)
+    assert work(phase=0)[0].pcgrad_rows == 0  # answer_only: pcgrad false
+
+    (paper, launch), (wide, _) = work(), work(deepspeed=fp32_buffer)
+    m, mw = capacity.plan(sizes, launch, paper), capacity.plan(sizes, launch, wide)
+    assert m.pcgrad == 4 * 3 * -(-sizes.total // 4) and mw.pcgrad == m.pcgrad * 2 // 3
+    training = m.activations + m.pcgrad
+    assert m.total == m.model_states + m.reference + max(m.generation, training) > training
+    assert mw.model_states - m.model_states == 2 * sizes.total // 4

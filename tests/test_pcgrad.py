@@ -156,6 +156,33 @@ def test_objective_advantages_add_up_to_trl(scale):
             assert float(part[rows].sum()) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_a_group_whose_total_is_flat_gets_zero_objective_advantages(scale):
+    """Accuracy and reasoning vary in the first two groups but cancel: their total is the same in
+    every row (0.75 exactly; 0.9 up to float32 rounding, std ~3e-8). TRL gives such a group zero
+    advantage, so its parts are zero too (the second group's: its tiny total advantage, split
+    evenly), not its deviations divided by the total's std + 1e-4 (~1e3 each). The third group
+    is untouched; pcgrad_objective_std (each part by its own std) keeps the flat groups' parts."""
+    from trl.trainer.utils import nanstd
+
+    r = torch.tensor([[0.75, 0.0, 0.0], [0.5, 0.25, 0.0], [0.25, 0.5, 0.0], [0.0, 0.75, 0.0],
+                      [0.9, 0.0, 0.0], [0.6, 0.3, 0.0], [0.3, 0.6, 0.0], [0.0, 0.9, 0.0],
+                      [1.0, 0.2, 0.1], [0.0, 0.6, 0.1], [0.0, 0.0, 0.0], [0.0, 0.4, 0.0]])
+    w = torch.ones(3)
+    totals = (r.double() * w.double()).sum(dim=1).view(3, 4)
+    assert nanstd(totals[0]) == 0 and 0 < nanstd(totals[1]) < 1e-7 < nanstd(totals[2])  # by construction
+    acc, reason, total = objective_advantages(r, OBJ, w, num_generations=4, scale_rewards=scale)
+    assert torch.equal(acc[:4], torch.zeros(4, dtype=torch.float64)) and torch.equal(reason[:4], acc[:4])
+    assert acc[4:8].abs().max() < 1e-3 and torch.equal(acc[4:8], reason[4:8])
+    # TRL sums in float32: on the float32-flat group its advantage differs by up to 6e-4 (noise / 1e-4)
+    assert torch.allclose(total, _trl_advantages(r, w, 4, scale).double(), atol=1e-3)
+    assert torch.equal(acc[:8] + reason[:8], total[:8]) and torch.allclose(acc + reason, total, rtol=0, atol=1e-12)
+    kept = objective_advantages(r[8:], OBJ, w, 4, scale) if scale != "batch" else (acc[8:], reason[8:])
+    assert torch.equal(acc[8:], kept[0]) and torch.equal(reason[8:], kept[1]) and acc[8:].abs().max() > 0.1
+    own_acc, own_reason, _ = objective_advantages(r, OBJ, w, 4, scale_rewards=scale, objective_std=True)
+    assert 0.1 < own_acc[:8].abs().max() < 5 and torch.equal(own_acc[:8].sign(), -own_reason[:8].sign())
+
+
 def test_objective_advantages_own_std_and_single_objective():
     gen = torch.Generator().manual_seed(2)
     r = torch.rand(8, 3, generator=gen)

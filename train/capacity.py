@@ -10,10 +10,15 @@ paper's model. Nothing here imports torch, TRL or DeepSpeed, so ``--check`` stay
 - model states (weights, gradients, optimizer) under DeepSpeed are DeepSpeed's own estimate,
   ``estimate_zero3_model_states_mem_needs`` (ZeRO-3) and ``estimate_zero2_...``, copied line for
   line (:func:`zero3_model_states`; the test checks it equals DeepSpeed's on several sizes);
-- the rest is counted from the code that allocates it: TRL's reference model, PCGrad's flat
-  buffers (:func:`pcgrad_partitions`, which must follow ``train/pcgrad.py``), the weights
-  TRL gathers for generation and the KV cache, the activations of the training forward
-  (:func:`activation_bytes`) and TRL's chunked log-prob head.
+- the rest is counted from the code that allocates it: TRL's reference model, PCGrad's fp32
+  rows (``train/pcgrad_memory.py``'s ``pcgrad_extra_partitions``, the plan PCGrad's own
+  gradient window follows, with the gradient storage's dtype as the run gets it:
+  :func:`fp32_gradient_storage`), the weights TRL gathers for generation and the KV cache, the
+  activations of the training forward (:func:`activation_bytes`) and TRL's chunked log-prob head;
+- what the run's config decides, the way the code decides it: LoRA's targets
+  (``train/vision.py``'s ``lora_targets``, which the trainer's ``peft_config`` follows) and the
+  image tokens of a prompt (``model.vision``'s bounds on :data:`ASSUMED_IMAGE`, resized as the
+  Qwen2-VL processor does: ``train/vision.py``'s ``resized_image_tokens``).
 
 All figures are bytes per GPU; a phase fits when its peak is within ``USABLE`` of the GPU's
 memory (the rest: CUDA context, NCCL buffers, the reward's sentence encoder, fragmentation).
@@ -23,12 +28,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Union
 
 from crystal_grpo.errors import CrystalError
+from crystal_grpo.train.pcgrad_memory import pcgrad_extra_partitions
+from crystal_grpo.train.vision import PUBLISHED_QWEN_PIXELS, lora_targets, resized_image_tokens
 
 GIB = 2 ** 30
 #: Share of a GPU's memory a run may plan for.
@@ -77,10 +85,12 @@ QWEN25_VL_3B_CONFIG: dict[str, Any] = {
     "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
     "vocab_size": 151936,
 }
-#: CRYSTAL S8.2: Qwen2.5-VL ran at "a fixed resolution range of 3,136-602,112 pixels", i.e. at most
-#: 602,112 / (28 x 28) = 768 image tokens (14 x 14-pixel patches, 2 x 2 merged into one token). The
-#: processor's own default (max_pixels 12,845,056) would allow up to 16,384 tokens for a large image.
-PAPER_MAX_PIXELS = 602_112
+#: The image of a prompt the plan assumes, (height, width) in pixels: TextVQA's photos (Open Images,
+#: typically 1,024 pixels on the long side), the larger of the paper's two data sets' images. Its
+#: tokens follow the run's ``model.vision`` bounds: 768 at the defaults, the paper's 3,136-602,112
+#: pixels (S8.2; any image of 602,112 pixels or more comes out at 768), 999 at the published
+#: processor's 12,845,056 (``max_pixels: null``), where a 12-megapixel photo would cost 15,552.
+ASSUMED_IMAGE = (768, 1024)
 #: Prompt text, assumed: the system instruction (about 70 tokens), the chat template, the question
 #: and its options.
 PROMPT_TEXT_TOKENS = 256
@@ -91,13 +101,18 @@ TRL_DEFAULTS: dict[str, Any] = {
     "per_device_train_batch_size": 8, "num_generations": 8, "max_completion_length": 512,
     "gradient_accumulation_steps": 1, "steps_per_generation": None, "generation_batch_size": None,
     "ds3_gather_for_generation": True, "use_vllm": False, "vllm_mode": "colocate",
-    "vllm_gpu_memory_utilization": 0.3,
+    "vllm_gpu_memory_utilization": 0.3, "entropy_coef": 0.0, "use_adaptive_entropy": False,
 }
 SFT_MAX_LENGTH = 1024  # SFTConfig.max_length
 #: model_type -> how its decoder layer differs from Qwen2's (q/k/v bias, o bias, MLP bias, q/k norms).
 TEXT_MODEL_TYPES = {"qwen2": {}, "qwen2_5_vl": {}, "qwen2_5_vl_text": {},
                     "llama": {"bias_from": "attention_bias"}, "mistral": {"bias_from": None},
                     "qwen3": {"bias_from": "attention_bias", "qk_norm": True}}
+
+
+#: ``model.lora.target_modules`` as the config gives it: None (the default), a regex, ``all-linear``,
+#: or module names.
+Targets = Union[str, tuple[str, ...], list[str], None]
 
 
 class CapacityError(CrystalError, ValueError):
@@ -126,11 +141,6 @@ class TextShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
-    def adapted(self, targets: Union[str, tuple[str, ...], list[str]]) -> dict[str, tuple[int, int]]:
-        """The linear layers LoRA adapts in each decoder layer: all of them for ``all-linear``
-        (peft leaves the output layer out), else those named."""
-        return {n: io for n, io in self.linears().items() if targets == "all-linear" or n in targets}
-
     def layer_modules(self) -> list[int]:
         """Parameters held directly by each module of one decoder layer."""
         bias = {"q_proj": self.qkv_bias, "k_proj": self.qkv_bias, "v_proj": self.qkv_bias, "o_proj": self.o_bias,
@@ -157,17 +167,23 @@ class VisionShape:
         h, i = self.hidden, self.intermediate
         return [h, h, 3 * h * h + 3 * h, h * h + h, h * i + i, h * i + i, i * h + h]  # norms, qkv, proj, MLP
 
+    def block_linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of one vision block, by module path within the block."""
+        h, i = self.hidden, self.intermediate
+        return {"attn.qkv": (h, 3 * h), "attn.proj": (h, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i),
+                "mlp.down_proj": (i, h)}
+
     def merger_modules(self) -> list[int]:
         m = self.hidden * self.merge ** 2
         return [self.hidden, m * m + m, m * self.out_hidden + self.out_hidden]
 
+    def merger_linears(self) -> dict[str, tuple[int, int]]:
+        m = self.hidden * self.merge ** 2
+        return {"mlp.0": (m, m), "mlp.2": (m, self.out_hidden)}
+
     @property
     def patch_embed(self) -> int:
         return self.in_channels * self.temporal_patch * self.patch ** 2 * self.hidden
-
-    @property
-    def pixels_per_token(self) -> int:
-        return (self.patch * self.merge) ** 2
 
 
 @dataclass(frozen=True)
@@ -212,15 +228,51 @@ class ModelSizes:
         return {"total": self.total, "vision": self.vision_tower, "projector": self.projector,
                 "language": self.language, "largest_layer": self.largest_layer}
 
-    def lora_params(self, r: int, targets: Union[str, tuple[str, ...]] = "all-linear") -> int:
-        """LoRA's trainable parameters on the language model's linear layers. Language only: the
-        vision tower's layers are not adapted (the VLM default the project moves to), whatever
-        ``targets`` names there."""
-        return self.text.layers * sum(r * (i + o) for i, o in self.text.adapted(targets).values())
+    def linear_layers(self) -> dict[str, tuple[str, int, int]]:
+        """Every linear layer but the output one (what PEFT's ``all-linear`` adapts): module path,
+        as transformers 5 names it, -> (part, in, out); part is language, vision or projector."""
+        t, v = self.text, self.vision
+        prefix = "model.language_model." if v is not None else "model."
+        block = lambda name: "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"  # noqa: E731
+        out = {f"{prefix}layers.{n}.{block(name)}.{name}": ("language", i, o)
+               for n in range(t.layers) for name, (i, o) in t.linears().items()}
+        if v is not None:
+            out.update({f"model.visual.blocks.{n}.{name}": ("vision", i, o)
+                        for n in range(v.depth) for name, (i, o) in v.block_linears().items()})
+            out.update({f"model.visual.merger.{name}": ("projector", i, o)
+                        for name, (i, o) in v.merger_linears().items()})
+        return out
 
-    def adapted_weights(self, targets: Union[str, tuple[str, ...]] = "all-linear") -> int:
+    def lora_layers(self, target_modules: Targets = None) -> dict[str, tuple[str, int, int]]:
+        """The linear layers LoRA adapts for a ``model.lora.target_modules`` setting, by the
+        trainer's rule (``train/vision.py``'s ``lora_targets``; unset on a VLM: its language model's
+        only), matched as PEFT matches them: a string is a regex it full-matches (``all-linear``:
+        every layer here), a list names modules by their last components."""
+        targets, language_only = lora_targets(target_modules, self.vision is not None)
+
+        def adapted(path: str) -> bool:
+            if targets == "all-linear":
+                return True
+            if isinstance(targets, str):
+                return re.fullmatch(targets, path) is not None
+            return any(path == t or path.endswith("." + t) for t in targets)
+
+        return {path: layer for path, layer in self.linear_layers().items()
+                if adapted(path) and (layer[0] == "language" or not language_only)}
+
+    def lora_parts(self, r: int, target_modules: Targets = None) -> dict[str, int]:
+        """LoRA's trainable parameters per part (language, vision, projector): r x (in + out) a layer."""
+        out = dict.fromkeys(("language", "vision", "projector"), 0)
+        for part, i, o in self.lora_layers(target_modules).values():
+            out[part] += r * (i + o)
+        return out
+
+    def lora_params(self, r: int, target_modules: Targets = None) -> int:
+        return sum(self.lora_parts(r, target_modules).values())
+
+    def adapted_weights(self, target_modules: Targets = None) -> int:
         """Base weights of the adapted layers (what a merged copy for generation holds)."""
-        return self.text.layers * sum(i * o for i, o in self.text.adapted(targets).values())
+        return sum(i * o for _, i, o in self.lora_layers(target_modules).values())
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -345,16 +397,6 @@ def zero2_model_states(total_params: int, num_gpus_per_node: int = 1, num_nodes:
     return int(cpu_mem), int(gpu_mem)
 
 
-# --- PCGrad ------------------------------------------------------------------------------
-def pcgrad_partitions() -> tuple[int, int]:
-    """fp32 copies of this rank's trainable parameters (its ZeRO-3 partition, else all of them)
-    that PCGrad holds: (always, at the update only). MUST FOLLOW train/pcgrad.py: its
-    ``_pcgrad_buf`` has 3 rows (accuracy, reasoning, KL) for the whole run, and
-    ``pcgrad_apply`` evaluates ``g_acc * a + g_reason * b``: two products and their sum alive at
-    once. The one place to change when PCGrad's buffers change."""
-    return 3, 3
-
-
 # --- the launch: GPUs and sharding ----------------------------------------------------------
 @dataclass(frozen=True)
 class Launch:
@@ -365,6 +407,8 @@ class Launch:
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_params: bool = False
+    #: DeepSpeed's gradient buffer: fp32, bf16, fp16, or auto (the run's precision: :func:`fp32_gradient_storage`)
+    gradient_dtype: str = "auto"
     source: str = "one process: --accelerate_config FILE or --gpus N for another launch"
 
     def describe(self) -> str:
@@ -390,12 +434,37 @@ def _deepspeed_settings(ds: Union[dict, str, None], folders: tuple[Path, ...] = 
             ds = json.loads(_resolve(ds, *folders).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
-    zero = (ds or {}).get("zero_optimization") or {}
+    ds = ds or {}
+    zero = ds.get("zero_optimization") or {}
     device = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)  # noqa: E731
-    out = {"offload_optimizer": device("offload_optimizer"), "offload_params": device("offload_param")}
+    out = {"offload_optimizer": device("offload_optimizer"), "offload_params": device("offload_param"),
+           "gradient_dtype": _gradient_dtype(ds)}
     if "stage" in zero:
         out["zero_stage"] = int(zero["stage"])
     return out
+
+
+#: DeepSpeed's names of a dtype (its ``DtypeEnum``), as :func:`_gradient_dtype` gives them.
+_DEEPSPEED_DTYPES = {"fp32": ("fp32", "float32", "float", "torch.float32"),
+                     "fp16": ("fp16", "float16", "half", "torch.float16"),
+                     "bf16": ("bf16", "bfloat16", "torch.bfloat16")}
+
+
+def _gradient_dtype(ds: dict) -> str:
+    """DeepSpeed's gradient buffer dtype (``DeepSpeedEngine.get_data_types``):
+    ``data_types.grad_accum_dtype``, else the precision it trains in (``bf16``/``fp16`` enabled;
+    ``auto``, which transformers fills from the run's ``bf16``/``fp16``), else fp32."""
+    explicit = str((ds.get("data_types") or {}).get("grad_accum_dtype") or "").lower()
+    for name, spellings in _DEEPSPEED_DTYPES.items():
+        if explicit in spellings:
+            return name
+    for key in ("bf16", "fp16"):
+        enabled = (ds.get(key) or {}).get("enabled", False)
+        if enabled == "auto":
+            return "auto"
+        if enabled is True or str(enabled).lower() == "true":
+            return key
+    return "fp32"
 
 
 def launch_from(accelerate_config: Union[str, None] = None, deepspeed: Union[dict, str, None] = None,
@@ -452,24 +521,26 @@ class Workload:
     image_tokens: int = 0            # merged tokens per image
     checkpointing: bool = True
     lora_r: int = 0                  # 0: full fine-tuning
-    lora_targets: Union[str, tuple[str, ...]] = "all-linear"
+    lora_targets: Targets = None     # model.lora.target_modules (None: the default, ModelSizes.lora_layers)
     lora_dropout: float = 0.0
     lora_merged: bool = True         # LoRA generates through a merged copy (train/lora_merge.py)
     reference: bool = False          # TRL's reference model (beta > 0, full fine-tuning)
     pcgrad: bool = False
+    pcgrad_rows: int = 0             # PCGrad's fp32 rows of the trainable partition (pcgrad_extra_partitions)
+    fp32_gradients: bool = False     # the gradient storage is fp32 (DeepSpeed: its gradient buffer)
     gather_for_generation: bool = True  # TRL's ds3_gather_for_generation
     vllm_share: float = 0.0          # vLLM colocated: its share of the GPU
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes per GPU; the peak is what is always there plus the largest of the phases of a step
-    (generation, the training forward/backward, PCGrad's update)."""
+    """Bytes per GPU; the peak is what is always there plus the larger of the two phases of a
+    step: generation, and training (the forward/backward, with PCGrad's rows alive from an
+    update's first backward pass to its optimizer step)."""
 
     model_states: int
     reference: int
-    pcgrad: int              # PCGrad's buffers, always there
-    pcgrad_update: int       # and its temporaries at the update (after the backward passes)
+    pcgrad: int              # PCGrad's fp32 rows, while training (none while generating)
     generation: int          # gathered or merged weights + KV cache + prefill, while generating
     kv_cache: int
     activations: int         # the training forward/backward with the configured checkpointing
@@ -479,8 +550,11 @@ class Memory:
 
     @property
     def total(self) -> int:
-        return (self.model_states + self.reference + self.pcgrad + self.vllm
-                + max(self.generation, self.activations, self.pcgrad_update))
+        return self.model_states + self.reference + self.vllm + max(self.generation, self.training)
+
+    @property
+    def training(self) -> int:
+        return self.activations + self.pcgrad
 
 
 Estimator = Callable[..., tuple]
@@ -490,25 +564,35 @@ def trainable_params(sizes: ModelSizes, work: Workload) -> int:
     return sizes.lora_params(work.lora_r, work.lora_targets) if work.lora_r else sizes.total
 
 
+def vision_trains(sizes: ModelSizes, work: Workload) -> bool:
+    """Whether the vision tower has trainable weights (full fine-tuning, or LoRA adapting it)."""
+    if sizes.vision is None:
+        return False
+    return not work.lora_r or sizes.lora_parts(work.lora_r, work.lora_targets)["vision"] > 0
+
+
 def model_states_bytes(sizes: ModelSizes, launch: Launch, work: Workload, zero3: Estimator = zero3_model_states,
                        zero2: Estimator = zero2_model_states) -> int:
     """Weights, gradients and optimizer state on one GPU. Under DeepSpeed: DeepSpeed's estimate for
     the trainable parameters (16-bit weights and gradients, fp32 master weights and Adam moments,
     18 bytes each, partitioned; a gathered layer at 4 bytes a parameter) plus, for LoRA, the frozen
-    base weights' partition (ZeRO-3) or copy (ZeRO-2). Without DeepSpeed: weights, gradients and
-    torch's AdamW moments, all in the model's dtype, on every GPU (plus DDP's gradient buckets with
+    base weights' partition (ZeRO-3) or copy (ZeRO-2); DeepSpeed counts 16-bit gradients, so an
+    fp32 gradient buffer on a 16-bit model (``data_types.grad_accum_dtype: fp32``) adds 2 bytes
+    a trainable parameter of the partition. Without DeepSpeed: weights, gradients and torch's
+    AdamW moments, all in the model's dtype, on every GPU (plus DDP's gradient buckets with
     several GPUs)."""
     trainable, w = trainable_params(sizes, work), sizes.dtype_bytes
     frozen = sizes.total - trainable if work.lora_r else 0
     per_node = launch.gpus // launch.nodes
+    wide = 2 * trainable if work.fp32_gradients and w == 2 else 0
     if launch.zero_stage == 3:
         _, gpu, _ = zero3(trainable, sizes.largest_layer, num_gpus_per_node=per_node, num_nodes=launch.nodes,
                           cpu_offload=launch.offload_optimizer, cpu_offload_params=launch.offload_params)
-        return gpu + (0 if launch.offload_params else w * frozen // launch.gpus)
+        return gpu + (0 if launch.offload_params else w * frozen // launch.gpus) + wide // launch.gpus
     if launch.zero_stage in (1, 2):
         _, gpu = zero2(trainable, num_gpus_per_node=per_node, num_nodes=launch.nodes,
                        cpu_offload=launch.offload_optimizer)
-        return gpu + w * frozen
+        return gpu + w * frozen + wide // launch.gpus
     return w * (sizes.total + trainable * (3 + (launch.gpus > 1)))
 
 
@@ -554,7 +638,7 @@ def activation_bytes(sizes: ModelSizes, work: Workload, checkpointing: bool) -> 
     the final norm (6h); with gradient checkpointing (HF checkpoints every decoder and vision
     block) a layer keeps only its input (2h) and one layer is recomputed at a time. LoRA adds
     :data:`LORA_DROPOUT_BYTES` per input element of each adapted layer. The vision tower counts
-    when it trains (full fine-tuning; frozen under LoRA it records nothing): its blocks
+    when it trains (full fine-tuning, or LoRA adapting it; frozen it records nothing): its blocks
     (:func:`vision_block_bytes`) and about one block more for the patch embedding and the merger.
     Then TRL's chunked log-prob head (trl/kernels/chunked_logprob.py: the [N, V] logits never
     exist): the hidden states it keeps (2h per scored token), a 4,096 x 32,768 16-bit tile, fp32
@@ -562,15 +646,17 @@ def activation_bytes(sizes: ModelSizes, work: Workload, checkpointing: bool) -> 
     t, v = sizes.text, sizes.vision
     seq = work.prompt_tokens + work.completion_tokens
     tokens = work.micro_batch * seq
-    per_layer = layer_activation_bytes(t, seq)
+    dropout = dict.fromkeys(("language", "vision", "projector"), 0)  # LoRA dropout's bytes, per token a layer
     if work.lora_r and work.lora_dropout > 0:
-        per_layer += sum(LORA_DROPOUT_BYTES * i for i, _ in t.adapted(work.lora_targets).values())
+        for part, i, _ in sizes.lora_layers(work.lora_targets).values():
+            dropout[part] += LORA_DROPOUT_BYTES * i
+    per_layer = layer_activation_bytes(t, seq) + dropout["language"] // t.layers
     kept = 2 * t.hidden if checkpointing else per_layer
     lm = tokens * (t.layers * kept + (per_layer if checkpointing else 0) + 6 * t.hidden)
     vision = 0
-    if v is not None and not work.lora_r and work.images:
+    if v is not None and vision_trains(sizes, work) and work.images:
         patches = work.micro_batch * work.images * work.image_tokens * v.merge ** 2
-        block = vision_block_bytes(v)
+        block = vision_block_bytes(v) + dropout["vision"] // v.depth
         vision = patches * ((v.depth * 2 * v.hidden + block) if checkpointing else (v.depth + 1) * block)
     scored = work.micro_batch * work.completion_tokens
     head = scored * t.hidden * (2 + 6) + min(scored, 4096) * min(t.vocab, 32768) * 2
@@ -604,11 +690,10 @@ def plan(sizes: ModelSizes, launch: Launch, work: Workload, zero3: Estimator = z
         ref = sizes.dtype_bytes * sizes.total // (launch.gpus if launch.zero_stage == 3 else 1)
     trainable = trainable_params(sizes, work)
     local = -(-trainable // launch.gpus) if launch.zero_stage == 3 else trainable
-    rows, temps = pcgrad_partitions() if work.pcgrad else (0, 0)
     ckpt, full = activation_bytes(sizes, work, True), activation_bytes(sizes, work, False)
     return Memory(
         model_states=model_states_bytes(sizes, launch, work, zero3, zero2), reference=ref,
-        pcgrad=4 * rows * local, pcgrad_update=4 * temps * local,
+        pcgrad=4 * work.pcgrad_rows * local if work.pcgrad else 0,
         generation=generation_bytes(sizes, launch, work),
         kv_cache=kv_cache_bytes(sizes, work) if work.generation_batch else 0,
         activations=ckpt if work.checkpointing else full, activations_ckpt=ckpt, activations_full=full,
@@ -620,31 +705,67 @@ def fits(memory: Memory, gpu_bytes: float) -> bool:
 
 
 # --- a run config's phases ----------------------------------------------------------------
-def workload(cfg, sizes: ModelSizes, gpus: int) -> Workload:
+def pixel_bounds(vision) -> tuple[int, int]:
+    """(min_pixels, max_pixels) a run's processor applies: ``model.vision``'s, the published
+    processor's (:data:`PUBLISHED_QWEN_PIXELS`) where one is null."""
+    return tuple(own if own is not None else published
+                 for own, published in zip((vision.min_pixels, vision.max_pixels), PUBLISHED_QWEN_PIXELS))
+
+
+def prompt_image_tokens(sizes: ModelSizes, vision) -> int:
+    """Tokens of :data:`ASSUMED_IMAGE` under a run's ``model.vision`` bounds, resized as the
+    Qwen2-VL processor resizes it; 0 for a text model."""
+    if sizes.vision is None:
+        return 0
+    low, high = pixel_bounds(vision)
+    return resized_image_tokens(*ASSUMED_IMAGE, min_pixels=low, max_pixels=high,
+                                factor=sizes.vision.patch * sizes.vision.merge)
+
+
+def fp32_gradient_storage(cfg, sizes: ModelSizes, launch: Launch) -> bool:
+    """Whether the gradient storage PCGrad reads is fp32, which decides its rows the way
+    ``train/pcgrad_gradients.py``'s ``open_window`` does at run time (from the storage's dtype):
+    under DeepSpeed its gradient buffer (:func:`_gradient_dtype`; ``auto`` is the run's
+    ``bf16``/``fp16``, ``RunConfig.precision``), else the trainable parameters: LoRA's adapters
+    in fp32 (PEFT upcasts 16-bit ones outside ZeRO-3), full fine-tuning in the model's dtype."""
+    if launch.zero_stage:
+        dtype = launch.gradient_dtype
+        if dtype == "auto":
+            precision = cfg.precision()
+            dtype = "bf16" if precision["bf16"] else "fp16" if precision["fp16"] else "fp32"
+        return dtype == "fp32"
+    return cfg.model.lora is not None or sizes.dtype_bytes == 4
+
+
+def workload(cfg, sizes: ModelSizes, launch: Launch) -> Workload:
     """What one phase (a RunConfig) does on each GPU; TRL's defaults where its ``training`` is silent."""
     from crystal_grpo.train.config import PaperRecipe
 
     tr = {**TRL_DEFAULTS, **cfg.training}
     per_device = int(tr["per_device_train_batch_size"])
+    accumulation = int(tr["gradient_accumulation_steps"])
     lora = cfg.model.lora
-    vision = sizes.vision is not None
-    image_tokens = PAPER_MAX_PIXELS // sizes.vision.pixels_per_token if vision else 0
-    common = dict(micro_batch=per_device, images=int(vision), image_tokens=image_tokens,
+    image_tokens = prompt_image_tokens(sizes, cfg.model.vision)
+    fp32 = fp32_gradient_storage(cfg, sizes, launch)
+    common = dict(micro_batch=per_device, images=int(sizes.vision is not None), image_tokens=image_tokens,
                   prompt_tokens=PROMPT_TEXT_TOKENS + image_tokens,
                   checkpointing=bool(cfg.training.get("gradient_checkpointing", cfg.model.gradient_checkpointing)),
                   lora_r=lora.r if lora else 0, lora_dropout=lora.dropout if lora else 0.0,
-                  lora_targets=(lora.target_modules if isinstance(lora.target_modules, str)
-                                else tuple(lora.target_modules)) if lora else "all-linear",
-                  lora_merged=bool(lora and lora.merge_for_generation))
+                  lora_targets=lora.target_modules if lora else None,
+                  lora_merged=bool(lora and lora.merge_for_generation), fp32_gradients=fp32)
     if cfg.trainer == "sft":
         target = int(tr.get("max_length") or SFT_MAX_LENGTH) - common["prompt_tokens"]
         return Workload(**common, completion_tokens=max(target, 0))
-    steps = tr["steps_per_generation"] or int(tr["gradient_accumulation_steps"])
-    gen = int(tr["generation_batch_size"]) // gpus if tr["generation_batch_size"] else per_device * int(steps)
+    steps = tr["steps_per_generation"] or accumulation
+    gen = int(tr["generation_batch_size"]) // launch.gpus if tr["generation_batch_size"] else per_device * int(steps)
     vllm = float(tr["vllm_gpu_memory_utilization"]) if tr["use_vllm"] and tr["vllm_mode"] == "colocate" else 0.0
+    beta = float(tr.get("beta", PaperRecipe.beta))
+    entropy = float(tr["entropy_coef"]) != 0 or bool(tr["use_adaptive_entropy"])
+    # aux_loss: the architectures the plan knows (TEXT_MODEL_TYPES) have no router
+    rows = pcgrad_extra_partitions(accumulation, beta, entropy_bonus=entropy, fp32_gradients=fp32) if cfg.pcgrad else 0
     return Workload(**common, generation_batch=gen, num_generations=int(tr["num_generations"] or 0),
-                    completion_tokens=int(tr["max_completion_length"]),
-                    reference=float(tr.get("beta", PaperRecipe.beta)) > 0, pcgrad=bool(cfg.pcgrad),
+                    completion_tokens=int(tr["max_completion_length"]), reference=beta > 0,
+                    pcgrad=bool(cfg.pcgrad), pcgrad_rows=rows,
                     gather_for_generation=bool(tr["ds3_gather_for_generation"]), vllm_share=vllm)
 
 
@@ -670,11 +791,10 @@ def describe(memory: Memory, usable: float) -> str:
     """``41.2 GiB = model states 18.1 + ... ; fits`` (GiB)."""
     parts = [f"model states {in_gib(memory.model_states)}"]
     parts += [f"reference model {in_gib(memory.reference)}"] if memory.reference else []
-    parts += [f"PCGrad buffers {in_gib(memory.pcgrad)}"] if memory.pcgrad else []
     parts += [f"vLLM {in_gib(memory.vllm)}"] if memory.vllm else []
     peak = [f"generation {in_gib(memory.generation)}"] if memory.generation else []
-    peak += [f"activations {in_gib(memory.activations)}"]
-    peak += [f"PCGrad update {in_gib(memory.pcgrad_update)}"] if memory.pcgrad_update else []
+    peak += [f"activations {in_gib(memory.activations)}"
+             + (f" + PCGrad rows {in_gib(memory.pcgrad)}" if memory.pcgrad else "")]
     verdict = "fits" if memory.total <= usable else "does NOT fit"
     return (f"{in_gib(memory.total)} GiB = {' + '.join(parts)} + max({', '.join(peak)}); {verdict} in "
             f"{in_gib(usable)} usable")
@@ -734,14 +854,18 @@ def check_lines(cfg, accelerate_config: Union[str, None] = None, gpus: Union[int
         return [f"memory per GPU: cannot estimate: {err}"]
     gpu_bytes, gpu_text = gpu_memory_bytes(gpu_memory)
     usable = USABLE * gpu_bytes
-    image = f" + {PAPER_MAX_PIXELS // sizes.vision.pixels_per_token} image" if sizes.vision else ""
+    image = ""
+    if sizes.vision:
+        low, high = pixel_bounds(cfg.model.vision)
+        image = (f" + {prompt_image_tokens(sizes, cfg.model.vision)} image tokens (a {ASSUMED_IMAGE[1]} x "
+                 f"{ASSUMED_IMAGE[0]} picture at {low:,}-{high:,} pixels)")
     lines = [f"memory per GPU, predicted (docs/benchmarks.md, capacity plan): {sizes.total / 1e9:.2f}B parameters "
-             f"({sizes.source}); {launch.describe()}; GPU {gpu_text}; prompts of {PROMPT_TEXT_TOKENS} text{image} "
-             "tokens, completions at full length"]
+             f"({sizes.source}); {launch.describe()}; GPU {gpu_text}; prompts of {PROMPT_TEXT_TOKENS} text"
+             f"{image or ' tokens'}, completions at full length"]
     warnings = []
     names = [p.name for p in cfg.phases] or ["run"]
     for name, phase in zip(names, phase_configs(cfg)):
-        work = workload(phase, sizes, launch.gpus)
+        work = workload(phase, sizes, launch)
         memory = plan(sizes, launch, work, gpu_bytes=gpu_bytes)
         lines.append(f"  {name}: {describe(memory, usable)}")
         if not fits(memory, gpu_bytes):

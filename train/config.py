@@ -203,6 +203,12 @@ class RunConfig:
         "training.resume_from_checkpoint, taken out of training at load: the run resumes as with the "
         "--resume_from_checkpoint flag (which wins).")
 
+    def precision(self) -> dict[str, Any]:
+        """TRL's ``bf16`` / ``fp16`` for this run: ``training``'s keys, else the model's dtype. What
+        ``train/grpo.py`` gives TRL, the precision check checks and a DeepSpeed ``"auto"`` becomes."""
+        return {"bf16": self.training.get("bf16", self.model.dtype == "bfloat16"),
+                "fp16": self.training.get("fp16", self.model.dtype == "float16")}
+
 
 @dataclass
 class PaperRecipe:

@@ -45,7 +45,13 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from crystal_grpo.errors import CrystalError
-from crystal_grpo.train.vision import VisionSection, freeze_parts, is_vision_language, language_lora_target
+from crystal_grpo.train.vision import (
+    VisionSection,
+    freeze_parts,
+    is_vision_language,
+    language_lora_target,
+    lora_targets,
+)
 from crystal_grpo.train.vision import set_image_resolution
 from crystal_grpo.typed import from_dict, option
 
@@ -528,19 +534,18 @@ def _finish(model, processing, model_cfg: ModelSection) -> None:
 
 def peft_config(model_cfg: ModelSection, model: Any = None):
     """``peft.LoraConfig`` from ``model_cfg.lora`` (None when LoRA is off); for TRL's ``peft_config=``.
-    Unset ``target_modules``: every linear layer of the language model (``model``, when given
-    and a VLM: its language model's only, :func:`~crystal_grpo.train.vision.language_lora_target`)."""
+    The targets follow :func:`~crystal_grpo.train.vision.lora_targets` (the capacity plan's rule
+    too): unset, every linear layer of the language model (``model``, when given and a VLM: its
+    language model's only, named by :func:`~crystal_grpo.train.vision.language_lora_target`)."""
     lora = model_cfg.lora
     if lora is None:
         return None
     from peft import LoraConfig
 
-    target = lora.target_modules
-    if isinstance(target, (list, tuple)):
-        target = list(target)
-    elif target is None:
-        vlm = model is not None and is_vision_language(getattr(model, "config", None))
-        target = language_lora_target(model) if vlm else "all-linear"
+    vlm = model is not None and is_vision_language(getattr(model, "config", None))
+    target, language_only = lora_targets(lora.target_modules, vlm)
+    if language_only:
+        target = language_lora_target(model)
     return LoraConfig(
         r=int(lora.r),
         lora_alpha=int(lora.alpha),

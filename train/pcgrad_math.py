@@ -13,6 +13,10 @@ import torch
 
 from crystal_grpo.rewards.base import OBJECTIVES
 
+#: A group whose total reward's std is at most this is flat for the objective split: float32
+#: rounding of rewards of order 1 (what TRL holds them in) leaves a few 1e-8, far below it.
+FLAT_TOTAL_STD = 1e-6
+
 
 def pcgrad_coefficients(dot: float, sq_acc: float, sq_reason: float, eps: float = 1e-12) -> tuple[float, float]:
     """(a, b) with combined = a g_acc + b g_reason (docs/method.md section 9).
@@ -83,8 +87,13 @@ def objective_advantages(
     own group mean, divided by the same ``std + 1e-4`` of the total reward TRL uses
     (group or batch std per ``scale_rewards``; none: not divided). So
     ``adv_acc + adv_reason == adv_total``. Rows where every function returned None
-    (unscorable) get 0, as in TRL. With ``objective_std`` each part is instead divided by
-    its own std (same group/batch choice); the parts then no longer add up to TRL's.
+    (unscorable) get 0, as in TRL. A group whose total reward is flat (its std at most
+    :data:`FLAT_TOTAL_STD`) has TRL's zero advantage (up to float rounding), however its
+    objectives vary: where they cancel (accuracy up where reasoning is down), dividing them by
+    the total's ``0 + 1e-4`` would make parts of ~1e4 times their deviations out of a group
+    that teaches nothing, so each part is half the group's total advantage instead (0 when the
+    total is exactly flat). With ``objective_std`` each part is instead divided by its own std
+    (same group/batch choice; flat groups included); the parts then no longer add up to TRL's.
     """
     scale_rewards = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)  # as GRPOConfig reads it
     if scale_rewards not in ("group", "batch", "none"):
@@ -123,4 +132,8 @@ def objective_advantages(
             std = std_of(x) if (objective_std and x is not total) else std_total
             adv = adv / (std + 1e-4)
         out.append(torch.nan_to_num(adv, nan=0.0))
-    return out[0], out[1], out[2]
+    acc, reason, adv_total = out
+    if not objective_std and G > 1:
+        flat = (_nanstd(total.view(-1, G), dim=1) <= FLAT_TOTAL_STD).repeat_interleave(G)
+        acc, reason = (torch.where(flat, adv_total / 2, x) for x in (acc, reason))
+    return acc, reason, adv_total

@@ -89,8 +89,8 @@ def gpu_device_nodes() -> bool:
 
 def precision_problem(cfg: RunConfig) -> str | None:
     """Half precision asked for on hardware without it (bf16/fp16 need a CUDA GPU, bf16 one that has it)."""
-    bf16 = cfg.training.get("bf16", cfg.model.dtype == "bfloat16")
-    fp16 = cfg.training.get("fp16", cfg.model.dtype == "float16")
+    precision = cfg.precision()
+    bf16, fp16 = precision["bf16"], precision["fp16"]
     if not (bf16 or fp16) or cfg.training.get("use_cpu"):
         return None
     what = "bf16" if bf16 else "fp16"

@@ -3,7 +3,8 @@
 - Image resolution (``model.vision.max_pixels`` / ``min_pixels``): Qwen2-VL-family image
   processors resize every image so that its area lies between the two bounds (aspect ratio
   kept), and each ``(patch_size * merge_size)^2`` pixels (28 x 28 for Qwen2-VL / Qwen2.5-VL)
-  becomes one image token. Qwen2.5-VL's published processor allows up to 12,845,056 pixels,
+  becomes one image token (:func:`resized_image_tokens`, without transformers, for the
+  capacity plan). Qwen2.5-VL's published processor allows up to 12,845,056 pixels,
   16,384 tokens an image: a large photo silently costs 20x the tokens of the paper's bound
   (602,112: 768 tokens). :func:`set_image_resolution` is the one place the bounds are put on a
   processor; ``train.models.load_processing`` calls it for every processor it loads (the
@@ -12,7 +13,8 @@
   found by the module paths each family has in transformers 5 (:data:`VLM_PARTS`). A model
   type not in the table is still trained and counted, as one piece, with a warning.
 - What trains: ``freeze_vision_tower`` / ``freeze_projector`` for full fine-tuning; LoRA's
-  default targets are the language model's linear layers only (:func:`language_lora_target`).
+  default targets are the language model's linear layers only (:func:`lora_targets`, the rule
+  the trainer and the capacity plan share; :func:`language_lora_target` names them on a model).
   :func:`parameter_line` says what trains, per part, when a run starts (under DeepSpeed
   ZeRO-3 a parameter's full size is its ``ds_numel``).
 """
@@ -20,6 +22,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Union
@@ -49,6 +52,9 @@ VLM_PARTS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "idefics3": _IDEFICS, "smolvlm": _IDEFICS,
 }
 PART_NAMES = ("vision tower", "projector", "language model")
+#: (min_pixels, max_pixels) of Qwen2.5-VL's published processor (its preprocessor_config.json):
+#: what a run gets with ``model.vision.min_pixels`` / ``max_pixels`` null.
+PUBLISHED_QWEN_PIXELS = (3_136, 12_845_056)
 
 
 class VisionError(CrystalError, ValueError):
@@ -127,6 +133,22 @@ def image_tokens(processing: Any, height: int, width: int) -> int | None:
     if image_processor is None or not _pixel_bounded(image_processor):
         return None
     return image_processor.get_number_of_image_patches(height, width) // image_processor.merge_size ** 2
+
+
+def resized_image_tokens(height: int, width: int, min_pixels: int, max_pixels: int, factor: int = 28) -> int:
+    """The tokens a ``height`` x ``width`` image becomes under a Qwen2-VL-family processor with
+    these bounds, without transformers (``--check`` imports none): its ``smart_resize`` (sides
+    rounded to multiples of ``factor`` = patch x merge, the area brought within the bounds, the
+    aspect ratio kept), one token per ``factor`` x ``factor`` pixels. tests/test_capacity.py
+    checks it against the processor (:func:`image_tokens`)."""
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = (max(factor, math.floor(x / beta / factor) * factor) for x in (height, width))
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = (math.ceil(x * beta / factor) * factor for x in (height, width))
+    return (h // factor) * (w // factor)
 
 
 def resolution_line(processing: Any) -> str | None:
@@ -239,6 +261,20 @@ def parameter_line(model: Any) -> str:
     if is_vision_language(getattr(_unwrapped(model), "config", None)):
         return line + f"; not split into parts: {_unknown(model)}"
     return line
+
+
+def lora_targets(target_modules: Union[str, list[str], None], vision_language: bool
+                 ) -> tuple[Union[str, list[str]], bool]:
+    """``(PEFT's target_modules, language model only)`` for a ``model.lora.target_modules`` setting:
+    the one rule the trainer (``train.models.peft_config``) and the capacity plan
+    (``train/capacity.py``, without a model) follow. An explicit setting is PEFT's, as given
+    (names, a regex PEFT full-matches, or ``all-linear``). Unset: every linear layer
+    ``all-linear`` takes (PEFT leaves the output layer out), and for a vision-language model only
+    those of its language model (on a model, :func:`language_lora_target` names them): the
+    vision tower and the projector keep their weights."""
+    if target_modules is None:
+        return "all-linear", vision_language
+    return (list(target_modules) if isinstance(target_modules, (list, tuple)) else target_modules), False
 
 
 def language_lora_target(model: Any) -> Union[str, list[str]]:
