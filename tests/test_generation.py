@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
+from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationMixin
 from trl import GRPOConfig
 
 from crystal_grpo.jsonl import read_jsonl
@@ -19,6 +19,9 @@ from crystal_grpo.train.generation import Engine, Sampling, generate
 #: Candidate prompts: the test takes the first three whose greedy completions differ, so that
 #: "every prompt got its own completion back" can fail, whatever model this machine built.
 POOL = [[{"role": "user", "content": r["question"]}] for r in read_jsonl("data/wordproblems/train.jsonl")[:24]]
+#: Completion length: enough for the random tiny model's completions to differ (continuous
+#: batching costs about a second a token here, so not more).
+TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def lm(tiny_lm_path):
 
 @pytest.fixture(scope="module")
 def prompts(lm) -> list:
-    completions = generate(*lm, POOL, None, Sampling(max_new_tokens=32), batch_size=8)
+    completions = generate(*lm, POOL, None, Sampling(max_new_tokens=TOKENS), batch_size=8)
     first: dict[str, list] = {}
     for prompt, (text,) in zip(POOL, completions):
         first.setdefault(text, prompt)
@@ -36,17 +39,23 @@ def prompts(lm) -> list:
     return list(first.values())[:3]
 
 
-@pytest.mark.parametrize("engine", [Engine(cache_implementation="static"), Engine(continuous_batching=True)],
+#: A paged cache sized for the test: left to its defaults, transformers sizes it from free memory
+#: (on CPU: most of the machine's RAM, 40 s of filling it with zeros at each call).
+SMALL_PAGED_CACHE = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
+
+
+@pytest.mark.parametrize("engine", [Engine(cache_implementation="static"),
+                                    Engine(continuous_batching=True, continuous_batching_config=SMALL_PAGED_CACHE)],
                          ids=["static-cache", "continuous-batching"])
 def test_greedy_completions_equal_plain_generate(lm, prompts, engine):
     model, tok = lm
-    greedy = Sampling(max_new_tokens=32)
+    greedy = Sampling(max_new_tokens=TOKENS)
     plain = generate(model, tok, prompts, None, greedy, batch_size=3)
     assert generate(model, tok, prompts, None, greedy, batch_size=3, engine=engine) == plain
     assert len({c[0] for c in plain}) == len(prompts), "prompts must give different completions"
     # Two samples per prompt at a temperature so low that both are the greedy completion: they
     # come back in prompt order, each prompt's samples together.
-    near_greedy = Sampling(max_new_tokens=32, temperature=1e-4, num_samples=2)
+    near_greedy = Sampling(max_new_tokens=TOKENS, temperature=1e-4, num_samples=2)
     assert generate(model, tok, prompts, None, near_greedy, batch_size=3, engine=engine) == [c * 2 for c in plain]
 
 
