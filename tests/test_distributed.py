@@ -19,7 +19,7 @@ import torch
 
 ZERO3 = ["--training.deepspeed", "configs/accelerate/zero3.json"]
 #: Fewer validation rows than processes (validation at step 0 and at the end).
-ONE_VALIDATION_ROW = ["--validation.max_samples", "1"]
+ONE_VALIDATION_ROW = ["--validation.max_samples", "1", "--validation.max_new_tokens", "8"]
 
 
 def torchrun(repo_root: Path, out: Path, model: Path, *extra: str, nproc: int = 2):
@@ -133,7 +133,7 @@ def test_zero3_lora_generates_through_merged_adapters_bit_identically(repo_root,
         lora = f"{{r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear, merge_for_generation: {merge}}}"
         proc = torchrun(repo_root, out, tiny_lm_path, *ZERO3, "--model.lora", lora,
                         "--reward.name", "answer_only", "--reward.params", "{}", "--training.learning_rate", "1e-2",
-                        "--validation.eval_steps", "2", "--validation.at_start", "false")
+                        "--validation.eval_steps", "2", "--validation.at_start", "false", "--validation.max_new_tokens", "16")
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[merge] = out
     on, off = runs["true"], runs["false"]
