@@ -33,7 +33,8 @@ Targets (issue): step-time ratio <= 1.6 with full fine-tuning, <= 1.3 with LoRA.
 Memory (``--memory``): two optimizer steps (AdamW) on a fixed batch of 8 completions
 (generation replaced, train/tools/pcgrad_bench.py), plain GRPO and PCGrad, for 1 and 2
 micro-steps per update and beta 0 and 0.04, in one process and under DeepSpeed ZeRO-3 in two
-CPU processes (rank 0's figures; ``trainable`` is its partition). Columns: the peak of bytes
+CPU processes, or on CUDA one process a GPU, at most 2 (rank 0's figures; ``trainable`` is its
+partition). Columns: the peak of bytes
 allocated during training above what was allocated before it (CUDA: max_memory_allocated;
 CPU: torch's profiler memory events, every allocation and free of the CPU allocator), in MiB;
 ``B/param``: PCGrad's peak minus plain GRPO's, per trainable parameter (it includes the

@@ -100,8 +100,9 @@ def fixed_batch_trainer(base: type, batch: dict[str, torch.Tensor]) -> type:
 
 
 def topology_args(mode: str, first: bool = True, grad_accum_dtype: str | None = None) -> dict[str, Any]:
-    """GRPOConfig keywords for ``single``, ``ddp`` or ``zero3`` on CPU (gloo), the process
-    state set up before the training arguments (train/grpo.py's setup_distributed); ``first``:
+    """GRPOConfig keywords for ``single``, ``ddp`` (CPU, gloo) or ``zero3`` (gloo on CPU, NCCL
+    on CUDA), the process state set up before the training arguments (train/grpo.py's
+    setup_distributed); ``first``:
     the process's first trainer (a later ZeRO-3 one needs a fresh accelerator state);
     ``grad_accum_dtype``: ZeRO-3's gradient buffer dtype (DeepSpeed's ``data_types``)."""
     from accelerate import PartialState
@@ -111,7 +112,7 @@ def topology_args(mode: str, first: bool = True, grad_accum_dtype: str | None = 
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         if not first:  # a new Accelerator may not bring its DeepSpeed plugin to a used state
             AcceleratorState._reset_state()
-        PartialState(backend="gloo")
+        PartialState(backend="nccl" if torch.cuda.is_available() else "gloo")
         deepspeed = json.loads((CONFIG_DIR / "accelerate" / "zero3.json").read_text())
         if grad_accum_dtype:
             deepspeed["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
@@ -229,12 +230,14 @@ def measure(mode: str, model_path: str, workdir: str, steps: int, beta: float, i
 def memory_rows(mode: str, model_path: str, workdir: str, baseline: str | None = None,
                 repeats: int = 1, cases: list[tuple[int, float]] = MEMORY_CASES) -> list[dict[str, Any]]:
     """For each of ``cases`` (gradient accumulation steps, beta): the peaks of plain GRPO, PCGrad, and the PCGrad of
-    ``baseline`` (a module file) if given; each in its own process (``zero3``: two, under
-    torchrun; rank 0's figures), ``repeats`` times (lists of peaks, in the order run)."""
+    ``baseline`` (a module file) if given; each in its own process (``zero3``: two under
+    torchrun, one a GPU on CUDA, so one on a single GPU; rank 0's figures), ``repeats`` times
+    (lists of peaks, in the order run)."""
     import subprocess
 
     impls = {"plain": "plain", "pcgrad": "pcgrad", **({"baseline": str(Path(baseline).resolve())} if baseline else {})}
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    nproc = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
                                    if mode == "zero3" else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rows = []
