@@ -126,6 +126,15 @@ def test_flat_groups_by_total_reward_threshold_and_objective():
     assert kept_groups(r, reasoning_only, objectives, G, 0.0, False)[""].tolist() == [True, False, False, True]
 
 
+def test_a_group_flat_up_to_float32_rounding_is_flat_as_for_pcgrad():
+    """Equal rewards held in float32 can differ by an ulp (0.5 and its neighbour: std 3.4e-8),
+    which torch.isclose's 1e-8 misses; PCGrad's objective split calls such a group flat
+    (FLAT_TOTAL_STD), so dynamic sampling must too. A group with a real spread stays in."""
+    ulp = torch.tensor([0.5, 0.5], dtype=torch.float32).nextafter(torch.tensor(1.0))[0].item()
+    r = torch.tensor([[0.5], [ulp], [0.5], [0.3], [0.3], [0.3 + 1e-3]], dtype=torch.float32)
+    assert kept_groups(r, torch.ones(1), ["accuracy"], G, 0.0, False)[""].tolist() == [False, True]
+
+
 def test_refill_draws_are_pure_and_pairs_stay_on_their_process():
     assert refill_draw(42, 5, 1, range(100), 8) == refill_draw(42, 5, 1, range(100), 8)
     assert refill_draw(42, 5, 1, range(100), 8) != refill_draw(42, 5, 2, range(100), 8)

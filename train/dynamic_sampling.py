@@ -13,8 +13,10 @@ group can also be nearly flat (a tiny but non-zero std), or flat on accuracy and
   groups' places; the batch keeps TRL's size, and the flat groups left after the last round
   are masked (a step never waits for luck).
 
-Flat: the group's reward std (TRL's Bessel-corrected ``nanstd``) is at most ``min_std``, or 0
-up to ``torch.isclose`` (TRL's ``frac_reward_zero_std`` test). ``metric: reward`` judges the
+Flat: the group's reward std (TRL's Bessel-corrected ``nanstd``) is at most ``min_std``, or at
+most ``train/pcgrad_math.py``'s ``FLAT_TOTAL_STD`` (1e-6: equal rewards held in float32 differ by
+a few 1e-8, which TRL's ``torch.isclose`` test for ``frac_reward_zero_std`` misses), the same
+rule PCGrad's objective split uses for a flat total. ``metric: reward`` judges the
 total reward, the one TRL's advantage is made of. ``metric: objectives`` (PCGrad only) judges
 each objective's part (its weighted components, as ``train/pcgrad.py`` splits them): PCGrad's
 accuracy loss leaves out the groups flat on accuracy, its reasoning loss those flat on
@@ -63,6 +65,7 @@ import numpy as np
 import torch
 
 from crystal_grpo.rewards.base import OBJECTIVES
+from crystal_grpo.train.pcgrad_math import FLAT_TOTAL_STD
 from crystal_grpo.train.config import DynamicSamplingSection, dynamic_sampling_refused
 
 #: Separates the refill draws from the other random streams seeded by the run's seed.
@@ -83,11 +86,11 @@ COMPLETION_FIELDS = {"completion_ids": None, "completion_mask": 0, "tool_mask": 
 # --------------------------------------------------------------------------- pure functions
 def group_flat(values: torch.Tensor, num_generations: int, min_std: float) -> torch.Tensor:
     """``[N]`` rewards in groups of ``num_generations`` -> ``[N / G]`` bool: the group's std is at
-    most ``min_std`` or 0 (NaN, a group of unscorable rows: flat)."""
+    most ``min_std`` or :data:`FLAT_TOTAL_STD` (NaN, a group of unscorable rows: flat)."""
     from trl.trainer.utils import nanstd
 
     std = nanstd(values.view(-1, num_generations), dim=1)
-    return ~(std > min_std) | torch.isclose(std, torch.zeros_like(std))
+    return ~(std > max(min_std, FLAT_TOTAL_STD))
 
 
 def kept_groups(rewards_per_func: torch.Tensor, weights: torch.Tensor, objectives: Sequence[str | None],
