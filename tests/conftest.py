@@ -22,7 +22,8 @@ MODEL_FIXTURES = {"tiny_lm_path", "tiny_vlm_path"}
 def pytest_collection_modifyitems(config, items):
     """Mark the tests ``make test-fast`` leaves out, and keep together on one pytest-xdist worker
     the tests of a module that share a module-scoped fixture (a training run, an export, a
-    built wheel): built once, not once per worker. Other tests spread over the workers."""
+    built wheel): built once, not once per worker. Other tests spread over the workers. The
+    tests that need no model run first, while the tiny models build (:func:`pytest_sessionstart`)."""
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
@@ -31,6 +32,46 @@ def pytest_collection_modifyitems(config, items):
                               for defs in info.name2fixturedefs.values() for d in defs)
         if shared and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept
+
+
+#: The session's tiny models: folder name -> builder in crystal_grpo.train.tools.tiny_models.
+TINY_MODELS = {"tiny-qwen2": "build_tiny_lm", "tiny-qwen2.5-vl": "build_tiny_vlm"}
+BUILD_IN_BACKGROUND = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from conftest import TINY_MODELS, build_shared
+from crystal_grpo.train.tools import tiny_models
+for name, builder in TINY_MODELS.items():
+    build_shared(Path(sys.argv[2]), name, getattr(tiny_models, builder))
+"""
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist, the controller (idle while the workers test) builds the tiny models in
+    a background process, so that no worker waits half a minute on the other's build: a worker
+    whose test needs a model before it is ready waits on the same lock (:func:`build_shared`)."""
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    if config.option.markexpr and "not slow" in config.option.markexpr:
+        return
+    import subprocess
+    import sys
+
+    root = config._tmp_path_factory.getbasetemp()  # the workers' base temp folders are inside it
+    config._tiny_builder = subprocess.Popen([sys.executable, "-c", BUILD_IN_BACKGROUND, str(Path(__file__).parent),
+                                             str(root / "shared")], stdout=subprocess.DEVNULL)
+
+
+def pytest_sessionfinish(session):
+    """A session that needed no model ends without waiting for the build (a killed build leaves
+    only its scratch folder; a failed one, its error on stderr, and each worker builds itself)."""
+    builder = getattr(session.config, "_tiny_builder", None)
+    if builder is not None:
+        builder.terminate()
+        builder.wait()
 
 
 def encodable(s: str) -> bool:
@@ -54,17 +95,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def shared_build(tmp_path_factory, name: str, build) -> Path:
-    """``build(folder)`` once per test session, shared by every pytest-xdist worker (they share
-    the session's base temp folder): the first to take the lock builds into a scratch folder and
-    renames it into place, so no worker ever sees a half-written model."""
+def build_shared(folder: Path, name: str, build) -> Path:
+    """``build(folder / name)`` unless it exists, under a file lock: the first process to take
+    the lock builds into a scratch folder and renames it into place, so no process ever sees a
+    half-written model."""
     from filelock import FileLock
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    path = root / "shared" / name
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    folder.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{path}.lock"):
         if not path.exists():
             scratch = path.with_name(f"{name}.partial")
@@ -72,6 +110,15 @@ def shared_build(tmp_path_factory, name: str, build) -> Path:
             build(scratch)
             scratch.rename(path)
     return path
+
+
+def shared_build(tmp_path_factory, name: str, build) -> Path:
+    """``build(folder)`` once per test session, shared by every pytest-xdist worker (they share
+    the session's base temp folder, and the controller's background build)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return build_shared(root / "shared", name, build)
 
 
 @pytest.fixture(scope="session")
