@@ -17,16 +17,24 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Fixtures that build a model or launch a run: a test using one (directly or through another
 #: fixture) is ``slow``, left out of ``make test-fast``.
 MODEL_FIXTURES = {"tiny_lm_path", "tiny_vlm_path"}
+#: Session-wide runs (fixtures below) -> the module that checks each: a test of another module
+#: using one joins that module's pytest-xdist group, so one worker makes the run and none waits for it.
+SESSION_RUNS = {"two_process_runs": "test_distributed"}
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark the tests ``make test-fast`` leaves out, and keep together on one pytest-xdist worker
     the tests of a module that share a module-scoped fixture (a training run, an export, a
-    built wheel): built once, not once per worker. Other tests spread over the workers. The
-    tests that need no model run first, while the tiny models build (:func:`pytest_sessionstart`)."""
+    built wheel), and the tests using a session-wide run with the module that checks it: built
+    once, not once per worker. Other tests spread over the workers. The tests that need no model
+    run first, while the tiny models build (:func:`pytest_sessionstart`)."""
     for item in items:
-        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if MODEL_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
+        for run in sorted(SESSION_RUNS.keys() & names):
+            if not item.get_closest_marker("xdist_group"):
+                item.add_marker(pytest.mark.xdist_group(SESSION_RUNS[run]))
         info = getattr(item, "_fixtureinfo", None)
         shared = info and any(d.scope == "module" and d.baseid == item.nodeid.split("::")[0]
                               for defs in info.name2fixturedefs.values() for d in defs)
@@ -135,3 +143,34 @@ def tiny_vlm_path(tmp_path_factory) -> Path:
     from crystal_grpo.train.tools.tiny_models import build_tiny_vlm
 
     return shared_build(tmp_path_factory, "tiny-qwen2.5-vl", build_tiny_vlm)
+
+
+@pytest.fixture(scope="session")
+def two_process_runs(tmp_path_factory, tiny_lm_path) -> dict[str, Path]:
+    """Two-process runs of tiny.yaml (2 steps, a checkpoint at each), made once per session in one
+    torchrun launch: ``ddp`` (DDP over gloo, its completions logged) and ``zero3`` (DeepSpeed
+    ZeRO-3, one validation row at steps 0 and 2). tests/test_distributed.py checks them,
+    tests/test_export.py consolidates the ZeRO-3 shards. Read-only: a test that changes one works
+    on a copy."""
+    from runs import ONE_VALIDATION_ROW, ZERO3, grpo_cmd, torchrun_runs
+
+    common = ["--cpu_backend", "gloo", "--validation.eval_steps", "0"]
+    extra = {"ddp": ["--training.log_completions", "true"], "zero3": [*ZERO3, *ONE_VALIDATION_ROW]}
+
+    def build(folder: Path) -> None:
+        proc = torchrun_runs([grpo_cmd(folder / name, tiny_lm_path, *common, *args)[2:]
+                              for name, args in extra.items()])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    folder = shared_build(tmp_path_factory, "two-process-runs", build)
+    return {name: folder / name for name in extra}
+
+
+@pytest.fixture(scope="session")
+def ddp_run(two_process_runs) -> Path:
+    return two_process_runs["ddp"]
+
+
+@pytest.fixture(scope="session")
+def zero3_run(two_process_runs) -> Path:
+    return two_process_runs["zero3"]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,3 +47,46 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``folder`` with its size and modification time (ns): what "nothing changed" compares."""
     return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+#: DeepSpeed ZeRO-3 on CPU (gloo), the project's recipe (docs/training.md).
+ZERO3 = ["--training.deepspeed", "configs/accelerate/zero3.json"]
+#: Fewer validation rows than processes (validation at step 0 and at the end).
+ONE_VALIDATION_ROW = ["--validation.max_samples", "1", "--validation.max_new_tokens", "8"]
+
+
+def torchrun_script(script: Path | str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``script`` in ``nproc`` processes under ``torchrun --standalone``: its rendezvous takes a free
+    port from the OS, so parallel runs never collide."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(script), *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env=env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions")))
+
+
+#: train/grpo.py's main once per command line of the JSON list ``sys.argv[1]``, each run with a
+#: fresh accelerator state over the same process group.
+RUNS = """
+import json, sys
+from accelerate.state import AcceleratorState
+from crystal_grpo.train import grpo
+for argv in json.loads(sys.argv[1]):
+    AcceleratorState._reset_state(reset_partial_state=True)
+    if code := grpo.main(argv):
+        sys.exit(code)
+"""
+
+
+def torchrun_runs(argvs: list[list[str]], nproc: int = 2) -> subprocess.CompletedProcess:
+    """Several train/grpo.py runs (``argvs``: their arguments), one after the other in the same
+    ``nproc`` processes: one launch, its start-up (torch, transformers, TRL, DeepSpeed) paid once."""
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "runs.py"
+        script.write_text(RUNS)
+        return torchrun_script(script, json.dumps(argvs), nproc=nproc)
+
+
+def torchrun(out: Path, model: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """train/grpo.py on tiny.yaml under torchrun, gloo, no mid-run validation."""
+    return torchrun_script(*grpo_cmd(out, model, "--cpu_backend", "gloo", "--validation.eval_steps", "0",
+                                     *extra)[1:], nproc=nproc)

@@ -9,27 +9,12 @@ model next to its shards, and resume from them.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-
-ZERO3 = ["--training.deepspeed", "configs/accelerate/zero3.json"]
-#: Fewer validation rows than processes (validation at step 0 and at the end).
-ONE_VALIDATION_ROW = ["--validation.max_samples", "1", "--validation.max_new_tokens", "8"]
-
-
-def torchrun(repo_root: Path, out: Path, model: Path, *extra: str, nproc: int = 2):
-    """``torchrun --standalone``: its rendezvous takes a free port from the OS (parallel runs never collide)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(out),
-           "--model.name_or_path", str(model), "--cpu_backend", "gloo", "--validation.eval_steps", "0",
-           *extra]
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(repo_root / ".cache" / "torch_extensions")}
-    return subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=900, env=env)
+from runs import ONE_VALIDATION_ROW, ZERO3, grpo_cmd, torchrun, torchrun_runs
 
 
 def losses(run: Path) -> list[tuple[float, float]]:
@@ -37,20 +22,7 @@ def losses(run: Path) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
 
 
-@pytest.fixture(scope="module")
-def ddp_run(repo_root, tiny_lm_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp") / "run"
-    proc = torchrun(repo_root, out, tiny_lm_path, "--training.log_completions", "true")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def zero3_run(repo_root, tiny_lm_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("zero3") / "run"
-    proc = torchrun(repo_root, out, tiny_lm_path, *ZERO3, *ONE_VALIDATION_ROW)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+# ddp_run, zero3_run: the session's two-process runs (tests/conftest.py); tests/test_export.py exports zero3_run.
 
 
 def test_ddp_two_processes_train_and_checkpoint_reloads(ddp_run):
@@ -109,33 +81,34 @@ def test_even_share_gives_every_process_as_many_rows_and_drops_the_repeats():
     assert even_share(0, 1, 2) == ([], 0) and even_share(3, 0, 1) == ([0, 1, 2], 3)
 
 
-def test_zero3_resumes_from_shards_and_refuses_another_world_size(zero3_run, repo_root, tiny_lm_path):
-    proc = torchrun(repo_root, zero3_run, tiny_lm_path, *ZERO3, *ONE_VALIDATION_ROW, "--training.max_steps", "3",
+def test_zero3_resumes_from_shards_and_refuses_another_world_size(zero3_run, tiny_lm_path, tmp_path):
+    run = shutil.copytree(zero3_run, tmp_path / "run")  # the session's run stays as it finished
+    proc = torchrun(run, tiny_lm_path, *ZERO3, *ONE_VALIDATION_ROW, "--training.max_steps", "3",
                     "--resume_from_checkpoint", "latest")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["step"] for r in map(json.loads, (zero3_run / "metrics.jsonl").read_text().splitlines())
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
             if "loss" in r] == [1, 2, 3]
-    proc = torchrun(repo_root, zero3_run, tiny_lm_path, *ZERO3, "--training.max_steps", "4",
-                    "--resume_from_checkpoint", str(zero3_run / "checkpoint-3"), nproc=1)
+    proc = torchrun(run, tiny_lm_path, *ZERO3, "--training.max_steps", "4",
+                    "--resume_from_checkpoint", str(run / "checkpoint-3"), nproc=1)
     assert proc.returncode != 0  # the worker exits 2; torchrun reports it as a failure
     assert "written by 2 process(es), but this run has 1" in proc.stderr
 
 
 @pytest.mark.slow
-def test_zero3_lora_generates_through_merged_adapters_bit_identically(repo_root, tiny_lm_path, tmp_path):
+def test_zero3_lora_generates_through_merged_adapters_bit_identically(tiny_lm_path, tmp_path):
     """ZeRO-3 gathers the weights for generation; the adapters are merged there (gathered
-    buffers in place, persistent ones in a copy) and training stays exactly what it is unmerged."""
+    buffers in place, persistent ones in a copy) and training stays exactly what it is unmerged.
+    Both runs in one launch (tests/runs.py's torchrun_runs)."""
     from safetensors.torch import load_file
 
-    runs = {}
-    for merge in ("true", "false"):
-        out = tmp_path / merge
-        lora = f"{{r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear, merge_for_generation: {merge}}}"
-        proc = torchrun(repo_root, out, tiny_lm_path, *ZERO3, "--model.lora", lora,
-                        "--reward.name", "answer_only", "--reward.params", "{}", "--training.learning_rate", "1e-2",
-                        "--validation.eval_steps", "2", "--validation.at_start", "false", "--validation.max_new_tokens", "16")
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[merge] = out
+    runs = {merge: tmp_path / merge for merge in ("true", "false")}
+    argvs = [grpo_cmd(out, tiny_lm_path, "--cpu_backend", "gloo", *ZERO3, "--model.lora",
+                      f"{{r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear, merge_for_generation: {merge}}}",
+                      "--reward.name", "answer_only", "--reward.params", "{}", "--training.learning_rate", "1e-2",
+                      "--validation.eval_steps", "2", "--validation.at_start", "false",
+                      "--validation.max_new_tokens", "16")[2:] for merge, out in runs.items()]
+    proc = torchrun_runs(argvs)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     on, off = runs["true"], runs["false"]
     assert losses(on) == losses(off) and len(losses(on)) == 2
     a, b = (load_file(r / "final" / "adapter_model.safetensors") for r in (on, off))

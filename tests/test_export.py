@@ -1,12 +1,12 @@
 """scripts/export.py: checkpoints of tiny runs become standalone Hugging Face folders.
 
 Two runs, made once: a two-phase run (GRPO on all weights, then a LoRA SFT phase whose
-high learning rate moves the adapter away from zero) and a two-process DeepSpeed ZeRO-3
-run (tests/test_distributed.py's way: torchrun, gloo). Each export must reload and give the
-logits of the checkpoint it came from: the full checkpoint's own weights, the unmerged
-adapter over its base (PEFT), and for ZeRO-3 the weights the trainer gathered from the
-live partitioned parameters at save time, an independent path from the optimizer shards
-the export consolidates.
+high learning rate moves the adapter away from zero) and the session's two-process DeepSpeed
+ZeRO-3 run (tests/conftest.py's ``zero3_run``, which tests/test_distributed.py checks). Each
+export must reload and give the logits of the checkpoint it came from: the full checkpoint's
+own weights, the unmerged adapter over its base (PEFT), and for ZeRO-3 the weights the trainer
+gathered from the live partitioned parameters at save time, an independent path from the
+optimizer shards the export consolidates.
 """
 
 from __future__ import annotations
@@ -43,18 +43,8 @@ def run(tmp_path_factory, tiny_lm_path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def zero3_run(repo_root, tiny_lm_path, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export_zero3") / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(out),
-           "--model.name_or_path", str(tiny_lm_path), "--cpu_backend", "gloo",
-           "--training.deepspeed", "configs/accelerate/zero3.json",
-           "--validation.at_start", "false", "--training.max_completion_length", "32", *SMALL]
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(repo_root / ".cache" / "torch_extensions")}
-    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+# zero3_run: the session's two-process DeepSpeed ZeRO-3 run (tests/conftest.py), shared with
+# tests/test_distributed.py.
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ and the first implementation's maths, and the same update in one process, two DD
 and two DeepSpeed ZeRO-3 processes on CPU), and short end-to-end runs of train/grpo.py with
 ``pcgrad: true`` (full fine-tuning and LoRA).
 
-Run as a script (``torchrun ... tests/test_pcgrad.py MODE MODEL OUT CASES``) this file is
-also the worker of the multi-process tests.
+Run as a script (``torchrun ... tests/test_pcgrad.py PLAN MODEL WORKDIR``, PLAN a JSON
+``{mode: cases}``) this file is also the worker of the multi-process tests.
 """
 
 from __future__ import annotations
@@ -313,15 +313,18 @@ def pcg_model(tiny_lm_path) -> Path:
     return Path(tiny_lm_path)
 
 
-def _launch(mode: str, model: Path, out: Path, cases: list[str], workdir: Path) -> dict:
+def _launch(plan: dict[str, list[str]], model: Path, workdir: Path) -> dict[str, dict]:
+    """One torchrun launch of two processes that run ``plan``'s cases for each topology in turn
+    (``{mode: cases}``); each topology's results, as rank 0 saved them."""
     ext = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": ext}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           __file__, mode, str(model), str(out), ",".join(cases), str(workdir)]
+           __file__, json.dumps(plan), str(model), str(workdir)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0 and out.exists(), (proc.stdout[-3000:] + proc.stderr[-6000:])
-    return torch.load(out)
+    outs = {mode: workdir / f"{mode}.pt" for mode in plan}
+    assert proc.returncode == 0 and all(o.exists() for o in outs.values()), (proc.stdout[-3000:] + proc.stderr[-6000:])
+    return {mode: torch.load(out) for mode, out in outs.items()}
 
 
 @pytest.fixture
@@ -393,11 +396,22 @@ def test_update_equals_the_first_implementations(single, name):
     assert_close(in_order, case["reference"])  # ... and it is the update the optimizer made
 
 
+#: Several micro-steps with a KL term; one (the KL after the projection).
+TWO_PROCESS_CASES = ["pcgrad", "pcgrad_k1"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(pcg_model, tmp_path_factory) -> dict[str, dict]:
+    """Two DDP processes, then (the same two processes, a fresh accelerator state) two DeepSpeed
+    ZeRO-3 ones: one launch, its start-up paid once."""
+    plan = {"ddp": TWO_PROCESS_CASES, "zero3": TWO_PROCESS_CASES + [BF16_BUFFER]}
+    return _launch(plan, pcg_model, tmp_path_factory.mktemp("two_processes"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
-def test_same_update_in_two_processes(mode, single, pcg_model, tmp_path):
-    cases = ["pcgrad", "pcgrad_k1"]  # several micro-steps with a KL term; one (the KL after the projection)
-    two = _launch(mode, pcg_model, tmp_path / f"{mode}.pt", cases + ([BF16_BUFFER] if mode == "zero3" else []), tmp_path)
+def test_same_update_in_two_processes(mode, single, two_processes):
+    cases, two = TWO_PROCESS_CASES, two_processes[mode]
     if mode == "zero3":
         # A bf16 gradient buffer cannot hold the sums: they stay in fp32 rows (the first
         # implementation, zeroing an fp32 copy of it, was 96% off here), rounded to bf16 once.
@@ -579,7 +593,12 @@ def test_only_pcgrad_runs_get_the_pcgrad_trainer_and_liger_is_refused(pcg_model,
                           train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
 
 
-if __name__ == "__main__":  # worker of test_same_update_in_two_processes
-    mode, model, out, cases, workdir = sys.argv[1:6]
+if __name__ == "__main__":  # worker of test_same_update_in_two_processes: PLAN MODEL WORKDIR
+    plan, model, workdir = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
     torch.set_num_threads(1)
-    run_cases(mode, model, out, cases.split(","), workdir)
+    for i, (mode, cases) in enumerate(plan.items()):
+        if i:  # another topology: a fresh accelerator and process state over the same process group
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+        run_cases(mode, model, os.path.join(workdir, f"{mode}.pt"), cases, workdir)
