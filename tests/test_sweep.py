@@ -178,7 +178,8 @@ def test_rerun_skips_finished_points(tiny_sweep):
 def launched_in_this_process(cmd, cwd, stdout, stderr, stdin):
     """``subprocess.run`` as run_point calls it, for a checkout's ``python train/grpo.py ...``:
     the same arguments to grpo.main, in ``cwd``, its output into the point's log. The launch as a
-    real process is the tiny sweep's own (fixture ``tiny_sweep``, the failing point's test)."""
+    real process is the tiny sweep's own (fixture ``tiny_sweep``) and the emitted command's
+    (tests/test_run_folder.py)."""
     from crystal_grpo.train import grpo
 
     assert cmd[:2] == [sys.executable, "train/grpo.py"] and stderr == subprocess.STDOUT, cmd
@@ -191,9 +192,15 @@ def launched_in_this_process(cmd, cwd, stdout, stderr, stdin):
     return subprocess.CompletedProcess(cmd, rc)
 
 
-def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tiny_sweep_file, tmp_path, monkeypatch):
+@pytest.fixture
+def launch_in_this_process(monkeypatch):
+    """run_point's launches go to ``launched_in_this_process`` (this process has paid the imports)."""
     monkeypatch.setattr(sw, "subprocess", SimpleNamespace(run=launched_in_this_process, STDOUT=subprocess.STDOUT,
                                                           DEVNULL=subprocess.DEVNULL))
+
+
+def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tiny_sweep_file, tmp_path,
+                                                               launch_in_this_process):
     sweep = sw.load_sweep(tiny_sweep_file, tmp_path / "copy")
     point = sweep.points[1]
     folder = sweep.output_dir / point.name
@@ -209,7 +216,7 @@ def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tiny_
     assert (folder / "final").is_dir() and (folder / "checkpoint-2").is_dir()
 
 
-def test_a_failing_point_does_not_stop_the_others(tiny_lm_path, tmp_path):
+def test_a_failing_point_does_not_stop_the_others(tiny_lm_path, tmp_path, launch_in_this_process):
     path = write(tmp_path, f"""
 base: {REPO / 'configs' / 'tiny.yaml'}
 overrides: {{training.max_steps: 1, validation.eval_steps: 1, model.name_or_path: {tiny_lm_path}}}
