@@ -138,7 +138,7 @@ Trainer._save_optimizer_and_scheduler = dying
 """)
 
 
-def test_sigkill_while_saving_then_resume_latest_picks_the_last_complete_one(tmp_path, tiny_lm_path):
+def test_sigkill_while_saving_then_resume_latest_picks_the_last_complete_one(tmp_path, tiny_lm_path, capsys):
     run = tmp_path / "run"
     args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
                 "--validation.eval_steps", "1")[2:]
@@ -146,13 +146,11 @@ def test_sigkill_while_saving_then_resume_latest_picks_the_last_complete_one(tmp
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (run / "checkpoint-2" / "model.safetensors").exists() and not (run / "checkpoint-2" / MARKER).exists()
-    # Before the fix, latest picked checkpoint-2 and crashed (no trainer_state.json there).
-    proc = subprocess.run(grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
-                               "--validation.eval_steps", "1", "--resume_from_checkpoint", "latest"),
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"skipping {run / 'checkpoint-2'}: incomplete" in proc.stdout
-    assert f"resuming from {run / 'checkpoint-1'}" in proc.stdout
+    # Before the fix, latest picked checkpoint-2 and crashed (no trainer_state.json there). The resume: in this process.
+    assert grpo.main([*args, "--resume_from_checkpoint", "latest"]) == 0
+    out = capsys.readouterr().out
+    assert f"skipping {run / 'checkpoint-2'}: incomplete" in out
+    assert f"resuming from {run / 'checkpoint-1'}" in out
     assert logged_steps(run) == [1, 2, 3]  # step 2 was logged before the kill, and is logged once
     assert logged_steps(run, "validation.jsonl", "accuracy") == [0, 1, 2, 3]  # step 0: validation.at_start
     assert all(checkpoint_problem(run / f"checkpoint-{s}") is None for s in (1, 2, 3))

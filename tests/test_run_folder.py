@@ -6,6 +6,7 @@ is checked before anything starts."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -67,7 +68,7 @@ def test_a_finished_run_launched_again_changes_nothing(finished, tmp_path, capsy
     assert after == before  # not a byte, not a timestamp: no step 5, no new checkpoint, final/ untouched
 
 
-def test_a_finished_sweep_point_run_by_its_emitted_command_changes_nothing(tmp_path, tiny_lm_path):
+def test_a_finished_sweep_point_run_by_its_emitted_command_changes_nothing(tmp_path, tiny_lm_path, monkeypatch):
     sw = sweep.load_sweep(REPO / "configs/sweeps/tiny.yaml", tmp_path / "sw")
     point = sw.points[0]
     point.overrides["model.name_or_path"] = str(tiny_lm_path)
@@ -75,8 +76,9 @@ def test_a_finished_sweep_point_run_by_its_emitted_command_changes_nothing(tmp_p
     folder = sweep.prepare(sw, point)
     cmd = sweep.command(sw, point, sys.executable)
     assert "--resume_from_checkpoint" in cmd  # what a requeued Slurm task runs
-    first = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert cmd[:2] == [sys.executable, "train/grpo.py"]
+    monkeypatch.chdir(REPO)  # where the command runs: its config path is relative to the checkout
+    assert grpo.main(cmd[2:]) == 0  # the first run: in this process; the run "again" is the command itself
     before = snapshot(folder)
     again = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "this run already finished" in again.stdout, again.stderr[-3000:]
@@ -133,7 +135,7 @@ Trainer._save_optimizer_and_scheduler = dying
 """)
 
 
-def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path, tiny_lm_path):
+def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path, tiny_lm_path, capsys):
     run = tmp_path / "run"
     args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "4", "--training.save_steps", "2",
                     "--validation.eval_steps", "2", "--validation.max_samples", "2")[2:]
@@ -141,28 +143,28 @@ def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path, 
                             capture_output=True, text=True, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert logged_steps(run) == [1, 2] and not (run / "checkpoint-2" / MARKER).exists()
-    resumed = subprocess.run([sys.executable, "train/grpo.py", *args, "--resume_from_checkpoint", "latest"], cwd=REPO, env=env(),
-                             capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "the phase starts over at step 0" in resumed.stdout
+    assert grpo.main([*args, "--resume_from_checkpoint", "latest"]) == 0  # the resume: in this process
+    out = capsys.readouterr().out
+    assert "the phase starts over at step 0" in out
     assert logged_steps(run) == [1, 2, 3, 4]  # was 1, 2, 1, 2, 3, 4
     assert logged_steps(run, "validation.jsonl", "accuracy") == [0, 2, 4]
-    assert "taking over the lock of a run that is gone" in resumed.stdout  # the killed run held it
+    assert "taking over the lock of a run that is gone" in out  # the killed run held it
 
 
 # --- item 3: one run per folder ------------------------------------------------------------------
-def test_a_second_live_run_in_the_same_folder_is_refused(tmp_path, tiny_lm_path):
+def test_a_second_live_run_in_the_same_folder_is_refused(tmp_path, tiny_lm_path, capsys):
     run = tmp_path / "run"
     first = subprocess.Popen(grpo_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
                                       "--validation.eval_steps", "0", "--training.lr_scheduler_type", "constant"), cwd=REPO, env=env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         wait_for(run / "metrics.jsonl", first)
-        second = subprocess.run(grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3",
-                                         "--training.learning_rate", "5e-5", "--resume_from_checkpoint", "latest"),
-                                cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
-        assert second.returncode == 2
-        assert f"RunFolderError: {run} is in use by a live run (pid {first.pid} on " in second.stderr
+        capsys.readouterr()
+        # the second run: this process (another pid than the live one that holds the folder)
+        assert grpo.main(grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.learning_rate",
+                                  "5e-5", "--resume_from_checkpoint", "latest")[2:]) == 2
+        err = capsys.readouterr().err
+        assert f"RunFolderError: {run} is in use by a live run (pid {first.pid} on " in err
         assert first.poll() is None  # the first run is not disturbed
     finally:
         first.send_signal(signal.SIGINT)
@@ -233,7 +235,7 @@ checkpoints.free_bytes = checkpointing.free_bytes = fake
                                                               "No space left on device"),
                                            (NO_ROOM_AT_STEP_2, "not saving {run}/checkpoint-2: 0.0 MB free")],
                          ids=["during_the_save", "before_the_save"])
-def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, tiny_lm_path, program, said):
+def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, tiny_lm_path, caplog, monkeypatch, program, said):
     run = tmp_path / "run"
     args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
                     "--validation.eval_steps", "0")[2:]
@@ -246,11 +248,12 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, tiny_lm_path, pro
     assert f"newest complete checkpoint: {run / 'checkpoint-1'}" in lines[0]
     assert "a checkpoint of this run takes" in lines[0] and lines[0].endswith("--resume_from_checkpoint latest")
     assert not (run / "checkpoint-2").exists()  # a partial checkpoint gives its space back
-    resumed = subprocess.run([sys.executable, "train/grpo.py", *args, "--resume_from_checkpoint", "latest"], cwd=REPO, env=env(),
-                             capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # the resume: in this process; transformers' log records reach caplog (its logger does not propagate)
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", True)
+    with caplog.at_level(logging.WARNING):
+        assert grpo.main([*args, "--resume_from_checkpoint", "latest"]) == 0
     assert logged_steps(run) == [1, 2, 3]
-    assert "missing keys" not in resumed.stderr  # the tied lm_head is expected to be absent: not reported
+    assert "missing keys" not in caplog.text  # the tied lm_head is expected to be absent: not reported
 
 
 # --- item 5: everything a run needs, checked first ---------------------------------------------------
