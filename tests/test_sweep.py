@@ -3,15 +3,12 @@ model (configs/sweeps/tiny.yaml): run, skip on re-run, resume, a failing point, 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -175,32 +172,7 @@ def test_rerun_skips_finished_points(tiny_sweep):
         assert (tiny_sweep.output_dir / p.name / POINT_LOG).read_bytes() == logs[p.name]
 
 
-def launched_in_this_process(cmd, cwd, stdout, stderr, stdin):
-    """``subprocess.run`` as run_point calls it, for a checkout's ``python train/grpo.py ...``:
-    the same arguments to grpo.main, in ``cwd``, its output into the point's log. The launch as a
-    real process is the tiny sweep's own (fixture ``tiny_sweep``) and the emitted command's
-    (tests/test_run_folder.py)."""
-    from crystal_grpo.train import grpo
-
-    assert cmd[:2] == [sys.executable, "train/grpo.py"] and stderr == subprocess.STDOUT, cmd
-    text = io.TextIOWrapper(stdout, write_through=True)
-    try:
-        with contextlib.chdir(cwd), contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
-            rc = grpo.main(cmd[2:])
-    finally:
-        text.detach()  # the log stays open for run_point
-    return subprocess.CompletedProcess(cmd, rc)
-
-
-@pytest.fixture
-def launch_in_this_process(monkeypatch):
-    """run_point's launches go to ``launched_in_this_process`` (this process has paid the imports)."""
-    monkeypatch.setattr(sw, "subprocess", SimpleNamespace(run=launched_in_this_process, STDOUT=subprocess.STDOUT,
-                                                          DEVNULL=subprocess.DEVNULL))
-
-
-def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tiny_sweep_file, tmp_path,
-                                                               launch_in_this_process):
+def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tiny_sweep_file, tmp_path):
     sweep = sw.load_sweep(tiny_sweep_file, tmp_path / "copy")
     point = sweep.points[1]
     folder = sweep.output_dir / point.name
@@ -216,7 +188,7 @@ def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tiny_
     assert (folder / "final").is_dir() and (folder / "checkpoint-2").is_dir()
 
 
-def test_a_failing_point_does_not_stop_the_others(tiny_lm_path, tmp_path, launch_in_this_process):
+def test_a_failing_point_does_not_stop_the_others(tiny_lm_path, tmp_path):
     path = write(tmp_path, f"""
 base: {REPO / 'configs' / 'tiny.yaml'}
 overrides: {{training.max_steps: 1, validation.eval_steps: 1, model.name_or_path: {tiny_lm_path}}}
