@@ -68,14 +68,17 @@ def pytest_sessionstart(session):
     import subprocess
     import sys
 
-    root = config._tmp_path_factory.getbasetemp()  # the workers' base temp folders are inside it
-    config._tiny_builder = subprocess.Popen([sys.executable, "-c", BUILD_IN_BACKGROUND, str(Path(__file__).parent),
-                                             str(root / "shared")], stdout=subprocess.DEVNULL)
+    shared = config._tmp_path_factory.getbasetemp() / "shared"  # the workers' base temp folders are beside it
+    shared.mkdir(parents=True, exist_ok=True)
+    with open(shared / "background-build.log", "w") as log:  # its output, kept out of the test report
+        config._tiny_builder = subprocess.Popen([sys.executable, "-c", BUILD_IN_BACKGROUND, str(Path(__file__).parent),
+                                                 str(shared)], stdout=log, stderr=subprocess.STDOUT)
 
 
 def pytest_sessionfinish(session):
     """A session that needed no model ends without waiting for the build (a killed build leaves
-    only its scratch folder; a failed one, its error on stderr, and each worker builds itself)."""
+    only its scratch folder; a failed one, its error in background-build.log, and the workers
+    build the model themselves, reporting any error as a test error)."""
     builder = getattr(session.config, "_tiny_builder", None)
     if builder is not None:
         builder.terminate()
