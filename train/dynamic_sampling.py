@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from crystal_grpo.rewards.base import OBJECTIVES
-from crystal_grpo.train.pcgrad_math import FLAT_TOTAL_STD
+from crystal_grpo.train.pcgrad_math import group_flat, weighted_reward
 from crystal_grpo.train.config import DynamicSamplingSection, dynamic_sampling_refused
 
 #: Separates the refill draws from the other random streams seeded by the run's seed.
@@ -84,33 +84,17 @@ COMPLETION_FIELDS = {"completion_ids": None, "completion_mask": 0, "tool_mask": 
 
 
 # --------------------------------------------------------------------------- pure functions
-def group_flat(values: torch.Tensor, num_generations: int, min_std: float) -> torch.Tensor:
-    """``[N]`` rewards in groups of ``num_generations`` -> ``[N / G]`` bool: the group's std is at
-    most ``min_std`` or :data:`FLAT_TOTAL_STD` (NaN, a group of unscorable rows: flat)."""
-    from trl.trainer.utils import nanstd
-
-    std = nanstd(values.view(-1, num_generations), dim=1)
-    return ~(std > max(min_std, FLAT_TOTAL_STD))
-
-
 def kept_groups(rewards_per_func: torch.Tensor, weights: torch.Tensor, objectives: Sequence[str | None],
                 num_generations: int, min_std: float, per_objective: bool) -> dict[str, torch.Tensor]:
     """Which groups of a *global* generation batch carry weight: ``{"": [N / G] bool}`` for the
     batch, plus one entry per objective with ``per_objective``, where the batch's is their union.
 
     ``rewards_per_func`` is TRL's ``[N, F]`` (NaN: not applicable); each part is the weighted sum
-    of its columns, NaN counting 0 and rows unscorable by every function NaN, as TRL sums them."""
-    r = rewards_per_func.double() * weights.double().to(rewards_per_func.device).unsqueeze(0)
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-
-    def part(columns: list[bool]) -> torch.Tensor:
-        cols = torch.tensor(columns, dtype=torch.bool, device=r.device)
-        s = r[:, cols].nansum(dim=1) if bool(cols.any()) else torch.zeros(len(r), dtype=r.dtype, device=r.device)
-        s[unscorable] = torch.nan
-        return s
+    of its columns (``train/pcgrad_math.py``'s ``weighted_reward``, as TRL sums them).
+    """
 
     def kept(columns: list[bool]) -> torch.Tensor:
-        return ~group_flat(part(columns), num_generations, min_std)
+        return ~group_flat(weighted_reward(rewards_per_func, weights, columns), num_generations, min_std)
 
     if not per_objective:
         return {"": kept([True] * len(objectives))}

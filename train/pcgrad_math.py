@@ -8,6 +8,7 @@ the TRL hooks train/pcgrad.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -69,6 +70,25 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return nanstd(x, dim=dim) if dim is not None else nanstd(x)
 
 
+def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor, columns: Sequence[bool]) -> torch.Tensor:
+    """``[N]`` float64: the weighted sum of the chosen columns of TRL's ``[N, F]`` rewards, NaN
+    (not applicable) counting 0 as in TRL's ``nansum``; NaN on rows no function scored. The
+    total reward with every column, an objective's part with its own."""
+    r = rewards_per_func.double() * weights.double().to(rewards_per_func.device).unsqueeze(0)
+    mask = torch.tensor(list(columns), dtype=torch.bool, device=r.device)
+    s = r[:, mask].nansum(dim=1) if bool(mask.any()) else torch.zeros(len(r), dtype=r.dtype, device=r.device)
+    s[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return s
+
+
+def group_flat(values: torch.Tensor, num_generations: int, min_std: float = 0.0) -> torch.Tensor:
+    """``[N]`` rewards in groups of ``num_generations`` -> ``[N / G]`` bool: the group's std is at
+    most ``min_std`` or :data:`FLAT_TOTAL_STD` (NaN, a group with fewer than two scored rows: flat).
+    The one rule for PCGrad's objective split and for dynamic sampling."""
+    std = _nanstd(values.view(-1, num_generations), dim=1)
+    return ~(std > max(min_std, FLAT_TOTAL_STD))
+
+
 def objective_advantages(
     rewards_per_func: torch.Tensor,
     objectives: list[str],
@@ -101,18 +121,9 @@ def objective_advantages(
     bad = [o for o in objectives if o not in OBJECTIVES]
     if bad or len(objectives) != rewards_per_func.shape[1]:
         raise ValueError(f"objectives {objectives!r}: need one of {OBJECTIVES} per reward function")
-    r = rewards_per_func.double() * reward_weights.double().to(rewards_per_func.device).unsqueeze(0)
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
     G = num_generations
-
-    def part(cols: list[bool]) -> torch.Tensor:
-        mask = torch.tensor(cols, dtype=torch.bool, device=r.device)
-        s = r[:, mask].nansum(dim=1) if bool(mask.any()) else torch.zeros(len(r), dtype=r.dtype, device=r.device)
-        s[unscorable] = torch.nan
-        return s
-
-    total = part([True] * len(objectives))
-    parts = [part([o == k for o in objectives]) for k in OBJECTIVES]
+    total = weighted_reward(rewards_per_func, reward_weights, [True] * len(objectives))
+    parts = [weighted_reward(rewards_per_func, reward_weights, [o == k for o in objectives]) for k in OBJECTIVES]
 
     def std_of(x: torch.Tensor) -> torch.Tensor:
         if scale_rewards == "batch":
@@ -134,6 +145,6 @@ def objective_advantages(
         out.append(torch.nan_to_num(adv, nan=0.0))
     acc, reason, adv_total = out
     if not objective_std and G > 1:
-        flat = (_nanstd(total.view(-1, G), dim=1) <= FLAT_TOTAL_STD).repeat_interleave(G)
+        flat = group_flat(total, G).repeat_interleave(G)
         acc, reason = (torch.where(flat, adv_total / 2, x) for x in (acc, reason))
     return acc, reason, adv_total
