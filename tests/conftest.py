@@ -16,7 +16,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: Fixtures that build a model or launch a run: a test using one (directly or through another
 #: fixture) is ``slow``, left out of ``make test-fast``.
-MODEL_FIXTURES = {"tiny_lm_path", "tiny_vlm_path"}
+MODEL_FIXTURES = {"tiny_lm_path", "tiny_vlm_path"}  # TINY_MODELS below
 #: Session-wide runs (fixtures below) -> the module that checks each: a test of another module
 #: using one joins that module's pytest-xdist group, so one worker makes the run and none waits for it.
 SESSION_RUNS = {"two_process_runs": "test_distributed"}
@@ -43,15 +43,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept
 
 
-#: The session's tiny models: folder name -> builder in crystal_grpo.train.tools.tiny_models.
-TINY_MODELS = {"tiny-qwen2": "build_tiny_lm", "tiny-qwen2.5-vl": "build_tiny_vlm"}
+#: The session's tiny models: fixture -> (folder name, builder in crystal_grpo.train.tools.tiny_models).
+TINY_MODELS = {"tiny_lm_path": ("tiny-qwen2", "build_tiny_lm"), "tiny_vlm_path": ("tiny-qwen2.5-vl", "build_tiny_vlm")}
 BUILD_IN_BACKGROUND = """
 import sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from conftest import TINY_MODELS, build_shared
 from crystal_grpo.train.tools import tiny_models
-for name, builder in TINY_MODELS.items():
+for name, builder in TINY_MODELS.values():
     build_shared(Path(sys.argv[2]), name, getattr(tiny_models, builder))
 """
 
@@ -132,20 +132,23 @@ def shared_build(tmp_path_factory, name: str, build) -> Path:
     return build_shared(root / "shared", name, build)
 
 
+def tiny_model(tmp_path_factory, fixture: str) -> Path:
+    from crystal_grpo.train.tools import tiny_models
+
+    name, builder = TINY_MODELS[fixture]
+    return shared_build(tmp_path_factory, name, getattr(tiny_models, builder))
+
+
 @pytest.fixture(scope="session")
 def tiny_lm_path(tmp_path_factory) -> Path:
     """Tiny random Qwen2ForCausalLM + trained byte-level BPE tokenizer, built once per session."""
-    from crystal_grpo.train.tools.tiny_models import build_tiny_lm
-
-    return shared_build(tmp_path_factory, "tiny-qwen2", build_tiny_lm)
+    return tiny_model(tmp_path_factory, "tiny_lm_path")
 
 
 @pytest.fixture(scope="session")
 def tiny_vlm_path(tmp_path_factory) -> Path:
     """Tiny random Qwen2.5-VL + image-only processor, built once per session."""
-    from crystal_grpo.train.tools.tiny_models import build_tiny_vlm
-
-    return shared_build(tmp_path_factory, "tiny-qwen2.5-vl", build_tiny_vlm)
+    return tiny_model(tmp_path_factory, "tiny_vlm_path")
 
 
 @pytest.fixture(scope="session")
