@@ -22,7 +22,7 @@ PYTEST := -m pytest -q -p no:cacheprovider
 # module-scoped run stay on one worker (tests/conftest.py); OMP_NUM_THREADS=2 make test overrides.
 XDIST  := -n auto --dist loadgroup
 
-.PHONY: setup test test-fast test-latest lock latest-venv demo demo-smollm2 bench clean
+.PHONY: setup test test-fast test-latest lock latest-venv demo demo-smollm2 bench clean clean-runs
 
 # The lock constrains every distribution, pip and the build backend included (PIP_CONSTRAINT
 # reaches pip's isolated build environment too). torch is pinned by version only, so a CPU
@@ -71,5 +71,11 @@ test-latest: latest-venv
 	$(LATEST)/bin/python -m crystal_grpo.lock diff $(LOCK)
 	$(LATEST)/bin/python $(PYTEST) $(XDIST)
 
+# Caches only: built models, generated data, downloads, compiled extensions, the scratch venv; all
+# rebuilt on demand. The runs' results (runs/, and wandb's offline logs) go only with clean-runs.
 clean:
-	rm -rf .cache runs
+	test ! -d .cache || find .cache -mindepth 1 -maxdepth 1 ! -name wandb -exec rm -rf {} +
+
+# Every run's results: runs/ (checkpoints, logs, sweeps, the demo's) and .cache/wandb.
+clean-runs:
+	rm -rf runs .cache/wandb

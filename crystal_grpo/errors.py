@@ -10,3 +10,8 @@ from __future__ import annotations
 
 class CrystalError(Exception):
     """An error of this library, phrased for the person who runs it: what, where, what to do."""
+
+
+def some_of(items: list[str], most: int = 4, sep: str = ", ") -> str:
+    """``a, b, c, d and 3 more``: a list short enough for a one-line message."""
+    return sep.join(items[:most]) + (f"{sep}and {len(items) - most} more" if len(items) > most else "")

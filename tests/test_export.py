@@ -23,7 +23,7 @@ import torch
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.train import grpo
-from crystal_grpo.train.tools.export import export, main
+from crystal_grpo.train.tools.export import MANIFEST, export, main
 
 PHASES = ("[{name: grpo, init_from: none, overrides: {training: {max_steps: 2, max_completion_length: 32}}}, "
           "{name: lora, trainer: sft, init_from: last, overrides: {model: {lora: {r: 4, alpha: 8, dropout: 0.0}}, "
@@ -224,6 +224,27 @@ def test_failed_export_leaves_no_folder_and_keeps_the_good_one(run, full_export,
     weights = causal_lm(good).state_dict()
     for name, tensor in causal_lm(run / "phase1-grpo" / "checkpoint-2").state_dict().items():
         assert weights[name].dtype == torch.bfloat16 and torch.equal(weights[name], tensor.to(torch.bfloat16)), name
+
+
+def test_overwrite_replaces_only_an_export(run, full_export, tmp_path, capsys):
+    """Lost files (issue 43 item 3): --overwrite on a folder that is no export, or an export holding
+    a user's file, is refused in one line and loses nothing; an export carries its marker."""
+    ckpt = str(run / "phase1-grpo" / "checkpoint-2")
+    listed = json.loads((full_export[0] / MANIFEST).read_text())["files"]
+    assert sorted(listed) == sorted(p.name for p in full_export[0].iterdir() if p.name != MANIFEST)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "mine.txt").write_text("not an export")
+    assert main([ckpt, "--out", str(mine), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (f"error: --out {mine} holds mine.txt but is no export ({MANIFEST}, the list "
+                                       "every export writes, is missing or unreadable); --overwrite replaces only an "
+                                       "export: choose another --out\n")
+    assert os.listdir(mine) == ["mine.txt"] and (mine / "mine.txt").read_text() == "not an export"
+    exported = shutil.copytree(full_export[0], tmp_path / "exported")
+    (exported / "notes.txt").write_text("my notes on this export")
+    assert main([ckpt, "--out", str(exported), "--overwrite"]) == 2
+    assert f"--out {exported} holds notes.txt, which the export there did not write" in capsys.readouterr().err
+    assert (exported / "notes.txt").read_text() == "my notes on this export"
 
 
 def test_not_a_checkpoint_is_one_line_and_exit_2(run, repo_root, tmp_path):

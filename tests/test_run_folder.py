@@ -22,8 +22,8 @@ from crystal_grpo.train.tools import sweep
 from crystal_grpo.train.checkpoints import checkpoint_problem
 from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.config import apply_phase, load_config
-from crystal_grpo.train.layout import LOCK, RECORD
-from crystal_grpo.train.run_folder import RunFolderError, RunLock, config_diff
+from crystal_grpo.train.layout import LOCK, POINT_LOG, RECORD
+from crystal_grpo.train.run_folder import RunFolderError, RunLock, clear_run, config_diff, foreign_folder
 from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
 
 QUICK = ["--validation.eval_steps", "2", "--validation.max_samples", "2", "--training.save_steps", "2"]
@@ -50,6 +50,19 @@ def finished(tmp_path_factory, tiny_lm_path) -> dict[str, Path]:
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def _user_files(run: Path, outside: Path) -> dict[str, bytes]:
+    """A user's note, subfolder, own README (over the run's model card) and a link out of the
+    folder, put into a run folder."""
+    outside.mkdir()
+    (run / "sub").mkdir()
+    (outside / "mine.txt").write_text("the user's file, outside the run folder")
+    files = {"notes.txt": b"my notes", "sub/a.txt": b"kept", "README.md": b"# my README, not a model card\n"}
+    for name, data in files.items():
+        (run / name).write_bytes(data)
+    (run / "link").symlink_to(outside)  # a link is never followed, nor removed
+    return files
 
 
 # --- item 1: a finished run stays finished ----------------------------------------------------------
@@ -89,12 +102,15 @@ def test_a_finished_sweep_point_run_by_its_emitted_command_changes_nothing(tmp_p
 
 
 def test_a_larger_max_steps_continues_the_run_and_says_so(finished, tmp_path, capsys):
+    """...and a user's files beside the run (their own README.md too) stay as they are."""
     run = _copy(finished["single"], tmp_path / "single")
+    files = _user_files(run, tmp_path / "outside")
     argv = [*finished["common"], "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
     assert grpo.main([*argv, "--training.max_steps", "5"]) == 0
     out = capsys.readouterr().out
     assert f"{run}: finished at step 4; continuing to training.max_steps 5" in out
     assert logged_steps(run) == [1, 2, 3, 4, 5] and checkpoint_problem(run / "checkpoint-5") is None
+    assert {name: (run / name).read_bytes() for name in files} == files  # no model card over the user's README
     assert json.loads((run / "phase_done.json").read_text())["global_step"] == 5
     launches = json.loads((run / RECORD).read_text())["launches"]
     assert [x["how"] for x in launches] == ["fresh", "resume"]
@@ -198,10 +214,73 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused_naming_what_differs(
     assert f"{run} already holds a run with other settings: training.learning_rate: 0.0001 -> 5e-05." in err
     after = snapshot(run)
     after.pop(LOCK), before.pop(LOCK)
-    assert "--overwrite_output_dir" in err and after == before
-    assert grpo.main([*argv, "--training.learning_rate", "5e-5", "--training.max_steps", "1",
-                      "--overwrite_output_dir"]) == 0
+    assert "--overwrite_output_dir" in err and after == before  # (test_overwrite_removes_only_what_the_run_wrote)
+
+
+# --- lost files (issue 43 items 1, 2, 4): a run removes only what it wrote, and writes only into its own folder --
+def test_overwrite_removes_only_what_the_run_wrote(finished, tmp_path, capsys):
+    run = _copy(finished["single"], tmp_path / "single")
+    files = _user_files(run, tmp_path / "outside")
+    argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "1", "--overwrite_output_dir"]
+    assert grpo.main(argv) == 0
+    out = capsys.readouterr().out
+    assert (f"--overwrite_output_dir: removed the run that was in {run}; kept 4 files this run did not write: "
+            "README.md, link, notes.txt, sub/\n") in out
+    assert {name: (run / name).read_bytes() for name in files} == files  # the README too: no model card over it
+    assert (run / "link").is_symlink() and (tmp_path / "outside" / "mine.txt").is_file()
     assert logged_steps(run) == [1] and not (run / "checkpoint-4").exists()  # the old run is gone, not mixed in
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_what_a_multi_phase_run_wrote_goes_and_nothing_else(finished, tmp_path):
+    """clear_run on a finished two-phase run: each phase folder's own files, a link inside a
+    checkpoint unfollowed; a phase folder holding a user's file stays with that file alone."""
+    run = _copy(finished["multi"], tmp_path / "multi")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "mine.txt").write_text("mine")
+    (run / "phase1-warmup" / "checkpoint-2" / "data").symlink_to(tmp_path / "outside")
+    (run / "phase2-cpr" / "README.md").write_text("---\ntags: [mine]\n---\n# my own card\n")
+    (run / "phase2-cpr" / "notes.txt").write_text("notes")
+    (run / RECORD).write_text("{not json")  # an unreadable run.json: still the run's file
+    assert clear_run(run, keep=()) == ["phase2-cpr/README.md", "phase2-cpr/notes.txt"]
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == [
+        "phase2-cpr", "phase2-cpr/README.md", "phase2-cpr/notes.txt"]
+    assert (tmp_path / "outside" / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["run", "check"])
+def test_a_folder_holding_no_run_is_refused_and_left_as_it_is(tmp_path, tiny_lm_path, capsys, check):
+    folder = tmp_path / "clone"
+    (folder / ".git").mkdir(parents=True)
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (folder / "README.md").write_text("# a project\n")
+    (folder / "config.json").write_text('{"mine": true}')
+    before = snapshot(folder)
+    argv = grpo_cmd(folder, tiny_lm_path, "--training.max_steps", "1")[2:]
+    assert grpo.main([*argv, *(["--check"] if check else [])]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"RunFolderError: --output_dir {folder} holds .git/, README.md, config.json but no run of this "
+                   "project (no run.json): a run writes only into a new or empty folder or its own run folder, so "
+                   "nothing here is touched; choose another --output_dir\n")
+    assert snapshot(folder) == before and sorted(os.listdir(folder)) == [".git", "README.md", "config.json"]
+    # an empty folder is a new run's folder; a sweep point's (sweep_point.json, train.log) is its run's
+    assert foreign_folder(tmp_path / "missing") is None
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "point").mkdir()
+    (tmp_path / "point" / POINT_LOG).write_text("")
+    assert foreign_folder(tmp_path / "empty") is None and foreign_folder(tmp_path / "point") is None
+
+
+def test_make_clean_removes_caches_and_only_clean_runs_removes_runs(tmp_path):
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    for name in (".cache/models/tiny/config.json", ".cache/wandb/offline-run/log", "runs/x/run.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("{}")
+    assert subprocess.run(["make", "-s", "clean"], cwd=tmp_path).returncode == 0
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
+        ".cache/wandb/offline-run/log", "Makefile", "runs/x/run.json"]
+    assert subprocess.run(["make", "-s", "clean-runs"], cwd=tmp_path).returncode == 0
+    assert not (tmp_path / "runs").exists() and not (tmp_path / ".cache" / "wandb").exists()
 
 
 def test_config_diff_names_each_changed_key():

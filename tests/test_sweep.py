@@ -95,6 +95,17 @@ def test_shipped_sweeps_expand_and_validate(tmp_path):
     assert (authors["reward"]["params"]["answer_weight"], authors["reward"]["params"]["step_weight"]) == (0.6, 0.4)
 
 
+def test_a_point_folder_holding_someone_elses_files_is_refused(tmp_path):
+    sweep = sw.load_sweep(TINY_SWEEP, tmp_path / "w")
+    folder = tmp_path / "w" / sweep.points[0].name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"mine": true}')
+    with pytest.raises(sw.SweepError, match=f"point {sweep.points[0].name}: --output_dir {folder} holds config.json "
+                       "but no run of this project"):
+        sw.prepare(sweep, sweep.points[0])
+    assert os.listdir(folder) == ["config.json"]
+
+
 def test_emit_prints_only_the_script_on_stdout(tmp_path):
     """WANDB_MODE=offline (the Makefile's) makes transformers print a note on import: not into the script."""
     proc = subprocess.run([sys.executable, "scripts/sweep.py", str(TINY_SWEEP), "--emit", "slurm", "--output_dir",

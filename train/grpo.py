@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -55,6 +54,8 @@ from crystal_grpo.train.run_folder import (
     RunLock,
     as_record,
     clear_attempt,
+    clear_run,
+    foreign_folder,
     holds_run,
     mark_phase_done,
     phase_state,
@@ -354,6 +355,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
     phases = copy.deepcopy(phase_configs(cfg))  # a phase may be given its start below
     max_steps = [p.training.get("max_steps") for p in phases]
     main, created = is_main_process(), not run_dir.exists()
+    refused = foreign_folder(run_dir)  # before the lock: it is a file in the folder
+    if refused:
+        raise RunFolderError(refused)
     try:
         with RunLock(run_dir, launch_command(), say) if main else contextlib.nullcontext():
             launch = plan_launch(run_dir, as_record(cfg), max_steps, resume, overwrite, say, write=main)
@@ -362,7 +366,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
             return _run_phases(cfg, phases, run_dir, launch.action == "resume", callbacks)
     except BaseException:
         if main and created and run_dir.is_dir() and not holds_run(run_dir):
-            shutil.rmtree(run_dir, ignore_errors=True)  # a failed start leaves no folder behind
+            with contextlib.suppress(OSError):  # a failed start leaves no folder behind (a file put there stays)
+                if not clear_run(run_dir, keep=()):
+                    run_dir.rmdir()
         raise
 
 
@@ -451,6 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
     if args.check:
+        refused = foreign_folder(run_dir)  # (a run says it in run(): a library caller too)
+        if refused:
+            print(f"{RunFolderError.__name__}: {refused}", file=sys.stderr)
+            return 2
         phases = ", ".join(f"{p.name} ({p.trainer})" for p in cfg.phases) or cfg.trainer
         say(f"{args.config}: config valid and everything it names found; phases: {phases}; reward "
             f"{'components' if cfg.reward.components else cfg.reward.name}; run folder {run_dir}")

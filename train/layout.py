@@ -7,11 +7,12 @@ The one place these names are spelled; every other module asks here. A run folde
     phase1-<name>/ ... phase<i>-<name>/      (a multi-phase run; a single-phase run is its
                                               own only phase folder, with these files at its root)
         config.json  metrics.jsonl  validation.jsonl  validation_samples_step<N>.jsonl
-        best_checkpoint.json  phase_done.json  training_curves.png
+        best_checkpoint.json  phase_done.json  training_curves.png  README.md (the model card)
         checkpoint-<step>/ (complete once checkpoint_complete.json is in it)  final/
 
 A run is *finished* when ``summary.json`` exists: it is written last, after every phase's
 ``phase_done.json``. A sweep point (train/tools/sweep.py) adds ``sweep_point.json`` and ``train.log``.
+These names are also all that ``--overwrite_output_dir`` may remove (train/run_folder.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ MARKER = "checkpoint_complete.json"  # inside a checkpoint folder, written last
 STATE_FILE = "crystal_state.json"  # inside a checkpoint folder: what this project's trainer adds to HF's state
 SWEEP_POINT = "sweep_point.json"
 POINT_LOG = "train.log"
+MODEL_CARD = "README.md"  # a phase's model card: the run's only when train/model_card.py recognises it
+#: A folder holding one of these holds this project's run (or a sweep point about to run one).
+RUN_MARKERS = (RECORD, LOCK, SWEEP_POINT, POINT_LOG)
+#: The files a run writes at the top of its folder and of each phase folder (besides the samples
+#: files, the model card, and the folders of :func:`run_entry`).
+RUN_FILES = frozenset({LOCK, RECORD, SUMMARY, RUN_SUMMARY, CURVES, CONFIG, METRICS_LOG, VALIDATION_LOG, BEST,
+                       PHASE_DONE})
 #: What a phase leaves once it has trained at least one step (or was killed trying).
 PROGRESS = (METRICS_LOG, VALIDATION_LOG, PHASE_DONE, FINAL)
 #: What starting a phase over removes: a killed attempt's logs and records.
@@ -77,6 +85,22 @@ def samples_file(step: int | str) -> str:
 
 
 SAMPLES_GLOB = samples_file("*")
+_SAMPLES = re.compile(re.escape(samples_file("@")).replace("@", r"\d+"))
+
+
+def run_entry(path: Path) -> str | None:
+    """What a run wrote at ``path``, an entry of a run or phase folder, judged by its name and
+    kind, never through a link: ``"file"``, ``"folder"`` (``checkpoint-N/``, ``final/``: the
+    trainer's, whole), ``"phase"`` (``phase<i>-<name>/``: its entries judged the same way),
+    ``"card"`` (a ``README.md``: the run's only if it is its model card), or None: not the run's."""
+    name = Path(path).name
+    if path.is_symlink():
+        return None  # a run writes no links
+    if path.is_file():
+        return "file" if name in RUN_FILES or _SAMPLES.fullmatch(name) else "card" if name == MODEL_CARD else None
+    if path.is_dir() and (name == FINAL or step_of(name) is not None):
+        return "folder"
+    return "phase" if path.is_dir() and _PHASE_DIR.fullmatch(name) else None
 
 
 def phase_dir(run_dir: Path, index: int, name: str, phases: int) -> Path:

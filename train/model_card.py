@@ -5,6 +5,10 @@ from a local folder (every phase-2 start, every converted model), writes "fine-t
 version of [None]". This card names the base model either way and says how it was
 trained and where the run's own records are.
 
+A ``README.md`` is the run's card when its YAML header's tags hold ``crystal-grpo``
+(:func:`is_run_card`): only such a file is ever replaced, or removed with the run; a README a
+user put in the run folder stays as it is, and the run then writes no card.
+
 An exported folder (``scripts/export.py``) travels without its run folder, so its card
 carries the records themselves: :func:`read_run_record` gathers what the run folder says
 about one checkpoint (base model, reward, phases, step, validation at that step) and
@@ -15,6 +19,7 @@ failing the export.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -29,6 +34,7 @@ from crystal_grpo.train.layout import (
     CONFIG,
     FINAL,
     METRICS_LOG,
+    MODEL_CARD,
     VALIDATION_LOG,
     BestCheckpoint,
     phase_folders,
@@ -37,6 +43,10 @@ from crystal_grpo.train.layout import (
     step_of,
 )
 from crystal_grpo.train.summary import Phase, read_phase, read_phases
+
+logger = logging.getLogger(__name__)
+#: The tag every card this project writes carries in its YAML header: what marks a card as ours.
+CARD_TAG = "crystal-grpo"
 
 
 def _base_model(trainer) -> str:
@@ -69,7 +79,7 @@ def model_card(base_model: str, model_name: str, reward_names: list[str], versio
     """Markdown with a YAML header; ``base_model`` is a hub id or a local path."""
     origin = _origin(base_model)
     lines = [
-        *_header(base_model, ["trl", method.lower(), "crystal-grpo"]), "",
+        *_header(base_model, ["trl", method.lower(), CARD_TAG]), "",
         f"# {model_name}", "",
         f"Fine-tuned from {origin} with {method} (TRL) by crystal-grpo: CRYSTAL's step-level rewards "
         "(Match F1, Causal Process Reward) and the warm start that teaches their output format.", "",
@@ -90,8 +100,28 @@ def framework_versions() -> dict[str, str]:
     return {"TRL": trl.__version__, "Transformers": transformers.__version__, "PyTorch": torch.__version__}
 
 
-def write_model_card(trainer, model_name: str | None = None) -> Path:
-    out = Path(trainer.args.output_dir) / "README.md"
+def is_run_card(path: Path) -> bool:
+    """Whether ``path`` is a card this project wrote (its YAML header's tags hold :data:`CARD_TAG`)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read(4096)
+        head = text.split("\n---", 1)[0].removeprefix("---\n") if text.startswith("---\n") else ""
+        tags = (yaml.safe_load(head) or {}).get("tags") if head else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return False
+    return isinstance(tags, list) and CARD_TAG in tags
+
+
+def write_model_card(trainer, model_name: str | None = None) -> Path | None:
+    """The run's card in its (phase) folder, unless a README.md there is someone else's (None)."""
+    out = Path(trainer.args.output_dir) / MODEL_CARD
+    ours = out.is_file() and not out.is_symlink() and is_run_card(out)
+    if (out.exists() or out.is_symlink()) and not ours:
+        if not getattr(trainer, "_card_kept", False):
+            logger.warning("%s: not the run's model card (no %r tag), so it is left as it is and no card is written",
+                           out, CARD_TAG)
+            trainer._card_kept = True
+        return None
     out.write_text(model_card(_base_model(trainer), model_name or Path(trainer.args.output_dir).name,
                               list(getattr(trainer, "reward_func_names", [])), framework_versions(),
                               getattr(trainer, "_name", "GRPO")), encoding="utf-8")
@@ -221,7 +251,7 @@ def export_card(rec: RunRecord, model_name: str, how: str, dtype: str, versions:
     if reward.get("params"):
         reward_line += f", parameters `{json.dumps(reward['params'], sort_keys=True)}`"
     lines = [
-        *_header(adapter_base or base, ["trl", method.lower(), "crystal-grpo", *(["lora"] if adapter_base else [])],
+        *_header(adapter_base or base, ["trl", method.lower(), CARD_TAG, *(["lora"] if adapter_base else [])],
                  "peft" if adapter_base else "transformers"), "",
         f"# {model_name}", "",
         f"Exported by crystal-grpo (`scripts/export.py`) from `{rec.checkpoint}`: {how}, {dtype}. "

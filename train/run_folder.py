@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crystal_grpo.errors import CrystalError
+from crystal_grpo.errors import CrystalError, some_of
 from crystal_grpo.jsonl import atomic_write_text, read_json
 from crystal_grpo.train.checkpoints import latest_complete
 from crystal_grpo.train.layout import (
@@ -39,18 +39,19 @@ from crystal_grpo.train.layout import (
     FINAL,
     LOCK,
     PHASE_DONE,
-    POINT_LOG,
     PROGRESS,
     RECORD,
     SAMPLES_GLOB,
     SUMMARY,
-    SWEEP_POINT,
+    RUN_MARKERS,
     checkpoint_folders,
     is_finished,
     phase_dir,
     phase_folders,
+    run_entry,
     step_of,
 )
+from crystal_grpo.train.model_card import is_run_card
 from crystal_grpo.typed import to_dict
 
 logger = logging.getLogger(__name__)
@@ -153,10 +154,6 @@ def config_diff(old: dict, new: dict, ignore: Sequence[str] = ()) -> list[str]:
     return [f"{k}: {a.get(k, _UNSET)!r} -> {b.get(k, _UNSET)!r}".replace(f"'{_UNSET}'", _UNSET) for k in keys]
 
 
-def _said(diff: list[str], most: int = 4) -> str:
-    return "; ".join(diff[:most]) + (f"; and {len(diff) - most} more" if len(diff) > most else "")
-
-
 # --- finished phases ---------------------------------------------------------------------
 @dataclass
 class PhaseState:
@@ -200,12 +197,50 @@ def clear_attempt(folder: Path) -> list[str]:
     return gone
 
 
-def clear_run(run_dir: Path) -> None:
-    """``--overwrite_output_dir``: everything a run wrote here (the lock and a sweep's own files stay)."""
-    for p in run_dir.iterdir():
-        if p.name in (LOCK, SWEEP_POINT, POINT_LOG):
-            continue
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+def clear_run(run_dir: Path, keep: Sequence[str] = (LOCK,)) -> list[str]:
+    """Remove what a run wrote in ``run_dir`` and nothing else; returns what stays (``sub/`` for a
+    folder), ``keep`` aside. The one place files of a run folder are removed wholesale: a file or
+    folder goes only when :func:`~crystal_grpo.train.layout.run_entry` names it the run's (a
+    phase folder goes once it is empty), never through a link (a link stays; inside a checkpoint
+    ``rmtree`` unlinks one without following it)."""
+    kept = []
+    for p in sorted(run_dir.iterdir()):
+        what = None if p.name in keep else run_entry(p)
+        if what == "card":
+            what = "file" if is_run_card(p) else None
+        if what == "file":
+            p.unlink()
+        elif what == "folder":
+            shutil.rmtree(p)
+        elif what == "phase":
+            inside = clear_run(p, keep=())
+            kept += [f"{p.name}/{name}" for name in inside]
+            if not inside:
+                p.rmdir()
+        elif p.name not in keep:
+            kept.append(p.name + ("/" if p.is_dir() and not p.is_symlink() else ""))
+    return kept
+
+
+def kept_line(kept: list[str]) -> str:
+    """``kept 2 files this run did not write: notes.txt, sub/``."""
+    return f"kept {len(kept)} file{'s' if len(kept) > 1 else ''} this run did not write: {some_of(kept, 6)}"
+
+
+def foreign_folder(run_dir: Path) -> str | None:
+    """Why a run may not write into ``run_dir``, or None: a run writes only into a new or empty
+    folder, or one holding this project's run (a :data:`~crystal_grpo.train.layout.RUN_MARKERS`
+    file), never among someone else's files."""
+    if not run_dir.exists() and not run_dir.is_symlink():
+        return None
+    if not run_dir.is_dir():
+        return f"--output_dir {run_dir} is not a folder; choose another --output_dir"
+    held = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in run_dir.iterdir())
+    if not held or any((run_dir / m).is_file() for m in RUN_MARKERS):
+        return None
+    return (f"--output_dir {run_dir} holds {some_of(held)} but no run of this project (no {RECORD}): a run writes "
+            "only into a new or empty folder or its own run folder, so nothing here is touched; choose another "
+            "--output_dir")
 
 
 # --- the decision at launch --------------------------------------------------------------
@@ -228,9 +263,9 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
     phases = config.get("phases") or []
     folders = [phase_dir(run_dir, i, p.get("name", ""), len(phases)) for i, p in enumerate(phases or [{}])]
     if overwrite and holds_run(run_dir):
-        if write:
-            clear_run(run_dir)
-        say(f"--overwrite_output_dir: removed the run that was in {run_dir}")
+        kept = clear_run(run_dir) if write else []
+        line = f"--overwrite_output_dir: removed the run that was in {run_dir}"
+        say(f"{line}; {kept_line(kept)}" if kept else line)
     elif holds_run(run_dir):
         states = [phase_state(f, m) for f, m in zip(folders, max_steps)]
         diff = config_diff(record["config"], config) if record else None
@@ -238,12 +273,12 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
         if finished and (resume or diff == []):
             steps = ", ".join(str(s.reached) for s in states)
             say(f"{run_dir}: this run already finished (step {steps}); nothing to do"
-                + (f" (settings now differ: {_said(diff)})" if diff else "")
+                + (f" (settings now differ: {some_of(diff, sep='; ')})" if diff else "")
                 + ". Train more with a larger training.max_steps and --resume_from_checkpoint latest, or start "
                   "again with --overwrite_output_dir")
             return Launch("finished", read_json(run_dir / SUMMARY))
         if not resume:
-            what = ("a run with other settings: " + _said(diff) if diff else
+            what = ("a run with other settings: " + some_of(diff, sep='; ') if diff else
                     "the same run, not finished" if diff == [] else "a run (no run.json: an older version wrote it)")
             raise RunFolderError(f"{run_dir} already holds {what}. Resume it with --resume_from_checkpoint latest, "
                                  "start it again with --overwrite_output_dir, or choose another --output_dir")
@@ -263,7 +298,7 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
             (run_dir / SUMMARY).unlink(missing_ok=True)  # no longer finished until it is again
         others = [d for d in diff or [] if not d.split(":")[0].endswith("max_steps")]
         if others:
-            say(f"resuming with settings that differ from the run's: {_said(others)}")
+            say(f"resuming with settings that differ from the run's: {some_of(others, sep='; ')}")
         _record(run_dir, config, record, "resume", write)
         return Launch("resume")
     elif resume:

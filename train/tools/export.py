@@ -23,8 +23,10 @@ tokenizer or processor with its chat template, and a model card made from the ru
 records (``train/model_card.py``). It is written under a temporary name beside ``--out``,
 reloaded with transformers (PEFT for an adapter), made to generate once from a training
 prompt, and only then renamed into place: a failed or interrupted export never leaves a
-half-written folder, and an existing ``--out`` (replaced only with ``--overwrite``) is
-swapped out only after the new folder passed that check. Remote code stays off unless the
+half-written folder. Every export lists its files in ``crystal_export.json`` (its marker);
+``--overwrite`` replaces only a folder that holds exactly the files its marker lists (any other
+folder is refused), swapped out only after the new folder passed that check, and then only
+those files are deleted. Remote code stays off unless the
 run's config (``model.trust_remote_code``) asked for it; weights are read and written as
 safetensors only.
 """
@@ -47,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from crystal_grpo.errors import CrystalError
-from crystal_grpo.jsonl import iter_jsonl
+from crystal_grpo.errors import CrystalError, some_of
+from crystal_grpo.jsonl import iter_jsonl, read_json
 from crystal_grpo.train.checkpoints import checkpoint_problem, safetensors_problem
 from crystal_grpo.train.layout import MARKER, step_of
 from crystal_grpo.train.model_card import RunRecord, export_card, framework_versions, read_run_record
@@ -71,6 +73,8 @@ EXPECTED = ("expected a checkpoint folder: model.safetensors + config.json (a fu
             "adapter_model.safetensors + adapter_config.json (LoRA), or a DeepSpeed ZeRO checkpoint "
             "(a `latest` file naming global_stepN/ with *zero_pp_rank_*optim_states.pt shards, + config.json)")
 Kind = Literal["full", "lora", "zero"]
+#: An export's marker: what it was made from, and every file it wrote with its size.
+MANIFEST = "crystal_export.json"
 
 
 class ExportError(CrystalError, ValueError):
@@ -285,9 +289,60 @@ def _umask() -> int:
     return mask
 
 
+def _files(folder: Path) -> dict[str, int]:
+    """Every file and link under ``folder`` (links not followed) with its size; folders by their files."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            path = Path(root, name)
+            out[str(path.relative_to(folder))] = path.lstat().st_size
+    return out
+
+
+def write_manifest(folder: Path, ckpt: Checkpoint, kind: str, dtype: str) -> None:
+    """The export's marker, written last into the finished folder."""
+    record = {"checkpoint": str(ckpt.path.resolve()), "kind": kind, "dtype": dtype, "files": _files(folder)}
+    (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
+
+
+def _listed(folder: Path) -> dict[str, int] | None:
+    """The files an export's marker lists, or None: no marker, or an unreadable one."""
+    record = read_json(folder / MANIFEST)
+    files = record.get("files") if isinstance(record, dict) else None
+    return files if isinstance(files, dict) else None
+
+
+def overwrite_problem(out: Path) -> str | None:
+    """Why ``--overwrite`` may not replace ``out``: anything but an empty folder or an export whose
+    files are all listed by its marker, at the listed size (None: it may)."""
+    if not out.is_dir() or out.is_symlink():
+        return f"--out {out} is not a folder"
+    found, listed = _files(out), _listed(out)
+    if found and listed is None:
+        return (f"--out {out} holds {some_of(sorted(found))} but is no export ({MANIFEST}, the list every export "
+                "writes, is missing or unreadable); --overwrite replaces only an export: choose another --out")
+    foreign = sorted(rel for rel, size in found.items() if rel != MANIFEST and (listed or {}).get(rel) != size)
+    if foreign:
+        return (f"--out {out} holds {some_of(foreign)}, which the export there did not write (or which changed "
+                "since); move them out or choose another --out")
+    return None
+
+
+def _remove_export(folder: Path) -> None:
+    """Delete what an export's marker lists (and the marker, and the folders left empty); a file
+    it does not list stays, and with it the folder."""
+    listed = _listed(folder) or {}
+    for rel in [*listed, MANIFEST]:
+        (folder / rel).unlink(missing_ok=True)
+    for sub in sorted({p for rel in listed for p in Path(rel).parents if p != Path(".")}, key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):
+            (folder / sub).rmdir()
+    folder.rmdir()
+
+
 def _swap_in(tmp: Path, out: Path) -> None:
     """Rename the finished folder to ``out`` (a fresh name for os.replace); an existing
-    ``out`` is moved aside first and deleted only once the new one is in place."""
+    ``out`` (an export, or empty) is moved aside first and deleted only once the new one is in place."""
     if not out.exists():
         os.replace(tmp, out)
         return
@@ -298,7 +353,10 @@ def _swap_in(tmp: Path, out: Path) -> None:
     except BaseException:
         os.replace(old, out)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        _remove_export(old)
+    except OSError as err:
+        print(f"warning: the previous export, moved aside to {old}, was not deleted ({err})", file=sys.stderr)
 
 
 def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = False, dtype: str | None = None,
@@ -310,9 +368,13 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     here, there = ckpt.path.resolve(), out.resolve()
     if here == there or here.is_relative_to(there) or there.is_relative_to(here):
         raise ExportError(f"--out {out} overlaps the checkpoint {ckpt.path}: export to a folder outside it")
-    if out.exists() and not overwrite:
-        raise ExportError(f"{out} exists: pass --overwrite to replace it (swapped in only after the new export "
-                          "has passed its check)")
+    if out.exists() or out.is_symlink():
+        problem = overwrite_problem(out)
+        if problem:
+            raise ExportError(problem)
+        if not overwrite:
+            raise ExportError(f"{out} exists: pass --overwrite to replace it (swapped in only after the new export "
+                              "has passed its check)")
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if keep_adapter and ckpt.kind != "lora":
@@ -348,6 +410,7 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
         source_desc, completion, cls_name = _check(tmp, rec, base if keep_adapter else None, section, max_new_tokens)
         say(f"  check: reloaded with {cls_name} and generated up to {max_new_tokens} greedy tokens from {source_desc}:")
         say(f"         {completion!r}")
+        write_manifest(tmp, ckpt, kind, dtype)
         _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -446,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="weights dtype (default: the dtype in the checkpoint's config)")
     ap.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default 5GB)")
     ap.add_argument("--overwrite", action="store_true",
-                    help="replace an existing --out, only once the new export has passed its check")
+                    help="replace an earlier export at --out (only that), once the new export has passed its check")
     ap.add_argument("--base_model", default=None,
                     help="LoRA: the base model folder, when adapter_config.json's path does not resolve from here")
     ap.add_argument("--max_new_tokens", type=int, default=16, help="tokens generated by the check (default 16)")

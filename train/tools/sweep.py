@@ -42,6 +42,7 @@ from typing import Any, Callable
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.train.layout import BEST, FINAL, POINT_LOG, SWEEP_POINT, is_finished, run_targets
+from crystal_grpo.train.run_folder import foreign_folder
 from crystal_grpo.train.tools.sweep_report import STATUS_FILE, eval_targets, read_status, write_report
 from crystal_grpo.typed import to_dict
 
@@ -272,8 +273,12 @@ def shell_line(sweep: Sweep, point: Point) -> str:
 
 
 def prepare(sweep: Sweep, point: Point) -> Path:
-    """The point's folder with its ``sweep_point.json`` (overrides, command, resolved config)."""
+    """The point's folder with its ``sweep_point.json`` (overrides, command, resolved config); a
+    folder of that name holding someone else's files is refused, as train/grpo.py refuses it."""
     folder = sweep.output_dir / point.name
+    refused = foreign_folder(folder)
+    if refused:
+        raise SweepError(f"point {point.name}: {refused}")
     folder.mkdir(parents=True, exist_ok=True)
     record = {"name": point.name, "arm": point.arm, "seed": point.seed, "config": point.config,
               "overrides": point.overrides, "command": shell_line(sweep, point), "resolved": resolved(point)}
