@@ -230,8 +230,6 @@ def test_overwrite_replaces_only_an_export(run, full_export, tmp_path, capsys):
     """Lost files (issue 43 item 3): --overwrite on a folder that is no export, or an export holding
     a user's file, is refused in one line and loses nothing; an export carries its marker."""
     ckpt = str(run / "phase1-grpo" / "checkpoint-2")
-    listed = json.loads((full_export[0] / MANIFEST).read_text())["files"]
-    assert sorted(listed) == sorted(p.name for p in full_export[0].iterdir() if p.name != MANIFEST)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "mine.txt").write_text("not an export")
@@ -240,6 +238,8 @@ def test_overwrite_replaces_only_an_export(run, full_export, tmp_path, capsys):
                                        "every export writes, is missing or unreadable); --overwrite replaces only an "
                                        "export: choose another --out\n")
     assert os.listdir(mine) == ["mine.txt"] and (mine / "mine.txt").read_text() == "not an export"
+    listed = json.loads((full_export[0] / MANIFEST).read_text())["files"]
+    assert sorted(listed) == sorted(p.name for p in full_export[0].iterdir() if p.name != MANIFEST)
     exported = shutil.copytree(full_export[0], tmp_path / "exported")
     (exported / "notes.txt").write_text("my notes on this export")
     assert main([ckpt, "--out", str(exported), "--overwrite"]) == 2
