@@ -233,12 +233,16 @@ def test_overwrite_removes_only_what_the_run_wrote(finished, tmp_path, capsys):
 
 
 def test_what_a_multi_phase_run_wrote_goes_and_nothing_else(finished, tmp_path):
-    """clear_run on a finished two-phase run: each phase folder's own files, a link inside a
-    checkpoint unfollowed; a phase folder holding a user's file stays with that file alone."""
+    """clear_run on a finished two-phase run: each phase folder's own files go, links unfollowed
+    (inside a checkpoint, and ``final`` moved to another disk and linked back: the link goes, the
+    weights stay); a phase folder holding a user's file stays with that file alone."""
     run = _copy(finished["multi"], tmp_path / "multi")
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "mine.txt").write_text("mine")
     (run / "phase1-warmup" / "checkpoint-2" / "data").symlink_to(tmp_path / "outside")
+    shutil.move(run / "phase2-cpr" / "final", tmp_path / "outside" / "final")
+    (run / "phase2-cpr" / "final").symlink_to(tmp_path / "outside" / "final")
+    weights = (tmp_path / "outside" / "final" / "model.safetensors").read_bytes()
     (run / "phase2-cpr" / "README.md").write_text("---\ntags: [mine]\n---\n# my own card\n")
     (run / "phase2-cpr" / "notes.txt").write_text("notes")
     (run / RECORD).write_text("{not json")  # an unreadable run.json: still the run's file
@@ -246,6 +250,7 @@ def test_what_a_multi_phase_run_wrote_goes_and_nothing_else(finished, tmp_path):
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == [
         "phase2-cpr", "phase2-cpr/README.md", "phase2-cpr/notes.txt"]
     assert (tmp_path / "outside" / "mine.txt").read_text() == "mine"
+    assert (tmp_path / "outside" / "final" / "model.safetensors").read_bytes() == weights
 
 
 @pytest.mark.parametrize("check", [False, True], ids=["run", "check"])
@@ -263,6 +268,9 @@ def test_a_folder_holding_no_run_is_refused_and_left_as_it_is(tmp_path, tiny_lm_
                    "project (no run.json): a run writes only into a new or empty folder or its own run folder, so "
                    "nothing here is touched; choose another --output_dir\n")
     assert snapshot(folder) == before and sorted(os.listdir(folder)) == [".git", "README.md", "config.json"]
+    with pytest.raises(RunFolderError, match="holds .git/, README.md, config.json but no run"):  # a library caller
+        grpo.run(load_config("tiny.yaml", ["--model.name_or_path", str(tiny_lm_path)])[0], folder)
+    assert snapshot(folder) == before
     # an empty folder is a new run's folder; a sweep point's (sweep_point.json, train.log) is its run's
     assert foreign_folder(tmp_path / "missing") is None
     (tmp_path / "empty").mkdir()

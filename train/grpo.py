@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="'latest' (the newest complete checkpoint of the run folder) or a checkpoint folder")
     ap.add_argument("--output_dir", default=None, help="run folder (default: training.output_dir or runs/<config>)")
     ap.add_argument("--overwrite_output_dir", action="store_true",
-                    help="start again in a folder that holds a run: its checkpoints and logs are removed first")
+                    help="start again in a folder that holds a run: what that run wrote is removed first")
     ap.add_argument("--check", action="store_true", help="check the config and that everything the run needs "
                     "exists (model, encoder, data, DeepSpeed config), then stop: nothing is loaded or written; also "
                     "prints the predicted memory per GPU of each phase and warns when one cannot fit")
@@ -456,11 +456,12 @@ def main(argv: list[str] | None = None) -> int:
             print("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing), file=sys.stderr)
         return 2
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
-    if args.check:
-        refused = foreign_folder(run_dir)  # (a run says it in run(): a library caller too)
-        if refused:
+    refused = foreign_folder(run_dir)  # here before torch loads (run() checks it again, for a library caller)
+    if refused:
+        if is_main_process():
             print(f"{RunFolderError.__name__}: {refused}", file=sys.stderr)
-            return 2
+        return 2
+    if args.check:
         phases = ", ".join(f"{p.name} ({p.trainer})" for p in cfg.phases) or cfg.trainer
         say(f"{args.config}: config valid and everything it names found; phases: {phases}; reward "
             f"{'components' if cfg.reward.components else cfg.reward.name}; run folder {run_dir}")

@@ -92,15 +92,22 @@ def run_entry(path: Path) -> str | None:
     """What a run wrote at ``path``, an entry of a run or phase folder, judged by its name and
     kind, never through a link: ``"file"``, ``"folder"`` (``checkpoint-N/``, ``final/``: the
     trainer's, whole), ``"phase"`` (``phase<i>-<name>/``: its entries judged the same way),
-    ``"card"`` (a ``README.md``: the run's only if it is its model card), or None: not the run's."""
+    ``"card"`` (a ``README.md``: the run's only if it is its model card), ``"link"`` (a link
+    under one of those names: the run would write through it), or None: not the run's."""
     name = Path(path).name
+    if name in RUN_FILES or _SAMPLES.fullmatch(name):
+        what, kind = "file", Path.is_file
+    elif name == MODEL_CARD:
+        what, kind = "card", Path.is_file
+    elif name == FINAL or step_of(name) is not None:
+        what, kind = "folder", Path.is_dir
+    elif _PHASE_DIR.fullmatch(name):
+        what, kind = "phase", Path.is_dir
+    else:
+        return None
     if path.is_symlink():
-        return None  # a run writes no links
-    if path.is_file():
-        return "file" if name in RUN_FILES or _SAMPLES.fullmatch(name) else "card" if name == MODEL_CARD else None
-    if path.is_dir() and (name == FINAL or step_of(name) is not None):
-        return "folder"
-    return "phase" if path.is_dir() and _PHASE_DIR.fullmatch(name) else None
+        return "link"
+    return what if kind(path) else None
 
 
 def phase_dir(run_dir: Path, index: int, name: str, phases: int) -> Path:

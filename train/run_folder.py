@@ -8,7 +8,9 @@ A run folder (``--output_dir``) holds exactly one run; three files keep it that 
   lock whose holder is gone is taken over with one line.
 - ``run.json``: the run's config and every launch of it. A fresh start in a folder that
   already holds a run is refused, naming what differs, unless ``--overwrite_output_dir``
-  clears the folder first; resuming with other settings says what changed.
+  removes that run first (:func:`clear_run`: only what the run wrote); resuming with other
+  settings says what changed. A folder that is not empty and holds no run is refused
+  (:func:`foreign_folder`): a run never writes among someone else's files.
 - finished: each phase folder's ``phase_done.json`` (steps configured and reached) and,
   written last, the run's ``summary.json``. A finished run launched again, resumed or not,
   is left as it is with one line; a larger ``training.max_steps`` continues its last phase.
@@ -201,14 +203,15 @@ def clear_run(run_dir: Path, keep: Sequence[str] = (LOCK,)) -> list[str]:
     """Remove what a run wrote in ``run_dir`` and nothing else; returns what stays (``sub/`` for a
     folder), ``keep`` aside. The one place files of a run folder are removed wholesale: a file or
     folder goes only when :func:`~crystal_grpo.train.layout.run_entry` names it the run's (a
-    phase folder goes once it is empty), never through a link (a link stays; inside a checkpoint
-    ``rmtree`` unlinks one without following it)."""
+    phase folder goes once it is empty), never through a link: a link under a run's name is
+    removed as a link (its target untouched: the new run would write through it), any other
+    stays; inside a checkpoint ``rmtree`` unlinks one without following it."""
     kept = []
     for p in sorted(run_dir.iterdir()):
         what = None if p.name in keep else run_entry(p)
         if what == "card":
             what = "file" if is_run_card(p) else None
-        if what == "file":
+        if what in ("file", "link"):
             p.unlink()
         elif what == "folder":
             shutil.rmtree(p)
