@@ -26,9 +26,8 @@ prompt, and only then renamed into place: a failed or interrupted export never l
 half-written folder. Every export lists its files in ``crystal_export.json`` (its marker);
 ``--overwrite`` replaces only a folder that holds exactly the files its marker lists (any other
 folder is refused), swapped out only after the new folder passed that check, and then only
-those files are deleted. Remote code stays off unless the
-run's config (``model.trust_remote_code``) asked for it; weights are read and written as
-safetensors only.
+those files are deleted. Remote code stays off unless the run's config
+(``model.trust_remote_code``) asked for it; weights are read and written as safetensors only.
 """
 
 from __future__ import annotations
