@@ -22,7 +22,7 @@ from crystal_grpo.train.tools import sweep
 from crystal_grpo.train.checkpoints import checkpoint_problem
 from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.config import apply_phase, load_config
-from crystal_grpo.train.layout import LOCK, POINT_LOG, RECORD
+from crystal_grpo.train.layout import LOCK, POINT_LOG, RECORD, SWEEP_POINT
 from crystal_grpo.train.run_folder import RunFolderError, RunLock, clear_run, config_diff, foreign_folder
 from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
 
@@ -271,11 +271,14 @@ def test_a_folder_holding_no_run_is_refused_and_left_as_it_is(tmp_path, tiny_lm_
     with pytest.raises(RunFolderError, match="holds .git/, README.md, config.json but no run"):  # a library caller
         grpo.run(load_config("tiny.yaml", ["--model.name_or_path", str(tiny_lm_path)])[0], folder)
     assert snapshot(folder) == before
-    # an empty folder is a new run's folder; a sweep point's (sweep_point.json, train.log) is its run's
+    # an empty folder is a new run's folder; a sweep point's (sweep_point.json, then train.log) is its run's,
+    # but a lone train.log (a common name) marks nothing
     assert foreign_folder(tmp_path / "missing") is None
     (tmp_path / "empty").mkdir()
     (tmp_path / "point").mkdir()
     (tmp_path / "point" / POINT_LOG).write_text("")
+    assert foreign_folder(tmp_path / "point") is not None
+    (tmp_path / "point" / SWEEP_POINT).write_text("{}")
     assert foreign_folder(tmp_path / "empty") is None and foreign_folder(tmp_path / "point") is None
 
 

@@ -47,8 +47,9 @@ STATE_FILE = "crystal_state.json"  # inside a checkpoint folder: what this proje
 SWEEP_POINT = "sweep_point.json"
 POINT_LOG = "train.log"
 MODEL_CARD = "README.md"  # a phase's model card: the run's only when train/model_card.py recognises it
-#: A folder holding one of these holds this project's run (or a sweep point about to run one).
-RUN_MARKERS = (RECORD, LOCK, SWEEP_POINT, POINT_LOG)
+#: A folder holding one of these holds this project's run (or a sweep point about to run one: the
+#: sweep writes ``sweep_point.json`` before the point's log, so a lone ``train.log`` marks nothing).
+RUN_MARKERS = (RECORD, LOCK, SWEEP_POINT)
 #: The files a run writes at the top of its folder and of each phase folder (besides the samples
 #: files, the model card, and the folders of :func:`run_entry`).
 RUN_FILES = frozenset({LOCK, RECORD, SUMMARY, RUN_SUMMARY, CURVES, CONFIG, METRICS_LOG, VALIDATION_LOG, BEST,
