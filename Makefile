@@ -6,6 +6,14 @@ STAMP  := $(VENV)/.installed
 LOCK   := requirements.lock
 # A scratch venv with the newest versions pyproject.toml allows (make lock, make test-latest).
 LATEST := .cache/latest-venv
+# The vLLM set (docs/training.md, "Generation in vLLM"): its lock, resolved as a GPU machine sees
+# the index; the venv make setup-vllm installs it into (GPU machines); a CPU venv of its versions
+# without vLLM (make test-vllm-set); the Python that makes the venvs (the lock's, see `fits`).
+VLLM_LOCK := requirements-vllm.lock
+VLLM_REQS := -e '.[dev,vllm]' pip setuptools
+VLLM_VENV := .venv-vllm
+VLLM_SET  := .cache/vllm-set-venv
+PYTHON    ?= python3
 
 # Everything offline and inside the repo.
 export HF_HUB_OFFLINE        := 1
@@ -22,7 +30,8 @@ PYTEST := -m pytest -q -p no:cacheprovider
 # module-scoped run stay on one worker (tests/conftest.py); OMP_NUM_THREADS=2 make test overrides.
 XDIST  := -n auto --dist loadgroup
 
-.PHONY: setup test test-fast test-latest lock latest-venv demo demo-smollm2 bench clean clean-runs
+.PHONY: setup setup-vllm check-vllm-set test test-fast test-latest test-vllm-set lock latest-venv demo \
+	demo-smollm2 bench clean clean-runs
 
 # The lock constrains every distribution, pip and the build backend included (PIP_CONSTRAINT
 # reaches pip's isolated build environment too). torch is pinned by version only, so a CPU
@@ -35,7 +44,24 @@ $(STAMP): pyproject.toml $(LOCK)
 
 setup: $(STAMP)
 
-test test-fast test-latest: export OMP_NUM_THREADS ?= 1
+# vLLM and TRL's vLLM mode on a CUDA GPU machine, in their own venv: requirements-vllm.lock, the
+# newest versions TRL's vllm range allows (vLLM pins transformers below requirements.lock's).
+setup-vllm:
+	@command -v nvidia-smi >/dev/null || { echo "make setup-vllm: no NVIDIA GPU here; vLLM needs CUDA and this set" \
+	  "holds several GB of CUDA wheels (make test-vllm-set tests its versions on CPU, without vLLM)"; exit 2; }
+	$(PYTHON) -m crystal_grpo.lock fits $(VLLM_LOCK)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_LOCK) $(VLLM_VENV)/bin/python -m pip install -q --upgrade pip setuptools
+	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_LOCK) $(VLLM_VENV)/bin/python -m pip install -q $(VLLM_REQS)
+
+# Gating (.ci/run): the vLLM set still resolves, by pip's resolver in dry-run as a GPU machine sees
+# the index, reading wheels' metadata by range requests instead of downloading them. The lock tool
+# exits 75 when the index did not answer: nothing was judged, so that warns instead of failing.
+check-vllm-set: setup
+	@$(PY) -m crystal_grpo.lock check $(VLLM_LOCK) $(VLLM_REQS) || { rc=$$?; [ $$rc -eq 75 ] || exit $$rc; \
+	  echo "WARNING: make check-vllm-set: the vLLM set was not checked (package index unreachable)"; }
+
+test test-fast test-latest test-vllm-set: export OMP_NUM_THREADS ?= 1
 
 test: setup
 	$(PY) $(PYTEST) $(XDIST)
@@ -60,16 +86,32 @@ latest-venv:
 	$(LATEST)/bin/python -m pip install -q --upgrade pip setuptools
 	$(LATEST)/bin/python -m pip install -q -e '.[dev]'
 
-# Renew the lock from the newest allowed versions, and TRL's field table (train/trl_schema.py)
-# for the locked TRL and transformers; then `make test` checks the new set before it is committed.
+# Renew the locks from the newest allowed versions (the vLLM set's: within TRL's vllm range), and
+# TRL's field table for each (train/trl_schema.py, train/trl_schema_vllm.py: transformers differs);
+# then `make test` and `make test-vllm-set` check the new sets before they are committed.
 lock: latest-venv
 	$(LATEST)/bin/python -m crystal_grpo.lock write $(LOCK)
-	$(LATEST)/bin/python -m crystal_grpo.train.trl_fields
+	$(LATEST)/bin/python -m crystal_grpo.lock resolve $(VLLM_LOCK) $(VLLM_REQS)
+	$(LATEST)/bin/python -m crystal_grpo.train.trl_fields trl_schema
+	$(MAKE) $(VLLM_SET)/.installed
+	$(VLLM_SET)/bin/python -m crystal_grpo.train.trl_fields trl_schema_vllm
 
 # Not gating: the suite under the newest allowed versions, to see an upstream break before users do.
 test-latest: latest-venv
 	$(LATEST)/bin/python -m crystal_grpo.lock diff $(LOCK)
 	$(LATEST)/bin/python $(PYTEST) $(XDIST)
+
+# Not gating: the suite under the vLLM set's versions (transformers, numpy, ...) on CPU, vLLM
+# itself left out, torch the CPU wheel of the locked release.
+$(VLLM_SET)/.installed: pyproject.toml $(VLLM_LOCK)
+	test -x $(VLLM_SET)/bin/python || $(PYTHON) -m venv $(VLLM_SET)
+	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_LOCK) $(VLLM_SET)/bin/python -m pip install -q --upgrade pip setuptools
+	PIP_CONSTRAINT=$(CURDIR)/$(VLLM_LOCK) $(VLLM_SET)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
+test-vllm-set: $(VLLM_SET)/.installed
+	$(VLLM_SET)/bin/python -m crystal_grpo.lock diff $(VLLM_LOCK)
+	$(VLLM_SET)/bin/python $(PYTEST) $(XDIST)
 
 # Caches only: built models, generated data, downloads, compiled extensions, the scratch venv; all
 # rebuilt on demand. The runs' results (runs/, and wandb's offline logs) go only with clean-runs.

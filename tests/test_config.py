@@ -94,7 +94,39 @@ def test_bad_values_stop_with_one_line_naming_key_value_and_type(override, messa
 def test_use_vllm_without_vllm_is_one_line_before_anything_loads(capsys):
     assert grpo.main(["--config", "tiny.yaml", "--training.use_vllm", "true"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "training.use_vllm: true, but vLLM is not installed" in err and "\n" not in err
+    assert "training.use_vllm: true, but vLLM is not installed; on a CUDA GPU machine, make setup-vllm" in err
+    assert "\n" not in err
+
+
+def _installed_vllm(folder, version: str) -> None:
+    """A distribution named vllm at ``version`` on ``folder`` (an empty package with its metadata):
+    what --check reads of an installed vLLM, which cannot be installed on this CPU machine."""
+    (folder / "vllm").mkdir()
+    (folder / "vllm" / "__init__.py").write_text("")
+    info = folder / f"vllm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    importlib.invalidate_caches()
+
+
+@pytest.mark.parametrize("version, refused", [("0.33.0", True), ("0.21.0", True), ("0.31.0", False)])
+def test_use_vllm_with_a_vllm_release_trl_does_not_support_is_refused_at_check(version, refused, tmp_path,
+                                                                                monkeypatch, capsys):
+    """vLLM 0.33 (what an unbounded pip install takes) or 0.21 against TRL 1.16's vllm extra
+    (>=0.22.0,<=0.31.0, read from TRL's metadata): one line pointing at make setup-vllm."""
+    from crystal_grpo.train.config import trl_vllm_range, vllm_problem
+
+    _installed_vllm(tmp_path, version)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert trl_vllm_range() == "<=0.31.0,>=0.22.0"
+    code = grpo.main(["--config", "tiny.yaml", "--training.use_vllm", "true", "--check"])
+    err = capsys.readouterr().err.strip()
+    if refused:
+        assert code == 2 and "\n" not in err
+        assert (f"training.use_vllm: true, but vLLM {version} is installed and TRL 1.16.0 supports "
+                "vllm<=0.31.0,>=0.22.0; on a CUDA GPU machine, make setup-vllm") in err
+    else:
+        assert vllm_problem() is None and "use_vllm" not in err
 
 
 def test_negative_weights_pass_when_the_config_says_they_are_meant():

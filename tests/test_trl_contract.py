@@ -23,6 +23,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from crystal_grpo.train.dynamic_sampling import MICRO_BATCH_TOKEN_MEAN, ROW_MEAN, TOKEN_COUNT
 from crystal_grpo.train.pcgrad import TESTED_TRL
+from crystal_grpo.train.trl_fields import TABLES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,6 +46,18 @@ def test_installed_trl_is_the_tested_minor_and_pyproject_pins_it():
     (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "trl"]
     assert str(spec) == f"~={TESTED_TRL}.0", "pin TRL to the tested minor version"
     assert installed in spec and Version(f"{TESTED_TRL}.99") in spec and Version("1.17.0") not in spec
+
+
+def test_the_vllm_extra_is_the_range_trl_supports():
+    """pyproject's ``vllm`` extra is TRL's own ``vllm`` extra's range (an unbounded one took vLLM
+    0.32/0.33, which TRL 1.16 does not support and whose transformers pin breaks the lock)."""
+    from packaging.specifiers import SpecifierSet
+
+    from crystal_grpo.train.config import trl_vllm_range
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (vllm,) = [Requirement(r) for r in extras["vllm"] if Requirement(r).name == "vllm"]
+    assert vllm.specifier == SpecifierSet(trl_vllm_range())
 
 
 # Parameter names, in order, of every TRL / transformers method the hooks override or call.
@@ -376,25 +389,46 @@ def test_generation_output_carries_advantages_of_local_rows(trainer):
     assert trainer._metrics["train"]["probe/value"] == [2.0]  # flushed into the step's log by TRL
 
 
-def test_training_schema_table_is_for_the_locked_versions():
-    """make lock renews requirements.lock and train/trl_schema.py together."""
-    from crystal_grpo import lock
-    from crystal_grpo.train import trl_schema
+@pytest.mark.parametrize("module, lockfile", TABLES.items())
+def test_training_schema_table_is_for_the_locked_versions(module, lockfile):
+    """make lock renews each lock and its table (train/trl_schema.py, train/trl_schema_vllm.py) together."""
+    import importlib
 
-    locked = lock.read(REPO / "requirements.lock")
-    assert trl_schema.VERSIONS == {name: locked[name] for name in ("trl", "transformers")}, (
-        "train/trl_schema.py is not for the locked TRL/transformers: make lock")
+    from crystal_grpo import lock
+
+    locked = lock.read(REPO / lockfile)
+    assert importlib.import_module(f"crystal_grpo.train.{module}").VERSIONS == {
+        name: locked[name] for name in ("trl", "transformers")}, f"train/{module}.py is not for {lockfile}: make lock"
+
+
+def test_the_vllm_set_has_its_own_table_because_its_transformers_lacks_fields(monkeypatch):
+    """The vLLM set shares requirements.lock's TRL but not its transformers (5.17 against 5.24),
+    whose TrainingArguments lack activation_checkpointing: under the vLLM set's versions that
+    key is refused at --check, not passed to a GRPOConfig that would fail on it at start."""
+    from crystal_grpo import lock
+    from crystal_grpo.train import trl_fields
+    from crystal_grpo.train.config import ConfigError, load_config
+
+    vllm_set = lock.read(REPO / "requirements-vllm.lock")
+    monkeypatch.setattr(trl_fields, "installed_versions",
+                        lambda: {name: vllm_set[name] for name in ("trl", "transformers")})
+    assert trl_fields.table().__name__ == "crystal_grpo.train.trl_schema_vllm" and trl_fields.table_is_current()
+    with pytest.raises(ConfigError, match="training: unknown key 'activation_checkpointing'"):
+        load_config("tiny", ["--training.activation_checkpointing", "true"])
+    monkeypatch.undo()
+    assert trl_fields.table().__name__ == "crystal_grpo.train.trl_schema"
+    assert load_config("tiny", ["--training.activation_checkpointing", "true"])[0].training["activation_checkpointing"]
 
 
 @pytest.mark.parametrize("kind", ["grpo", "sft"])
 def test_training_schema_table_is_the_installed_configs_fields(kind):
-    """train/trl_schema.py (what a config is checked against without importing TRL) equals the
-    installed GRPOConfig/SFTConfig type hints field for field, under the versions it is for
-    (the locked ones). Under others (make test-latest) the differences are the skip reason:
-    what `make lock` would change."""
-    from crystal_grpo.train import trl_schema
-    from crystal_grpo.train.trl_fields import installed_versions, shape, training_field_types
+    """The table (what a config is checked against without importing TRL) equals the installed
+    GRPOConfig/SFTConfig type hints field for field, under the versions it is for (a lock's:
+    train/trl_schema.py in make test, train/trl_schema_vllm.py in make test-vllm-set). Under
+    others (make test-latest) the differences are the skip reason: what `make lock` would change."""
+    from crystal_grpo.train.trl_fields import installed_versions, shape, table, training_field_types
 
+    trl_schema = table()
     table = trl_schema.GRPO if kind == "grpo" else trl_schema.SFT
     hints = typing.get_type_hints(GRPOConfig if kind == "grpo" else trl.SFTConfig)
     differ = {k: (table.get(k), hints.get(k)) for k in set(table) | set(hints)

@@ -48,6 +48,8 @@ LIGER_REFUSED = (
     "pcgrad: true cannot be combined with use_liger_kernel: PCGrad runs several backward passes "
     "through one retained graph, and Liger's fused Triton kernels are neither verified for that nor "
     "testable without a GPU here. Set one of them off.")
+#: Where a user gets vLLM: the tested set (requirements-vllm.lock; docs/training.md, "Generation in vLLM").
+VLLM_SETUP = "on a CUDA GPU machine, make setup-vllm installs the tested vLLM set into .venv-vllm (docs/training.md)"
 #: What trains a phase: TRL's GRPOTrainer, or its SFTTrainer for a supervised warm start.
 TrainerKind = Literal["grpo", "sft"]
 
@@ -96,6 +98,40 @@ class DynamicSamplingSection:
         "loss those flat on reasoning, and only a group flat on both is out of the KL term and refilled.")
     max_num_gen_batches: int = option(3, "refill: generation batches a step at most, the first included (verl's "
                                       "name); 1 is mask.", ge=1)
+
+
+def trl_vllm_range() -> str | None:
+    """The vLLM releases the installed TRL supports: its ``vllm`` extra's specifier (None: it has none)."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    for line in importlib.metadata.requires("trl") or []:
+        req = Requirement(line)
+        if req.name == "vllm" and req.marker is not None and req.marker.evaluate({"extra": "vllm"}):
+            return str(req.specifier)
+    return None
+
+
+def vllm_problem() -> str | None:
+    """Why ``training.use_vllm: true`` cannot run with what is installed (metadata only, nothing
+    imported): vLLM missing, or a release outside the installed TRL's supported range."""
+    import importlib.metadata
+    import importlib.util
+
+    from packaging.specifiers import SpecifierSet
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed; {VLLM_SETUP}, or set it false to generate with transformers"
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout on the path: nothing to compare
+        return None
+    supported = trl_vllm_range()
+    if supported and not SpecifierSet(supported).contains(version, prereleases=True):
+        return (f"vLLM {version} is installed and TRL {importlib.metadata.version('trl')} supports vllm{supported}; "
+                f"{VLLM_SETUP}")
+    return None
 
 
 def dynamic_sampling_refused(section: DynamicSamplingSection, *, pcgrad: bool, scale_rewards: Any,
@@ -478,13 +514,9 @@ def validate(cfg: RunConfig) -> None:
         # reward's module loaded: a row it registers is a validation metric too
         if c.pcgrad and c.training.get("use_liger_kernel"):
             raise ConfigError(f"{where}training.use_liger_kernel: {LIGER_REFUSED}")
-        if c.trainer == "grpo" and c.training.get("use_vllm"):
-            import importlib.util
-
-            if importlib.util.find_spec("vllm") is None:
-                raise ConfigError(f"{where}training.use_vllm: true, but vLLM is not installed; pip install "
-                                  "'trl[vllm]' (TRL 1.16 supports vllm>=0.22.0,<=0.31.0; it needs a CUDA GPU), or "
-                                  "set it false to generate with transformers")
+        problem = c.trainer == "grpo" and c.training.get("use_vllm") and vllm_problem()
+        if problem:
+            raise ConfigError(f"{where}training.use_vllm: true, but {problem}")
         weights = c.training.get("reward_weights") or []
         if any(w < 0 for w in weights) and not c.reward.config.negative_weights:
             raise ConfigError(f"{where}training.reward_weights: invalid value {weights!r}; a reward weight must be >= 0 "
@@ -584,9 +616,9 @@ def split_training(training: dict[str, Any]) -> tuple[dict[str, Any], list[str]]
     TrainingArguments fields only (learning rate, steps, saving, precision, ...); the keys
     that are the other trainer's own stay out, even where both trainers have a key of that
     name, because it means another thing there (GRPO's loss_type is not SFT's)."""
-    from crystal_grpo.train.trl_schema import TRAINING_ARGUMENTS
+    from crystal_grpo.train.trl_fields import table
 
-    kept = {k: v for k, v in training.items() if k in TRAINING_ARGUMENTS}
+    kept = {k: v for k, v in training.items() if k in table().TRAINING_ARGUMENTS}
     return kept, sorted(set(training) - set(kept))
 
 

@@ -168,7 +168,9 @@ def generate_with_vllm(model_path: str, dataset, out_dir: Path, sampling: Sampli
 
         from crystal_grpo.train.data import prompt_text
     except ImportError as err:
-        raise PredictionError("--backend vllm: vLLM is not installed (pip install vllm; it needs a CUDA GPU)") from err
+        from crystal_grpo.train.config import VLLM_SETUP
+
+        raise PredictionError(f"--backend vllm: vLLM is not installed; {VLLM_SETUP}") from err
     if (Path(model_path) / "adapter_config.json").is_file():
         raise PredictionError(f"--backend vllm: {model_path} is a LoRA adapter; merge it first (scripts/export.py "
                         f"{model_path} --out FOLDER) or use --backend hf")
