@@ -10,6 +10,7 @@ make these pass (adapting train/pcgrad.py), then move ``TESTED_TRL`` and the pin
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 from pathlib import Path
 
@@ -439,3 +440,124 @@ def test_training_schema_table_is_the_installed_configs_fields(kind):
     assert differ == {"parallelism_config": (dict | None, hints["parallelism_config"])}  # a mapping in YAML
     assert training_field_types(kind) is table
     assert table["lr_scheduler_type"] != hints["lr_scheduler_type"]  # the stand-in enum, same name and members
+
+
+# TRL's vLLM mode (training.use_vllm: true) through this trainer. vLLM cannot run here (no GPU):
+# these read TRL's code, or run TRL's own code with no vLLM engine behind it (docs/training.md,
+# "Generation in vLLM", says which claim rests on what).
+
+def _block(source: str, start: str, end: str) -> str:
+    """The normalised source from ``start`` to ``end`` (both must be there, in that order)."""
+    text = normalised(source)
+    assert start in text and end in text.split(start, 1)[1], (start, end)
+    return start + text.split(start, 1)[1].split(end, 1)[0]
+
+
+def test_vllm_mode_syncs_the_weights_at_the_first_generation_after_an_optimizer_step():
+    """TRL pushes the policy's weights to vLLM before it generates whenever ``global_step`` moved
+    since the last push: after an optimizer step, whatever wrote its gradients (PCGrad's
+    projection, the non-finite guard's skip), and only once per step, so dynamic sampling's
+    refill rounds within a step generate from the same, already pushed weights. Nothing of this
+    project moves ``global_step`` or ``_last_loaded_step``, and its one override of
+    ``_generate_single_turn`` (LoRA merging, inert here: vLLM never calls ``generate``) defers to TRL's."""
+    sync = ("if self.state.global_step != self._last_loaded_step: with profiling_context(self, \"sync_weights\"): "
+            "self.vllm_generation.sync_weights() self._last_loaded_step = self.state.global_step")
+    single = _block(inspect.getsource(GRPOTrainer._generate_single_turn), "if self.use_vllm:", "elif self.")
+    assert single.index(sync) < single.index("self.vllm_generation.generate(")
+    assert "self._last_loaded_step = -1" in normalised(inspect.getsource(GRPOTrainer.__init__))
+    ours = [p for folder in ("train", "crystal_grpo") for p in (REPO / folder).rglob("*.py")]
+    assert not [p for p in ours if re.search(r"_last_loaded_step|global_step\s*[-+]?=(?!=)", p.read_text())]
+    from crystal_grpo.train.lora_merge import MergedGenerationMixin
+
+    assert "return super()._generate_single_turn(" in inspect.getsource(MergedGenerationMixin._generate_single_turn)
+
+
+def test_vllm_weight_sync_pushes_the_merged_lora_weights_under_the_base_models_names(tiny_lm_path, trainer):
+    """TRL's sync (``VLLMGeneration._iter_named_params``, its own code run here without an engine)
+    merges a PeftModel's adapters before reading the weights: vLLM gets W + s*BA under the base
+    model's parameter names, what a merged export holds. TRL merges in place (PEFT's
+    merge/unmerge), not into a copy as train/lora_merge.py does for transformers' generate: the
+    base weights come back to within a rounding step, not bit for bit (under ZeRO-3 the gathered
+    copy is discarded instead)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.distributed import DistributedBackend
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_lm_path),
+                           LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(0))  # B = 0 at init: the merge would change nothing
+    merged = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    base = {name.removeprefix("base_model.model.").replace(".base_layer", ""): p for name, p in before.items()}
+    engine = object.__new__(VLLMGeneration)  # its weight sync without _init_vllm, which needs vLLM
+    engine.model, engine._dist = model, DistributedBackend(trainer.accelerator)
+    pushed = {name: t.detach().clone() for name, t in engine._iter_named_params()}
+    assert set(pushed) == set(merged)
+    q = next(name for name in merged if "q_proj.weight" in name)
+    assert not torch.allclose(merged[q], base[q])  # the precondition
+    for name, weight in merged.items():
+        torch.testing.assert_close(pushed[name], weight, rtol=0, atol=1e-6)
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=1e-6)
+
+
+def test_vllm_generation_columns_survive_dynamic_samplings_refill():
+    """Under vLLM, TRL's generation batch carries vLLM's log-probabilities and the importance
+    sampling ratio; refill merges rounds by these columns' padding (train/dynamic_sampling.py),
+    and a column it does not know would stop the run. The ratio is per token (B, T) or, in TRL's
+    default sequence_mask mode, per sequence (B, 1): a merge of rounds of other widths keeps it so."""
+    from crystal_grpo.train.dynamic_sampling import COMPLETION_FIELDS, merge_rows
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    vllm_columns = {"sampling_per_token_logps", "importance_sampling_ratio", "old_per_token_logps"}
+    assert vllm_columns <= set(re.findall(r'output\["(\w+)"\] =', source)) & set(COMPLETION_FIELDS)
+    assert GRPOConfig.__dataclass_fields__["vllm_importance_sampling_mode"].default == "sequence_mask"
+
+    def batch(rows: int, width: int, ratio: float) -> dict:
+        return {"completion_ids": torch.ones(rows, width, dtype=torch.long),
+                "completion_mask": torch.ones(rows, width, dtype=torch.long),
+                "sampling_per_token_logps": torch.full((rows, width), -1.0),
+                "importance_sampling_ratio": torch.full((rows, 1), ratio), "advantages": torch.zeros(rows)}
+
+    out = merge_rows(batch(4, 3, 1.0), batch(4, 5, 0.5), rows=[1, 2], new_rows=[0, 3], pad_id=0)
+    assert out["importance_sampling_ratio"].tolist() == [[1.0], [0.5], [0.5], [1.0]]
+    assert out["sampling_per_token_logps"].shape == (4, 5) and out["sampling_per_token_logps"][0, 3:].eq(0).all()
+
+
+def test_vllm_importance_sampling_weighs_each_pcgrad_loss_as_the_plain_loss(adaptive):
+    """TRL 1.16 (vllm_importance_sampling_correction, on by default) multiplies the per-token
+    surrogate by the batch's ``importance_sampling_ratio`` (vLLM's against the trainer's
+    log-probabilities, made at generation, before any advantage). PCGrad's losses get the batch
+    with only the advantages replaced, so each objective's surrogate is corrected alike and
+    they still add up to the corrected plain loss (KL and entropy, in the rest, uncorrected as
+    in TRL)."""
+    from crystal_grpo.train.pcgrad import reset_attributes
+
+    trainer = adaptive
+    trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = 0.01, 0.0, None
+    a, b = torch.tensor([1.0, -2.0, 0.5, 0.0]), torch.tensor([0.3, 0.3, -1.0, 2.0])
+    batch = {**_batch(trainer), "advantages": a + b, "advantages_acc": a, "advantages_reason": b,
+             "importance_sampling_ratio": torch.tensor([[0.5], [2.0], [1.0], [0.25]])}
+    start = dict(vars(trainer))
+    assert not trainer.use_vllm and trainer.vllm_importance_sampling_correction  # TRL's default, off without vLLM
+    with torch.no_grad():
+        uncorrected = float(trainer.compute_loss(trainer.model, batch))
+    reset_attributes(trainer, start)
+    trainer.use_vllm = True
+    try:
+        with torch.no_grad():
+            alone = float(trainer.compute_loss(trainer.model, batch))
+        reset_attributes(trainer, {**start, "use_vllm": True})
+        plain, losses = trainer.pcgrad_losses(trainer.model, batch)
+    finally:
+        reset_attributes(trainer, start)
+    assert abs(alone - uncorrected) > 1e-3  # the precondition: the ratio changes the loss
+    assert float(plain) == pytest.approx(alone, rel=1e-6)
+    assert float(sum(losses.values()).detach()) == pytest.approx(alone, rel=1e-5)
