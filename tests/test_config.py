@@ -285,9 +285,9 @@ def test_loading_and_checking_a_config_imports_neither_torch_nor_trl(repo_root, 
     from crystal_grpo.train.preflight import gpu_device_nodes
 
     heavy = ("torch", "trl", "transformers", "datasets", "peft", "sentence_transformers", "accelerate")
-    upgraded = "trl_schema.VERSIONS = {'trl': '1.16.0', 'transformers': '5.0.0'}; "
+    upgraded = "trl_fields.installed_versions = lambda: {'trl': '1.16.0', 'transformers': '5.0.0'}; "
     for config, setup in (("demo", ""), ("tiny", ""), ("composite", ""), ("tiny", upgraded)):
-        code = (f"import sys; from crystal_grpo.train import grpo, trl_schema; {setup}code = grpo.main(sys.argv[1:]); "
+        code = (f"import sys; from crystal_grpo.train import grpo, trl_fields; {setup}code = grpo.main(sys.argv[1:]); "
                 f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))")
         args = ["--config", config, "--output_dir", str(tmp_path / "r"), "--check"]
         args += ["--model.dtype", "float32"] if gpu_device_nodes() else []  # then torch is asked about the GPU
@@ -297,7 +297,7 @@ def test_loading_and_checking_a_config_imports_neither_torch_nor_trl(repo_root, 
         stale = [line for line in done.stderr.splitlines() if "TRL's field table" in line]
         assert len(stale) == (1 if setup else 0), done.stderr
         if setup:
-            assert "is for trl 1.16.0, transformers 5.0.0, installed: trl" in stale[0]
+            assert "installed: trl 1.16.0, transformers 5.0.0" in stale[0]
 
 
 def test_a_stale_training_schema_checks_keys_it_lacks_against_the_installed_trl(monkeypatch):
@@ -308,9 +308,10 @@ def test_a_stale_training_schema_checks_keys_it_lacks_against_the_installed_trl(
 
     table = {k: v for k, v in trl_schema.GRPO.items() if k != "weight_decay"}
     monkeypatch.setattr(trl_schema, "GRPO", table)
+    monkeypatch.setattr(trl_fields, "installed_versions", lambda: dict(trl_schema.VERSIONS))  # whichever lock's set
     with pytest.raises(ConfigError, match="training: unknown key 'weight_decay'"):
         load_config("tiny", ["--training.weight_decay", "0.1"])  # current table: what it lacks is unknown
-    monkeypatch.setattr(trl_schema, "VERSIONS", {"trl": "0.0", "transformers": "0.0"})
+    monkeypatch.setattr(trl_fields, "installed_versions", lambda: {"trl": "0.0", "transformers": "0.0"})
     assert trl_fields.training_field_types("grpo") is table
     cfg, _ = load_config("tiny", ["--training.weight_decay", "0.1"])
     assert cfg.training["weight_decay"] == 0.1

@@ -410,13 +410,15 @@ def test_the_vllm_set_has_its_own_table_because_its_transformers_lacks_fields(mo
     from crystal_grpo.train import trl_fields
     from crystal_grpo.train.config import ConfigError, load_config
 
-    vllm_set = lock.read(REPO / "requirements-vllm.lock")
-    monkeypatch.setattr(trl_fields, "installed_versions",
-                        lambda: {name: vllm_set[name] for name in ("trl", "transformers")})
+    def installed(lockfile: str):  # whichever set this venv holds
+        pins = lock.read(REPO / lockfile)
+        monkeypatch.setattr(trl_fields, "installed_versions", lambda: {n: pins[n] for n in ("trl", "transformers")})
+
+    installed("requirements-vllm.lock")
     assert trl_fields.table().__name__ == "crystal_grpo.train.trl_schema_vllm" and trl_fields.table_is_current()
     with pytest.raises(ConfigError, match="training: unknown key 'activation_checkpointing'"):
         load_config("tiny", ["--training.activation_checkpointing", "true"])
-    monkeypatch.undo()
+    installed("requirements.lock")
     assert trl_fields.table().__name__ == "crystal_grpo.train.trl_schema"
     assert load_config("tiny", ["--training.activation_checkpointing", "true"])[0].training["activation_checkpointing"]
 
