@@ -54,10 +54,12 @@ def set_default_judge(fn: Judge | None) -> None:
 
 # --- normalisation helpers ---------------------------------------------------------
 
-_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'",
-                         "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"',
-                         "\u2212": "-", "\u2012": "-", "\u2013": "-", "\ufe63": "-",
-                         "\u2044": "/"})  # also unicode minus/dashes and the fraction slash
+#: Typographic quotes, unicode minus and dashes, and the fraction slash as ASCII (the step gate reads
+#: steps with it too: rewards/facts.py).
+PLAIN_PUNCTUATION = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'",
+                                   "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"',
+                                   "\u2212": "-", "\u2012": "-", "\u2013": "-", "\ufe63": "-",
+                                   "\u2044": "/"})  # also unicode minus/dashes and the fraction slash
 _ARTICLES = {"a", "an", "the"}
 _DIGIT_PUNCT = re.compile(r"(?<=\d)[^\w\s](?=\d)")
 
@@ -65,7 +67,7 @@ _DIGIT_PUNCT = re.compile(r"(?<=\d)[^\w\s](?=\d)")
 def _text(value: str | int | float | None) -> str:
     """The answer as stripped NFKC text (bools read yes/no); None, NaN, inf and other types read ''."""
     if isinstance(value, str):
-        return unicodedata.normalize("NFKC", value).translate(_QUOTES).strip()
+        return unicodedata.normalize("NFKC", value).translate(PLAIN_PUNCTUATION).strip()
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
@@ -95,12 +97,19 @@ def _yes_no(text: str) -> bool | None:
 
 # --- numbers -----------------------------------------------------------------------
 
-class _Num(NamedTuple):
+class Number(NamedTuple):
+    """A number as written: its value (NaN when it does not fit a float) and whether it is a percentage."""
+
     value: float
     percent: bool
 
 
 _CUR = r"(?:[$€£¥₹]\s*)?"
+#: The surface forms of a number shared with the step gate (rewards/facts.py): the digits
+#: (1,234.5 | 12.5 | .5), an exponent (1e5) and a percent sign or word after it.
+DIGITS = r"(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?!\d)"
+EXPONENT = r"(?:[eE]([-+]?\d+))?"
+PERCENT = r"(\s*(?:%|percent\b|per\s+cent\b))?"
 # Written to run in linear time on any text. The lookahead stops a match from starting
 # inside a whitespace run (it could: every piece before the digits is optional), and
 # the whitespace after a sign belongs to the sign's group, so it cannot trade characters
@@ -108,13 +117,11 @@ _CUR = r"(?:[$€£¥₹]\s*)?"
 # read exactly the numbers the earlier pattern read.
 _NUMBER = re.compile(
     r"(?<![\w.])(?=[-+$€£¥₹.\d])" + _CUR + r"(?:([-+])\s*)?" + _CUR
-    + r"(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?!\d)"  # 1,234.5 | 12.5 | .5
-    + r"(?:\s*/\s*(\d+(?:\.\d+)?))?"                                 # fraction 1/2
-    + r"(?:[eE]([-+]?\d+))?"                                         # exponent 1e5
-    + r"(\s*(?:%|percent\b|per\s+cent\b))?", re.IGNORECASE)
+    + DIGITS + r"(?:\s*/\s*(\d+(?:\.\d+)?))?"  # fraction 1/2
+    + EXPONENT + PERCENT, re.IGNORECASE)
 
 
-def _numbers(text: str, limit: int = 2) -> list[_Num]:
+def _numbers(text: str, limit: int = 2) -> list[Number]:
     """Up to ``limit`` numbers found in the text (enough to tell none / one / several)."""
     found = []
     for m in _NUMBER.finditer(text):
@@ -126,13 +133,13 @@ def _numbers(text: str, limit: int = 2) -> list[_Num]:
             value *= float("1e" + exp)  # overflows to inf (then rejected), never raises
         if sign == "-":
             value = -value
-        found.append(_Num(value if math.isfinite(value) else math.nan, bool(pct)))
+        found.append(Number(value if math.isfinite(value) else math.nan, bool(pct)))
         if len(found) >= limit:
             break
     return found
 
 
-def _one_number(text: str) -> _Num | None:
+def _one_number(text: str) -> Number | None:
     nums = _numbers(text)
     return nums[0] if len(nums) == 1 and math.isfinite(nums[0].value) else None
 
@@ -141,7 +148,7 @@ def _close(a: float, b: float, rel_tol: float, abs_tol: float) -> bool:
     return abs(a - b) <= max(rel_tol * max(abs(a), abs(b)), abs_tol)
 
 
-def _numbers_match(p: _Num, t: _Num, rel_tol: float, abs_tol: float) -> bool:
+def numbers_match(p: Number, t: Number, rel_tol: float, abs_tol: float) -> bool:
     """Compare with tolerance; a lone percentage may be read as its number or its fraction."""
     if p.percent == t.percent:
         return _close(p.value, t.value, rel_tol, abs_tol)
@@ -154,7 +161,7 @@ def _numbers_match(p: _Num, t: _Num, rel_tol: float, abs_tol: float) -> bool:
 # One letter inside any run of opening / closing wrappers: brackets, quotes, Markdown
 # emphasis and code, then an optional full stop, colon or "!" (itself possibly wrapped,
 # "**B.**"). Typographic quotes and full-width brackets arrive here already straightened
-# by _text (NFKC + _QUOTES). The second closing run sits inside the optional group so
+# by _text (NFKC + PLAIN_PUNCTUATION). The second closing run sits inside the optional group so
 # the two runs can never trade characters (that backtracks quadratically).
 _OPEN = "[\\[({<\"'`*_「【〈《『〔«‹]*"
 _CLOSE = "[\\])}>\"'`*_」】〉》』〕»›]*"
@@ -192,7 +199,7 @@ def _choice_letter(text: str, choices: Sequence[str]) -> str | None:
     if num is None:
         return None
     hits = [i for i, opt in enumerate(opts[:26])
-            if (o := _one_number(opt)) is not None and _numbers_match(num, o, 0.0, 1e-9)]
+            if (o := _one_number(opt)) is not None and numbers_match(num, o, 0.0, 1e-9)]
     return chr(ord("A") + hits[0]) if len(hits) == 1 else None
 
 
@@ -233,7 +240,7 @@ def answers_match(
     gold_num, pred_nums = _one_number(gold), _numbers(pred)
     if gold_num is not None:
         if len(pred_nums) == 1 and math.isfinite(pred_nums[0].value):
-            return _numbers_match(pred_nums[0], gold_num, rel_tol, abs_tol)
+            return numbers_match(pred_nums[0], gold_num, rel_tol, abs_tol)
         if not pred_nums:
             return False
 

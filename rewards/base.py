@@ -31,6 +31,7 @@ from crystal_grpo.metrics import VALIDATION
 from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.rewards.diagnostics import diagnostics, nanmean, total
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
+from crystal_grpo.rewards.facts import StepGate
 from crystal_grpo.rewards.evaluation import (  # noqa: F401 - the evaluation's names, importable from here too
     COLUMNS,
     FIELDS,
@@ -85,6 +86,9 @@ class RewardConfig:
     threshold: float = option(0.35, "tau: minimum cosine similarity for two steps to match.", ge=-1, le=1)
     order_alpha: float = option(0.3, "Weight of the order (LIS) term in Ordered Match F1.", ge=0, le=1)
     matcher: Literal["greedy", "dp"] = option("greedy", "greedy 1:1 matching (the paper) or dp (order-preserving).")
+    step_gate: StepGate = option("none", "none: steps match on the encoder's similarity alone. facts: a predicted and "
+                                 "a reference step whose numbers, operators and variables disagree never match "
+                                 "(numbers within rel_tol/abs_tol; rewards/facts.py), for formal steps.")
     step_metric: StepMetric = option("f1", "The step score rewards use: Match F1 or Ordered Match F1.")
     device: Union[str, None] = option(None, "Encoder device (None: CUDA when available).")
     scorer_batch_size: int = option(128, "Encoder batch size.", ge=1)
@@ -95,8 +99,8 @@ class RewardConfig:
     guard_window: int = option(1024, "How many recent step counts the median is over.", ge=1)
     guard_factor: float = option(0.5, "A flagged completion keeps this share of its reward.", ge=0, le=1)
     guard_min_history: int = option(64, "Counts the window needs before the guard acts.", ge=1)
-    rel_tol: float = option(1e-2, "Relative tolerance of numeric answers.", ge=0)
-    abs_tol: float = option(1e-6, "Absolute tolerance of numeric answers.", ge=0)
+    rel_tol: float = option(1e-2, "Relative tolerance of numeric answers (and of the step gate's numbers).", ge=0)
+    abs_tol: float = option(1e-6, "Absolute tolerance of numeric answers (and of the step gate's numbers).", ge=0)
     malformed: Union[Literal["zero", "lenient"], None] = option(
         None, "What a completion that fails the format check earns. zero: its answer and steps count 0, so it "
         "gets the minimal reward (CRYSTAL S6.3: 'Malformed outputs receive F=0 and minimal reward but still "
@@ -138,7 +142,8 @@ class RewardModule:
         self.step_metric = cfg.step_metric
         self._scorer_settings = dict(encoder=cfg.encoder, threshold=cfg.threshold, alpha=cfg.order_alpha,
                                      matcher=cfg.matcher, device=cfg.device, batch_size=cfg.scorer_batch_size,
-                                     cache_size=cfg.cache_size)
+                                     cache_size=cfg.cache_size, step_gate=cfg.step_gate, rel_tol=cfg.rel_tol,
+                                     abs_tol=cfg.abs_tol)
         self.scorer = shared_scorer(**self._scorer_settings) if self.uses_steps else None
         use_guard = self.uses_steps if cfg.verbosity_guard is None else cfg.verbosity_guard
         self.guard = (VerbosityGuard(cfg.guard_k, cfg.guard_window, cfg.guard_factor, cfg.guard_min_history)

@@ -7,6 +7,9 @@ unique text is encoded at most once per call, reference steps can be embedded on
 training and kept (:meth:`MatchF1Scorer.pin`), an LRU cache keeps other embeddings across
 calls, and the matching runs vectorised over the batch (``rewards.matching``).
 
+With ``step_gate="facts"`` a predicted and a reference step whose stated facts (numbers,
+operators, variables: ``rewards.facts``) disagree are never matched, whatever their similarity.
+
 With ``encoder="exact"`` no model loads: each distinct normalised step string
 (``rewards.encoder.normalize_step``) gets an id, and the similarity of two steps is 1 when
 their ids are equal, else 0. Everything after that (the blocks per reference chain, greedy
@@ -24,6 +27,7 @@ from typing import Literal, Union
 import torch
 
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM, is_exact, load_encoder, normalize_step
+from crystal_grpo.rewards.facts import StepGate, gate_blocks
 from crystal_grpo.rewards.matching import dp_match, greedy_match, longest_chain
 from crystal_grpo.rewards.text import clean_text
 
@@ -165,6 +169,9 @@ class MatchF1Scorer:
         batch_size: encoder batch size.
         cache_size: number of text embeddings kept across calls (LRU); 0 disables.
         matcher: ``"greedy"`` (the paper) or ``"dp"`` (order-preserving alignment).
+        step_gate: ``"none"`` or ``"facts"``: a pair of steps whose facts disagree never
+            matches (``rewards.facts``), numbers compared within ``rel_tol`` / ``abs_tol``
+            as the answer judge compares them.
     """
 
     def __init__(
@@ -176,9 +183,14 @@ class MatchF1Scorer:
         batch_size: int = 128,
         cache_size: int = 50_000,
         matcher: Literal["greedy", "dp"] = "greedy",
+        step_gate: StepGate = "none",
+        rel_tol: float = 1e-2,
+        abs_tol: float = 1e-6,
     ) -> None:
         if matcher not in ("greedy", "dp"):
             raise ValueError(f"matcher={matcher!r}: allowed values are 'greedy', 'dp'")
+        if step_gate not in ("none", "facts"):
+            raise ValueError(f"step_gate={step_gate!r}: allowed values are 'none', 'facts'")
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha={alpha!r}: must lie in [0, 1]")
         self.exact = is_exact(encoder)
@@ -192,6 +204,7 @@ class MatchF1Scorer:
             if self.device.type == "cuda":
                 self.model.half()
         self.threshold, self.alpha, self.matcher = float(threshold), float(alpha), matcher
+        self.step_gate, self.rel_tol, self.abs_tol = step_gate, float(rel_tol), float(abs_tol)
         self.batch_size, self.cache_size = batch_size, cache_size
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._pinned: dict[str, torch.Tensor] = {}
@@ -276,14 +289,15 @@ class MatchF1Scorer:
             for chain in _as_chains(chains):
                 ref_idx.append(idx(chain))
                 row_example.append(i)
+        steps = list(vocab) if self.step_gate == "facts" else None
         if self.exact:  # one id per distinct normalised string: equal ids are similarity 1
             self.last_encoded = 0
             forms: dict[str, int] = {}
             ids = [forms.setdefault(normalize_step(t), len(forms)) for t in vocab]
             table = torch.tensor(ids, dtype=torch.long).view(-1, 1)
-            return self._score_rows(table, pred_idx, ref_idx, row_example, exact=True)
+            return self._score_rows(table, pred_idx, ref_idx, row_example, exact=True, steps=steps)
         table = self.embed(list(vocab))
-        return self._score_rows(table, pred_idx, ref_idx, row_example)
+        return self._score_rows(table, pred_idx, ref_idx, row_example, steps=steps)
 
     @torch.inference_mode()
     def score_embeddings(
@@ -294,8 +308,12 @@ class MatchF1Scorer:
         """Like :meth:`score` for precomputed embeddings ``[n_i, d]`` (normalised inside).
 
         An empty side is a ``[0, d]`` (or ``[0]``) tensor and follows the same rules as an
-        empty list in :meth:`score`.
+        empty list in :meth:`score`. The step gate reads the steps' text, which embeddings lack:
+        a gated scorer refuses.
         """
+        if self.step_gate != "none":
+            raise ValueError(f"step_gate={self.step_gate!r} reads the steps' text; score_embeddings has only "
+                             "embeddings: use score()")
         if len(predicted) != len(references):
             raise ValueError(f"{len(predicted)} predictions but {len(references)} references")
         parts, pred_idx, ref_idx, row_example, offset = [], [], [], [], 0
@@ -318,7 +336,8 @@ class MatchF1Scorer:
         return self._score_rows(table, pred_idx, ref_idx, row_example)
 
     @torch.inference_mode()
-    def _score_rows(self, table, pred_idx, ref_idx, row_example, exact: bool = False) -> StepScores:
+    def _score_rows(self, table, pred_idx, ref_idx, row_example, exact: bool = False,
+                    steps: Sequence[str] | None = None) -> StepScores:
         """Core: one similarity batch for every (example, reference chain) row.
 
         Rows that share a reference chain (a GRPO group: every generation of one prompt)
@@ -326,7 +345,8 @@ class MatchF1Scorer:
         its rows' predicted steps (one small bmm per chain instead of one per row, which
         dominated the cached path), and every row reads its ``[N, M]`` block from there.
         ``exact``: ``table`` holds one string id per text (``[T, 1]``) and a block entry is
-        1.0 where the ids are equal, else 0.0.
+        1.0 where the ids are equal, else 0.0. ``steps``: the texts (the step gate is on); a
+        pair whose facts disagree gets similarity -inf, below any threshold.
         """
         n_examples = len(pred_idx)
         if n_examples == 0:
@@ -351,12 +371,16 @@ class MatchF1Scorer:
         if table.numel() == 0:
             table = torch.zeros(1, 1, device=dev, dtype=table.dtype)
         gather = lambda pad: table.index_select(0, pad.clamp(min=0).reshape(-1)).view(*pad.shape, table.shape[1])  # noqa: E731
-        block_pred = gather(_padded_index([list(m) for m in chain_pred], dev)[0])  # [C, U, d]
-        block_ref = gather(_padded_index(chain_ref, dev)[0])  # [C, M, d]
+        pred_text = _padded_index([list(m) for m in chain_pred], dev)[0]  # [C, U] text ids
+        ref_text = _padded_index(chain_ref, dev)[0]  # [C, M]
+        block_pred, block_ref = gather(pred_text), gather(ref_text)  # [C, U, d], [C, M, d]
         if exact:
             blocks = (block_pred[..., 0].unsqueeze(2) == block_ref[..., 0].unsqueeze(1)).float()  # [C, U, M]
         else:
             blocks = torch.bmm(block_pred, block_ref.transpose(1, 2))  # [C, U, M]
+        if steps is not None:
+            agree = gate_blocks(pred_text, ref_text, steps, self.rel_tol, self.abs_tol)
+            blocks = blocks.masked_fill(~agree, float("-inf"))
         loc, n_pred = _padded_index(row_loc, dev)  # [R, N] positions in the row's block
         n_ref = torch.tensor([len(r) for r in ref_idx], dtype=torch.long, device=dev)
         sim = blocks[torch.tensor(row_chain, device=dev).view(-1, 1), loc.clamp(min=0)]  # [R, N, M]

@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matcher", choices=("greedy", "dp"), default="greedy",
                    help="greedy 1:1 matching in descending similarity (the paper; default) or dp, "
                         "the order-preserving alignment")
+    p.add_argument("--step_gate", choices=("none", "facts"), default="none",
+                   help="facts: steps whose numbers, operators or variables disagree never match (rewards/facts.py)")
     p.add_argument("--device", default=None, help="encoder device (default: cuda when available, else cpu)")
     return p
 
@@ -171,7 +173,7 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
         lent_encoder = EXACT if lent and scorer.exact else (scorer.model if lent else args.encoder)
         module = AnswerOnlyReward(encoder=lent_encoder, threshold=args.threshold,
                                   order_alpha=args.alpha, device=args.device, matcher=args.matcher,
-                                  score_steps=True)
+                                  step_gate=args.step_gate, score_steps=True)
     except (EncoderLoadError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -201,7 +203,7 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
         "settings": {"predictions": str(args.predictions), "data": str(args.data),
                      "encoder": args.encoder, "encoder_preloaded": lent,
                      "threshold": args.threshold, "alpha": args.alpha, "matcher": args.matcher,
-                     "device": str(module.scorer.device)},
+                     "step_gate": args.step_gate, "device": str(module.scorer.device)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -22,6 +22,10 @@ Columns (seconds, best of --repeats, time.perf_counter):
   (d) floor: one ``model.encode`` call on the batch's unique texts.
   (e) plain Python greedy matching + F1 over precomputed similarity matrices (nested
       lists; no encoding at all): the Python matching cost that (c) must beat.
+  (f) (b) with ``step_gate="facts"`` (the same model object; its fact cache cleared too),
+  (g) (c) with ``step_gate="facts"``; ``f/b`` and ``g/c``: the gate's cost against the ungated
+      scorer in the same run (the workload's steps state numbers and operators, so the gate
+      reads every pair).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM, load_encoder
+from crystal_grpo.rewards.facts import step_facts
 from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 
 GEN_PER_PROMPT, N_REF, POOL = 8, 12, 20
@@ -133,6 +138,7 @@ def main(argv=None) -> int:
     model = load_encoder(args.encoder, dev)
     scorer = MatchF1Scorer(model, threshold=tau, device=dev, cache_size=1_000_000)
     model = scorer.model  # the very same object (the scorer may have cast it to fp16 on CUDA)
+    gated = MatchF1Scorer(model, threshold=tau, device=dev, cache_size=1_000_000, step_gate="facts")
     sync = torch.cuda.synchronize if scorer.device.type == "cuda" else (lambda: None)
     enc = lambda texts: model.encode(texts, batch_size=scorer.batch_size, convert_to_tensor=True,  # noqa: E731
                                      normalize_embeddings=True, show_progress_bar=False)
@@ -145,8 +151,8 @@ def main(argv=None) -> int:
     print(f"workload: {GEN_PER_PROMPT} completions/prompt sampled from one policy, so they repeat steps: "
           f"each draws 8-12 steps from a per-prompt pool of {POOL} texts (identical to a reference, "
           f"paraphrases, off-topic); {N_REF} reference steps per prompt")
-    head = ["completions", "unique/total texts", "(a) s", "(b) s", "(c) s", "(d) s", "(e) s",
-            "a/b speed-up", "b/d ratio", "e/c speed-up"]
+    head = ["completions", "unique/total texts", "(a) s", "(b) s", "(c) s", "(d) s", "(e) s", "(f) s", "(g) s",
+            "a/b speed-up", "b/d ratio", "e/c speed-up", "f/b", "g/c"]
     rows, checks = [], []
     for n in sizes:
         preds, refs = make_batch(n, seed=n)
@@ -161,6 +167,13 @@ def main(argv=None) -> int:
         t_d, table = best_of(floor, args.repeats)
         t_b, s_b = best_of(lambda: scorer.score(preds, refs), args.repeats, before=scorer._cache.clear)
         t_c, _ = best_of(lambda: scorer.score(preds, refs), args.repeats)
+
+        def cold_gated():
+            gated._cache.clear()
+            step_facts.cache_clear()
+
+        t_f, s_f = best_of(lambda: gated.score(preds, refs), args.repeats, before=cold_gated)
+        t_g, _ = best_of(lambda: gated.score(preds, refs), args.repeats)
         row = {t: i for i, t in enumerate(unique)}
         table = table.float().cpu()
         mats = [(table[[row[t] for t in p]] @ table[[row[t] for t in r]].T).tolist() if p else []
@@ -177,15 +190,17 @@ def main(argv=None) -> int:
         t_a, f1_a = best_of(loop, 1 if n >= 1024 else args.repeats)
         diff = max(abs(a - b) for a, b in zip(f1_a, s_b.f1.tolist()))
         checks.append(f"{n}: max |F1(a) - F1(b)| = {diff:.2e}")
-        rows.append([str(n), f"{len(unique)}/{total}", *(f"{t:.3f}" for t in (t_a, t_b, t_c, t_d, t_e)),
-                     f"{t_a / t_b:.1f}x", f"{t_b / t_d:.2f}", f"{t_e / t_c:.1f}x"])
+        checks.append(f"{n}: gated F1 mean {float(s_f.f1.mean()):.3f} vs {float(s_b.f1.mean()):.3f} ungated")
+        rows.append([str(n), f"{len(unique)}/{total}", *(f"{t:.3f}" for t in (t_a, t_b, t_c, t_d, t_e, t_f, t_g)),
+                     f"{t_a / t_b:.1f}x", f"{t_b / t_d:.2f}", f"{t_e / t_c:.1f}x", f"{t_f / t_b:.2f}",
+                     f"{t_g / t_c:.2f}"])
         print(f"  measured {n} completions", file=sys.stderr, flush=True)
 
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-    print("per-example F1, (a) vs (b): " + "; ".join(checks))
+    print("per-example F1, (a) vs (b), and the gate's effect: " + "; ".join(checks))
     return 0
 
 

@@ -58,7 +58,8 @@ def test_sample_report(scorer, sample, tmp_path, capsys):
     assert report["per_source"]["MathWord"]["n"] + report["per_source"]["ScienceQA"]["n"] == 11
     assert report["settings"] == {
         "predictions": str(preds), "data": str(data), "encoder": PACKAGED_MINILM,
-        "encoder_preloaded": True, "threshold": 0.35, "alpha": 0.3, "matcher": "greedy", "device": "cpu"}
+        "encoder_preloaded": True, "threshold": 0.35, "alpha": 0.3, "matcher": "greedy", "step_gate": "none",
+        "device": "cpu"}
     ex = {e["id"]: e for e in report["examples"]}
     assert len(ex) == 11 and "math-007" not in ex and "sci-999" not in ex
     overall = report["overall"]
@@ -206,7 +207,7 @@ def test_every_option_has_help(capsys, monkeypatch):
     parser = build_parser()
     options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
     assert {a.dest for a in options} == {"predictions", "data", "out", "encoder", "threshold", "alpha",
-                                         "matcher", "device"}
+                                         "matcher", "step_gate", "device"}
     for action in options:
         assert action.help and len(action.help) > 15, action.dest
     with pytest.raises(SystemExit) as stop:

@@ -339,7 +339,7 @@ def _setup(args, checkpoint: str | None, run_config: Path | None) -> EvalSetup:
         setup = EvalSetup.from_run_config(found) if found else EvalSetup()
     if args.reward:
         setup.reward, setup.reward_params = args.reward, {k: v for k, v in setup.reward_params.items()
-                                                          if k in ("encoder", "device", "threshold")}
+                                                          if k in ("encoder", "device", "threshold", "step_gate")}
     if args.dtype:
         setup.dtype = args.dtype
     if args.max_new_tokens:
