@@ -46,6 +46,7 @@ class AnswerOnlyReward(RewardModule):
 
     name = "answer_only"
     objectives = {"answer_only_accuracy": "accuracy", "answer_only_format": "accuracy"}
+    outcome_component = "answer_only_accuracy"
     config_class = AnswerOnlyConfig
     config: AnswerOnlyConfig
 

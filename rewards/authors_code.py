@@ -171,6 +171,7 @@ class AuthorsCodeReward(RewardModule):
     objectives = {"authors_code_format": "accuracy", "authors_code_accuracy": "accuracy",
                   "authors_code_cpr": "reasoning"}
     extra_fields = ("authors_code_format", "authors_code_accuracy", "authors_code_cpr")
+    outcome_component = "authors_code_accuracy"
     uses_steps = False  # their reward needs no encoder; validation still embeds steps for Match F1
     config_class = AuthorsCodeConfig
     config: AuthorsCodeConfig
@@ -195,6 +196,11 @@ class AuthorsCodeReward(RewardModule):
         scored.batch.extra = scored.batch.correct.new_tensor(  # float64, like the batch
             [[released_format(t) for t in texts], accuracy, cpr]).reshape(3, len(texts)).T
         return scored
+
+    def outcome(self, batch: Batch) -> torch.Tensor:
+        """Their accuracy reward's correctness: its confidence (1.0 exact, 0.9-0.95 within their
+        tolerance) above 0."""
+        return (batch.extra[:, self.extra_fields.index(self.outcome_component)] > 0).double()
 
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:
         return {name: batch.extra[:, i] for i, name in enumerate(self.extra_fields)}

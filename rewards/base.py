@@ -129,6 +129,9 @@ class RewardModule:
     config_class: type[RewardConfig] = RewardConfig
     #: Names of the reward's own per-row values that ``score`` puts in ``Batch.extra``.
     extra_fields: tuple[str, ...] = ()
+    #: The component that pays for a correct answer. Its raw correctness (:meth:`outcome`) is what
+    #: dynamic sampling's ``metric: outcome`` gates on; None: the reward has none (that metric is refused).
+    outcome_component: str | None = None
 
     def __init__(self, config: RewardConfig | None = None, *, judge: Callable[[str, str], bool] | None = None,
                  **params: Any) -> None:
@@ -210,6 +213,17 @@ class RewardModule:
         if self.scorer is None:  # a reward without step terms, asked for Match F1 (validation)
             self.scorer = shared_scorer(**self._scorer_settings)
         return self.scorer
+
+    @classmethod
+    def outcome_name(cls, config: RewardConfig) -> str | None:
+        """:attr:`outcome_component` of this reward with ``config``: known before anything loads
+        (``train/grpo.py --check`` refuses ``dynamic_sampling.metric: outcome`` without one)."""
+        return cls.outcome_component
+
+    def outcome(self, batch: Batch) -> torch.Tensor:
+        """Each row's outcome: 1.0 where its answer is right as the accuracy component pays it (a
+        malformed completion is wrong under ``malformed: zero``), else 0.0; before weight and guard."""
+        return self.as_rewarded(batch).correct
 
     # -- the reward of a batch and its diagnostics (rewards/diagnostics.py) ---------------
     def rewards(self, batch: Batch, guard: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, float]]:

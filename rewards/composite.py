@@ -33,6 +33,7 @@ class CompositeReward(RewardModule):
         "composite_accuracy": "accuracy",
         "composite_format": "accuracy",
     }
+    outcome_component = "composite_accuracy"
     config_class = CompositeConfig
     config: CompositeConfig
 

@@ -37,6 +37,7 @@ class CPRConfig(RewardConfig):
 class CPRReward(RewardModule):
     name = "cpr"
     objectives = {"cpr_accuracy": "accuracy", "cpr_reasoning": "reasoning"}
+    outcome_component = "cpr_accuracy"
     config_class = CPRConfig
     config: CPRConfig
 

@@ -42,8 +42,14 @@ class ShuffledAnswerReward(AnswerOnlyReward):
 
     name = "shuffled_answer"
     objectives = {"shuffled_accuracy": "accuracy", "shuffled_format": "accuracy"}
+    outcome_component = "shuffled_accuracy"
     config_class = ShuffledConfig
     config: ShuffledConfig
+
+    def outcome(self, batch: Batch) -> torch.Tensor:
+        """The correctness the shuffled accuracy component pays: permuted like it."""
+        rewarded = self.as_rewarded(batch)
+        return rewarded.correct[permutation(rewarded, self.config.seed)]
 
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:
         plain = super().components(batch)

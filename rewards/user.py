@@ -118,7 +118,14 @@ class ComposedReward(RewardModule):
         self.objectives = {n: s.objective or "accuracy" for n, s in zip(self.component_names, self.specs)}
         self.extra_fields = tuple(n for n, f in zip(self.component_names, self.functions) if f is not None)
         self.uses_steps = any(s.fn in ("crystal:steps", "crystal:cpr_steps") for s in self.specs)
+        self.outcome_component = self.outcome_name(cfg)
         super().__init__(cfg)
+
+    @classmethod
+    def outcome_name(cls, config: ComposedConfig) -> str | None:
+        """The first ``crystal:accuracy`` component (C); a user's own function is no outcome."""
+        specs = list(config.components)
+        return next((n for n, s in zip(_names(specs), specs) if s.fn == "crystal:accuracy"), None)
 
     def score(self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]],
               with_steps: bool | None = None) -> Scored:

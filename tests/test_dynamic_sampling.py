@@ -11,6 +11,7 @@ the same tokens whatever batch it is in."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import zlib
@@ -43,6 +44,19 @@ def reasoning(completions, **kwargs):
 
 
 accuracy.objective, reasoning.objective = "accuracy", "reasoning"
+
+
+def correct(completions, flat, **kwargs):
+    """An outcome: 0 for every row of a flat prompt, else 1 on the first row of each group."""
+    return [0.0 if f else float(i % G == 0) for i, f in enumerate(flat)]
+
+
+def step_term(completions, **kwargs):
+    """A shaped term that varies in every group (as CPR's step term does)."""
+    return [0.1 * (i % G) for i in range(len(completions))]
+
+
+correct.outcome = True
 
 
 def rollout(prompts, trainer):
@@ -116,14 +130,14 @@ def test_flat_groups_by_total_reward_threshold_and_objective():
                       [0.1, 0.0], [0.1, 0.0], [0.1, 0.0],          # flat on both
                       [0.0, 1.0], [1.0, 0.0], [float("nan"), float("nan")]])  # total flat, parts vary (+ unscorable)
     objectives, w = ["accuracy", "reasoning"], torch.ones(2)
-    assert kept_groups(r, w, objectives, G, 0.0, False)[""].tolist() == [True, True, False, False]
-    assert kept_groups(r, w, objectives, G, 0.6, False)[""].tolist() == [True, False, False, False]
-    kept = kept_groups(r, w, objectives, G, 0.0, True)
+    assert kept_groups(r, w, objectives, G, 0.0, "reward")[""].tolist() == [True, True, False, False]
+    assert kept_groups(r, w, objectives, G, 0.6, "reward")[""].tolist() == [True, False, False, False]
+    kept = kept_groups(r, w, objectives, G, 0.0, "objectives")
     assert kept["accuracy"].tolist() == [False, True, False, True]
     assert kept["reasoning"].tolist() == [True, False, False, True]
     assert kept[""].tolist() == [True, True, False, True]  # the union: out of everything only when flat on both
     reasoning_only = torch.tensor([0.0, 1.0])  # weights: the total is the reasoning part
-    assert kept_groups(r, reasoning_only, objectives, G, 0.0, False)[""].tolist() == [True, False, False, True]
+    assert kept_groups(r, reasoning_only, objectives, G, 0.0, "reward")[""].tolist() == [True, False, False, True]
 
 
 def test_a_group_flat_up_to_float32_rounding_is_flat_as_for_pcgrad():
@@ -132,7 +146,50 @@ def test_a_group_flat_up_to_float32_rounding_is_flat_as_for_pcgrad():
     (FLAT_TOTAL_STD), so dynamic sampling must too. A group with a real spread stays in."""
     ulp = torch.tensor([0.5, 0.5], dtype=torch.float32).nextafter(torch.tensor(1.0))[0].item()
     r = torch.tensor([[0.5], [ulp], [0.5], [0.3], [0.3], [0.3 + 1e-3]], dtype=torch.float32)
-    assert kept_groups(r, torch.ones(1), ["accuracy"], G, 0.0, False)[""].tolist() == [False, True]
+    assert kept_groups(r, torch.ones(1), ["accuracy"], G, 0.0, "reward")[""].tolist() == [False, True]
+
+
+def test_the_outcome_gate_judges_the_answers_alone():
+    """CPR-like rows (accuracy a_w C, reasoning a step term that varies): a group of wrong answers
+    varies through its steps, so the std gate keeps it; the outcome gate drops it, and a group of
+    right answers too, whatever its step scores; only groups with right and wrong answers stay."""
+    outcome = torch.tensor([0.0, 0.0, 0.0,  0.0, 1.0, 0.0,  1.0, 1.0, 1.0,  1.0, 1.0, 1.0])
+    steps = torch.tensor([0.1, 0.5, 0.9,  0.2, 0.2, 0.2,  0.3, 1.0, 0.6,  0.4, 0.4, 0.4])
+    r = torch.stack([0.65 * outcome, 0.35 * steps * (outcome + 0.3 * (1 - outcome))], dim=1)
+    objectives, w = ["accuracy", "reasoning"], torch.ones(2)
+    assert kept_groups(r, w, objectives, G, 0.0, "reward")[""].tolist() == [True, True, True, False]
+    assert kept_groups(r, w, objectives, G, 0.0, "outcome", outcome)[""].tolist() == [False, True, False, False]
+    assert set(kept_groups(r, w, objectives, G, 0.0, "outcome", outcome)) == {""}  # one decision for both losses
+    with pytest.raises(ValueError, match="needs the batch's outcome"):
+        kept_groups(r, w, objectives, G, 0.0, "outcome")
+
+
+def test_every_reward_with_an_accuracy_component_has_its_raw_correctness_as_outcome():
+    """RewardModule.outcome: C as the accuracy component pays it (before its weight, the guard's
+    factor and the shuffled control's permutation applied alike); no outcome for format."""
+    from crystal_grpo.rewards import REWARDS, build_reward
+    from crystal_grpo.rewards.evaluation import Batch
+
+    correct = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    batch = Batch(correct=correct, format_ok=torch.tensor([1.0, 1.0, 0.0, 1.0]), has_refs=torch.ones(4),
+                  n_pred=torch.ones(4), **{f: torch.full((4,), 0.5) for f in
+                                          ("step", "precision", "recall", "f1", "lis_ratio", "ordered_f1")})
+    names = {name: cls.outcome_name(cls.config_class()) for name, cls in REWARDS.items() if name != "composed"}
+    assert names == {"format": None, "answer_only": "answer_only_accuracy", "composite": "composite_accuracy",
+                     "cpr": "cpr_accuracy", "authors_code": "authors_code_accuracy",
+                     "shuffled_answer": "shuffled_accuracy"}
+    for name, want in (("cpr", [1.0, 0.0, 0.0, 1.0]), ("composite", [1.0, 0.0, 0.0, 1.0]),  # malformed: zero
+                       ("answer_only", [1.0, 0.0, 1.0, 1.0])):  # lenient
+        module = build_reward(name, encoder="exact", device="cpu")
+        assert module.outcome(batch).tolist() == want
+        comps = module.components(module.as_rewarded(batch))
+        assert (comps[module.outcome_component] > 0).double().tolist() == want, "what the component pays"
+    shuffled = build_reward("shuffled_answer", encoder="exact", device="cpu")
+    assert (shuffled.components(batch)["shuffled_accuracy"] > 0).double().tolist() == shuffled.outcome(batch).tolist()
+    authors = build_reward("authors_code", encoder="exact", device="cpu")
+    extra = Batch(**{**batch.__dict__, "extra": torch.tensor([[1.0, 0.95, 0.7], [1.0, 0.0, 0.1], [0.0, 1.0, 0.8],
+                                                              [1.0, 0.0, 0.0]], dtype=torch.float64)})
+    assert authors.outcome(extra).tolist() == [1.0, 0.0, 1.0, 0.0]
 
 
 def test_refill_draws_are_pure_and_pairs_stay_on_their_process():
@@ -212,22 +269,110 @@ def test_pcgrad_with_a_flat_accuracy_objective_still_applies_the_reasoning_gradi
     assert rel(runs["reward"][1], runs["none"][1]) < 1e-6
 
 
+# ----------------------------------------------------------------------------- (1b) the outcome gate, CPR
+REF = ["b is 9 plus 3, which is 2.", "c is 2 plus 1, which is 3."]
+
+
+def cpr_completions(kind: str) -> list[str]:
+    """A group of G completions for a row whose answer is 3: ``wrong``: three wrong answers whose
+    steps match 0, 1 and 2 reference steps (CPR varies through its step term); ``mixed``: one right."""
+    def say(steps, answer):
+        return json.dumps({"reasoning_steps": steps, "answer": answer})
+    wrong = [say(["b is 9 plus 3, which is 5."], "6"), say([REF[0], "c is 2 plus 1, which is 4."], "4"),
+             say(REF, "7")]
+    return wrong if kind == "wrong" else [say(REF, "3")] + wrong[:2]
+
+
+def text_rollout(prompts, trainer):
+    """Completions written out for each prompt (its ``kind`` in the prompt's text), tokenised."""
+    ids = rollout(prompts, trainer)
+    tok = trainer.processing_class
+    ids["completion_ids"] = [tok(cpr_completions(p.split()[-1])[i % G], add_special_tokens=False).input_ids
+                             for i, p in enumerate(prompts)]
+    return ids
+
+
+def cpr_rows(kinds: list[str]) -> Dataset:
+    return Dataset.from_list([{"prompt": f"prompt {i} {k}", "answer": "3", "reference_steps": REF}
+                              for i, k in enumerate(kinds)])
+
+
+def cpr_step(path, tmp_path, name, data, section=None, trainer_class=CrystalGRPOTrainer, **kw):
+    from crystal_grpo.rewards import build_reward
+
+    model = perturbed_policy(path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = trainer_class(model=model, reward=build_reward("cpr", encoder="exact", device="cpu"),
+                            args=args(tmp_path, name, max_completion_length=96, **kw), train_dataset=data,
+                            rollout_func=text_rollout, dynamic_sampling=section)
+    trainer.train()
+    return trainer, delta(trainer, before)
+
+
+@pytest.mark.parametrize("pcgrad", [False, True])
+def test_the_outcome_gate_drops_groups_of_wrong_answers_that_cpr_still_varies(tmp_path, tiny_lm_path, pcgrad,
+                                                                                one_thread):
+    """CPR, 4 prompts: 2 whose answers are all wrong (CPR varies through the step term), 2 with one
+    right answer. The std gate keeps all four (its update is the plain one); the outcome gate masks
+    the wrong groups: the update of the 2 informative prompts alone, for GRPO and for PCGrad."""
+    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
+
+    cls = PCGradGRPOTrainer if pcgrad else CrystalGRPOTrainer
+    mixed = cpr_rows(["wrong", "mixed", "wrong", "mixed"])
+    gated, got = cpr_step(tiny_lm_path, tmp_path, "outcome", mixed, DynamicSamplingSection("mask", metric="outcome"),
+                          cls)
+    _, want = cpr_step(tiny_lm_path, tmp_path, "without", mixed.select([1, 3]), None, cls,
+                       per_device_train_batch_size=6)
+    std, by_std = cpr_step(tiny_lm_path, tmp_path, "std", mixed, DynamicSamplingSection("mask"), cls)
+    _, plain = cpr_step(tiny_lm_path, tmp_path, "plain", mixed, None, cls)
+    assert rel(got, want) < 1e-5
+    assert rel(plain, want) > 1e-2, "the wrong groups move TRL's update (else this test could not fail)"
+    assert rel(by_std, plain) < 1e-6 and std.state.log_history[0]["dynamic_sampling/frac_flat"] == 0.0
+    log = gated.state.log_history[0]
+    assert log["dynamic_sampling/frac_flat"] == 0.5 and log["dynamic_sampling/effective_batch"] == 6
+    assert log["cpr/accuracy_varies"] == 0.5
+
+
+def test_the_outcome_gate_is_refused_without_an_accuracy_component(tmp_path, tiny_lm_path):
+    """A run config: one line at --check (format; reward.components without crystal:accuracy); a
+    trainer built by hand with plain reward functions of which none is marked ``outcome``."""
+    from crystal_grpo.train.config import load_config
+    from crystal_grpo.typed import ConfigError
+
+    gate = ["--dynamic_sampling.mode", "mask", "--dynamic_sampling.metric", "outcome"]
+    load_config("tiny", gate)  # cpr: its accuracy component
+    for extra in (["--reward.name", "format"],
+                  ["--reward.components", '[{fn: "crystal:steps", weight: 1.0, objective: reasoning}]']):
+        with pytest.raises(ConfigError, match=r"^dynamic_sampling\.metric: 'outcome' gates on the reward's accuracy"):
+            load_config("tiny", gate + extra)
+    load_config("tiny", gate + ["--reward.components", '[{fn: "crystal:accuracy"}, {fn: "crystal:steps"}]'])
+    with pytest.raises(ValueError, match="dynamic_sampling.metric: 'outcome' gates"):
+        CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=by_position, train_dataset=rows([True] * 4),
+                           args=args(tmp_path, "x"), dynamic_sampling=DynamicSamplingSection("mask", metric="outcome"))
+
+
 # ----------------------------------------------------------------------------- (2) refill
 @pytest.mark.parametrize("flat, rounds, masked", [([True, False, True, False], 1, 0.0), ([True] * 4, 2, 1.0)])
-def test_refill_keeps_the_batch_size_and_its_rounds_are_bounded(tmp_path, tiny_lm_path, flat, rounds, masked,
+@pytest.mark.parametrize("metric", ["reward", "outcome"])
+def test_refill_keeps_the_batch_size_and_its_rounds_are_bounded(tmp_path, tiny_lm_path, flat, rounds, masked, metric,
                                                                  one_thread):
     """Every step's batch is the whole data set (4 prompts), sampled by the model. With two
     informative prompts, one extra round's draw (all 4 prompts) holds both: the two flat places
-    are filled. With none, the rounds stop at max_num_gen_batches and the flat groups are masked."""
-    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=by_position, train_dataset=rows(flat),
+    are filled. With none, the rounds stop at max_num_gen_batches and the flat groups are masked.
+    metric: outcome, with an outcome function flat on the flat prompts and a step term that varies
+    everywhere (so no group's total reward is flat): the same."""
+    funcs = by_position if metric == "reward" else [correct, step_term]
+    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=funcs, train_dataset=rows(flat),
                                  args=args(tmp_path, "refill", max_steps=2, beta=0.0, log_completions=True),
-                                 dynamic_sampling=DynamicSamplingSection(mode="refill", max_num_gen_batches=3))
+                                 dynamic_sampling=DynamicSamplingSection(mode="refill", max_num_gen_batches=3,
+                                                                         metric=metric))
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
     assert len(logs) == 2
     for log in logs:
         assert log["dynamic_sampling/extra_rounds"] == rounds
-        assert log["dynamic_sampling/frac_flat"] == sum(flat) / 4 and log["frac_reward_zero_std"] == sum(flat) / 4
+        assert log["dynamic_sampling/frac_flat"] == sum(flat) / 4
+        assert log["frac_reward_zero_std"] == (sum(flat) / 4 if metric == "reward" else 0.0)
         assert log["dynamic_sampling/frac_masked"] == masked
         assert log["dynamic_sampling/effective_batch"] == 12 * (1 - masked)
     batch = trainer._buffered_inputs[0]  # the last step's batch, as the loss saw it
@@ -240,11 +385,13 @@ def test_refill_keeps_the_batch_size_and_its_rounds_are_bounded(tmp_path, tiny_l
 
 
 # ----------------------------------------------------------------------------- (4) resume
-def test_resume_with_refill_is_the_uninterrupted_run(tmp_path, tiny_lm_path, one_thread):
+@pytest.mark.parametrize("metric", ["reward", "outcome"])
+def test_resume_with_refill_is_the_uninterrupted_run(tmp_path, tiny_lm_path, metric, one_thread):
     """3 steps straight against 2 steps, then a new trainer resumed from checkpoint-2. 9 of the 12
-    prompts are flat, so every step's 4 prompts hold a flat one and refill draws (4 of the 12 a
-    round, up to 2 rounds); step 3 must draw and train the same. (One epoch is 3 steps: TRL's
-    RepeatSampler, resumed at an epoch's start, would repeat the first epoch's order.)"""
+    prompts are flat (on the total reward, or on the outcome while the total varies), so every
+    step's 4 prompts hold a flat one and refill draws (4 of the 12 a round, up to 2 rounds); step 3
+    must draw and train the same. (One epoch is 3 steps: TRL's RepeatSampler, resumed at an
+    epoch's start, would repeat the first epoch's order.)"""
     data = rows([True] * 9 + [False] * 3)
 
     def run(name, max_steps, resume=None):
@@ -252,10 +399,13 @@ def test_resume_with_refill_is_the_uninterrupted_run(tmp_path, tiny_lm_path, one
 
         def reward(completions, flat, prompts, trainer_state, **kwargs):
             seen.append((trainer_state.global_step, list(prompts)))
-            return by_position(completions, flat)
+            return (by_position if metric == "reward" else correct)(completions, flat)
 
-        trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=reward, train_dataset=data,
-                                     rollout_func=rollout, dynamic_sampling=DynamicSamplingSection(mode="refill"),
+        reward.outcome = True
+        funcs = [reward] if metric == "reward" else [reward, step_term]
+        trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=funcs, train_dataset=data,
+                                     rollout_func=rollout,
+                                     dynamic_sampling=DynamicSamplingSection(mode="refill", metric=metric),
                                      args=args(tmp_path, name, max_steps=max_steps, learning_rate=0.05,
                                                save_strategy="steps", save_steps=1))
         trainer.train(resume_from_checkpoint=resume)

@@ -92,10 +92,12 @@ class DynamicSamplingSection:
         "groups of the later ones taking the flat groups' places; the flat groups still left are masked.")
     min_std: float = option(0.0, "A group is flat when the std of its rewards is at most this (0: only groups whose "
                             "rewards are all equal).", ge=0)
-    metric: Literal["reward", "objectives"] = option(
+    metric: Literal["reward", "objectives", "outcome"] = option(
         "reward", "Whose std: reward, the total reward (TRL's advantage is made of it); objectives (pcgrad: true "
         "only), each objective's part: PCGrad's accuracy loss leaves out the groups flat on accuracy, its reasoning "
-        "loss those flat on reasoning, and only a group flat on both is out of the KL term and refilled.")
+        "loss those flat on reasoning, and only a group flat on both is out of the KL term and refilled; outcome, "
+        "the answer's raw correctness (the reward's accuracy component before its weight): a group whose answers "
+        "are all right or all wrong is flat however its step scores vary (verl's filter_groups metric acc).")
     max_num_gen_batches: int = option(3, "refill: generation batches a step at most, the first included (verl's "
                                       "name); 1 is mask.", ge=1)
 
@@ -135,11 +137,15 @@ def vllm_problem() -> str | None:
 
 
 def dynamic_sampling_refused(section: DynamicSamplingSection, *, pcgrad: bool, scale_rewards: Any,
-                             aggregation: str) -> tuple[str, str] | None:
+                             aggregation: str, outcome: str | None) -> tuple[str, str] | None:
     """(key, why) when ``section`` cannot work with these settings, else None (the config's
-    check and a trainer built by hand share it)."""
+    check and a trainer built by hand share it). ``outcome``: the reward's outcome component."""
     if section.mode == "none":
         return None
+    if section.metric == "outcome" and outcome is None:
+        return ("dynamic_sampling.metric", "'outcome' gates on the reward's accuracy component (the answer's "
+                "correctness), and this reward has none (format, or reward.components without crystal:accuracy); "
+                "use metric: reward")
     if section.metric == "objectives" and not pcgrad:
         return ("dynamic_sampling.metric", "'objectives' filters each of PCGrad's two losses on its own objective and "
                 "needs pcgrad: true; without PCGrad there is one loss, on the total reward (metric: reward)")
@@ -527,8 +533,10 @@ def validate(cfg: RunConfig) -> None:
                               "(accuracy or reasoning: PCGrad splits the reward on it)")
         aggregation = c.training.get("multi_objective_aggregation", "sum_then_normalize")
         scale = {True: "group", False: "none"}.get(c.training.get("scale_rewards"), c.training.get("scale_rewards"))
+        outcome = reward_class(c.reward.name).outcome_name(c.reward.config)
         refused = c.trainer == "grpo" and dynamic_sampling_refused(c.dynamic_sampling, pcgrad=c.pcgrad,
-                                                                   scale_rewards=scale, aggregation=aggregation)
+                                                                   scale_rewards=scale, aggregation=aggregation,
+                                                                   outcome=outcome)
         if refused:
             raise ConfigError(f"{where}{refused[0]}: {refused[1]}")
         if c.pcgrad and aggregation != "sum_then_normalize":

@@ -25,6 +25,15 @@ exist: with ``reward`` the two PCGrad gradients still add up to the (masked) GRP
 ``objectives`` each objective's loss is averaged over the groups that teach it, which weighs an
 objective up when few groups vary on it (a DAPO step per objective), so the parts no longer add
 up to GRPO's. A group flat on accuracy but not on steps trains its reasoning loss either way.
+``metric: outcome`` judges the answer's raw correctness alone (the reward's accuracy component
+before its weight and the verbosity guard: ``RewardModule.outcome``; with plain reward functions,
+the one whose ``outcome`` attribute is true): a group whose answers are all right or all wrong is
+out, however its step scores vary. With a shaped reward such as CPR, a group of wrong answers
+still varies through its step term, so a std gate keeps it and GRPO scales its step differences
+up to full-size advantages that say nothing about solving the task ("phantom" gradients: verl-recipe
+PR #125 measured a std gate collapsing where a gate on the binary outcome trained, and every
+official DAPO script of verl filters on ``acc``). A reward without an accuracy component is
+refused (``format``; ``reward.components`` without ``crystal:accuracy``).
 
 How a group leaves the loss: TRL 1.16's ``_compute_loss`` weighs every token by
 ``completion_mask * tool_mask``, for the surrogate, the KL term, the entropy bonus, every
@@ -85,18 +94,24 @@ COMPLETION_FIELDS = {"completion_ids": None, "completion_mask": 0, "tool_mask": 
 
 # --------------------------------------------------------------------------- pure functions
 def kept_groups(rewards_per_func: torch.Tensor, weights: torch.Tensor, objectives: Sequence[str | None],
-                num_generations: int, min_std: float, per_objective: bool) -> dict[str, torch.Tensor]:
+                num_generations: int, min_std: float, metric: str = "reward",
+                outcome: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Which groups of a *global* generation batch carry weight: ``{"": [N / G] bool}`` for the
-    batch, plus one entry per objective with ``per_objective``, where the batch's is their union.
+    batch, plus one entry per objective with ``metric: objectives``, where the batch's is their union.
 
     ``rewards_per_func`` is TRL's ``[N, F]`` (NaN: not applicable); each part is the weighted sum
-    of its columns (``train/pcgrad_math.py``'s ``weighted_reward``, as TRL sums them).
+    of its columns (``train/pcgrad_math.py``'s ``weighted_reward``, as TRL sums them). With
+    ``metric: outcome`` the groups are judged on ``outcome`` (``[N]``, the answers' correctness) alone.
     """
 
     def kept(columns: list[bool]) -> torch.Tensor:
         return ~group_flat(weighted_reward(rewards_per_func, weights, columns), num_generations, min_std)
 
-    if not per_objective:
+    if metric == "outcome":
+        if outcome is None:
+            raise ValueError("dynamic_sampling.metric: 'outcome' needs the batch's outcome (an accuracy component)")
+        return {"": ~group_flat(outcome.double(), num_generations, min_std)}
+    if metric != "objectives":
         return {"": kept([True] * len(objectives))}
     out = {o: kept([f == o for f in objectives]) for o in OBJECTIVES}
     out[""] = torch.stack(list(out.values())).any(dim=0)
@@ -208,7 +223,7 @@ class DynamicSamplingMixin:
             return
         refused = dynamic_sampling_refused(section, pcgrad=bool(getattr(self, "pcgrad", False)),
                                            scale_rewards=self.scale_rewards,
-                                           aggregation=self.multi_objective_aggregation)
+                                           aggregation=self.multi_objective_aggregation, outcome=self.reward_outcome)
         if refused:
             raise ValueError(f"{refused[0]}: {refused[1]}")
         if self.loss_type not in ROW_MEAN | TOKEN_COUNT | MICRO_BATCH_TOKEN_MEAN:
@@ -238,8 +253,9 @@ class DynamicSamplingMixin:
             return super()._prepare_inputs(generation_batch)
 
     def _scored(self, batch: list[dict], generate: Callable, quiet: bool) -> tuple[dict, torch.Tensor]:
-        """One generation round: TRL's output and its global ``[N, F]`` rewards. ``quiet``: the
-        round's metrics and completions are not logged (TRL's describe the first round only)."""
+        """One generation round: TRL's output and what judges its groups, global: the ``[N, F]``
+        rewards, with the outcome (``[N]``) as one more column under ``metric: outcome``. ``quiet``:
+        the round's metrics and completions are not logged (TRL's describe the first round only)."""
         seen = {}
         calculate = self._calculate_rewards
 
@@ -255,34 +271,41 @@ class DynamicSamplingMixin:
                 out = generate(batch)
         finally:
             self._metrics, self._logs = logs
-        return out, seen["rewards"]
+        scores = seen["rewards"]
+        if self.dynamic_sampling.metric == "outcome":
+            scores = torch.cat([scores, self.last_outcome.to(scores).unsqueeze(1)], dim=1)
+        return out, scores
 
-    def _kept(self, rewards: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _kept(self, scores: torch.Tensor) -> dict[str, torch.Tensor]:
         cfg = self.dynamic_sampling
-        return kept_groups(rewards, self.reward_weights, self.reward_objectives, self.num_generations, cfg.min_std,
-                           per_objective=cfg.metric == "objectives")
+        if cfg.metric == "outcome":
+            scores, outcome = scores[:, :-1], scores[:, -1]
+        else:
+            outcome = None
+        return kept_groups(scores, self.reward_weights, self.reward_objectives, self.num_generations, cfg.min_std,
+                           cfg.metric, outcome)
 
     def _sampled(self, batch: list[dict], generate: Callable) -> dict:
         """The step's generation batch: the first round, refilled (``refill``), then weighed."""
         cfg, G = self.dynamic_sampling, self.num_generations
-        out, rewards = self._scored(batch, generate, quiet=False)
-        kept = self._kept(rewards)
+        out, scores = self._scored(batch, generate, quiet=False)
+        kept = self._kept(scores)
         first = {k: float((~v).double().mean()) for k, v in kept.items()}
         rounds = 1
         if cfg.mode == "refill":
             n, rank = len(batch), self.accelerator.process_index
             while not bool(kept[""].all()) and rounds < cfg.max_num_gen_batches:
-                new, new_rewards = self._scored(self._refill_rows(n, rounds), generate, quiet=True)
-                pairs = refill_pairs(~kept[""], self._kept(new_rewards)[""], n // G)
+                new, new_scores = self._scored(self._refill_rows(n, rounds), generate, quiet=True)
+                pairs = refill_pairs(~kept[""], self._kept(new_scores)[""], n // G)
                 rows = [(g * G + j, h * G + j) for g, h in pairs for j in range(G)]  # global rows
                 mine = [(a - rank * n, b - rank * n) for a, b in rows if rank * n <= a < (rank + 1) * n]
                 if mine:
                     out = merge_rows(out, new, [a for a, _ in mine], [b for _, b in mine],
                                      self._tokenizer.pad_token_id)
                 if rows:
-                    rewards = rewards.clone()
-                    rewards[[a for a, _ in rows]] = new_rewards[[b for _, b in rows]]
-                    kept = self._kept(rewards)
+                    scores = scores.clone()
+                    scores[[a for a, _ in rows]] = new_scores[[b for _, b in rows]]
+                    kept = self._kept(scores)
                 rounds += 1
         self._weigh(out, kept)
         m = self._metrics["train"]

@@ -5,7 +5,9 @@ per component, for its names and per-component logs (``rewards/<component>/mean`
 trainer does not call them; ``_calculate_rewards`` evaluates the module once per generation
 batch. Without it, ``reward_funcs`` behave exactly as in TRL. ``reward_objectives`` tags each
 reward function with the objective it serves (``accuracy`` / ``reasoning``; a function's own
-``objective`` attribute does too), which PCGrad and dynamic sampling read. The module's state
+``objective`` attribute does too), which PCGrad and dynamic sampling read; each generation batch
+leaves its outcome (:attr:`RewardModuleMixin.last_outcome`, the answer's raw correctness) for
+dynamic sampling's ``metric: outcome``. The module's state
 (the verbosity guard's window) travels with every checkpoint, and the training set's
 reference steps are embedded once, before the first step (:meth:`pin_reward_references`).
 """
@@ -51,6 +53,14 @@ class RewardModuleMixin:
                              "would be a second reward beside the reward module, which scores every completion "
                              "itself; give the environment no get_reward method, or use plain reward_funcs with it")
         self.reward_objectives = self._objectives(reward_objectives)
+        #: Where the outcome comes from: the module's accuracy component, or the first reward function
+        #: with a true ``outcome`` attribute (its raw values); None: none (``metric: outcome`` is refused).
+        self._outcome_column = next((i for i, f in enumerate(self.reward_funcs) if getattr(f, "outcome", False)),
+                                    None)
+        self.reward_outcome = (self.reward.outcome_component if self.reward is not None else
+                               None if self._outcome_column is None else self.reward_func_names[self._outcome_column])
+        #: The last generation batch's outcome, ``[N]`` over all processes (None without a source).
+        self.last_outcome: torch.Tensor | None = None
 
     def _objectives(self, given: Sequence[str | None] | None) -> list[str | None]:
         """Each of TRL's reward functions' objective (None: untagged)."""
@@ -91,13 +101,17 @@ class RewardModuleMixin:
         statistics), the verbosity guard and the diagnostics see the whole generation batch.
         """
         if self.reward is None:  # the user's reward functions, exactly as TRL calls them
-            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            column = self._outcome_column
+            self.last_outcome = None if column is None else rewards[:, column].double().cpu()
+            return rewards
         start = time.perf_counter()
         device = self.accelerator.device
         local = self.reward.score(completions, inputs).batch
         batch = Batch.from_tensor(self.accelerator.gather(local.as_tensor().to(device)).cpu(),
                                   len(self.reward.extra_fields))
         comps, metrics = self.reward.rewards(batch, guard=self.model.training)
+        self.last_outcome = self.reward.outcome(batch) if self.reward_outcome else None
         metrics.update(self._group_signal(batch, inputs))
         metrics["scoring_seconds"] = time.perf_counter() - start
         for key, value in metrics.items():
