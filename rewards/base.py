@@ -31,7 +31,6 @@ from crystal_grpo.metrics import VALIDATION
 from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.rewards.diagnostics import diagnostics, nanmean, total
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
-from crystal_grpo.rewards.facts import StepGate
 from crystal_grpo.rewards.evaluation import (  # noqa: F401 - the evaluation's names, importable from here too
     COLUMNS,
     FIELDS,
@@ -44,6 +43,7 @@ from crystal_grpo.rewards.evaluation import (  # noqa: F401 - the evaluation's n
     reference_chains,
     zero_malformed,
 )
+from crystal_grpo.rewards.facts import StepGate
 from crystal_grpo.rewards.trl_functions import TRLRewardFunctions
 from crystal_grpo.rewards.verbosity import VerbosityGuard
 from crystal_grpo.typed import ConfigError, from_dict, option
@@ -86,7 +86,7 @@ class RewardConfig:
     threshold: float = option(0.35, "tau: minimum cosine similarity for two steps to match.", ge=-1, le=1)
     order_alpha: float = option(0.3, "Weight of the order (LIS) term in Ordered Match F1.", ge=0, le=1)
     matcher: Literal["greedy", "dp"] = option("greedy", "greedy 1:1 matching (the paper) or dp (order-preserving).")
-    step_gate: StepGate = option("none", "none: steps match on the encoder's similarity alone. facts: a predicted and "
+    step_gate: StepGate = option("none", "none: steps match on the encoder's similarity alone; facts: a predicted and "
                                  "a reference step whose numbers, operators and variables disagree never match "
                                  "(numbers within rel_tol/abs_tol; rewards/facts.py), for formal steps.")
     step_metric: StepMetric = option("f1", "The step score rewards use: Match F1 or Ordered Match F1.")

@@ -242,3 +242,16 @@ def test_score_cli_takes_it(tmp_path, minilm):
                                "--step_gate", gate], scorer=minilm) == 0
         report = json.loads(out.read_text())
         assert report["overall"]["f1"] == f1 and report["settings"]["step_gate"] == gate
+
+
+def test_evaluate_scores_with_the_runs_gate(tmp_path):
+    """scripts/evaluate.py builds its reward from the run's parameters; --reward keeps how steps are scored."""
+    from crystal_grpo.train.tools import evaluate as ev
+
+    run = tmp_path / "config.json"
+    run.write_text(json.dumps({"reward": {"name": "cpr", "params": {"encoder": EXACT, "step_gate": "facts"}}}))
+    for extra in ([], ["--reward", "answer_only"]):
+        setup = ev._setup(ev.build_parser().parse_args(["--predictions", "p.jsonl", *extra]), None, run)
+        module = build_reward(setup.reward, device="cpu", **{k: v for k, v in setup.reward_params.items()
+                                                               if k != "device"})
+        assert module._scorer().step_gate == "facts", extra

@@ -90,8 +90,8 @@ class DynamicSamplingSection:
         "none", "none: every group trains (TRL). mask: a flat group gets zero weight: out of the loss, the KL term "
         "and the loss's normaliser. refill (DAPO): up to max_num_gen_batches generation batches a step, informative "
         "groups of the later ones taking the flat groups' places; the flat groups still left are masked.")
-    min_std: float = option(0.0, "A group is flat when the std of its rewards is at most this (0: only groups whose "
-                            "rewards are all equal).", ge=0)
+    min_std: float = option(0.0, "A group is flat when the std of what the metric judges is at most this (0: only "
+                            "groups whose values are all equal).", ge=0)
     metric: Literal["reward", "objectives", "outcome"] = option(
         "reward", "Whose std: reward, the total reward (TRL's advantage is made of it); objectives (pcgrad: true "
         "only), each objective's part: PCGrad's accuracy loss leaves out the groups flat on accuracy, its reasoning "

@@ -74,7 +74,8 @@ class CrystalGRPOTrainer(RewardModuleMixin, PromptOrderMixin, CrystalTrainerMixi
     :class:`ValidationSection`) with ``reward=`` validates greedily on ``eval_dataset`` with the
     module's metrics (Match F1 included) and records the best checkpoint, as ``train/grpo.py``
     runs do. ``dynamic_sampling=`` (a :class:`DynamicSamplingSection`) masks or refills the
-    groups whose rewards do not vary.
+    groups whose rewards (or, ``metric: outcome``, answers) do not vary; with ``reward_funcs``
+    the outcome is the function whose ``outcome`` attribute is true.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, *args: Any, reward: RewardModule | None = None,

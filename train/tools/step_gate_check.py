@@ -81,6 +81,7 @@ def chain_table(scorers: dict, n: int, seed: int) -> list[dict]:
     equation = make_split(replace(spec, wording="equation"), n, seed, "train", "chk", demonstrate=True)
     refs = [r["reference_steps"] for r in truth]
     slipped = [bool(d.get("slips")) for d in demos]
+    exact = scorers[EXACT].score([d["reference_steps"] for d in demos], refs).f1.tolist()
     rows = []
     for label, preds in (("sentence", demos), ("equation vs sentence refs", equation)):
         for name, s in scorers.items():
@@ -89,7 +90,8 @@ def chain_table(scorers: dict, n: int, seed: int) -> list[dict]:
             rows.append({"predictions": label, "scorer": name, "all": sum(f1) / len(f1),
                          "slipped chains": sum(pick(True)) / max(1, len(pick(True))),
                          "clean chains": sum(pick(False)) / max(1, len(pick(False))),
-                         "n slipped/clean": f"{sum(slipped)}/{len(slipped) - sum(slipped)}"})
+                         "n slipped/clean": f"{sum(slipped)}/{len(slipped) - sum(slipped)}",
+                         "chains unlike exact (sentence)": sum(a != b for a, b in zip(f1, exact))})
     return rows
 
 
