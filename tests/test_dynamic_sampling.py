@@ -333,19 +333,22 @@ def test_the_outcome_gate_drops_groups_of_wrong_answers_that_cpr_still_varies(tm
     assert log["cpr/accuracy_varies"] == 0.5
 
 
-def test_the_outcome_gate_is_refused_without_an_accuracy_component(tmp_path, tiny_lm_path):
+def test_the_outcome_gate_is_refused_without_an_accuracy_component(tmp_path, tiny_lm_path, capsys):
     """A run config: one line at --check (format; reward.components without crystal:accuracy); a
     trainer built by hand with plain reward functions of which none is marked ``outcome``."""
-    from crystal_grpo.train.config import load_config
-    from crystal_grpo.typed import ConfigError
+    from crystal_grpo.train import grpo
 
-    gate = ["--dynamic_sampling.mode", "mask", "--dynamic_sampling.metric", "outcome"]
-    load_config("tiny", gate)  # cpr: its accuracy component
+    check = ["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), "--output_dir", str(tmp_path / "r"),
+             "--check", "--dynamic_sampling.mode", "mask", "--dynamic_sampling.metric", "outcome"]
+    assert grpo.main(check) == 0  # cpr: its accuracy component
+    capsys.readouterr()
     for extra in (["--reward.name", "format"],
                   ["--reward.components", '[{fn: "crystal:steps", weight: 1.0, objective: reasoning}]']):
-        with pytest.raises(ConfigError, match=r"^dynamic_sampling\.metric: 'outcome' gates on the reward's accuracy"):
-            load_config("tiny", gate + extra)
-    load_config("tiny", gate + ["--reward.components", '[{fn: "crystal:accuracy"}, {fn: "crystal:steps"}]'])
+        assert grpo.main(check + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("config error: dynamic_sampling.metric: 'outcome' gates on the reward's accuracy")
+        assert "\n" not in err and "use metric: reward" in err
+    assert grpo.main(check + ["--reward.components", '[{fn: "crystal:accuracy"}, {fn: "crystal:steps"}]']) == 0
     with pytest.raises(ValueError, match="dynamic_sampling.metric: 'outcome' gates"):
         CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=by_position, train_dataset=rows([True] * 4),
                            args=args(tmp_path, "x"), dynamic_sampling=DynamicSamplingSection("mask", metric="outcome"))

@@ -31,8 +31,8 @@ the one whose ``outcome`` attribute is true): a group whose answers are all righ
 out, however its step scores vary. With a shaped reward such as CPR, a group of wrong answers
 still varies through its step term, so a std gate keeps it and GRPO scales its step differences
 up to full-size advantages that say nothing about solving the task ("phantom" gradients: verl-recipe
-PR #125 measured a std gate collapsing where a gate on the binary outcome trained, and every
-official DAPO script of verl filters on ``acc``). A reward without an accuracy component is
+PR #125 measured a std gate collapsing where a gate on the binary outcome trained; verl's DAPO
+recipe filters on ``acc``). A reward without an accuracy component is
 refused (``format``; ``reward.components`` without ``crystal:accuracy``).
 
 How a group leaves the loss: TRL 1.16's ``_compute_loss`` weighs every token by
