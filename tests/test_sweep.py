@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from crystal_grpo.train.tools import launch
 from crystal_grpo.train.tools import sweep as sw
 from crystal_grpo.train.tools import sweep_report
+from crystal_grpo.train.checkpoints import checkpoint_problem
 from crystal_grpo.train.layout import PHASE_DONE, POINT_LOG, SUMMARY, SWEEP_POINT
 from crystal_grpo.train.tools.sweep_report import build, markdown, point_metrics
+from runs import REPO, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
 
 
@@ -56,6 +59,17 @@ seeds: [1, 2]
     cmd = sw.command(sweep, first)
     assert cmd[:2] == ["python", "train/grpo.py"] and cmd[cmd.index("--reward.name") + 1] == "cpr"
     assert cmd[cmd.index("--output_dir") + 1] == str(tmp_path / "out" / first.name)
+
+
+def test_points_run_seed_by_seed(tmp_path):
+    """Every arm of the first seed, then every arm of the next: a sweep stopped part way has its
+    arms at the same number of seeds (or one apart). A job array's tasks go in the same order."""
+    path = write(tmp_path, "base: tiny.yaml\npoints: [{name: a}, {name: b}, {name: c}]\nseeds: [7, 1, 2]\n")
+    sweep = sw.load_sweep(path, tmp_path / "out")
+    expected = [f"{arm}_seed{seed}" for seed in (7, 1, 2) for arm in "abc"]
+    assert [p.name for p in sweep.points] == expected
+    lines = sw.emit(sweep, "commands").splitlines()
+    assert [line.split("--output_dir ")[1].split()[0].rsplit("/", 1)[1] for line in lines] == expected
 
 
 @pytest.mark.parametrize("text, message", [
@@ -146,8 +160,9 @@ def tiny_sweep_file(tiny_lm_path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_sweep(tiny_sweep_file, tmp_path_factory):
+    """Both points at once (each with half the cores), forked from one process that imported the libraries."""
     out = tmp_path_factory.mktemp("sweep") / "tiny"
-    assert sw.main([str(tiny_sweep_file), "--output_dir", str(out)]) == 0
+    assert sw.main([str(tiny_sweep_file), "--output_dir", str(out), "--jobs", "2"]) == 0
     return sw.load_sweep(tiny_sweep_file, out)
 
 
@@ -174,6 +189,73 @@ def test_tiny_sweep_report_equals_the_points_own_files(tiny_sweep):
     md = (out / "report.md").read_text()
     for arm in ("answer_weight=0.65_step_weight=0.35", "answer_weight=0.8_step_weight=0.2"):
         assert f"| {arm} | 1 |" in md
+
+
+def test_a_forked_point_computes_what_a_new_interpreter_computes(tiny_sweep, tiny_sweep_file, tmp_path):
+    """The fixture's points were forked (two at a time); the same point in a new interpreter, with
+    the same threads, writes the same weights to the bit and validates the same."""
+    sweep = sw.load_sweep(tiny_sweep_file, tmp_path / "spawned")
+    point = sweep.points[0]
+    settings = launch.Settings(threads=max(1, launch.cores() // 2), fork=False)
+    assert sw.run_point(sweep, point, say=lambda _: None, settings=settings) == "done"
+    for name in ("final/model.safetensors", "validation.jsonl"):
+        assert (sweep.output_dir / point.name / name).read_bytes() == \
+            (tiny_sweep.output_dir / point.name / name).read_bytes(), name
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(__name__)  # the fixture's worker: its fork server is started already
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_run_is_forked_with_the_libraries_loaded_or_started_anew(tmp_path, fork):
+    probe = launch.Entry("tests/fork_probe.py", "fork_probe")
+    log = tmp_path / "run.log"
+    log.write_text("earlier\n")
+    assert launch.run(probe, ["--a", "1"], log, REPO, settings=launch.Settings(threads=1, fork=fork)) == 3
+    lines = log.read_text().splitlines()
+    seen = json.loads(lines[-1])
+    assert lines[0] == "earlier"  # appended to
+    assert seen["libraries_loaded"] is (fork and launch.can_fork())
+    assert seen["threads"] == 1 and seen["argv"] == ["--a", "1"] and seen["argv0"] == "tests/fork_probe.py"
+    assert seen["cwd"] == str(REPO) and seen["pid"] != os.getpid()
+
+
+def test_a_point_stopped_while_evaluated_is_evaluated_when_the_sweep_runs_again(tiny_sweep, tiny_sweep_file,
+                                                                                 tmp_path):
+    import yaml
+
+    raw = yaml.safe_load(tiny_sweep_file.read_text())
+    raw["eval"] = {"data": "data/wordproblems/val.jsonl", "max_samples": 2, "max_new_tokens": 8}
+    sweep = sw.load_sweep(write(tmp_path, yaml.safe_dump(raw)), tmp_path / "sw")
+    point = sweep.points[0]
+    shutil.copytree(tiny_sweep.output_dir / point.name, sweep.output_dir / point.name)  # trained, not evaluated
+    assert sw.run_point(sweep, point, say=lambda _: None) == "skipped"
+    report = json.loads((sweep.output_dir / point.name / "eval" / "report.json").read_text())
+    assert report["rows"] == 2 and report["model"] == str(sweep.output_dir / point.name / "final")
+
+
+def test_ctrl_c_to_the_sweep_stops_its_running_point_after_a_checkpoint(tiny_lm_path, tmp_path):
+    """SIGINT to the sweep's process alone (a scheduler's, or a terminal's that its runs missed):
+    the running point hears it from the sweep, saves a checkpoint at the end of its step and
+    stops; no other point starts; the sweep exits 130."""
+    path = write(tmp_path, f"""
+base: {REPO / 'configs' / 'tiny.yaml'}
+overrides: {{training.max_steps: 300, training.save_steps: 1000, validation.eval_steps: 0,
+            model.name_or_path: {tiny_lm_path}, reward.name: answer_only}}
+points: [{{name: a}}, {{name: b}}]
+""")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "scripts/sweep.py", str(path), "--output_dir", str(out)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(out / "a" / "metrics.jsonl", proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    saved = [p for p in (out / "a").glob("checkpoint-*") if checkpoint_problem(p) is None]
+    assert len(saved) == 1 and 0 < int(saved[0].name.split("-")[1]) < 300
+    assert not (out / "b").exists()
 
 
 def test_rerun_skips_finished_points(tiny_sweep):

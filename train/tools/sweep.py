@@ -18,10 +18,13 @@ A sweep file (YAML, see configs/sweeps/) names::
 
 Every point becomes a run folder ``<sweep folder>/<point>`` holding ``sweep_point.json`` (its
 overrides, command and resolved config) and its ``train.log``. Every point's overrides are
-validated before anything runs. Re-running skips finished points (their ``summary.json``
-exists), resumes an interrupted one from its last checkpoint, and a failed point is
-reported with the tail of its log without stopping the others. The report lives in
-train/tools/sweep_report.py.
+validated before anything runs. Points run seed by seed (every arm of the first seed, then of
+the second, ...), one at a time or ``--jobs N`` at a time, each with its share of the cores;
+on a machine without CUDA each run is forked from one process that imported the libraries
+(train/tools/launch.py). Re-running skips finished points (their ``summary.json`` exists) and
+evaluates those not yet evaluated, resumes an interrupted one from its last checkpoint, and a
+failed point is reported with the tail of its log without stopping the others. The report
+lives in train/tools/sweep_report.py.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import itertools
 import json
 import re
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -43,6 +45,8 @@ from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.train.layout import BEST, FINAL, POINT_LOG, SWEEP_POINT, is_finished, run_targets
 from crystal_grpo.train.run_folder import foreign_folder
+from crystal_grpo.train.tools import launch
+from crystal_grpo.train.tools.launch import EVALUATE, TRAIN
 from crystal_grpo.train.tools.sweep_report import STATUS_FILE, eval_targets, read_status, write_report
 from crystal_grpo.typed import to_dict
 
@@ -193,6 +197,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
                 over = {**overrides, **({"training.seed": seed} if seed is not None else {})}
                 name = arm if seed is None else f"{arm}_seed{seed}"
                 points.append(Point(name, arm, str(config), over, seed))
+    points.sort(key=lambda p: seeds.index(p.seed))  # seed by seed: a stopped sweep leaves its arms balanced
     names = [p.name for p in points]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -244,20 +249,16 @@ def resolved(point: Point) -> dict:
 def command(sweep: Sweep, point: Point, python: str = "python") -> list[str]:
     """The point's launch line. It always asks to resume: a fresh folder starts from scratch,
     an interrupted one from its newest complete checkpoint, a finished phase is skipped."""
+    launcher = shlex.split(sweep.launcher)
+    return [*([python] if launcher == ["python"] else launcher), *TRAIN.argv(ROOT), *train_args(sweep, point)]
+
+
+def train_args(sweep: Sweep, point: Point) -> list[str]:
+    """train/grpo.py's arguments for the point."""
     from crystal_grpo.train.config import resolve_config_path
 
-    launcher = shlex.split(sweep.launcher)
-    if launcher == ["python"]:
-        launcher = [python]
-    return [*launcher, *entry("train/grpo.py", "crystal_grpo.train.grpo"), "--config", _rel(resolve_config_path(point.config)),
-            "--output_dir", _rel(sweep.output_dir / point.name), "--resume_from_checkpoint", "latest",
-            *point.overrides_argv()]
-
-
-def entry(script: str, module: str) -> list[str]:
-    """A checkout's script, else the installed package's module (``python -m``, which
-    ``accelerate launch -m`` also takes)."""
-    return [script] if (ROOT / script).is_file() else ["-m", module]
+    return ["--config", _rel(resolve_config_path(point.config)), "--output_dir", _rel(sweep.output_dir / point.name),
+            "--resume_from_checkpoint", "latest", *point.overrides_argv()]
 
 
 def _rel(path: Path) -> str:
@@ -303,26 +304,30 @@ def _record(sweep: Sweep, name: str, entry: dict) -> None:
         atomic_write_text(sweep.output_dir / STATUS_FILE, json.dumps(status, indent=2))
 
 
-def run_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print) -> str:
-    """Run one point unless finished: ``"skipped"``, ``"done"`` or ``"failed"`` (recorded with
-    the log's tail in the sweep folder's ``sweep_status.json``)."""
+def run_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print,
+              settings: launch.Settings = launch.Settings()) -> str:
+    """Run one point unless finished, then its evaluation unless done: ``"skipped"``, ``"done"``
+    or ``"failed"`` (recorded with the log's tail in the sweep folder's ``sweep_status.json``)."""
     folder = sweep.output_dir / point.name
     if is_finished(folder):
         say(f"[{point.name}] finished earlier: skipped")
+        if sweep.eval:  # one stopped during its evaluation is evaluated now
+            evaluate_point(sweep, point, say, settings)
         return "skipped"
     resuming = (folder / SWEEP_POINT).is_file()
     prepare(sweep, point)
     say(f"[{point.name}] {'resuming' if resuming else 'starting'} (log: {folder / POINT_LOG})")
     start = time.time()
-    with open(folder / POINT_LOG, "ab") as log:
-        rc = subprocess.run(command(sweep, point, sys.executable), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL).returncode
+    launcher = shlex.split(sweep.launcher)
+    rc = launch.run(TRAIN, train_args(sweep, point), folder / POINT_LOG, ROOT,
+                    None if launcher == ["python"] else launcher, settings)
     seconds = round(time.time() - start, 1)
     if rc == 0 and is_finished(folder):
         _record(sweep, point.name, {"status": "done", "seconds": seconds})
         if sweep.eval:
-            evaluate_point(sweep, point, say)
-        say(f"[{point.name}] done in {seconds:.0f} s")
+            evaluate_point(sweep, point, say, settings)
+        say(f"[{point.name}] done in {seconds:.0f} s" + (f" + {time.time() - start - seconds:.0f} s evaluating"
+                                                         if sweep.eval else ""))
         return "done"
     tail = log_tail(folder)
     _record(sweep, point.name, {"status": "failed", "returncode": rc, "seconds": seconds, "log_tail": tail})
@@ -331,17 +336,26 @@ def run_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print) ->
 
 
 def run_sweep(sweep: Sweep, only: list[str] | None = None, say: Callable[[str], None] = print,
-              jobs: int = 1) -> dict[str, str]:
-    """Every point (or those named in ``only``), one after another, or ``jobs`` at a time (small
-    runs sharing one large GPU); a failure stops none."""
+              jobs: int = 1, fork: bool = True) -> dict[str, str]:
+    """Every point (or those named in ``only``) in the sweep's order (seed by seed), one after
+    another, or ``jobs`` at a time with the CPU cores shared among them; a failure stops none.
+    On Ctrl-C no point starts any more and the running ones save and stop. ``fork``: runs may
+    be forked from a process that imported the libraries once (train/tools/launch.py)."""
     points = select(sweep, only)
+    settings = launch.Settings(max(1, launch.cores() // jobs) if jobs > 1 else None, fork)
     if jobs <= 1:
-        return {p.name: run_point(sweep, p, say) for p in points}
+        return {p.name: run_point(sweep, p, say, settings) for p in points}
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(lambda p: run_point(sweep, p, say), points))
-    return {p.name: r for p, r in zip(points, results)}
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    futures = [pool.submit(run_point, sweep, p, say, settings) for p in points]
+    try:
+        return {p.name: f.result() for p, f in zip(points, futures)}
+    except KeyboardInterrupt:
+        launch.interrupt_running()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def select(sweep: Sweep, only: list[str] | None) -> list[Point]:
@@ -363,7 +377,8 @@ def best_checkpoint(folder: Path) -> Path | None:
         return None
 
 
-def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print) -> bool:
+def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print,
+                   settings: launch.Settings = launch.Settings()) -> bool:
     """Score the point's final weights (and its best checkpoint, when another) on ``eval.data``
     into ``<point>/eval`` (and ``<point>/eval_best``); resumable."""
     folder = sweep.output_dir / point.name
@@ -373,14 +388,11 @@ def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = prin
         if (folder / out / "report.json").is_file():
             continue  # evaluated earlier (scripts/evaluate.py --force re-scores)
         ev = sweep.eval
-        argv = [sys.executable, *entry("scripts/evaluate.py", "crystal_grpo.train.tools.evaluate"), "--model", str(ckpt), "--data", str(ev["data"]),
-                "--out", str(folder / out)]
+        args = ["--model", str(ckpt), "--data", str(ev["data"]), "--out", str(folder / out)]
         for key in sorted(EVAL_KEYS - {"data"}):
             if ev.get(key) is not None:
-                argv += [f"--{key}", str(ev[key])]
-        with open(folder / f"{out}.log", "ab") as log:
-            rc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL).returncode
+                args += [f"--{key}", str(ev[key])]
+        rc = launch.run(EVALUATE, args, folder / f"{out}.log", ROOT, settings=settings)
         if rc != 0:
             say(f"[{point.name}] evaluation of {ckpt.name} FAILED (exit code {rc}); see {folder / f'{out}.log'}")
             ok = False
@@ -431,8 +443,11 @@ def main(argv: list[str] | None = None) -> int:
                       "shell line a point, instead of running")
     what.add_argument("--report", action="store_true", help="only aggregate what has finished")
     ap.add_argument("--point", action="append", help="run only this point (repeatable)")
-    ap.add_argument("--jobs", type=int, default=1, help="points run at once on this machine (default 1: one after "
-                    "another); several small runs can share one large GPU")
+    ap.add_argument("--jobs", type=int, default=1, help="points run at once on this machine, each with an equal share "
+                    "of the CPU cores as its torch threads (default 1: one after another, threads as the environment "
+                    "sets them)")
+    ap.add_argument("--no_fork", action="store_true", help="start every run in a new interpreter instead of forking it "
+                    "from one that imported the libraries once")
     args = ap.parse_args(argv)
     if args.emit:  # stdout carries the script alone (libraries print notes while they load: to stderr)
         try:
@@ -446,7 +461,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sweep = load_sweep(args.sweep, args.output_dir, resolve_init=not (args.report and not args.point))
         print(f"sweep {sweep.name}: {len(sweep.points)} point(s) in {sweep.output_dir}")
-        results = {} if args.report else run_sweep(sweep, args.point, jobs=args.jobs)
+        start, cpu = time.perf_counter(), launch.children_cpu()
+        try:
+            results = {} if args.report else run_sweep(sweep, args.point, jobs=args.jobs, fork=not args.no_fork)
+        except KeyboardInterrupt:
+            print("\ninterrupted: the running points saved a checkpoint and stopped; the same command resumes the sweep",
+                  file=sys.stderr)
+            return 130
+        finally:
+            launch.stop()
+        if results:
+            print(f"ran {sum(s != 'skipped' for s in results.values())} point(s) in {time.perf_counter() - start:.0f} s "
+                  f"({launch.children_cpu() - cpu:.0f} CPU-s)")
         if sweep.eval and args.report:
             for p in sweep.points:
                 if is_finished(sweep.output_dir / p.name):

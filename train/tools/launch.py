@@ -1,0 +1,161 @@
+"""How a sweep runs its programs (train/grpo.py, scripts/evaluate.py): in a child forked from one
+process that has imported them, where it can, else as a subprocess.
+
+A run imports torch, transformers, TRL, DeepSpeed and matplotlib before its first step, seconds
+of CPU a run, and an organism point runs three times (its training and two evaluations:
+docs/benchmarks.md, "A sweep point's wall time"). Python's forkserver imports them once a sweep
+(:data:`PRELOAD`); each run is a child forked from it: a process of its own (pid, log, signals,
+exit code) that finds the modules loaded, and computes what the same command line in a new
+interpreter computes (tests/test_sweep.py compares the weights bit for bit). Not where CUDA is
+visible: the CUDA driver does not survive a fork, so GPU sweeps keep subprocesses.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+#: What a training run and an evaluation import, loaded once into the fork server.
+PRELOAD = ("crystal_grpo.train.grpo", "crystal_grpo.train.trainer", "crystal_grpo.train.pcgrad",
+           "crystal_grpo.train.callbacks", "crystal_grpo.train.interrupt", "crystal_grpo.train.models",
+           "crystal_grpo.train.data", "crystal_grpo.train.plot", "crystal_grpo.train.tools.evaluate",
+           "crystal_grpo.train.tools.eval_report", "deepspeed", "matplotlib.pyplot")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A program of the sweep: a checkout's script, else the installed package's module."""
+
+    script: str
+    module: str
+
+    def argv(self, root: Path) -> list[str]:
+        """What follows the interpreter (``accelerate launch -m`` takes a module too)."""
+        return [self.script] if (root / self.script).is_file() else ["-m", self.module]
+
+
+_LOCK = threading.Lock()
+_RUNNING: set[int] = set()  # pids of the runs going on (several with --jobs)
+
+TRAIN = Entry("train/grpo.py", "crystal_grpo.train.grpo")
+EVALUATE = Entry("scripts/evaluate.py", "crystal_grpo.train.tools.evaluate")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the runs start: their torch threads (None: as the environment sets them), and whether
+    they may be forked (False: each a new interpreter, as ``--no_fork`` asks)."""
+
+    threads: int | None = None
+    fork: bool = True
+
+
+@functools.cache
+def can_fork() -> bool:
+    """A fork server exists here (POSIX) and no CUDA device is visible."""
+    import torch
+
+    return "forkserver" in multiprocessing.get_all_start_methods() and not torch.cuda.is_available()
+
+
+@functools.cache
+def _context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def run(entry: Entry, args: list[str], log: Path, root: Path, launcher: list[str] | None = None,
+        settings: Settings = Settings()) -> int:
+    """Run ``entry`` with ``args`` in ``root`` to its end, its output appended to ``log``; its exit
+    code. ``launcher`` (e.g. ``accelerate launch ...``) always takes a subprocess. On Ctrl-C the run
+    gets SIGINT too (it saves a checkpoint at its step's end and stops: train/interrupt.py), and
+    KeyboardInterrupt is raised once it has stopped."""
+    threads = settings.threads
+    if launcher is None and settings.fork and can_fork():
+        proc = _context().Process(target=_child, args=(entry, args, str(log), str(root), threads))
+        proc.start()  # the first one waits for the server's imports
+        pid, wait = proc.pid, lambda: proc.join() or proc.exitcode
+    else:
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
+        with open(log, "ab") as out:
+            popen = subprocess.Popen([*(launcher or [sys.executable]), *entry.argv(root), *args], cwd=root, env=env,
+                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        pid, wait = popen.pid, popen.wait
+    with _LOCK:
+        _RUNNING.add(pid)
+    try:
+        return wait()
+    except KeyboardInterrupt:
+        interrupt_running()
+        wait()
+        raise
+    finally:
+        with _LOCK:
+            _RUNNING.discard(pid)
+
+
+def stop() -> None:
+    """Stop the fork server once its runs are done (its CPU time then counts in this process's
+    children's: ``resource.getrusage``)."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if _context.cache_info().currsize and hasattr(server, "_stop"):
+        server._stop()
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished runs (a forked run's once :func:`stop` has run)."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def cores() -> int:
+    """The CPU cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def interrupt_running() -> None:
+    """Ctrl-C: SIGINT to every run going on (a terminal's reached them already; train/interrupt.py
+    counts the two as one)."""
+    with _LOCK:
+        for pid in _RUNNING:
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+
+
+def _child(entry: Entry, args: list[str], log: str, root: str, threads: int | None) -> None:
+    """The forked run: as ``python SCRIPT ARGS`` would start it, its output into ``log``."""
+    os.chdir(root)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    if threads:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    script = Path(root, entry.script)
+    sys.argv = [entry.script if script.is_file() else entry.module, *args]
+    sys.path[0] = str(script.parent if script.is_file() else root)  # as the interpreter sets it
+    try:
+        code = importlib.import_module(entry.module).main(args)
+    finally:
+        atexit._run_exitfuncs()  # what an interpreter's exit runs (a forked child skips it)
+    sys.exit(code)
