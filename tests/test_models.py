@@ -516,3 +516,46 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
                 "plain-full-unmerged", "plain-full-static-pcgrad", "trl-full-cb-static"):
         with pytest.raises(SystemExit, match="allowed are"):
             bench.command(bad, "m", tmp_path, a, cuda)
+
+
+def test_every_part_the_parts_clock_times_exists():
+    """train/tools/parts.py wraps methods by name, TRL's and transformers' private ones among
+    them: a renamed one would silently drop out of the breakdown."""
+    import importlib
+
+    from crystal_grpo.train.tools import parts
+
+    for program, (module, timed) in parts.PROGRAMS.items():
+        assert callable(importlib.import_module(module).main), program
+        for label, owner, path in timed:
+            holder = importlib.import_module(owner)
+            for name in path.split("."):
+                holder = getattr(holder, name)
+            assert callable(holder), (program, label, path)
+
+
+def test_the_parts_clock_gives_each_second_to_the_innermost_part(monkeypatch):
+    from crystal_grpo.train.tools import parts
+
+    now = [0.0]
+    monkeypatch.setattr(parts.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(parts.time, "process_time", lambda: now[0] / 2)
+
+    class Work:
+        def outer(self):
+            now[0] += 1
+            self.inner()
+            now[0] += 2
+
+        def inner(self):
+            now[0] += 4
+
+    clock = parts.Clock()
+    clock.wrap(Work, "outer", "validation: scoring, files")
+    clock.wrap(Work, "inner", "generation")
+    clock.enter("other")
+    Work().outer()
+    now[0] += 8
+    clock.leave()
+    assert clock.spent == {"other": [8.0, 4.0, 1], "validation: scoring, files": [3.0, 1.5, 1],
+                           "validation: generation": [4.0, 2.0, 1]}

@@ -72,6 +72,16 @@ def test_points_run_seed_by_seed(tmp_path):
     assert [line.split("--output_dir ")[1].split()[0].rsplit("/", 1)[1] for line in lines] == expected
 
 
+def test_bench_sweep_modes_are_sweep_command_lines():
+    from crystal_grpo.train.tools.sweep_bench import sweep_argv
+
+    assert sweep_argv("jobs2-fork") == ["--jobs", "2"]
+    assert sweep_argv("jobs1-spawn") == ["--jobs", "1", "--no_fork"]
+    for bad in ("jobs-fork", "jobs2", "two-fork", "jobs2-thread"):
+        with pytest.raises(SystemExit, match="expected jobs<N>-fork or jobs<N>-spawn"):
+            sweep_argv(bad)
+
+
 @pytest.mark.parametrize("text, message", [
     ("base: tiny.yaml\npoints: [{name: a, overrides: {training.learnin_rate: 1.0e-5}}]",
      "point a: training: unknown key 'learnin_rate'"),
