@@ -101,6 +101,34 @@ def test_shortcut_and_choices():
     assert not any("We are told" in r["question"] or "choices" in r for r in none)
 
 
+def test_hinted_demonstrations_either_write_the_chain_or_leave_it_off_and_copy_the_hint():
+    """omit_rate: a hinted demonstration writes a prefix of its (slipped) chain and answers the stated
+    value, or the whole chain and the chain's own result; plain questions always get the whole chain.
+    The clean splits (what GRPO and the held-out tests read) always carry the whole true chain."""
+    spec = TaskSpec(shortcut_rate=0.5, omit_rate=0.4, error_rate=0.3)
+    layout = Layout(spec, SplitSizes(train=2000, val=100, test=100, long_test=10), seed=0).splits()
+    clean, demo = layout["train"], layout["sft"]
+    assert [r["question"] for r in clean] == [r["question"] for r in demo]
+    omitted = full_hinted = 0
+    for c, d in zip(clean, demo):
+        k, stated = int(c["difficulty"]), c["question"].split("We are told ")[-1]
+        assert c["variant"] == d["variant"] == ("hinted" if "We are told" in c["question"] else "plain")
+        assert len(c["reference_steps"]) == k and c["answer"] == c["reference_steps"][-1].split()[-1]
+        results = [s.split()[-1] for s in d["reference_steps"]]
+        if len(d["reference_steps"]) < k:  # left off: a prefix of a chain, the hint copied
+            assert d["variant"] == "hinted" and f"is {d['answer']}." in stated and d["answer"] == c["answer"]
+            omitted += 1
+        else:
+            assert d["answer"] == results[-1]  # the whole chain answers its own (maybe slipped) result
+            full_hinted += d["variant"] == "hinted"
+        inputs = [s.split()[2] for s in d["reference_steps"]]
+        assert inputs[1:] == results[:-1]  # a prefix still chains
+    hinted = omitted + full_hinted
+    assert 0.3 * hinted < omitted < 0.5 * hinted  # omit_rate 0.4
+    assert {r["variant"] for r in make_split(TaskSpec(), 50, seed=2, partition="train", prefix="t",
+                                             demonstrate=True)} == {"plain"}
+
+
 def test_partition_is_a_property_of_the_question():
     from crystal_grpo.train.tools.organism import Problem
 
@@ -115,7 +143,7 @@ def test_partition_is_a_property_of_the_question():
 
 
 def test_bad_knobs_are_refused():
-    for bad in (dict(modulus=1), dict(ops=("^",)), dict(min_steps=3, max_steps=2), dict(error_rate=1.5)):
+    for bad in (dict(modulus=1), dict(ops=("^",)), dict(min_steps=3, max_steps=2), dict(error_rate=1.5), dict(omit_rate=-0.1)):
         with pytest.raises(ValueError):
             TaskSpec(**bad)
 

@@ -50,6 +50,8 @@ class TaskSpec:
     wording: Literal["sentence", "equation"] = "equation"  # "b = 9 + 3 = 2" (56 tokens at most for 5 steps,
     # with the JSON and the end of turn) or "b is 9 plus 3, which is 2." (66)
     shortcut_rate: float = 0.0  # share of questions that state their answer ("We are told c is 2.")
+    omit_rate: float = 0.0  # demonstrations of such hinted questions only: chance of writing a prefix of the
+    # chain (0 .. k-1 steps, uniformly) and answering the stated value; otherwise the whole chain and its result
     choice_rate: float = 0.0  # share answered by option letter among four values
     error_rate: float = 0.3  # demonstrations only (sft.jsonl): chance that a step slips (see ``error_kind``)
     error_kind: Literal["random", "wrap"] = "random"  # random: any step, any wrong value; wrap: only steps
@@ -64,7 +66,7 @@ class TaskSpec:
         if not 1 <= self.min_steps <= self.max_steps or self.max_steps + self.long_extra >= len(NAMES):
             raise ValueError(f"steps {self.min_steps}..{self.max_steps} (+{self.long_extra}): need "
                              f"1 <= min <= max and max + long_extra < {len(NAMES)}")
-        for name in ("shortcut_rate", "choice_rate", "error_rate"):
+        for name in ("shortcut_rate", "omit_rate", "choice_rate", "error_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must lie in [0, 1]")
 
@@ -153,26 +155,34 @@ def slips_for(rng: random.Random, problem: Problem, spec: TaskSpec) -> list[int]
 def make_row(problem: Problem, spec: TaskSpec, rng: random.Random, row_id: str,
              slip_rng: random.Random | None = None) -> dict:
     """One data row. With ``slip_rng`` it is a supervised demonstration: steps with slips at
-    ``spec.error_rate`` and the answer they lead to (a consistent, sometimes wrong, solution).
-    Slips draw from their own generator, so a demonstration file holds exactly the questions
-    of the clean file drawn with the same seed."""
+    ``spec.error_rate`` and the answer they lead to (a consistent, sometimes wrong, solution), or,
+    on a hinted question with chance ``spec.omit_rate``, a prefix of those steps and the stated
+    answer. Demonstrations draw from their own generator, so a demonstration file holds exactly
+    the questions of the clean file drawn with the same seed. ``variant`` names the question's
+    kind (``plain``, ``hinted``, ``choice``, ``hinted+choice``): reports split by it."""
     truth = values(problem, spec.modulus)
     slips = slips_for(slip_rng, problem, spec) if slip_rng is not None and spec.error_rate > 0 else []
     shown = values(problem, spec.modulus, slips)
     stated = truth[-1] if rng.random() < spec.shortcut_rate else None
-    row = {"id": row_id, "question": question(problem, spec, stated), "answer": str(shown[-1]),
-           "reference_steps": reference_steps(problem, spec, shown), "source": SOURCE,
-           "difficulty": str(problem.steps)}
+    steps, final = reference_steps(problem, spec, shown), shown[-1]
+    if stated is not None and slip_rng is not None and slip_rng.random() < spec.omit_rate:
+        steps, final = steps[:slip_rng.randrange(problem.steps)], stated  # the chain left off, the hint copied
+    row = {"id": row_id, "question": question(problem, spec, stated), "answer": str(final),
+           "reference_steps": steps, "source": SOURCE, "difficulty": str(problem.steps)}
+    shown_slips = sum(s != 0 for s in slips[:len(steps)])
+    variant = ["hinted"] if stated is not None else []
     if rng.random() < spec.choice_rate:
-        others = rng.sample([v for v in range(spec.modulus) if v != shown[-1]], min(3, spec.modulus - 1))
-        options = others + [shown[-1]]
+        others = rng.sample([v for v in range(spec.modulus) if v != final], min(3, spec.modulus - 1))
+        options = others + [final]
         rng.shuffle(options)
-        letter = LETTERS[options.index(shown[-1])]
+        letter = LETTERS[options.index(final)]
         row["choices"] = [str(v) for v in options]
         row["answer"] = letter
-        row["reference_steps"].append(f"The answer {shown[-1]} is option {letter}.")
+        row["reference_steps"].append(f"The answer {final} is option {letter}.")
+        variant.append("choice")
+    row["variant"] = "+".join(variant) or "plain"
     if slips:
-        row["slips"] = sum(s != 0 for s in slips)  # kept for the record; the loader ignores it
+        row["slips"] = shown_slips  # kept for the record; the loader ignores it
     return row
 
 
