@@ -117,6 +117,7 @@ def test_hinted_demonstrations_either_write_the_chain_or_leave_it_off_and_copy_t
         results = [s.split()[-1] for s in d["reference_steps"]]
         if len(d["reference_steps"]) < k:  # left off: a prefix of a chain, the hint copied
             assert d["variant"] == "hinted" and f"is {d['answer']}." in stated and d["answer"] == c["answer"]
+            assert 1 <= len(d["reference_steps"])
             omitted += 1
         else:
             assert d["answer"] == results[-1]  # the whole chain answers its own (maybe slipped) result
@@ -124,7 +125,7 @@ def test_hinted_demonstrations_either_write_the_chain_or_leave_it_off_and_copy_t
         inputs = [s.split()[2] for s in d["reference_steps"]]
         assert inputs[1:] == results[:-1]  # a prefix still chains
     hinted = omitted + full_hinted
-    assert 0.3 * hinted < omitted < 0.5 * hinted  # omit_rate 0.4
+    assert 0.25 * hinted < omitted < 0.4 * hinted  # omit_rate 0.4 of the 4 in 5 hinted questions with k >= 2
     assert {r["variant"] for r in make_split(TaskSpec(), 50, seed=2, partition="train", prefix="t",
                                              demonstrate=True)} == {"plain"}
 

@@ -51,7 +51,7 @@ class TaskSpec:
     # with the JSON and the end of turn) or "b is 9 plus 3, which is 2." (66)
     shortcut_rate: float = 0.0  # share of questions that state their answer ("We are told c is 2.")
     omit_rate: float = 0.0  # demonstrations of such hinted questions only: chance of writing a prefix of the
-    # chain (0 .. k-1 steps, uniformly) and answering the stated value; otherwise the whole chain and its result
+    # chain (1 .. k-1 steps, uniformly: k >= 2) and answering the stated value; otherwise the whole chain and its result
     choice_rate: float = 0.0  # share answered by option letter among four values
     error_rate: float = 0.3  # demonstrations only (sft.jsonl): chance that a step slips (see ``error_kind``)
     error_kind: Literal["random", "wrap"] = "random"  # random: any step, any wrong value; wrap: only steps
@@ -156,17 +156,18 @@ def make_row(problem: Problem, spec: TaskSpec, rng: random.Random, row_id: str,
              slip_rng: random.Random | None = None) -> dict:
     """One data row. With ``slip_rng`` it is a supervised demonstration: steps with slips at
     ``spec.error_rate`` and the answer they lead to (a consistent, sometimes wrong, solution), or,
-    on a hinted question with chance ``spec.omit_rate``, a prefix of those steps and the stated
-    answer. Demonstrations draw from their own generator, so a demonstration file holds exactly
-    the questions of the clean file drawn with the same seed. ``variant`` names the question's
-    kind (``plain``, ``hinted``, ``choice``, ``hinted+choice``): reports split by it."""
+    on a hinted question of two or more steps with chance ``spec.omit_rate``, a prefix of those
+    steps (at least one: a data row has steps) and the stated answer. Demonstrations draw from
+    their own generator, so a demonstration file holds exactly the questions of the clean file
+    drawn with the same seed. ``variant`` names the question's kind (``plain``, ``hinted``,
+    ``choice``, ``hinted+choice``): reports split by it."""
     truth = values(problem, spec.modulus)
     slips = slips_for(slip_rng, problem, spec) if slip_rng is not None and spec.error_rate > 0 else []
     shown = values(problem, spec.modulus, slips)
     stated = truth[-1] if rng.random() < spec.shortcut_rate else None
     steps, final = reference_steps(problem, spec, shown), shown[-1]
-    if stated is not None and slip_rng is not None and slip_rng.random() < spec.omit_rate:
-        steps, final = steps[:slip_rng.randrange(problem.steps)], stated  # the chain left off, the hint copied
+    if stated is not None and slip_rng is not None and problem.steps > 1 and slip_rng.random() < spec.omit_rate:
+        steps, final = steps[:slip_rng.randrange(1, problem.steps)], stated  # the chain left off, the hint copied
     row = {"id": row_id, "question": question(problem, spec, stated), "answer": str(final),
            "reference_steps": steps, "source": SOURCE, "difficulty": str(problem.steps)}
     shown_slips = sum(s != 0 for s in slips[:len(steps)])
