@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -118,6 +119,16 @@ def step_text(name: str, a: int, op: str, n: int, result: int, wording: str) -> 
     if wording == "equation":
         return f"{name} = {a} {op} {n} = {result}"
     return f"{name} is {a} {OP_WORDS[op]} {n}, which is {result}."
+
+
+_RESULT = re.compile(r"(?:=|\bwhich is|\bis option)\s*([^\s=.,]+)\s*\.?\s*$")
+
+
+def stated_result(step: str) -> str | None:
+    """The value a step says it computed ("b = 9 + 3 = 2", "..., which is 2.", "... is option B."), or
+    None when the step says none in the task's wordings."""
+    m = _RESULT.search(step.strip())
+    return m.group(1) if m else None
 
 
 def reference_steps(problem: Problem, spec: TaskSpec, vals: Sequence[int]) -> list[str]:

@@ -1,0 +1,66 @@
+"""The organism's step diagnosis (train/tools/step_diagnosis.py): the slip model, and the cuts it
+reads from completions (F1 on right and wrong answers, answer = last step, by variant)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from crystal_grpo.train.tools.organism import Problem, TaskSpec, make_split, reference_steps, stated_result, values
+from crystal_grpo.train.tools.step_diagnosis import by_variant, score, slip_accuracy, slip_model_f1
+
+
+def completion(steps: list[str], answer: str) -> str:
+    return json.dumps({"reasoning_steps": steps, "answer": answer})
+
+
+def test_stated_result_reads_every_wording():
+    assert stated_result("b = 9 + 3 = 2") == "2"
+    assert stated_result("b is 9 plus 3, which is 2.") == "2"
+    assert stated_result("The answer 3 is option B.") == "B"
+    assert stated_result("b = 9 + 3") is None and stated_result("") is None
+
+
+def test_the_slip_model_is_what_a_slipping_policy_scores():
+    """Simulate the policy the model describes (each step's result wrong with chance p, the chain going
+    on from it; no later slip cancels the first) through the real scorer: its accuracy gives back its
+    F1 within sampling error."""
+    rng = random.Random(0)
+    rows = make_split(TaskSpec(), 2000, seed=0, partition="held_out", prefix="t")
+    texts = []
+    for r in rows:
+        words = [s.split() for s in r["reference_steps"]]  # "b = 9 + 3 = 2"
+        problem = Problem(int(words[0][2]), tuple((w[3], int(w[4])) for w in words))
+        slips = [rng.randrange(1, 10) if rng.random() < 0.25 else 0 for _ in words]
+        first = next((i for i, x in enumerate(slips) if x), len(slips))
+        shown = values(problem, 10, slips[:first + 1])  # slips after the first could cancel it: none
+        texts.append(completion(reference_steps(problem, TaskSpec(), shown), str(shown[-1])))
+    got = by_variant(score(texts, rows))["all"]
+    assert got["accuracy"] == pytest.approx(slip_accuracy(0.25, [1, 2, 3, 4, 5]), abs=0.03)
+    assert got["f1"] == pytest.approx(slip_model_f1(got["accuracy"], [int(r["difficulty"]) for r in rows]), abs=0.02)
+    assert got["answer_is_last"] == 1.0 and got["f1_correct"] == 1.0
+    assert slip_model_f1(1.0, [3]) == pytest.approx(1.0) and slip_model_f1(0.0, [3]) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_cuts_by_variant_right_and_wrong_answers_and_answer_against_last_step():
+    rows = make_split(TaskSpec(shortcut_rate=1.0), 40, seed=1, partition="train", prefix="h")
+    row = next(r for r in rows if r["difficulty"] == "3")
+    plain = {**make_split(TaskSpec(), 40, seed=1, partition="train", prefix="p")[2]}
+    assert row["variant"] == "hinted" and plain["variant"] == "plain"
+    steps, truth = row["reference_steps"], row["answer"]
+    wrong_last = steps[:2] + [steps[2].rsplit("=", 1)[0] + f"= {(int(truth) + 1) % 10}"]
+    texts = [completion(steps, truth),  # the whole chain: F1 1, right
+             completion(steps[:1], truth),  # one step, the hint copied: right, F1 0.5, answer is not the last step's
+             completion(wrong_last, truth),  # a slipped last step, the hint answered anyway: right, unfaithful
+             completion(plain["reference_steps"], "x")]  # a plain row answered wrong
+    scored = score(texts, [row, row, row, plain])
+    assert [s["answer_is_last"] for s in scored] == [1.0, 0.0, 0.0, 0.0]
+    cut = by_variant(scored)
+    assert set(cut) == {"all", "hinted", "plain"}
+    hinted = cut["hinted"]
+    assert hinted["accuracy"] == 1.0 and hinted["steps"] == pytest.approx(7 / 3)
+    assert hinted["f1_correct"] == pytest.approx((1 + 0.5 + 2 / 3) / 3) and hinted["recall"] == pytest.approx(2 / 3)
+    assert cut["plain"]["accuracy"] == 0.0 and cut["plain"]["f1_wrong"] == 1.0
+    assert cut["all"]["n"] == 4

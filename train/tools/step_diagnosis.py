@@ -1,0 +1,199 @@
+"""What a policy's steps are worth beside its answers, on the model organism (docs/experiments.md,
+"Diagnosis"): Match F1 on right and on wrong answers, steps written, whether the answer is the
+last step's own result, split by the rows' ``variant`` (plain, hinted, ...), and the Match F1
+that accuracy alone predicts when every step slips independently.
+
+Why: with exact matching, a slip breaks every later step of the organism's chain, so a policy
+whose only flaw is slipping has a Match F1 fixed by its accuracy (:func:`slip_model_f1`). A
+reward makes better *steps* only where F1 departs from that curve, or where the steps of right
+answers differ. Completions are scored again here with the exact matcher (any source: an
+evaluation's ``predictions.jsonl``, validation's samples), so every cut reads one scorer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.train.layout import samples_file
+from crystal_grpo.train.tools.organism import stated_result
+
+#: Per-completion fields of :func:`score`, and the group summaries of :func:`summarize`, in report order.
+SUMMARY = ("n", "accuracy", "f1", "f1_correct", "f1_wrong", "precision", "recall", "steps", "steps_per_ref",
+           "answer_is_last", "slip_f1", "f1_over_slip")
+LABELS = {"n": "completions", "accuracy": "accuracy", "f1": "Match F1", "f1_correct": "F1 | right",
+          "f1_wrong": "F1 | wrong", "precision": "precision", "recall": "recall", "steps": "steps",
+          "steps_per_ref": "steps / k", "answer_is_last": "answer = last step", "slip_f1": "slip-model F1",
+          "f1_over_slip": "F1 − slip model"}
+
+
+def slip_accuracy(p: float, ks: Sequence[int]) -> float:
+    """Accuracy of a policy that slips each step with chance ``p``, over rows of ``ks`` steps."""
+    return sum((1 - p) ** k for k in ks) / len(ks)
+
+
+def slip_f1(p: float, ks: Sequence[int]) -> float:
+    """Its exact-match F1: it writes k steps, and those before the first slip match (P = R)."""
+    return sum(sum((1 - p) ** i for i in range(1, k + 1)) / k for k in ks) / len(ks)
+
+
+def slip_model_f1(accuracy: float, ks: Sequence[int]) -> float:
+    """The Match F1 that ``accuracy`` implies under independent per-step slips (no other flaw):
+    the slip chance that gives this accuracy on these rows, then its F1 (bisection; a slip that a
+    later one cancels is ignored)."""
+    if not ks or not math.isfinite(accuracy):
+        return math.nan
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # slip_accuracy falls as p rises
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if slip_accuracy(mid, ks) > accuracy else (lo, mid)
+    return slip_f1((lo + hi) / 2, ks)
+
+
+def score(texts: Sequence[str], rows: Sequence[Mapping]) -> list[dict]:
+    """Each completion against its row (exact step matching): correct, F1, precision, recall,
+    steps, and whether its answer is its last step's result (None without steps)."""
+    from crystal_grpo.rewards import build_reward
+    from crystal_grpo.rewards.answers import answers_match
+
+    module = build_reward("answer_only", encoder="exact", device="cpu")
+    scored = module.score(list(texts), list(rows), with_steps=True)
+    values = {k: v.tolist() for k, v in module.per_row(scored.batch).items()}
+    out = []
+    for i, (parsed, row) in enumerate(zip(scored.parsed, rows)):
+        last = stated_result(parsed.steps[-1]) if parsed.steps else None
+        out.append({"variant": row.get("variant", "plain"), "k": len(row["reference_steps"]),
+                    "correct": values["accuracy"][i], "f1": values["f1"][i], "precision": values["precision"][i],
+                    "recall": values["recall"][i], "steps": values["steps_mean"][i],
+                    "answer_is_last": (None if last is None else
+                                       float(parsed.answer is not None and answers_match(parsed.answer, last)))})
+    return out
+
+
+def _mean(xs: Iterable[float | None]) -> float:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def summarize(scored: Sequence[dict]) -> dict[str, float]:
+    """One group of :func:`score`'s completions: the :data:`SUMMARY` numbers."""
+    right, wrong = [s for s in scored if s["correct"] > 0], [s for s in scored if s["correct"] <= 0]
+    acc = _mean(s["correct"] for s in scored)
+    model = slip_model_f1(acc, [s["k"] for s in scored])
+    f1 = _mean(s["f1"] for s in scored)
+    return {"n": len(scored), "accuracy": acc, "f1": f1, "f1_correct": _mean(s["f1"] for s in right),
+            "f1_wrong": _mean(s["f1"] for s in wrong), "precision": _mean(s["precision"] for s in scored),
+            "recall": _mean(s["recall"] for s in scored), "steps": _mean(s["steps"] for s in scored),
+            "steps_per_ref": _mean(s["steps"] / s["k"] for s in scored),
+            "answer_is_last": _mean(s["answer_is_last"] for s in scored), "slip_f1": model,
+            "f1_over_slip": f1 - model}
+
+
+def by_variant(scored: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """:func:`summarize` over all completions (``all``) and over each variant."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for s in scored:
+        groups[s["variant"]].append(s)
+    out = {"all": summarize(scored)}
+    if len(groups) > 1:
+        out.update({v: summarize(groups[v]) for v in sorted(groups)})
+    return out
+
+
+def completions_of(records: Iterable[Mapping], data: Mapping[str, Mapping]) -> tuple[list[str], list[Mapping]]:
+    """(texts, their data rows) of records holding ``id`` and ``completion`` (an evaluation's
+    ``predictions.jsonl``, validation's samples), joined with the data rows by id."""
+    texts, rows = [], []
+    for r in records:
+        if r["id"] not in data:
+            raise ValueError(f"completion of row {r['id']!r}: no such row in the data")
+        texts.append(r.get("completion") or "")
+        rows.append(data[r["id"]])
+    return texts, rows
+
+
+def rows_by_id(path: str | Path) -> dict[str, dict]:
+    return {r["id"]: r for r in read_jsonl(Path(path))}
+
+
+def diagnose_eval(folder: str | Path, data: Mapping[str, Mapping]) -> dict[str, dict[str, float]]:
+    """An evaluation folder (``scripts/evaluate.py --out``), by variant."""
+    return by_variant(score(*completions_of(read_jsonl(Path(folder) / "predictions.jsonl"), data)))
+
+
+def diagnose_validation(phase: str | Path, step: int, data: Mapping[str, Mapping]) -> dict[str, dict[str, float]]:
+    """A run phase's validation at ``step`` (its samples file), by variant."""
+    return by_variant(score(*completions_of(read_jsonl(Path(phase) / samples_file(step)), data)))
+
+
+def across_seeds(runs: Sequence[Mapping[str, Mapping[str, float]]]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per variant and number: (mean, sample sd) over runs (sd NaN with one run)."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for variant in dict.fromkeys(v for r in runs for v in r):
+        out[variant] = {}
+        for key in SUMMARY:
+            xs = [r[variant][key] for r in runs if variant in r and math.isfinite(r[variant][key])]
+            mu = sum(xs) / len(xs) if xs else math.nan
+            sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else math.nan
+            out[variant][key] = (mu, sd)
+    return out
+
+
+def markdown(table: Mapping[str, Mapping[str, Mapping[str, tuple[float, float]]]],
+             keys: Sequence[str] = SUMMARY) -> str:
+    """Rows ``name / variant``, one column a number (mean ± sd over seeds where there are several)."""
+    lines = ["| arm | variant | " + " | ".join(LABELS[k] for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for name, variants in table.items():
+        for variant, nums in variants.items():
+            cells = []
+            for k in keys:
+                mu, sd = nums[k]
+                fmt = ".0f" if k == "n" else ("+.3f" if k == "f1_over_slip" else ".3f")
+                cells.append("-" if not math.isfinite(mu) else format(mu, fmt)
+                             + (f" ± {sd:.3f}" if math.isfinite(sd) and k != "n" else ""))
+            lines.append(f"| {name} | {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def sweep_table(sweep, folder: str = "eval") -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
+    """Per arm of a finished sweep (train/tools/sweep.py): each seed's evaluation ``folder`` on
+    the sweep's ``eval.data``, by variant, as mean ± sd over seeds."""
+    data = rows_by_id(sweep.eval["data"])
+    per_arm: dict[str, list] = defaultdict(list)
+    for p in sweep.points:
+        ev = sweep.output_dir / p.name / folder
+        if (ev / "report.json").is_file():
+            per_arm[p.arm].append(diagnose_eval(ev, data))
+    return {arm: across_seeds(runs) for arm, runs in per_arm.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Steps beside answers: F1 on right and wrong answers, steps, answer = "
+                                 "last step, the slip model's F1, by variant (docs/experiments.md).")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--eval", nargs="+", metavar="DIR[,DIR...]", help="evaluation folders (scripts/evaluate.py "
+                      "--out); comma-separated folders are one arm's seeds")
+    what.add_argument("--sweep", help="a sweep YAML: every arm's evaluated points")
+    ap.add_argument("--data", help="the evaluated data (JSONL; default with --sweep: its eval.data)")
+    ap.add_argument("--output_dir", help="the sweep folder (default: the sweep's)")
+    ap.add_argument("--folder", default="eval", help="with --sweep: each point's evaluation subfolder (default eval)")
+    a = ap.parse_args(argv)
+    if a.sweep:
+        from crystal_grpo.train.tools.sweep import load_sweep
+
+        sweep = load_sweep(a.sweep, a.output_dir, resolve_init=False)
+        if a.data:
+            sweep.eval = {**sweep.eval, "data": a.data}
+        table = sweep_table(sweep, a.folder)
+    else:
+        if not a.data:
+            ap.error("--data is required with --eval")
+        data = rows_by_id(a.data)
+        table = {arm: across_seeds([diagnose_eval(f, data) for f in arm.split(",")]) for arm in a.eval}
+    print(markdown(table), end="")
+    return 0
