@@ -4,8 +4,10 @@ metric is averaged over, and the training seed.
 Bootstrapping rows alone (seeds averaged first) treats one training run as if it were the
 arm: two arms whose seeds scatter by 0.05 can then look different at 95% with three seeds
 each. :func:`two_level_ci` resamples seeds, then rows (a hierarchical bootstrap, paired by
-row across arms); :func:`seed_test` is the per-seed Welch test on the seed means beside it,
-and :func:`seeds_needed` says how many seeds a difference of the observed size would need.
+row across arms); :func:`seed_test` is the per-seed Welch test on the seed means beside it, with
+its t-interval (near its nominal coverage with few seeds, where the percentile bootstrap of three
+seeds runs short), :func:`holm` corrects a family of such tests, and :func:`seeds_needed` says
+how many seeds a difference of the observed size would need.
 """
 
 from __future__ import annotations
@@ -65,14 +67,16 @@ def two_level_ci(a: np.ndarray, b: np.ndarray, resamples: int, seed: int,
 
 @dataclass
 class SeedTest:
-    """Welch's t-test on the per-seed means of two arms, and the seeds a difference of this
-    size would need for 80% power at the 5% level (two-sided)."""
+    """Welch's t-test on the per-seed means of two arms, its 95% t-interval of the difference,
+    and the seeds a difference of this size would need for 80% power at the 5% level (two-sided)."""
 
     diff: float
     t: float | None
     df: float | None
     p: float | None
     seeds_needed: int | None
+    low: float | None = None
+    high: float | None = None
 
 
 def seeds_needed(diff: float, sd: float, z_alpha: float = 1.959964, z_power: float = 0.841621) -> int | None:
@@ -93,4 +97,18 @@ def seed_test(a: Sequence[float], b: Sequence[float]) -> SeedTest:
         return SeedTest(diff, None, None, None, None)
     res = ttest_ind(b, a, equal_var=False)
     pooled = math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
-    return SeedTest(diff, float(res.statistic), float(res.df), float(res.pvalue), seeds_needed(diff, pooled))
+    ci = res.confidence_interval(0.95)
+    return SeedTest(diff, float(res.statistic), float(res.df), float(res.pvalue), seeds_needed(diff, pooled),
+                    float(ci.low), float(ci.high))
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values (None stays None): rejecting where the adjusted p is
+    below alpha keeps the chance of any false rejection in the family at most alpha."""
+    known = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
+    out: list[float | None] = [None] * len(pvalues)
+    running = 0.0
+    for rank, (p, i) in enumerate(known):
+        running = max(running, min(1.0, (len(known) - rank) * p))
+        out[i] = running
+    return out

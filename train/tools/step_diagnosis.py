@@ -24,8 +24,8 @@ from crystal_grpo.train.tools.organism import stated_result
 #: Per-completion fields of :func:`score`, and the group summaries of :func:`summarize`, in report order.
 SUMMARY = ("n", "accuracy", "f1", "f1_correct", "f1_wrong", "precision", "recall", "steps", "steps_per_ref",
            "answer_is_last", "slip_f1", "f1_over_slip")
-LABELS = {"n": "completions", "accuracy": "accuracy", "f1": "Match F1", "f1_correct": "F1 | right",
-          "f1_wrong": "F1 | wrong", "precision": "precision", "recall": "recall", "steps": "steps",
+LABELS = {"n": "completions", "accuracy": "accuracy", "f1": "Match F1", "f1_correct": "F1 (right)",
+          "f1_wrong": "F1 (wrong)", "precision": "precision", "recall": "recall", "steps": "steps",
           "steps_per_ref": "steps / k", "answer_is_last": "answer = last step", "slip_f1": "slip-model F1",
           "f1_over_slip": "F1 − slip model"}
 
