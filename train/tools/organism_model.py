@@ -199,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warm_start", action="store_true", help=f"then train the warm start (configs/"
                     f"{WARM_START_CONFIG}, about 3 minutes on 2 cores) into --warm_start_dir")
     ap.add_argument("--warm_start_dir", default=str(WARM_START_DIR), help="(default %(default)s)")
+    ap.add_argument("--warm_start_config", default=WARM_START_CONFIG, help="the SFT phase (default %(default)s)")
     for f in TaskSpec.__dataclass_fields__.values():
         if f.name in ("operands", "ops"):
             continue
@@ -231,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{model}: {parameter_count(model) / 1e6:.2f} M parameters ({time.perf_counter() - t0:.1f} s)")
     if a.warm_start:
         t0 = time.perf_counter()
-        val = train_warm_start(out, Path(a.warm_start_dir))
+        val = train_warm_start(out, Path(a.warm_start_dir), a.warm_start_config)
         print(f"{a.warm_start_dir}: warm start, held-out validation {json.dumps(val)} "
               f"({time.perf_counter() - t0:.0f} s)")
     return 0
