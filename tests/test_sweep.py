@@ -93,6 +93,8 @@ def test_bench_sweep_modes_are_sweep_command_lines():
     ("base: tiny.yaml\npoint: [{name: a}]", "unknown key(s) 'point'"),
     ("points: [{name: a}]", "points[0]: no config"),
     ("base: tiny.yaml\npoints: [{name: a}]\neval: {max_samples: 3}", "eval: expected a mapping with `data`"),
+    ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x, also: {greedy: {temprature: 0}}}", "eval.also.greedy"),
+    ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x, also: {best: {temperature: 0}}}", "eval.also.best"),
     ("base: tiny.yaml\npoints: [{name: a}]\ninit_from: /nonexistent/run/phase1", "init_from: /nonexistent"),
 ])
 def test_invalid_sweeps_are_rejected_before_anything_runs(tmp_path, text, message):
@@ -372,3 +374,33 @@ def test_a_point_is_evaluated_at_its_final_weights_and_at_its_best_checkpoint_wh
     (folder / "eval_best").mkdir()
     (folder / "eval_best" / "report.json").write_text(json.dumps({"overall": {"accuracy": {"value": 0.25}}}))
     assert point_metrics(folder)["eval_best_accuracy"] == 0.25
+
+
+def test_eval_also_scores_the_final_weights_again_with_some_settings_changed(tmp_path, monkeypatch):
+    """``eval.also``: each named evaluation is the primary one with its settings changed, of the final
+    weights, into ``<point>/eval_<name>``; one that has its report is not run again."""
+    point = sw.Point("p", "p", "tiny.yaml", {})
+    folder = tmp_path / "p"
+    (folder / "final").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # a finished one-phase run folder, as far as the evaluation reads
+    sweep = sw.Sweep("s", "python", tmp_path, [point], eval={
+        "data": "rows.jsonl", "temperature": 1.0, "num_samples": 2,
+        "also": {"greedy": {"temperature": 0, "num_samples": 1}}})
+    calls = []
+
+    def evaluate(argv, **_):  # scripts/evaluate.py's launch: record it, leave the report it would write
+        calls.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "report.json").write_text("{}")
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(sw.subprocess, "run", evaluate)
+    assert sw.evaluate_point(sweep, point, say=lambda _: None)
+    args = {Path(a[a.index("--out") + 1]).name: dict(zip(a[2::2], a[3::2])) for a in calls}
+    common = {"--model": str(folder / "final"), "--data": "rows.jsonl"}
+    assert args == {"eval": {**common, "--out": str(folder / "eval"), "--num_samples": "2", "--temperature": "1.0"},
+                    "eval_greedy": {**common, "--out": str(folder / "eval_greedy"), "--num_samples": "1",
+                                    "--temperature": "0"}}
+    calls.clear()
+    assert sw.evaluate_point(sweep, point, say=lambda _: None) and calls == []

@@ -13,7 +13,9 @@ A sweep file (YAML, see configs/sweeps/) names::
       reward.params.answer_weight,reward.params.step_weight: [[0.8, 0.2], [0.65, 0.35]]
     seeds: [1, 2]                     # one more axis (training.seed); each point runs once per seed
     eval: {data: data/demo/val.jsonl, max_samples: 24}   # score each best checkpoint (scripts/evaluate.py;
-                                      # also batch_size, max_new_tokens, temperature, num_samples)
+                                      # also batch_size, max_new_tokens, temperature, num_samples, and
+                                      # `also: {greedy: {temperature: 0, num_samples: 1}}`: the final weights
+                                      # scored again with these settings changed, into <point>/eval_greedy)
     x: reward.params.answer_weight    # a weight sweep: plot the metrics against this key
 
 Every point becomes a run folder ``<sweep folder>/<point>`` holding ``sweep_point.json`` (its
@@ -59,6 +61,8 @@ _CHECKOUT = Path(__file__).resolve().parents[2]
 ROOT = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
 KEYS = {"base", "launcher", "init_from", "output_dir", "overrides", "points", "grid", "seeds", "eval", "x"}
 EVAL_KEYS = {"data", "max_samples", "batch_size", "max_new_tokens", "temperature", "num_samples"}
+#: ``eval.also``: more evaluations of the final weights, each the primary one with some settings changed.
+ALSO = "also"
 
 
 class SweepError(CrystalError, ValueError):
@@ -203,10 +207,18 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
     if dupes:
         raise SweepError(f"points named more than once: {', '.join(dupes)}")
     ev = raw.get("eval") or {}
-    if not isinstance(ev, dict) or set(ev) - EVAL_KEYS or (ev and not ev.get("data")):
-        optional = ", ".join(sorted(EVAL_KEYS - {"data"}))
+    if not isinstance(ev, dict) or set(ev) - EVAL_KEYS - {ALSO} or (ev and not ev.get("data")):
+        optional = ", ".join(sorted(EVAL_KEYS - {"data"} | {ALSO}))
         raise SweepError(f"eval: expected a mapping with `data` and optional {optional}, "
                          f"got {ev!r}")
+    also = ev.get(ALSO) or {}
+    if not isinstance(also, dict):
+        raise SweepError(f"eval.also: expected a mapping of name: {{setting: value}}, got {also!r}")
+    for name, changed in also.items():
+        if not re.fullmatch(r"\w+", str(name)) or name == "best" or not isinstance(changed, dict) \
+                or set(changed) - EVAL_KEYS:
+            raise SweepError(f"eval.also.{name}: expected a name (letters, digits, _; not best) and a mapping of "
+                             f"{', '.join(sorted(EVAL_KEYS))}, got {changed!r}")
     launcher = raw.get("launcher") or "python"
     if not isinstance(launcher, str):
         raise SweepError(f"launcher: expected a command line (str), got {launcher!r}")
@@ -382,12 +394,14 @@ def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = prin
     """Score the point's final weights (and its best checkpoint, when another) on ``eval.data``
     into ``<point>/eval`` (and ``<point>/eval_best``); resumable."""
     folder = sweep.output_dir / point.name
-    targets = eval_targets(folder)
+    targets = {out: (ckpt, sweep.eval) for out, ckpt in eval_targets(folder).items()}
+    if "eval" in targets:
+        targets.update({f"eval_{name}": (targets["eval"][0], {**sweep.eval, **changed})
+                        for name, changed in (sweep.eval.get(ALSO) or {}).items()})
     ok = bool(targets)
-    for out, ckpt in targets.items():
+    for out, (ckpt, ev) in targets.items():
         if (folder / out / "report.json").is_file():
             continue  # evaluated earlier (scripts/evaluate.py --force re-scores)
-        ev = sweep.eval
         args = ["--model", str(ckpt), "--data", str(ev["data"]), "--out", str(folder / out)]
         for key in sorted(EVAL_KEYS - {"data"}):
             if ev.get(key) is not None:
