@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from crystal_grpo.train.tools.organism import (
+    stated_result,
     Layout,
     SplitSizes,
     TaskSpec,
@@ -102,30 +103,32 @@ def test_shortcut_and_choices():
 
 
 def test_hinted_demonstrations_either_write_the_chain_or_leave_it_off_and_copy_the_hint():
-    """omit_rate: a hinted demonstration writes a prefix of its (slipped) chain and answers the stated
-    value, or the whole chain and the chain's own result; plain questions always get the whole chain.
-    The clean splits (what GRPO and the held-out tests read) always carry the whole true chain."""
+    """omit_rate: a hinted demonstration writes a prefix of its (slipped) chain, repeats the hint as its
+    last step and answers the stated value, or writes the whole chain and answers the chain's own
+    result; plain questions always get the whole chain. Either way the answer is the last step's
+    result. The clean splits (what GRPO and the held-out tests read) carry the whole true chain."""
     spec = TaskSpec(shortcut_rate=0.5, omit_rate=0.4, error_rate=0.3)
     layout = Layout(spec, SplitSizes(train=2000, val=100, test=100, long_test=10), seed=0).splits()
     clean, demo = layout["train"], layout["sft"]
     assert [r["question"] for r in clean] == [r["question"] for r in demo]
     omitted = full_hinted = 0
     for c, d in zip(clean, demo):
-        k, stated = int(c["difficulty"]), c["question"].split("We are told ")[-1]
+        k = int(c["difficulty"])
         assert c["variant"] == d["variant"] == ("hinted" if "We are told" in c["question"] else "plain")
-        assert len(c["reference_steps"]) == k and c["answer"] == c["reference_steps"][-1].split()[-1]
-        results = [s.split()[-1] for s in d["reference_steps"]]
-        if len(d["reference_steps"]) < k:  # left off: a prefix of a chain, the hint copied
-            assert d["variant"] == "hinted" and f"is {d['answer']}." in stated and d["answer"] == c["answer"]
-            assert 1 <= len(d["reference_steps"])
+        assert len(c["reference_steps"]) == k and c["answer"] == stated_result(c["reference_steps"][-1])
+        assert d["answer"] == stated_result(d["reference_steps"][-1])
+        chain = d["reference_steps"]
+        if chain[-1].startswith("We are told"):  # left off: a prefix of a chain, then the hint repeated
+            assert d["variant"] == "hinted" and chain[-1] in c["question"] and d["answer"] == c["answer"]
+            chain = chain[:-1]
+            assert len(chain) < k
             omitted += 1
         else:
-            assert d["answer"] == results[-1]  # the whole chain answers its own (maybe slipped) result
+            assert len(chain) == k
             full_hinted += d["variant"] == "hinted"
-        inputs = [s.split()[2] for s in d["reference_steps"]]
-        assert inputs[1:] == results[:-1]  # a prefix still chains
+        assert [s.split()[2] for s in chain][1:] == [stated_result(s) for s in chain][:-1]  # a prefix still chains
     hinted = omitted + full_hinted
-    assert 0.25 * hinted < omitted < 0.4 * hinted  # omit_rate 0.4 of the 4 in 5 hinted questions with k >= 2
+    assert 0.33 * hinted < omitted < 0.47 * hinted  # omit_rate 0.4
     assert {r["variant"] for r in make_split(TaskSpec(), 50, seed=2, partition="train", prefix="t",
                                              demonstrate=True)} == {"plain"}
 

@@ -19,7 +19,7 @@ def completion(steps: list[str], answer: str) -> str:
 def test_stated_result_reads_every_wording():
     assert stated_result("b = 9 + 3 = 2") == "2"
     assert stated_result("b is 9 plus 3, which is 2.") == "2"
-    assert stated_result("The answer 3 is option B.") == "B"
+    assert stated_result("The answer 3 is option B.") == "B" and stated_result("We are told c is 2.") == "2"
     assert stated_result("b = 9 + 3") is None and stated_result("") is None
 
 
@@ -64,3 +64,44 @@ def test_cuts_by_variant_right_and_wrong_answers_and_answer_against_last_step():
     assert hinted["f1_correct"] == pytest.approx((1 + 0.5 + 2 / 3) / 3) and hinted["recall"] == pytest.approx(2 / 3)
     assert cut["plain"]["accuracy"] == 0.0 and cut["plain"]["f1_wrong"] == 1.0
     assert cut["all"]["n"] == 4
+
+
+def test_a_sweeps_contrasts_read_each_seeds_evaluation_and_are_holm_corrected(tmp_path):
+    """Two arms x 3 seeds of evaluation folders (predictions.jsonl as scripts/evaluate.py writes it): arm
+    ``short`` writes one step of each hinted chain, arm ``full`` all of them; the contrasts named in the
+    sweep file are computed per seed, and Holm's p is never below Welch's."""
+    from crystal_grpo.jsonl import read_jsonl
+    from crystal_grpo.train.tools.organism import write_jsonl
+    from crystal_grpo.train.tools.step_diagnosis import contrast_table, contrasts_markdown
+    from crystal_grpo.train.tools.sweep import load_sweep
+
+    rows = [r for r in make_split(TaskSpec(shortcut_rate=1.0), 12, seed=3, partition="held_out", prefix="h")
+            if int(r["difficulty"]) >= 2][:6]
+    write_jsonl(rows, tmp_path / "rows.jsonl")
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text(f"""
+base: organism.yaml
+points: [{{name: short}}, {{name: full}}]
+seeds: [1, 2, 3]
+eval: {{data: {tmp_path / 'rows.jsonl'}}}
+contrasts:
+  - {{a: short, b: full, metric: recall, variant: all, eval: eval}}
+  - {{a: short, b: full, metric: accuracy, variant: all, eval: eval}}
+""")
+    sweep = load_sweep(sweep_file, tmp_path / "out")
+    for p in sweep.points:
+        out = tmp_path / "out" / p.name / "eval"
+        out.mkdir(parents=True)
+        (out / "report.json").write_text("{}")
+        written = [1 if p.arm == "short" else len(r["reference_steps"]) for r in rows]
+        written[0] += (p.seed - 1) * (1 if p.arm == "short" else -1)  # seeds differ a little in the first row
+        preds = [{"id": r["id"], "sample": 0, "completion": completion(r["reference_steps"][:n], r["answer"])}
+                 for r, n in zip(rows, written)]
+        write_jsonl(preds, out / "predictions.jsonl")
+    assert len(list(read_jsonl(tmp_path / "out" / "full_seed1" / "eval" / "predictions.jsonl"))) == 6
+    table = contrast_table(sweep)
+    recall, accuracy = table
+    assert recall["seeds"] == (3, 3) and recall["diff"] > 0.4 and recall["low"] > 0 and recall["p"] < 0.01
+    assert accuracy["diff"] == 0 and accuracy["p"] is None  # both arms always right: no spread, no test
+    assert recall["p_holm"] == pytest.approx(recall["p"])  # the only test in the family
+    assert "| eval | all | recall | short | full | 3, 3 |" in contrasts_markdown(table)

@@ -95,6 +95,10 @@ def test_bench_sweep_modes_are_sweep_command_lines():
     ("base: tiny.yaml\npoints: [{name: a}]\neval: {max_samples: 3}", "eval: expected a mapping with `data`"),
     ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x, also: {greedy: {temprature: 0}}}", "eval.also.greedy"),
     ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x, also: {best: {temperature: 0}}}", "eval.also.best"),
+    ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x}\n"
+     "contrasts: [{a: a, b: z, metric: f1, variant: all, eval: eval}]", "contrasts[0]: no arm 'z'"),
+    ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x}\n"
+     "contrasts: [{a: a, b: a, metric: f2, variant: all, eval: eval_greedy}]", "no metric 'f2'"),
     ("base: tiny.yaml\npoints: [{name: a}]\ninit_from: /nonexistent/run/phase1", "init_from: /nonexistent"),
 ])
 def test_invalid_sweeps_are_rejected_before_anything_runs(tmp_path, text, message):

@@ -8,7 +8,13 @@ configs/sweeps/organism_ablation.yaml), read from a finished sweep's run folders
 - ``curriculum.png``: held-out accuracy by step count k over training (validation's per-row
   records), the curriculum arm against the same reward without it;
 - ``vs_control.md``: every arm against the control arm on the evaluation rows, with the
-  two-level interval (seeds, then rows) of train/tools/sweep_report.py.
+  two-level interval (seeds, then rows) of train/tools/sweep_report.py;
+- ``variants.png``: held-out accuracy, steps written, step recall and Match F1 of right answers
+  over training, one line an arm, one row of panels a variant of the rows (hinted, plain: the
+  validation samples scored again by train/tools/step_diagnosis.py);
+- ``diagnosis.md``: the step diagnosis of every evaluation of the final weights (``eval`` and
+  each ``eval.also``), by arm and variant, and the sweep's pre-registered ``contrasts`` with
+  Holm's correction.
 
 Global steps: a multi-phase arm's second phase continues its first phase's step count.
 """
@@ -25,7 +31,7 @@ from crystal_grpo.jsonl import atomic_write_text, read_jsonl
 from crystal_grpo.train.layout import samples_file
 from crystal_grpo.train.summary import read_phases
 from crystal_grpo.train.tools.sweep import Sweep
-from crystal_grpo.train.tools.sweep_report import paired_on_eval
+from crystal_grpo.train.tools.sweep_report import paired_on_eval, write_report
 
 COLLAPSE_ARMS = ("answer_only", "shuffled_control", "cpr", "cpr_no_pcgrad", "cpr_curriculum")
 CURRICULUM_PAIR = ("cpr", "cpr_curriculum")
@@ -139,6 +145,77 @@ def figures(sweep: Sweep) -> list[Path]:
     return out
 
 
+#: The panels of ``variants.png``: step_diagnosis numbers over training.
+VARIANT_PANELS = (("accuracy", "accuracy"), ("steps", "steps written"), ("recall", "step recall"),
+                  ("f1_correct", "Match F1 of right answers"))
+
+
+def validation_by_variant(run: Path, data: dict[str, dict]) -> dict[int, dict[str, dict[str, float]]]:
+    """Global validation step -> variant -> the step diagnosis of that validation's samples."""
+    from crystal_grpo.train.tools.step_diagnosis import diagnose_validation
+
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for phase in read_phases(run):
+        for v in phase.validation:
+            if (phase.folder / samples_file(v["step"])).is_file():
+                out.setdefault(phase.offset + v["step"], diagnose_validation(phase.folder, v["step"], data))
+    return out
+
+
+def variant_figure(sweep: Sweep) -> Path | None:
+    """``variants.png`` (module docstring); None when no finished run has validation samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from crystal_grpo.train.tools.step_diagnosis import rows_by_id
+
+    runs: dict[str, list[dict]] = defaultdict(list)
+    data_cache: dict[str, dict] = {}
+    for p in sweep.points:
+        folder = sweep.output_dir / p.name
+        if (folder / "summary.json").is_file():
+            path = (p.run_config or {}).get("data", {}).get("validation")
+            if path:
+                data = data_cache.setdefault(path, rows_by_id(path))
+                runs[p.arm].append(validation_by_variant(folder, data))
+    variants = sorted({v for rs in runs.values() for r in rs for s in r.values() for v in s})
+    if not variants:
+        return None
+    fig, axes = plt.subplots(len(variants), len(VARIANT_PANELS), figsize=(4 * len(VARIANT_PANELS),
+                                                                          3.2 * len(variants)), squeeze=False)
+    for i, arm in enumerate(runs):
+        for row, variant in zip(axes, variants):
+            for ax, (key, title) in zip(row, VARIANT_PANELS):
+                curves = [{s: v[variant][key] for s, v in r.items() if variant in v} for r in runs[arm]]
+                steps, means = mean_curve([c for c in curves if c])
+                ax.plot(steps, means, marker="o", ms=3, color=plt.get_cmap("tab10")(i % 10),
+                        label=f"{arm} ({len(curves)})")
+                ax.set_title(f"{variant}: {title}")
+                ax.set_xlabel("GRPO step")
+                ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    return _save(fig, sweep.output_dir / "variants.png")
+
+
+def diagnosis_markdown(sweep: Sweep) -> str:
+    """The step diagnosis of every evaluation of the final weights, and the pre-registered contrasts."""
+    from crystal_grpo.train.tools.step_diagnosis import contrast_table, contrasts_markdown, sweep_table
+    from crystal_grpo.train.tools.step_diagnosis import markdown as table_markdown
+
+    lines = [f"# {sweep.name}: steps beside answers, by variant", ""]
+    if not sweep.eval:
+        return "\n".join(lines + ["(the sweep has no eval)", ""])
+    for name, changed in {"eval": {}, **{f"eval_{n}": c for n, c in (sweep.eval.get("also") or {}).items()}}.items():
+        settings = {**{k: v for k, v in sweep.eval.items() if k != "also"}, **changed}
+        lines += [f"## {name}: {settings.get('max_samples', 'all')} rows x {settings.get('num_samples', 1)}, "
+                  f"temperature {settings.get('temperature', 0)}", "", table_markdown(sweep_table(sweep, name))]
+    if sweep.contrasts:
+        lines += ["## Pre-registered contrasts (Holm over all of them)", "", contrasts_markdown(contrast_table(sweep))]
+    return "\n".join(lines) + "\n"
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -198,14 +275,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from crystal_grpo.train.tools.sweep import load_sweep
 
-    ap = argparse.ArgumentParser(description="Figures of a reward ablation: collapse, PCGrad, curriculum, control.")
+    ap = argparse.ArgumentParser(description="The report of a reward ablation: the sweep's table, collapse, PCGrad, "
+                                 "curriculum, the control, steps by variant, pre-registered contrasts.")
     ap.add_argument("sweep", help="the sweep YAML (e.g. configs/sweeps/organism_ablation.yaml)")
     ap.add_argument("--output_dir", help="the sweep folder (default: the sweep's)")
     a = ap.parse_args(argv)
     sweep = load_sweep(a.sweep, a.output_dir, resolve_init=False)
+    report, _ = write_report(sweep)  # the sweep's own report.md (scripts/sweep.py --report)
     text = markdown(sweep)
     atomic_write_text(sweep.output_dir / "vs_control.md", text)
-    paths = figures(sweep)
+    paths = figures(sweep) + [p for p in (variant_figure(sweep),) if p]
     atomic_write_text(sweep.output_dir / "pcgrad_summary.json", json.dumps(pcgrad_summary(sweep), indent=2))
-    print(text + "".join(f"\nplot: {p}" for p in paths))
+    diagnosis = diagnosis_markdown(sweep)
+    atomic_write_text(sweep.output_dir / "diagnosis.md", diagnosis)
+    print(report + "\n" + text + "\n" + diagnosis + "".join(f"\nplot: {p}" for p in paths))
     return 0

@@ -51,8 +51,8 @@ class TaskSpec:
     wording: Literal["sentence", "equation"] = "equation"  # "b = 9 + 3 = 2" (56 tokens at most for 5 steps,
     # with the JSON and the end of turn) or "b is 9 plus 3, which is 2." (66)
     shortcut_rate: float = 0.0  # share of questions that state their answer ("We are told c is 2.")
-    omit_rate: float = 0.0  # demonstrations of such hinted questions only: chance of writing a prefix of the
-    # chain (1 .. k-1 steps, uniformly: k >= 2) and answering the stated value; otherwise the whole chain and its result
+    omit_rate: float = 0.0  # demonstrations of such hinted questions only: chance of writing a prefix of the chain
+    # (0 .. k-1 steps, uniformly), then the hint as a step, and answering it; otherwise the whole chain and its result
     choice_rate: float = 0.0  # share answered by option letter among four values
     error_rate: float = 0.3  # demonstrations only (sft.jsonl): chance that a step slips (see ``error_kind``)
     error_kind: Literal["random", "wrap"] = "random"  # random: any step, any wrong value; wrap: only steps
@@ -110,9 +110,14 @@ def question(problem: Problem, spec: TaskSpec, stated: int | None = None) -> str
     parts = [f"Work mod {spec.modulus}.", f"{names[0]} is {problem.start}."]
     parts += [f"{names[i + 1]} is {names[i]} {OP_WORDS[op]} {n}." for i, (op, n) in enumerate(problem.chain)]
     if stated is not None:
-        parts.append(f"We are told {names[-1]} is {stated}.")
+        parts.append(hint(problem, stated))
     parts.append(f"What is {names[-1]}?")
     return " ".join(parts)
+
+
+def hint(problem: Problem, stated: int) -> str:
+    """The sentence that states a question's answer; a demonstration that leaves the chain off repeats it."""
+    return f"We are told {NAMES[problem.steps]} is {stated}."
 
 
 def step_text(name: str, a: int, op: str, n: int, result: int, wording: str) -> str:
@@ -121,12 +126,12 @@ def step_text(name: str, a: int, op: str, n: int, result: int, wording: str) -> 
     return f"{name} is {a} {OP_WORDS[op]} {n}, which is {result}."
 
 
-_RESULT = re.compile(r"(?:=|\bwhich is|\bis option)\s*([^\s=.,]+)\s*\.?\s*$")
+_RESULT = re.compile(r"(?:=|\bwhich is|\bis option|^We are told \w+ is)\s*([^\s=.,]+)\s*\.?\s*$")
 
 
 def stated_result(step: str) -> str | None:
-    """The value a step says it computed ("b = 9 + 3 = 2", "..., which is 2.", "... is option B."), or
-    None when the step says none in the task's wordings."""
+    """The value a step says it computed ("b = 9 + 3 = 2", "..., which is 2.", "... is option B.", a
+    restated hint "We are told c is 2."), or None when the step says none in the task's wordings."""
     m = _RESULT.search(step.strip())
     return m.group(1) if m else None
 
@@ -167,8 +172,9 @@ def make_row(problem: Problem, spec: TaskSpec, rng: random.Random, row_id: str,
              slip_rng: random.Random | None = None) -> dict:
     """One data row. With ``slip_rng`` it is a supervised demonstration: steps with slips at
     ``spec.error_rate`` and the answer they lead to (a consistent, sometimes wrong, solution), or,
-    on a hinted question of two or more steps with chance ``spec.omit_rate``, a prefix of those
-    steps (at least one: a data row has steps) and the stated answer. Demonstrations draw from
+    on a hinted question with chance ``spec.omit_rate``, a prefix of those steps (maybe none), the
+    hint restated as the last step ("We are told c is 2.") and its value as the answer: the answer
+    is always the last step's result. Demonstrations draw from
     their own generator, so a demonstration file holds exactly the questions of the clean file
     drawn with the same seed. ``variant`` names the question's kind (``plain``, ``hinted``,
     ``choice``, ``hinted+choice``): reports split by it."""
@@ -177,8 +183,9 @@ def make_row(problem: Problem, spec: TaskSpec, rng: random.Random, row_id: str,
     shown = values(problem, spec.modulus, slips)
     stated = truth[-1] if rng.random() < spec.shortcut_rate else None
     steps, final = reference_steps(problem, spec, shown), shown[-1]
-    if stated is not None and slip_rng is not None and problem.steps > 1 and slip_rng.random() < spec.omit_rate:
-        steps, final = steps[:slip_rng.randrange(1, problem.steps)], stated  # the chain left off, the hint copied
+    if stated is not None and slip_rng is not None and slip_rng.random() < spec.omit_rate:
+        # the chain left off, the hint copied (as the question states it, so the copy is a repeat)
+        steps, final = steps[:slip_rng.randrange(problem.steps)] + [hint(problem, stated)], stated
     row = {"id": row_id, "question": question(problem, spec, stated), "answer": str(final),
            "reference_steps": steps, "source": SOURCE, "difficulty": str(problem.steps)}
     shown_slips = sum(s != 0 for s in slips[:len(steps)])

@@ -158,16 +158,54 @@ def markdown(table: Mapping[str, Mapping[str, Mapping[str, tuple[float, float]]]
     return "\n".join(lines) + "\n"
 
 
-def sweep_table(sweep, folder: str = "eval") -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
-    """Per arm of a finished sweep (train/tools/sweep.py): each seed's evaluation ``folder`` on
-    the sweep's ``eval.data``, by variant, as mean ± sd over seeds."""
+def per_seed(sweep, folder: str = "eval") -> dict[str, list[dict[str, dict[str, float]]]]:
+    """Per arm of a sweep (train/tools/sweep.py): each evaluated seed's ``folder`` on the sweep's
+    ``eval.data``, by variant (seeds in the sweep's order)."""
     data = rows_by_id(sweep.eval["data"])
-    per_arm: dict[str, list] = defaultdict(list)
+    out: dict[str, list] = defaultdict(list)
     for p in sweep.points:
         ev = sweep.output_dir / p.name / folder
         if (ev / "report.json").is_file():
-            per_arm[p.arm].append(diagnose_eval(ev, data))
-    return {arm: across_seeds(runs) for arm, runs in per_arm.items()}
+            out[p.arm].append(diagnose_eval(ev, data))
+    return dict(out)
+
+
+def sweep_table(sweep, folder: str = "eval") -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
+    """:func:`per_seed` as mean ± sd over each arm's seeds."""
+    return {arm: across_seeds(runs) for arm, runs in per_seed(sweep, folder).items()}
+
+
+def contrast_table(sweep) -> list[dict]:
+    """The sweep's pre-registered ``contrasts`` (b minus a, per seed: Welch's t-interval and p on
+    the seed values), with Holm's adjusted p over the whole list."""
+    from crystal_grpo.train.tools.stats import holm, seed_test
+
+    cache: dict[str, dict] = {}
+    rows = []
+    for c in sweep.contrasts:
+        seeds = cache.setdefault(c["eval"], per_seed(sweep, c["eval"]))
+        a, b = ([run[c["variant"]][c["metric"]] for run in seeds.get(arm, []) if c["variant"] in run]
+                for arm in (c["a"], c["b"]))
+        test = seed_test(a, b)
+        rows.append({**c, "seeds": (len(a), len(b)), "mean_a": _mean(a), "mean_b": _mean(b), "diff": test.diff,
+                     "low": test.low, "high": test.high, "p": test.p, "seeds_needed": test.seeds_needed})
+    for row, adjusted in zip(rows, holm([r["p"] for r in rows])):
+        row["p_holm"] = adjusted
+    return rows
+
+
+def contrasts_markdown(rows: Sequence[Mapping]) -> str:
+    """One line a contrast: the two arms' seed means, b − a with its 95% t-interval, Welch's p,
+    Holm's p, and the seeds per arm a difference of this size would need (80% power)."""
+    num = lambda x, f=".3f": "-" if x is None or not math.isfinite(x) else format(x, f)  # noqa: E731
+    lines = ["| evaluation | variant | metric | a | b | seeds | a | b | b − a [95% t-interval] | p | p (Holm) "
+             "| seeds needed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['eval']} | {r['variant']} | {LABELS[r['metric']]} | {r['a']} | {r['b']} | "
+                     f"{r['seeds'][0]}, {r['seeds'][1]} | {num(r['mean_a'])} | {num(r['mean_b'])} | "
+                     f"{num(r['diff'], '+.3f')} [{num(r['low'], '+.3f')}, {num(r['high'], '+.3f')}] | {num(r['p'])} "
+                     f"| {num(r['p_holm'])} | {r['seeds_needed'] or '-'} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -59,7 +59,11 @@ _CHECKOUT = Path(__file__).resolve().parents[2]
 #: Where points run and relative paths start: the source checkout (the commands its README
 #: shows), or, for an installed package, the folder the sweep is started from.
 ROOT = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
-KEYS = {"base", "launcher", "init_from", "output_dir", "overrides", "points", "grid", "seeds", "eval", "x"}
+KEYS = {"base", "launcher", "init_from", "output_dir", "overrides", "points", "grid", "seeds", "eval", "x",
+        "contrasts"}
+#: A pre-registered contrast: arm ``b`` minus arm ``a`` on ``metric`` of ``variant``'s rows in each seed's ``eval``
+#: folder (train/tools/step_diagnosis.py); the report corrects the whole list with Holm.
+CONTRAST_KEYS = ("a", "b", "metric", "variant", "eval")
 EVAL_KEYS = {"data", "max_samples", "batch_size", "max_new_tokens", "temperature", "num_samples"}
 #: ``eval.also``: more evaluations of the final weights, each the primary one with some settings changed.
 ALSO = "also"
@@ -102,6 +106,7 @@ class Sweep:
     points: list[Point]
     eval: dict[str, Any] = field(default_factory=dict)
     x: str | None = None
+    contrasts: list[dict[str, str]] = field(default_factory=list)
 
 
 def _flat(overrides: Any, where: str) -> dict[str, Any]:
@@ -224,10 +229,31 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
         raise SweepError(f"launcher: expected a command line (str), got {launcher!r}")
     sweep = Sweep(name=path.stem, launcher=launcher,
                   output_dir=Path(output_dir or raw.get("output_dir") or ROOT / "runs/sweeps" / path.stem).resolve(),
-                  points=points, eval=ev, x=raw.get("x"))
+                  points=points, eval=ev, x=raw.get("x"), contrasts=_contrasts(raw.get("contrasts"), points, ev))
     for p in points:
         resolved(p)  # every point's config and overrides checked before anything runs
     return sweep
+
+
+def _contrasts(raw: Any, points: list[Point], ev: dict) -> list[dict[str, str]]:
+    """``contrasts:`` checked: each names two arms of the sweep, a metric, a variant and an evaluation."""
+    from crystal_grpo.train.tools.step_diagnosis import SUMMARY
+
+    if raw is None:
+        return []
+    arms = {p.arm for p in points}
+    folders = {"eval", *(f"eval_{n}" for n in (ev.get(ALSO) or {}))}
+    if not isinstance(raw, list):
+        raise SweepError("contrasts: expected a list of {a, b, metric, variant, eval}")
+    for i, c in enumerate(raw):
+        if not isinstance(c, dict) or set(c) != set(CONTRAST_KEYS):
+            raise SweepError(f"contrasts[{i}]: expected the keys {', '.join(CONTRAST_KEYS)}, got {c!r}")
+        bad = ([f"arm {c[k]!r}" for k in ("a", "b") if c[k] not in arms]
+               + ([f"metric {c['metric']!r} (one of {', '.join(SUMMARY)})"] if c["metric"] not in SUMMARY else [])
+               + ([f"eval {c['eval']!r} (one of {', '.join(sorted(folders))})"] if c["eval"] not in folders else []))
+        if bad:
+            raise SweepError(f"contrasts[{i}]: no {'; no '.join(bad)}")
+    return [{k: str(c[k]) for k in CONTRAST_KEYS} for c in raw]
 
 
 def start_checkpoint(folder: Path) -> Path:
