@@ -10,11 +10,14 @@ import pytest
 
 from crystal_grpo.train.tools.ablation_figures import (
     accuracy_by_k,
+    curves_markdown,
     figures,
     mean_curve,
     pcgrad_summary,
+    pcgrad_windows,
     train_curve,
 )
+from crystal_grpo.train.tools.step_diagnosis import SUMMARY
 from crystal_grpo.train.tools.sweep import Point, Sweep
 
 
@@ -68,3 +71,20 @@ def test_pcgrad_summary_and_figures(sweep):
     paths = figures(sweep)
     assert [p.name for p in paths] == ["collapse.png", "pcgrad.png", "curriculum.png"]
     assert all(p.stat().st_size > 5000 for p in paths)
+
+
+def test_pcgrad_by_window_of_global_steps(sweep):
+    windows = pcgrad_windows(sweep, width=2)
+    assert [(w["from"], w["updates"]) for w in windows["cpr"]] == [(1, 4), (3, 4)]  # two seeds, two steps each
+    assert windows["cpr"][0]["cosine"] == pytest.approx(-0.05) and windows["cpr"][0]["conflict"] == 0.5
+    # the curriculum's phase 2 (its steps 1-3) runs at global steps 3-5: windows 3-4 and 5-6
+    assert [(w["from"], w["updates"]) for w in windows["cpr_curriculum"]] == [(3, 4), (5, 2)]
+
+
+def test_curves_table_is_mean_and_sd_over_the_seeds_that_reached_a_step():
+    def at(recall):
+        return {"hinted": {k: 0.5 for k in SUMMARY} | {"recall": recall}}
+    runs = {"answer_only": [{0: at(0.4), 20: at(0.1)}, {0: at(0.4), 20: at(0.3)}, {0: at(0.4)}]}
+    lines = curves_markdown(runs, keys=("recall",)).splitlines()
+    assert lines[2] == "| answer_only | hinted | 0 | 3 | 0.400 ± 0.000 |"
+    assert lines[3] == "| answer_only | hinted | 20 | 2 | 0.200 ± 0.141 |"

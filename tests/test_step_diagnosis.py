@@ -57,6 +57,10 @@ def test_cuts_by_variant_right_and_wrong_answers_and_answer_against_last_step():
              completion(plain["reference_steps"], "x")]  # a plain row answered wrong
     scored = score(texts, [row, row, row, plain])
     assert [s["answer_is_last"] for s in scored] == [1.0, 0.0, 0.0, 0.0]
+    assert [s["copies_hint"] for s in scored] == [0.0] * 4
+    told = next(x.strip() + "." for x in row["question"].split(".") if "told" in x)  # "We are told d is 7."
+    copied, = score([completion(steps[:1] + [told], truth)], [row])
+    assert copied["copies_hint"] == 1.0 and copied["answer_is_last"] == 1.0 and copied["correct"] == 1.0
     cut = by_variant(scored)
     assert set(cut) == {"all", "hinted", "plain"}
     hinted = cut["hinted"]

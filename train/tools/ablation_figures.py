@@ -162,13 +162,8 @@ def validation_by_variant(run: Path, data: dict[str, dict]) -> dict[int, dict[st
     return out
 
 
-def variant_figure(sweep: Sweep) -> Path | None:
-    """``variants.png`` (module docstring); None when no finished run has validation samples."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def variant_runs(sweep: Sweep) -> dict[str, list[dict[int, dict[str, dict[str, float]]]]]:
+    """Arm -> each finished seed's :func:`validation_by_variant` (its validation data's rows)."""
     from crystal_grpo.train.tools.step_diagnosis import rows_by_id
 
     runs: dict[str, list[dict]] = defaultdict(list)
@@ -180,6 +175,16 @@ def variant_figure(sweep: Sweep) -> Path | None:
             if path:
                 data = data_cache.setdefault(path, rows_by_id(path))
                 runs[p.arm].append(validation_by_variant(folder, data))
+    return dict(runs)
+
+
+def variant_figure(sweep: Sweep, runs: dict[str, list[dict]]) -> Path | None:
+    """``variants.png`` (module docstring) from :func:`variant_runs`; None when no run has validation samples."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     variants = sorted({v for rs in runs.values() for r in rs for s in r.values() for v in s})
     if not variants:
         return None
@@ -199,8 +204,32 @@ def variant_figure(sweep: Sweep) -> Path | None:
     return _save(fig, sweep.output_dir / "variants.png")
 
 
-def diagnosis_markdown(sweep: Sweep) -> str:
-    """The step diagnosis of every evaluation of the final weights, and the pre-registered contrasts."""
+#: The columns of the curves' table (step_diagnosis numbers).
+CURVE_KEYS = ("accuracy", "f1", "f1_correct", "precision", "recall", "steps")
+
+
+def curves_markdown(runs: dict[str, list[dict]], keys: tuple[str, ...] = CURVE_KEYS) -> str:
+    """:func:`variant_runs` as a table: one line an arm, variant and validation step (mean ± sd over the
+    seeds that reached it)."""
+    from crystal_grpo.train.tools.step_diagnosis import LABELS, across_seeds
+
+    lines = ["| arm | variant | step | seeds | " + " | ".join(LABELS[k] for k in keys) + " |",
+             "|---|---|---|---|" + "---|" * len(keys)]
+    for arm, seeds in runs.items():
+        variants = list(dict.fromkeys(v for r in seeds for s in r.values() for v in s))
+        for variant in variants:
+            for step in sorted({s for r in seeds for s in r}):
+                at = [r[step] for r in seeds if step in r and variant in r[step]]
+                nums = across_seeds(at)[variant]
+                cells = [format(nums[k][0], ".3f") + (f" ± {nums[k][1]:.3f}" if math.isfinite(nums[k][1]) else "")
+                         for k in keys]
+                lines.append(f"| {arm} | {variant} | {step} | {len(at)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def diagnosis_markdown(sweep: Sweep, runs: dict[str, list[dict]] | None = None) -> str:
+    """The step diagnosis of every evaluation of the final weights, the pre-registered contrasts, and
+    with ``runs`` (:func:`variant_runs`) the validation curves by variant."""
     from crystal_grpo.train.tools.step_diagnosis import contrast_table, contrasts_markdown, sweep_table
     from crystal_grpo.train.tools.step_diagnosis import markdown as table_markdown
 
@@ -213,6 +242,9 @@ def diagnosis_markdown(sweep: Sweep) -> str:
                   f"temperature {settings.get('temperature', 0)}", "", table_markdown(sweep_table(sweep, name))]
     if sweep.contrasts:
         lines += ["## Pre-registered contrasts (Holm over all of them)", "", contrasts_markdown(contrast_table(sweep))]
+    if runs:
+        lines += ["## Held-out validation over training, by variant (sampled; mean ± sd over seeds)", "",
+                  curves_markdown(runs)]
     return "\n".join(lines) + "\n"
 
 
@@ -234,6 +266,23 @@ def pcgrad_summary(sweep: Sweep) -> dict[str, dict[str, float]]:
             for key in ("cosine", "conflict", "projected_fraction"):
                 values[key] += list(train_curve(r, f"pcgrad/{key}").values())
         out[arm] = {k: sum(v) / len(v) for k, v in values.items() if v} | {"updates": len(values["cosine"])}
+    return out
+
+
+def pcgrad_windows(sweep: Sweep, width: int = 25) -> dict[str, list[dict[str, float]]]:
+    """Per PCGrad arm, over windows of ``width`` global steps: mean cosine and share of updates projected
+    (does a conflict appear as training goes on?)."""
+    out = {}
+    for arm, runs in _pcgrad_runs(_done(sweep)).items():
+        cos, con = defaultdict(list), defaultdict(list)
+        for r in runs:
+            for step, x in train_curve(r, "pcgrad/cosine").items():
+                cos[(step - 1) // width].append(x)
+            for step, x in train_curve(r, "pcgrad/conflict").items():
+                con[(step - 1) // width].append(x)
+        out[arm] = [{"from": w * width + 1, "to": (w + 1) * width, "updates": len(cos[w]),
+                     "cosine": sum(cos[w]) / len(cos[w]), "conflict": sum(con[w]) / len(con[w]) if con[w] else math.nan}
+                    for w in sorted(cos)]
     return out
 
 
@@ -267,6 +316,10 @@ def markdown(sweep: Sweep) -> str:
         for arm, s in pc.items():
             lines.append(f"| {arm} | {s['updates']} | {s.get('cosine', math.nan):+.3f} | "
                          f"{s.get('conflict', math.nan):.3f} | {s.get('projected_fraction', math.nan):.3f} |")
+        lines += ["", "| PCGrad arm | global steps | updates | mean cosine | share projected |", "|---|---|---|---|---|"]
+        for arm, windows in pcgrad_windows(sweep).items():
+            lines += [f"| {arm} | {w['from']}-{w['to']} | {w['updates']} | {w['cosine']:+.3f} | {w['conflict']:.3f} |"
+                      for w in windows]
     return "\n".join(lines) + "\n"
 
 
@@ -284,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     report, _ = write_report(sweep)  # the sweep's own report.md (scripts/sweep.py --report)
     text = markdown(sweep)
     atomic_write_text(sweep.output_dir / "vs_control.md", text)
-    paths = figures(sweep) + [p for p in (variant_figure(sweep),) if p]
+    runs = variant_runs(sweep)
+    paths = figures(sweep) + [p for p in (variant_figure(sweep, runs),) if p]
     atomic_write_text(sweep.output_dir / "pcgrad_summary.json", json.dumps(pcgrad_summary(sweep), indent=2))
-    diagnosis = diagnosis_markdown(sweep)
+    diagnosis = diagnosis_markdown(sweep, runs)
     atomic_write_text(sweep.output_dir / "diagnosis.md", diagnosis)
     print(report + "\n" + text + "\n" + diagnosis + "".join(f"\nplot: {p}" for p in paths))
     return 0

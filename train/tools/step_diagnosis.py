@@ -23,10 +23,10 @@ from crystal_grpo.train.tools.organism import stated_result
 
 #: Per-completion fields of :func:`score`, and the group summaries of :func:`summarize`, in report order.
 SUMMARY = ("n", "accuracy", "f1", "f1_correct", "f1_wrong", "precision", "recall", "steps", "steps_per_ref",
-           "answer_is_last", "slip_f1", "f1_over_slip")
+           "answer_is_last", "copies_hint", "slip_f1", "f1_over_slip")
 LABELS = {"n": "completions", "accuracy": "accuracy", "f1": "Match F1", "f1_correct": "F1 (right)",
           "f1_wrong": "F1 (wrong)", "precision": "precision", "recall": "recall", "steps": "steps",
-          "steps_per_ref": "steps / k", "answer_is_last": "answer = last step", "slip_f1": "slip-model F1",
+          "steps_per_ref": "steps / k", "answer_is_last": "answer = last step", "copies_hint": "hint copied", "slip_f1": "slip-model F1",
           "f1_over_slip": "F1 − slip model"}
 
 
@@ -55,7 +55,8 @@ def slip_model_f1(accuracy: float, ks: Sequence[int]) -> float:
 
 def score(texts: Sequence[str], rows: Sequence[Mapping]) -> list[dict]:
     """Each completion against its row (exact step matching): correct, F1, precision, recall,
-    steps, and whether its answer is its last step's result (None without steps)."""
+    steps, whether its answer is its last step's result (None without steps), and whether a step
+    repeats a span of the question (the hinted organism's shortcut: "We are told c is 2.")."""
     from crystal_grpo.rewards import build_reward
     from crystal_grpo.rewards.answers import answers_match
 
@@ -69,7 +70,8 @@ def score(texts: Sequence[str], rows: Sequence[Mapping]) -> list[dict]:
                     "correct": values["accuracy"][i], "f1": values["f1"][i], "precision": values["precision"][i],
                     "recall": values["recall"][i], "steps": values["steps_mean"][i],
                     "answer_is_last": (None if last is None else
-                                       float(parsed.answer is not None and answers_match(parsed.answer, last)))})
+                                       float(parsed.answer is not None and answers_match(parsed.answer, last))),
+                    "copies_hint": float(any(s.strip() and s.strip() in row["question"] for s in parsed.steps))})
     return out
 
 
@@ -88,7 +90,8 @@ def summarize(scored: Sequence[dict]) -> dict[str, float]:
             "f1_wrong": _mean(s["f1"] for s in wrong), "precision": _mean(s["precision"] for s in scored),
             "recall": _mean(s["recall"] for s in scored), "steps": _mean(s["steps"] for s in scored),
             "steps_per_ref": _mean(s["steps"] / s["k"] for s in scored),
-            "answer_is_last": _mean(s["answer_is_last"] for s in scored), "slip_f1": model,
+            "answer_is_last": _mean(s["answer_is_last"] for s in scored),
+            "copies_hint": _mean(s["copies_hint"] for s in scored), "slip_f1": model,
             "f1_over_slip": f1 - model}
 
 
