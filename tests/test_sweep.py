@@ -392,16 +392,16 @@ def test_eval_also_scores_the_final_weights_again_with_some_settings_changed(tmp
         "also": {"greedy": {"temperature": 0, "num_samples": 1}}})
     calls = []
 
-    def evaluate(argv, **_):  # scripts/evaluate.py's launch: record it, leave the report it would write
+    def evaluate(entry, argv, *_, **__):  # scripts/evaluate.py's launch: record it, leave the report it would write
         calls.append(argv)
         out = Path(argv[argv.index("--out") + 1])
         out.mkdir(parents=True)
         (out / "report.json").write_text("{}")
-        return subprocess.CompletedProcess(argv, 0)
+        return 0
 
-    monkeypatch.setattr(sw.subprocess, "run", evaluate)
+    monkeypatch.setattr(sw.launch, "run", evaluate)
     assert sw.evaluate_point(sweep, point, say=lambda _: None)
-    args = {Path(a[a.index("--out") + 1]).name: dict(zip(a[2::2], a[3::2])) for a in calls}
+    args = {Path(a[a.index("--out") + 1]).name: dict(zip(a[0::2], a[1::2])) for a in calls}
     common = {"--model": str(folder / "final"), "--data": "rows.jsonl"}
     assert args == {"eval": {**common, "--out": str(folder / "eval"), "--num_samples": "2", "--temperature": "1.0"},
                     "eval_greedy": {**common, "--out": str(folder / "eval_greedy"), "--num_samples": "1",
