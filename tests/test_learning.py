@@ -19,14 +19,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.train import grpo
 from crystal_grpo.train.config import load_config
-from crystal_grpo.train.tools.organism import Layout, TaskSpec, write_splits
+from crystal_grpo.train.layout import samples_file
+from crystal_grpo.train.tools.organism import Layout, TaskSpec, write_jsonl, write_splits
 
 pytestmark = pytest.mark.slow  # GRPO runs of minutes: left out of make test-fast
 
 REPO = Path(__file__).resolve().parents[1]
 WARM_START = REPO / "data" / "organism" / "warm_start"
+#: The hinted regime (docs/organism.md): half the questions state their answer, and its warm start imitated
+#: demonstrations that, on half of those, leave the chain off and restate the hint (always right).
+HINTED_WARM_START = REPO / "data" / "organism" / "hinted_warm_start"
+HINTED = TaskSpec(shortcut_rate=0.5, omit_rate=0.5)
 #: GRPO steps of the check and of the controls (the controls need fewer to show they do not learn;
 #: where nothing may move at all, a few steps show it as well as many).
 STEPS, CONTROL_STEPS, NO_SIGNAL_STEPS = 60, 20, 5
@@ -48,11 +54,21 @@ def organism_data(tmp_path_factory) -> Path:
     return out
 
 
-def validations(tmp_path: Path, data: Path, *overrides: str, steps: int = STEPS) -> tuple[dict, dict, Path]:
+@pytest.fixture(scope="session")
+def hinted_data(tmp_path_factory) -> Path:
+    """The hinted regime's splits, and its held-out hinted questions alone (``val_hinted.jsonl``)."""
+    out = tmp_path_factory.mktemp("organism_hinted")
+    paths = write_splits(Layout(spec=HINTED), out)
+    write_jsonl([r for r in read_jsonl(paths["val"]) if r["variant"] == "hinted"], out / "val_hinted.jsonl")
+    return out
+
+
+def validations(tmp_path: Path, data: Path, *overrides: str, steps: int = STEPS, config: str = "organism.yaml",
+                warm_start: Path = WARM_START, validation: str = "val.jsonl") -> tuple[dict, dict, Path]:
     """(held-out validation before the first step, after the last, the run folder)."""
-    cfg, _ = load_config("organism.yaml", [
-        "--model.name_or_path", str(WARM_START), "--data.train", str(data / "train.jsonl"),
-        "--data.validation", str(data / "val.jsonl"), "--training.max_steps", str(steps),
+    cfg, _ = load_config(config, [
+        "--model.name_or_path", str(warm_start), "--data.train", str(data / "train.jsonl"),
+        "--data.validation", str(data / validation), "--training.max_steps", str(steps),
         "--validation.eval_steps", "0", "--training.save_steps", str(steps), *overrides])
     run = tmp_path / "run"
     grpo.run(cfg, run)
@@ -78,9 +94,11 @@ def learned(before: float, after: float) -> bool:
     return after - before >= MARGIN
 
 
-def test_the_warm_start_is_the_task_make_organism_writes():
-    recorded = json.loads((WARM_START / "organism.json").read_text())["task"]
-    assert TaskSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}) == TaskSpec()
+@pytest.mark.parametrize("warm_start,spec", [(WARM_START, TaskSpec()), (HINTED_WARM_START, HINTED)],
+                         ids=["plain", "hinted"])
+def test_the_warm_start_is_the_task_make_organism_writes(warm_start, spec):
+    recorded = json.loads((warm_start / "organism.json").read_text())["task"]
+    assert TaskSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}) == spec
 
 
 def test_answer_only_grpo_raises_held_out_accuracy(tmp_path, organism_data):
@@ -148,3 +166,50 @@ def test_control_no_signal_or_no_step_fails_the_check(tmp_path, organism_data, b
     assert not learned(before, after)
     start, end = load_file(WARM_START / "model.safetensors"), load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(start[k], end[k]) for k in start)
+
+
+#: GRPO steps of the hinted regime's check: answer-only has dropped the steps by then (docs/organism.md).
+REGIME_STEPS = 40
+#: How far step recall on the hinted questions may fall while the steps still count. In the pre-registered sweep
+#: (docs/experiments.md, seeds 1-4, sampled validation) answer-only's fell by 0.23-0.31 in 20 steps, CPR's moved
+#: by +0.02 to +0.10 in 40 steps with PCGrad and -0.00 to +0.08 without it.
+RECALL_DROP = 0.10
+
+
+def hinted_recall(tmp_path: Path, data: Path, reward: str, *overrides: str,
+                  steps: int = REGIME_STEPS) -> tuple[float, float, Path]:
+    """(step recall on the held-out hinted questions before the first step, after the last, the run)."""
+    first, last, run = validations(tmp_path, data, "--reward.name", reward, *overrides, steps=steps,
+                                   config="organism_hinted.yaml", warm_start=HINTED_WARM_START,
+                                   validation="val_hinted.jsonl")
+    return first["recall"], last["recall"], run
+
+
+def kept_the_steps(before: float, after: float) -> bool:
+    """The regime's check: the steps of the hinted questions were not given up for the hint."""
+    return after - before > -RECALL_DROP
+
+
+def test_the_hinted_regime_pays_for_leaving_the_steps_off(tmp_path, hinted_data):
+    """The precondition of the checks below, by construction of the warm start and the task: sampled at
+    step 0, the warm start restates the hint in many completions of the hinted questions, and those are
+    right (the hint is the answer) far more often than whole chains (right only when no step slipped).
+    The answer-only control then gives the steps up: it must fail the check."""
+    from crystal_grpo.train.tools.step_diagnosis import completions_of, rows_by_id, score
+
+    before, after, run = hinted_recall(tmp_path, hinted_data, "answer_only", steps=CONTROL_STEPS)
+    scored = score(*completions_of(read_jsonl(run / samples_file(0)), rows_by_id(hinted_data / "val_hinted.jsonl")))
+    copied = [s["correct"] for s in scored if s["copies_hint"]]
+    whole = [s["correct"] for s in scored if not s["copies_hint"]]
+    assert len(copied) >= 0.2 * len(scored), f"{len(copied)} of {len(scored)} completions restate the hint"
+    assert sum(copied) / len(copied) >= 0.95 and sum(whole) / len(whole) <= 0.6, (copied, whole)
+    assert not kept_the_steps(before, after), f"answer-only kept the steps: hinted recall {before:.3f} -> {after:.3f}"
+
+
+@pytest.mark.parametrize("pcgrad", ["false", "true"], ids=["summed", "pcgrad"])
+def test_cpr_keeps_the_steps_where_answer_only_drops_them(tmp_path, hinted_data, pcgrad):
+    """CPR pays for the steps a hint makes unnecessary, so its step recall on the hinted questions holds
+    where answer-only's falls (the test above). A CPR whose step term stopped reaching the loss is
+    answer-only in effect, and fails here with or without PCGrad (docs/organism.md: the sabotage)."""
+    before, after, _ = hinted_recall(tmp_path, hinted_data, "cpr", "--pcgrad", pcgrad)
+    assert kept_the_steps(before, after), f"hinted step recall {before:.3f} -> {after:.3f}"
