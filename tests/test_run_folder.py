@@ -366,17 +366,6 @@ def test_the_command_line_wins_over_a_phase_setting_the_same_key():
     assert [apply_phase(cfg, p).reward.params.get("step_weight") for p in cfg.phases] == [None, 0.4]
 
 
-@pytest.mark.slow
-def test_two_processes_report_missing_pieces_once(tmp_path, free_port):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           "train/grpo.py", "--config", "tiny.yaml", "--cpu_backend", "gloo", "--output_dir", str(tmp_path / "r"),
-           "--model.name_or_path", str(tmp_path / "no-model"), "--data.train", str(tmp_path / "no.jsonl")]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert proc.stderr.count("cannot start: 2 problem(s)") == 1, proc.stderr[-3000:]
-    assert proc.stderr.count(f"model.name_or_path: no such folder '{tmp_path / 'no-model'}'") == 1
-
-
 # --- the kill-trials tool (its table is docs/reliability.md's evidence) ------------------------
 def test_kill_trials_compare_finds_a_repeated_step_a_changed_value_and_other_weights(tmp_path):
     from safetensors.torch import save_file

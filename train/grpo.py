@@ -20,7 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
-from crystal_grpo.distributed import is_main_process, launch_command
+from crystal_grpo.distributed import is_main_process, launch_command, launcher_problem, wait_for_every_process
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.train.checkpoints import (
@@ -354,7 +354,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
     """
     phases = copy.deepcopy(phase_configs(cfg))  # a phase may be given its start below
     max_steps = [p.training.get("max_steps") for p in phases]
-    main, created = is_main_process(), not run_dir.exists()
+    main, created = is_main_process(), not os.path.lexists(run_dir)
     refused = foreign_folder(run_dir)  # before the lock: it is a file in the folder
     if refused:
         raise RunFolderError(refused)
@@ -443,7 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, _ = load_config(args.config, overrides)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        return refuse(f"config error: {err}")
+    environment = launcher_problem()
+    if environment:  # said by every process: without a launcher none is the main one
+        print(f"cannot start: {environment}", file=sys.stderr)
         return 2
     missing = preflight(cfg)
     if args.check:
@@ -452,15 +455,11 @@ def main(argv: list[str] | None = None) -> int:
         for line in check_lines(cfg, args.accelerate_config, args.gpus, args.gpu_memory):
             say(line)
     if missing:  # every missing piece at once, before any folder, lock or model
-        if is_main_process():
-            print("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing), file=sys.stderr)
-        return 2
+        return refuse("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing))
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
     refused = foreign_folder(run_dir)  # here before torch loads (run() checks it again, for a library caller)
     if refused:
-        if is_main_process():
-            print(f"{RunFolderError.__name__}: {refused}", file=sys.stderr)
-        return 2
+        return refuse(f"{RunFolderError.__name__}: {refused}")
     if args.check:
         phases = ", ".join(f"{p.name} ({p.trainer})" for p in cfg.phases) or cfg.trainer
         say(f"{args.config}: config valid and everything it names found; phases: {phases}; reward "
@@ -492,6 +491,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def refuse(message: str) -> int:
+    """Exit code 2 for a launch refused before anything loads: the message once (main process),
+    then every process of the launch waits for the others (a launcher stops them all as soon as
+    one exits, which could cut the message off)."""
+    if is_main_process():
+        print(message, file=sys.stderr, flush=True)
+    wait_for_every_process()
+    return 2
 
 
 def left_out_line(phase: PhaseSection) -> str:
