@@ -22,7 +22,7 @@ from pathlib import Path
 
 from crystal_grpo.distributed import is_main_process, launch_command, launcher_problem, wait_for_every_process
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.errors import CrystalError
+from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.train.checkpoints import (
     checkpoint_problem,
     checkpoint_step,
@@ -487,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if not isinstance(err, CrystalError):
             raise
+        traceback_if_asked(err)
         if is_main_process() or not isinstance(err, RunFolderError):  # (every rank meets the same folder)
             print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 2

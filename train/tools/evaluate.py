@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crystal_grpo.errors import CrystalError
+from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.distributed import barrier, rank_and_world
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.metrics import per_completion
@@ -400,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(compare_markdown(compare(folders, args.bootstrap, args.seed)), end="")
         return 0
     except (CrystalError, ValueError, OSError) as err:
+        traceback_if_asked(err)
         print(f"error: {err}", file=sys.stderr)
         return 2
 
