@@ -10,7 +10,11 @@ speak: each test fails if the launch goes on to load anything.
 
 from __future__ import annotations
 
+import http.server
 import os
+import subprocess
+import sys
+import threading
 
 import pytest
 
@@ -111,3 +115,108 @@ def test_two_processes_report_missing_pieces_once_however_late_the_main_process(
     assert proc.stderr.count(f"model.name_or_path: no such folder '{tmp_path / 'no-model'}'") == 1
     assert not (tmp_path / "r").exists()
 
+
+
+# --- item 14: what --check could have caught ---------------------------------------------------------
+@pytest.mark.parametrize("argv, problem", [
+    (["--training.num_generations", "3"], "training.num_generations: 3 completions of a prompt do not fit whole into "
+     "the generation batch of 4 (per_device_train_batch_size 4 x 1 process(es) x gradient_accumulation_steps 1); make "
+     "that a multiple of 3"),
+    (["--training.num_generations", "8", "--check", "--gpus", "3"], "training.num_generations: 8 completions of a "
+     "prompt do not fit whole into the generation batch of 12 (per_device_train_batch_size 4 x 3 process(es) x "
+     "gradient_accumulation_steps 1); make that a multiple of 8"),
+    (["--training.num_generations", "8", "--training.steps_per_generation", "3"], "training.num_generations: 8 "
+     "completions of a prompt do not fit whole into the generation batch of 12 (per_device_train_batch_size 4 x 1 "
+     "process(es) x steps_per_generation 3); make that a multiple of 8"),
+], ids=["one_process", "three_gpus", "steps_per_generation"])
+def test_num_generations_that_split_a_group_is_one_line_before_anything_loads(tmp_path, capsys, argv, problem):
+    assert refused(capsys, "--output_dir", str(tmp_path / "run"), *argv) == ["cannot start: 1 problem(s)",
+                                                                            f"  {problem}"]
+    assert grpo.main([*READY, "--output_dir", str(tmp_path / "run"), "--training.num_generations", "8", "--check",
+                      "--gpus", "2"]) == 0  # 4 x 2 processes: whole groups
+
+
+def _empty(path):
+    path.write_text("")
+
+
+@pytest.mark.parametrize("make, kind, check", [
+    (_empty, "an empty file (0 bytes), no rows", False),
+    (os.mkfifo, "a named pipe, not a file of rows; write the rows to a file and give that", True),
+], ids=["empty", "named_pipe"])
+def test_a_data_file_without_rows_is_one_line_before_anything_loads(tmp_path, capsys, make, kind, check):
+    data = tmp_path / "train.jsonl"
+    make(data)
+    argv = ["--output_dir", str(tmp_path / "run"), "--data.train", str(data), *(["--check"] if check else [])]
+    assert refused(capsys, *argv) == ["cannot start: 1 problem(s)", f"  data.train: {data}: {kind}"]
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """A hub that holds no repository: what huggingface.co answers for an unknown model id."""
+
+    def do_HEAD(self):  # noqa: N802 - http.server's name
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("hub, said", [
+    ("closed", "'Qwen/Qwen2.5-0.5B' is not a local folder or in the Hugging Face cache, and the hub (http://127.0.0.1:"
+               "{port}) cannot be reached (ConnectError: "),
+    ("empty", "'Qwen/Qwen2.5-0.5B' is not a local folder, and the Hugging Face hub has no repository of that name that "
+              "this machine may read (a typo? private: log in with hf auth login)"),
+])
+def test_a_hub_id_online_is_asked_of_the_hub_once_before_anything_loads(tmp_path, free_port, hub, said):
+    """Online (HF_HUB_OFFLINE unset), an id the cache does not hold is one HEAD request, not a
+    download that fails after retries (52 s in, after the policy's set-up)."""
+    server = None
+    if hub == "empty":
+        server = http.server.HTTPServer(("127.0.0.1", free_port), _Hub)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    environment = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    environment.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{free_port}")
+    try:
+        proc = subprocess.run([sys.executable, "train/grpo.py", "--config", "tiny.yaml", "--check",
+                               "--model.name_or_path", "Qwen/Qwen2.5-0.5B"], cwd=REPO, env=environment,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        if server is not None:
+            server.shutdown()
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and lines[0] == "cannot start: 1 problem(s)", proc.stderr[-3000:]
+    assert lines[1].startswith(f"  model.name_or_path: {said.format(port=free_port)}"), proc.stderr[-3000:]
+
+
+# --- item 21: a shipped config's missing inputs name the command that makes them ------------------------
+def test_a_missing_shipped_input_names_the_command_that_makes_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a folder without the caches the shipped configs read
+    said = {}
+    for config in ("tiny.yaml", "organism.yaml", "demo.yaml", "organism_warm_start.yaml"):
+        assert grpo.main(["--config", config, "--check"]) == 2
+        said[config] = capsys.readouterr().err.strip().splitlines()[1:]
+    assert said["tiny.yaml"][0] == (f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/tiny-qwen2'; made by "
+                                    "python scripts/make_tiny_models.py")
+    assert said["organism.yaml"][1:] == [
+        f"  data.{key}: no such file or folder '{tmp_path}/.cache/organism/data/{name}.jsonl'; made by python "
+        "scripts/make_organism.py" for key, name in (("train", "train"), ("validation", "val"))]
+    assert said["demo.yaml"][0].endswith("SmolLM2-135M-Instruct'; made by make demo-smollm2 (scripts/prepare_smollm2.py)")
+    assert said["organism_warm_start.yaml"][0] == (f"  model.name_or_path: no such folder '{tmp_path}/.cache/organism/"
+                                                   "model'; made by python scripts/make_organism.py")
+
+
+def test_the_made_by_table_names_where_each_command_writes():
+    import runpy
+
+    from crystal_grpo.train.preflight import MADE_BY
+    from crystal_grpo.train.tools import organism_model, tiny_models
+
+    smollm2 = runpy.run_path(str(REPO / "scripts/prepare_smollm2.py"))["DEFAULT_OUT"].relative_to(REPO)
+    written = {(tiny_models.DEFAULT_OUT / tiny_models.LM_NAME).as_posix(): "scripts/make_tiny_models.py",
+               (tiny_models.DEFAULT_OUT / tiny_models.VLM_NAME).as_posix(): "scripts/make_tiny_models.py",
+               smollm2.as_posix(): "scripts/prepare_smollm2.py",
+               organism_model.DEFAULT_DIR.as_posix(): "scripts/make_organism.py"}
+    assert set(MADE_BY) == set(written)
+    assert all(script in MADE_BY[path] for path, script in written.items())

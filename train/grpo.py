@@ -448,10 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     if environment:  # said by every process: without a launcher none is the main one
         print(f"cannot start: {environment}", file=sys.stderr)
         return 2
-    missing = preflight(cfg)
-    if args.check:
-        from crystal_grpo.train.capacity import check_lines
+    from crystal_grpo.train.capacity import CapacityError, check_lines, launch_from
 
+    try:
+        processes = launch_from(args.accelerate_config, cfg.training.get("deepspeed"), args.gpus).gpus
+    except CapacityError:
+        processes = 1  # (--check says why in its memory line)
+    missing = preflight(cfg, processes)
+    if args.check:
         for line in check_lines(cfg, args.accelerate_config, args.gpus, args.gpu_memory):
             say(line)
     if missing:  # every missing piece at once, before any folder, lock or model
