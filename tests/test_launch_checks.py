@@ -54,9 +54,9 @@ def test_an_output_dir_that_cannot_be_made_is_one_line_before_anything_loads(tmp
     ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0 set, as a launcher sets them for each process, but not RANK, WORLD_SIZE, "
                           "MASTER_ADDR, MASTER_PORT: start several processes with torchrun or accelerate launch, or "
                           "unset LOCAL_RANK for one"),
-    ({"RANK": "1", "WORLD_SIZE": "2"}, "RANK=1, WORLD_SIZE=2 set, as a launcher sets them for each process, but not "
-                                       "LOCAL_RANK, MASTER_ADDR, MASTER_PORT: start several processes with torchrun or "
-                                       "accelerate launch, or unset RANK, WORLD_SIZE for one"),
+    ({"RANK": "1", "WORLD_SIZE": "2"},
+     "RANK=1, WORLD_SIZE=2 set, as a launcher sets them for each process, but not LOCAL_RANK, MASTER_ADDR, "
+     "MASTER_PORT: start several processes with torchrun or accelerate launch, or unset RANK, WORLD_SIZE for one"),
 ], ids=["local_rank", "rank_and_world_size"])
 def test_launcher_variables_without_a_launcher_are_one_line(tmp_path, capsys, monkeypatch, variables, said):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -166,8 +166,8 @@ class _Hub(http.server.BaseHTTPRequestHandler):
 @pytest.mark.parametrize("hub, said", [
     ("closed", "'Qwen/Qwen2.5-0.5B' is not a local folder or in the Hugging Face cache, and the hub (http://127.0.0.1:"
                "{port}) cannot be reached (ConnectError: "),
-    ("empty", "'Qwen/Qwen2.5-0.5B' is not a local folder, and the Hugging Face hub has no repository of that name that "
-              "this machine may read (a typo? private: log in with hf auth login)"),
+    ("empty", "'Qwen/Qwen2.5-0.5B' is not a local folder, and the Hugging Face hub has no repository of that name "
+              "that this machine may read (a typo? private: log in with hf auth login)"),
 ])
 def test_a_hub_id_online_is_asked_of_the_hub_once_before_anything_loads(tmp_path, free_port, hub, said):
     """Online (HF_HUB_OFFLINE unset), an id the cache does not hold is one HEAD request, not a
@@ -197,12 +197,13 @@ def test_a_missing_shipped_input_names_the_command_that_makes_it(tmp_path, capsy
     for config in ("tiny.yaml", "organism.yaml", "demo.yaml", "organism_warm_start.yaml"):
         assert grpo.main(["--config", config, "--check"]) == 2
         said[config] = capsys.readouterr().err.strip().splitlines()[1:]
-    assert said["tiny.yaml"][0] == (f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/tiny-qwen2'; made by "
-                                    "python scripts/make_tiny_models.py")
+    assert said["tiny.yaml"][0] == (f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/tiny-qwen2'; "
+                                    "made by python scripts/make_tiny_models.py")
     assert said["organism.yaml"][1:] == [
         f"  data.{key}: no such file or folder '{tmp_path}/.cache/organism/data/{name}.jsonl'; made by python "
         "scripts/make_organism.py" for key, name in (("train", "train"), ("validation", "val"))]
-    assert said["demo.yaml"][0].endswith("SmolLM2-135M-Instruct'; made by make demo-smollm2 (scripts/prepare_smollm2.py)")
+    assert said["demo.yaml"][0].endswith("SmolLM2-135M-Instruct'; made by make demo-smollm2 "
+                                         "(scripts/prepare_smollm2.py)")
     assert said["organism_warm_start.yaml"][0] == (f"  model.name_or_path: no such folder '{tmp_path}/.cache/organism/"
                                                    "model'; made by python scripts/make_organism.py")
 

@@ -75,6 +75,7 @@ def test_a_finished_run_launched_again_changes_nothing(finished, tmp_path, capsy
     assert grpo.main([*argv, *(["--resume_from_checkpoint", "latest"] if resume else [])]) == 0
     out = capsys.readouterr().out
     assert f"{run}: this run already finished" in out and "nothing to do" in out
+    assert f"(validation before -> after; {run / 'run_summary.json'}):\nphase " in out  # its table again
     after = snapshot(run)
     for name in (RECORD, LOCK):  # the launch record and the lock say who came; nothing of the run changed
         after.pop(name), before.pop(name)

@@ -362,6 +362,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
         with RunLock(run_dir, launch_command(), say) if main else contextlib.nullcontext():
             launch = plan_launch(run_dir, as_record(cfg), max_steps, resume, overwrite, say, write=main)
             if launch.action == "finished":
+                if main:
+                    say_summary(cfg, run_dir, write=False)
                 return launch.summary or {}
             return _run_phases(cfg, phases, run_dir, launch.action == "resume", callbacks)
     except BaseException:
@@ -401,15 +403,20 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
         prev = pdir
     if is_main_process():
         atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2))  # last: the run is finished
-        from crystal_grpo.train.summary import write_summary
-
-        say(f"\nthe run{', phase by phase' if cfg.phases else ''} (validation before -> after; "
-            f"{run_dir / RUN_SUMMARY}):\n" + write_summary(run_dir))
+        say_summary(cfg, run_dir)
         if cfg.phases:
             from crystal_grpo.train.plot import plot_run
 
             say(f"curves of all phases: {plot_run(run_dir)}")
     return summary
+
+
+def say_summary(cfg: RunConfig, run_dir: Path, write: bool = True) -> None:
+    """The run's table, phase by phase (``write``: into ``run_summary.json`` first)."""
+    from crystal_grpo.train.summary import write_summary
+
+    say(f"\nthe run{', phase by phase' if cfg.phases else ''} (validation before -> after; "
+        f"{run_dir / RUN_SUMMARY}):\n" + write_summary(run_dir, write))
 
 
 def main(argv: list[str] | None = None) -> int:

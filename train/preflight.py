@@ -230,7 +230,8 @@ def preflight(cfg: RunConfig, processes: int = 1) -> list[str]:
     for i, c in enumerate(phase_configs(cfg)):
         phase = cfg.phases[i] if cfg.phases else None
         # every reward loads the encoder: validation reports Match F1 whatever the reward
-        problems = [encoder_problem(c.reward.config.encoder), precision_problem(c), generation_batch_problem(c, processes)]
+        problems = [encoder_problem(c.reward.config.encoder), precision_problem(c),
+                    generation_batch_problem(c, processes)]
         if i == 0 or (phase is not None and phase.init_from == "none"):  # later phases start from a checkpoint
             problems.insert(0, model_problem(c.model.name_or_path, c.model.gguf_file))
         for key, source in (("data.train", c.data.train), ("data.validation", c.data.validation)):
