@@ -183,7 +183,7 @@ def test_a_failed_start_does_not_block_the_retry(inputs, tmp_path, capsys):
     empty.write_text("")
     out = tmp_path / "refs.jsonl"
     assert br.main(["--data", str(empty), "--out", str(out), "--trajectories", str(inputs["a"])]) == 2
-    assert "no valid rows" in capsys.readouterr().err
+    assert f"{empty}: an empty file (0 bytes), no rows" in capsys.readouterr().err
     assert br.main(["--data", str(inputs["data"]), "--out", str(out), "--trajectories", str(inputs["a"])]) == 0
     assert out.is_file()
 

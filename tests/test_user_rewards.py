@@ -19,6 +19,7 @@ from crystal_grpo.train.config import load_config
 from crystal_grpo.train.tools.evaluate import main as evaluate_main
 from crystal_grpo.typed import ConfigError
 
+REPO = Path(__file__).resolve().parents[1]
 USER_CODE = '''
 import json
 import re
@@ -179,12 +180,13 @@ def test_a_slow_function_is_said_to_be_running(user_file, monkeypatch, caplog):
                                        "still running, 0 s so far"), said
 
 
+@pytest.mark.slow  # a run, though of a committed model
 @pytest.mark.parametrize("traceback", [False, True], ids=["one_line", "with_traceback"])
 def test_a_run_whose_reward_raises_says_it_in_one_line(user_file, tmp_path, capsys, monkeypatch, traceback):
     monkeypatch.delenv("CRYSTAL_GRPO_TRACEBACK", raising=False)
     if traceback:
         monkeypatch.setenv("CRYSTAL_GRPO_TRACEBACK", "1")
-    argv = ["--config", "tiny.yaml", "--model.name_or_path", "data/organism/warm_start", "--output_dir",
+    argv = ["--config", "tiny.yaml", "--model.name_or_path", str(REPO / "data/organism/warm_start"), "--output_dir",
             str(tmp_path / "run"), "--reward.components", f"[{{fn: '{user_file}:divides'}}]",
             "--validation.max_samples", "1", "--validation.max_new_tokens", "4"]
     assert grpo.main(argv) == 2  # at the first call: validation before the first step
