@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 USER_CODE = '''
 import json
 import re
+import threading
 from crystal_grpo.rewards.base import RewardModule
 
 def says_answer(completions, answer, **kwargs):
@@ -51,9 +52,11 @@ def divides(completions, **kwargs):
 def keyword_only(*, completions, answer):
     return [0.0 for _ in completions]
 
+#: set by the test once it has heard that ``waits`` is still running
+HEARD = threading.Event()
+
 def waits(completions, **kwargs):
-    import time
-    time.sleep(0.5)
+    HEARD.wait(60)  # (a judge model, an API) until the progress line came, so no clock decides the test
     return [0.0 for _ in completions]
 
 NOT_A_FUNCTION = 3
@@ -169,15 +172,29 @@ def test_a_function_that_raises_or_cannot_take_the_columns_is_one_line_naming_it
 
 
 def test_a_slow_function_is_said_to_be_running(user_file, monkeypatch, caplog):
+    """The function returns only once its progress line was logged (or after 60 s, failing), so
+    the test needs no timing: the threshold is made small, and the line must come."""
     from crystal_grpo.rewards import user
 
-    monkeypatch.setattr(user, "SLOW_CALL_S", 0.1, raising=False)  # (fails, not errs, without it)
+    monkeypatch.setattr(user, "SLOW_CALL_S", 0.01)
+    heard = load_object(f"{user_file}:HEARD")
+
+    class Hears(logging.Handler):
+        def emit(self, record):
+            if "still running" in record.getMessage():
+                heard.set()
+
     module = build_reward("composed", components=[{"fn": f"{user_file}:waits"}])
-    with caplog.at_level(logging.WARNING, logger="crystal_grpo.rewards.user"):
-        module.score(COMPLETIONS, [{**row, "id": f"r{i}"} for i, row in enumerate(ROWS)])
+    hears = Hears()
+    logging.getLogger(user.__name__).addHandler(hears)
+    try:
+        with caplog.at_level(logging.WARNING, logger=user.__name__):
+            module.score(COMPLETIONS, [{**row, "id": f"r{i}"} for i, row in enumerate(ROWS)])
+    finally:
+        logging.getLogger(user.__name__).removeHandler(hears)
     said = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
-    assert said and said[0].startswith(f"reward component '{user_file}:waits' on 3 completion(s) of rows r0, r1, r2: "
-                                       "still running, 0 s so far"), said
+    assert heard.is_set() and said[0] == (f"reward component '{user_file}:waits' on 3 completion(s) of rows r0, r1, "
+                                          "r2: still running, 0 s so far"), said
 
 
 @pytest.mark.slow  # a run, though of a committed model
