@@ -191,19 +191,27 @@ def test_a_hub_id_online_is_asked_of_the_hub_once_before_anything_loads(tmp_path
 
 
 # --- item 21: a shipped config's missing inputs name the command that makes them ------------------------
+#: The shipped configs whose every input is committed or made by a command of this repository.
+MADE_HERE = ("tiny.yaml", "organism.yaml", "organism_curriculum.yaml", "organism_warm_start.yaml", "demo.yaml",
+             "demo_organism.yaml", "demo_ablation.yaml", "demo_ablation_curriculum.yaml")
+
+
 def test_a_missing_shipped_input_names_the_command_that_makes_it(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # a folder without the caches the shipped configs read
+    """A fresh clone: the committed data/ is there, .cache/ (what the commands make) is not."""
+    (tmp_path / "data").symlink_to(REPO / "data")
+    monkeypatch.chdir(tmp_path)
     said = {}
-    for config in ("tiny.yaml", "organism.yaml", "demo.yaml", "organism_warm_start.yaml"):
+    for config in MADE_HERE:
         assert grpo.main(["--config", config, "--check"]) == 2
         said[config] = capsys.readouterr().err.strip().splitlines()[1:]
-    assert said["tiny.yaml"][0] == (f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/tiny-qwen2'; "
-                                    "made by python scripts/make_tiny_models.py")
-    assert said["organism.yaml"][1:] == [
+        assert said[config] and all("; made by " in line for line in said[config]), (config, said[config])
+    assert said["tiny.yaml"] == [f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/tiny-qwen2'; "
+                                 "made by python scripts/make_tiny_models.py"]
+    assert said["organism.yaml"] == [
         f"  data.{key}: no such file or folder '{tmp_path}/.cache/organism/data/{name}.jsonl'; made by python "
         "scripts/make_organism.py" for key, name in (("train", "train"), ("validation", "val"))]
-    assert said["demo.yaml"][0].endswith("SmolLM2-135M-Instruct'; made by make demo-smollm2 "
-                                         "(scripts/prepare_smollm2.py)")
+    assert said["demo.yaml"] == [f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/SmolLM2-135M-"
+                                 "Instruct'; made by make demo-smollm2 (scripts/prepare_smollm2.py)"]
     assert said["organism_warm_start.yaml"][0] == (f"  model.name_or_path: no such folder '{tmp_path}/.cache/organism/"
                                                    "model'; made by python scripts/make_organism.py")
 
