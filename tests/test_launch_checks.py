@@ -93,10 +93,10 @@ def test_a_process_group_that_failed_to_start_leaves_the_rank_readable(monkeypat
 SLOW_MAIN_PROCESS = """
 from crystal_grpo.train import grpo as g
 checked = g.preflight
-def slow_on_rank_0(cfg):
+def slow_on_rank_0(*args, **kwargs):
     if os.environ.get("RANK") == "0":
         time.sleep(4)
-    return checked(cfg)
+    return checked(*args, **kwargs)
 g.preflight = slow_on_rank_0
 """
 
