@@ -205,7 +205,8 @@ def test_a_run_whose_reward_raises_says_it_in_one_line(user_file, tmp_path, caps
         monkeypatch.setenv("CRYSTAL_GRPO_TRACEBACK", "1")
     argv = ["--config", "tiny.yaml", "--model.name_or_path", str(REPO / "data/organism/warm_start"), "--output_dir",
             str(tmp_path / "run"), "--reward.components", f"[{{fn: '{user_file}:divides'}}]",
-            "--validation.max_samples", "1", "--validation.max_new_tokens", "4"]
+            "--validation.max_samples", "1", "--validation.max_new_tokens", "4", "--reward.params.encoder", "exact",
+            "--training.disable_tqdm", "false"]  # the trainer's bar, and no other, is open when the error comes
     assert grpo.main(argv) == 2  # at the first call: validation before the first step
     err = capsys.readouterr().err  # (besides transformers' progress bars)
     said = [line for line in err.splitlines() if line.startswith("RewardFunctionError")]

@@ -492,9 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         say(f"aborted: the newest complete checkpoint is used by: {resume_command(argv)}")
         return 130
     except (CrystalError, OSError, RuntimeError) as err:
+        close_progress_bars()
         full = disk_full(err, run_dir)
         if full is not None:
-            print(f"\ndisk full: {full}; after freeing space: {resume_command(argv)}", file=sys.stderr)  # \n: after tqdm
+            print(f"disk full: {full}; after freeing space: {resume_command(argv)}", file=sys.stderr)
             return 1
         if not isinstance(err, CrystalError):
             raise
@@ -503,6 +504,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def close_progress_bars() -> None:
+    """Close the progress bars an error cut short (the trainer's tqdm bar), so that the error's
+    line starts a line of its own instead of following the bar's."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 def refuse(message: str) -> int:
