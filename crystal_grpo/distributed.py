@@ -17,9 +17,11 @@ from typing import Any
 
 def accelerate_state() -> Any:
     """accelerate's ``PartialState`` once something set it up (the trainer, a launcher's worker),
-    else None; neither imports accelerate nor sets it up (``PartialState()`` would)."""
+    else None; neither imports accelerate nor sets it up (``PartialState()`` would). A set-up
+    that failed half-way (no process group could be made) counts as none: it has no rank."""
     state = sys.modules.get("accelerate.state")
-    return state.PartialState() if state is not None and state.PartialState._shared_state else None
+    shared = state.PartialState._shared_state if state is not None else {}
+    return state.PartialState() if "process_index" in shared and "distributed_type" in shared else None
 
 
 def is_main_process() -> bool:
@@ -29,6 +31,49 @@ def is_main_process() -> bool:
     importing torch or accelerate, so ``--check`` stays light."""
     state = accelerate_state()
     return state.is_main_process if state is not None else int(os.environ.get("RANK", "0")) == 0
+
+
+#: What torch's ``env://`` rendezvous reads: a launcher (torchrun, ``accelerate launch``, a
+#: Slurm script) sets all of them for each process it starts.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_problem(env: dict | None = None) -> str | None:
+    """What is wrong with the environment when a launcher's variables are only partly there
+    (``LOCAL_RANK=0`` left exported in a shell, ``RANK``/``WORLD_SIZE`` without a rendezvous
+    address): transformers would try to join a process group and fail after loading, with a
+    message about ``MASTER_ADDR``. One process with none of them set is fine."""
+    env = os.environ if env is None else env
+    given = [k for k in LAUNCHER_VARIABLES if env.get(k)]
+    wants_group = env.get("LOCAL_RANK") or int(env.get("WORLD_SIZE") or 1) > 1
+    missing = [k for k in LAUNCHER_VARIABLES if not env.get(k)]
+    if not wants_group or not missing:
+        return None
+    shown = ", ".join(f"{k}={env[k]}" for k in given)
+    return (f"environment: {shown} set, as a launcher sets them for each process, but not {', '.join(missing)}: "
+            f"start several processes with torchrun or accelerate launch, or unset {', '.join(given)} for one")
+
+
+def wait_for_every_process(timeout_s: float = 120) -> None:
+    """On an error path before the run set up its process group: wait until every process of
+    the launch reaches it too. A launcher stops the other processes as soon as one exits, so a
+    process exiting first could cut off the main process's message. A no-op in one process,
+    or when no process group can be made (a process already gone)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or launcher_problem() is not None:
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        own = not dist.is_initialized()
+        if own:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        dist.barrier()
+        if own:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort: the error itself is already printed
+        pass
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -22,12 +22,19 @@ values travel with the rest of the evaluation (``Batch.extra``).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from crystal_grpo.errors import CrystalError
+from crystal_grpo.errors import TRACEBACK_VARIABLE, CrystalError, some_of
 from crystal_grpo.rewards.base import Batch, Objective, RewardConfig, RewardModule, Scored
 from crystal_grpo.rewards.cpr import CPRConfig
 from crystal_grpo.typed import ConfigError, option
@@ -35,6 +42,8 @@ from crystal_grpo.user_code import ImportPathError, load_object  # noqa: F401 - 
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 #: ``crystal:<term>``: per-row terms of the one evaluation (docs/method.md sections 2-4),
 #: read after a malformed completion is zeroed (``reward.params.malformed``).
@@ -139,7 +148,21 @@ class ComposedReward(RewardModule):
 
     @staticmethod
     def _call(spec: ComponentSpec, fn: Callable, completions: Sequence[Any], columns: dict) -> list[float]:
-        out = fn(completions=list(completions), **columns)
+        what = f"reward component {spec.fn!r} on {_batch(len(completions), columns)}"
+        try:
+            inspect.signature(fn).bind(completions=completions, **columns)
+        except TypeError as err:
+            raise RewardFunctionError(f"{what}: cannot be called as TRL calls a reward function, "
+                                      f"fn(completions, **columns) with the columns {', '.join(columns)} ({err}); "
+                                      "give it a **kwargs parameter") from None
+        except ValueError:
+            pass  # no signature to read (a builtin): the call says what is wrong
+        with _said_while_running(what):
+            try:
+                out = fn(completions=list(completions), **columns)
+            except Exception as err:  # noqa: BLE001 - the user's code: one line, the traceback on request
+                raise RewardFunctionError(f"{what} raised {type(err).__name__}: {err} (at {_origin(err)}; "
+                                          f"{TRACEBACK_VARIABLE}=1 prints the traceback)") from err
         if not isinstance(out, (list, tuple)) or len(out) != len(completions):
             got = f"{len(out)} value(s)" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
             raise RewardFunctionError(f"reward component {spec.fn!r} returned {got} for {len(completions)} completion(s); "
@@ -164,6 +187,41 @@ class ComposedReward(RewardModule):
                 value, k = batch.extra[:, k], k + 1
             out[name] = spec.weight * value
         return out
+
+
+def _batch(n: int, columns: Mapping[str, list]) -> str:
+    """``8 completion(s) of rows wp-0001, wp-0002``: what a reward function was scoring."""
+    ids = list(dict.fromkeys(str(i) for i in columns.get("id") or []))
+    return f"{n} completion(s)" + (f" of rows {some_of(ids)}" if ids else "")
+
+
+def _origin(err: BaseException) -> str:
+    """``file.py:12 in f``: the innermost frame of an error's traceback (where the user's code raised)."""
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
+
+
+#: A user's reward function still running after this many seconds is said to be, again every as many.
+SLOW_CALL_S = 15.0
+
+
+@contextlib.contextmanager
+def _said_while_running(what: str) -> Iterator[None]:
+    """A warning line every :data:`SLOW_CALL_S` seconds while the body runs: a reward function
+    that waits on something (a judge model, an API) otherwise stalls a step without a word."""
+    done, start = threading.Event(), time.monotonic()
+
+    def watch() -> None:
+        while not done.wait(SLOW_CALL_S):
+            logger.warning("%s: still running, %.0f s so far", what, time.monotonic() - start)
+
+    watcher = threading.Thread(target=watch, name="reward-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
 
 
 def _columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, list]:

@@ -39,11 +39,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch
-
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM, load_encoder
 from crystal_grpo.rewards.facts import step_facts
-from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 
 GEN_PER_PROMPT, N_REF, POOL = 8, 12, 20
 NAMES = ["Sam", "Ana", "Li", "Omar", "Mia", "Raj", "Zoe", "Ben", "Ivy", "Tom", "Eva", "Kai"]
@@ -142,6 +139,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threshold", type=float, default=0.35)
     args = ap.parse_args(argv)
+    import torch  # after the arguments: --help answers at once
+
+    from crystal_grpo.rewards.match_f1 import MatchF1Scorer
+
     sizes = [int(s) for s in args.sizes.split(",")]
     tau, dev = args.threshold, args.device
 

@@ -58,7 +58,6 @@ import sys
 import time
 from pathlib import Path
 
-from crystal_grpo.train.tools.bench import command, summarise, table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = REPO_ROOT / ".cache" / "models"
@@ -101,7 +100,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per run (OMP_NUM_THREADS)")
     ap.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench_train"))
     a = ap.parse_args()
-    import torch
+    import torch  # after the arguments: --help answers at once
+
+    from crystal_grpo.train.tools.bench import command, summarise, table
 
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     a.dtype = a.dtype or ("bfloat16" if cuda else "float32")

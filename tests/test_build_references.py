@@ -143,19 +143,21 @@ def test_other_settings_refuse_to_mix_into_one_output(inputs, capsys):
 
 
 def test_a_failing_row_is_reported_and_the_rest_written(inputs, monkeypatch, capsys):
-    real = br.build_chain
+    from crystal_grpo.rewards import references as chains  # where the build reads build_chain when it runs
+
+    real = chains.build_chain
 
     def fail_on_r3(scorer, trajectories, threshold, min_support=2):
         if any("Bo has 9 pens." in t.steps for t in trajectories):
             raise RuntimeError("encoder fell over")
         return real(scorer, trajectories, threshold, min_support)
 
-    monkeypatch.setattr(br, "build_chain", fail_on_r3)
+    monkeypatch.setattr(chains, "build_chain", fail_on_r3)
     assert run(inputs, "--keep_incorrect") == 1
     assert [r["id"] for r in read_jsonl(inputs["out"])] == ["r1", "r2"]
     assert summary(inputs["out"])["failed"] == ["r3: RuntimeError: encoder fell over"]
     assert "1 row(s) failed: r3: RuntimeError: encoder fell over" in capsys.readouterr().out
-    monkeypatch.setattr(br, "build_chain", real)
+    monkeypatch.setattr(chains, "build_chain", real)
     assert run(inputs, "--keep_incorrect") == 0  # the rerun builds only what is missing
     assert [r["id"] for r in read_jsonl(inputs["out"])] == ["r1", "r2", "r3"]
 
@@ -181,7 +183,7 @@ def test_a_failed_start_does_not_block_the_retry(inputs, tmp_path, capsys):
     empty.write_text("")
     out = tmp_path / "refs.jsonl"
     assert br.main(["--data", str(empty), "--out", str(out), "--trajectories", str(inputs["a"])]) == 2
-    assert "no valid rows" in capsys.readouterr().err
+    assert f"{empty}: an empty file (0 bytes), no rows" in capsys.readouterr().err
     assert br.main(["--data", str(inputs["data"]), "--out", str(out), "--trajectories", str(inputs["a"])]) == 0
     assert out.is_file()
 

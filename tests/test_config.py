@@ -190,7 +190,9 @@ def test_config_file_must_be_a_mapping(tmp_path):
     (["--training.learning_rat", "1"], "training: unknown key 'learning_rat'"),
     (["--reward.params.answer_wieght", "1"], "unknown key(s) 'answer_wieght' for reward 'cpr'"),
     (["--validation.batch_size", "eight"], "validation.batch_size: invalid value 'eight'; expected int"),
-    (["--training.num_generations", "3"], "training:"),
+    (["--training.num_generations", "3"], "training.num_generations: 3 completions of a prompt do not fit whole"),
+    (["--training.generation_batch_size", "8", "--training.per_device_train_batch_size", "3"],
+     "training: generation_batch_size (8) must be divisible by the global batch size (3)"),  # TRL's own check
 ])
 def test_config_errors_name_key_and_allowed_values(override, message, capsys, tiny_lm_path):
     # the model folder exists, so what is reported is the bad value (TRL's own checks run before loading)

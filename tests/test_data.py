@@ -198,3 +198,38 @@ def test_an_image_lost_mid_run_is_replaced_from_the_same_split(tmp_path, caplog)
     assert [r.getMessage()[:len(f"{data}:{i + 1}: ")] for r in caplog.records] == [f"{data}:{i + 1}: "]
     assert "image is unreadable now (FileNotFoundError" in caplog.text
     assert len(train.dataset[0]["images"]) == 1  # the other split still reads its own
+
+
+class CountingTokenizer:
+    """The organism's real tokenizer, counting the characters it is asked to tokenise."""
+
+    def __init__(self):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "data/organism/warm_start")
+        self.chars = 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, texts, **kwargs):
+        self.chars += sum(map(len, texts))
+        return self.tok(texts, **kwargs)
+
+
+def test_a_prompt_too_long_by_its_size_alone_is_skipped_without_tokenising_it(tmp_path):
+    """A 50 MB row took 110-232 s and 9.95 GB to tokenise before it was skipped (issue 43 item
+    16): a prompt longer than room x the longest token (in characters) cannot fit, so it is
+    skipped unread by the tokenizer, with the same warning."""
+    from crystal_grpo.train.data import limit_prompt_lengths
+
+    rows = [json.loads(x) for x in Path("data/wordproblems/train.jsonl").read_text().splitlines()[:4]]
+    tok, room = CountingTokenizer(), 200
+    rows[1]["question"] = "apples " * 30_000  # 210,000 characters: past room x 4 x the longest token (12)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    split, line = limit_prompt_lengths(load_split(data), tok, room, "skip", "the completion")
+    assert line == (f"1 of 4 prompt(s) of {data} leave no room for the completion: longer than {room} tokens (e.g. "
+                    f"{rows[1]['id']}); skipped (data.long_prompts: skip)")
+    assert list(split.dataset["id"]) == [rows[i]["id"] for i in (0, 2, 3)]
+    assert 0 < tok.chars < len(rows[1]["question"])  # the three short prompts only

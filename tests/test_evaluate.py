@@ -242,6 +242,10 @@ def test_run_folder_evaluates_each_phase_best_checkpoint(tmp_path, tiny_lm_path,
         assert report["model"] == str(run / name / best)
         assert report["reward"] == json.loads((run / name / "config.json").read_text())["reward"]["name"]
     assert "Paired over the 2 rows" in printed
+    for name in ("phase1-a", "phase2-b"):  # the data that chose the checkpoint is not a test set, and it says so
+        best = json.loads((run / name / "best_checkpoint.json").read_text())["checkpoint"]
+        assert (f"{run / name / best}: scored on data/wordproblems/val.jsonl, the run's validation data, which chose "
+                "its best checkpoint: not a held-out estimate; --data FILE scores a test set") in printed
 
 
 def test_two_processes_split_rows_and_merge_in_data_order(model_eval, tiny_lm_path, tmp_path, repo_root, free_port):

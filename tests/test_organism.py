@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -215,8 +216,6 @@ def test_the_committed_warm_start_loads_and_the_configs_name_it():
     """data/organism/warm_start is what `make_organism.py --warm_start` copies: the weights and
     everything AutoModelForCausalLM and AutoTokenizer load, made for the task the defaults write,
     with the short system prompt both configs use."""
-    from pathlib import Path
-
     from crystal_grpo.train.config import load_config
     from crystal_grpo.train.models import ModelSection, load_policy
     from crystal_grpo.train.tools.organism_model import POLICY_FILES, SYSTEM_PROMPT_SHORT, WARM_START_DIR
@@ -234,3 +233,16 @@ def test_the_committed_warm_start_loads_and_the_configs_name_it():
     assert grpo.data.system_prompt == sft.data.system_prompt == SYSTEM_PROMPT_SHORT
     assert grpo.validation.temperature == sft.validation.temperature == 1.0
     assert grpo.training["max_completion_length"] == grpo.validation.max_new_tokens
+
+
+def test_the_demo_runs_its_own_config_the_organism_with_cpr():
+    """`make demo` trains configs/demo_organism.yaml as it is (it ran organism.yaml with --reward.name
+    cpr over the file's answer_only): the organism's settings, the Causal Process Reward."""
+    import yaml
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    demo, organism = (yaml.safe_load((configs / name).read_text()) for name in ("demo_organism.yaml", "organism.yaml"))
+    assert demo["reward"].pop("name") == "cpr" and organism["reward"].pop("name") == "answer_only"
+    assert demo == organism
+    assert "demo_organism.yaml" in (configs.parent / "scripts/demo.py").read_text()
+    assert "--reward" not in (configs.parent / "scripts/demo.py").read_text()

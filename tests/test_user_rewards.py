@@ -4,6 +4,7 @@ sum of TRL-style reward functions and crystal: terms (rewards/user.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from crystal_grpo.train.config import load_config
 from crystal_grpo.train.tools.evaluate import main as evaluate_main
 from crystal_grpo.typed import ConfigError
 
+REPO = Path(__file__).resolve().parents[1]
 USER_CODE = '''
 import json
 import re
+import threading
 from crystal_grpo.rewards.base import RewardModule
 
 def says_answer(completions, answer, **kwargs):
@@ -43,6 +46,19 @@ def one_value(completions, **kwargs):
 def words(completions, **kwargs):
     return ["many"] * len(completions)
 
+def divides(completions, **kwargs):
+    return [1 / 0 for _ in completions]
+
+def keyword_only(*, completions, answer):
+    return [0.0 for _ in completions]
+
+#: set by the test once it has heard that ``waits`` is still running
+HEARD = threading.Event()
+
+def waits(completions, **kwargs):
+    HEARD.wait(60)  # (a judge model, an API) until the progress line came, so no clock decides the test
+    return [0.0 for _ in completions]
+
 NOT_A_FUNCTION = 3
 
 class Shortness(RewardModule):
@@ -54,6 +70,7 @@ class Shortness(RewardModule):
         return {"short": 1.0 / (1.0 + batch.n_pred)}
 '''
 
+DIVIDES_LINE = next(i for i, line in enumerate(USER_CODE.splitlines(), 1) if "1 / 0" in line)
 ROWS = [{"answer": "4", "reference_steps": ["2 + 2 = 4."], "choices": []},
         {"answer": "B", "reference_steps": ["The second option is right."], "choices": ["x", "y"]},
         {"answer": "9", "reference_steps": ["3 * 3 = 9.", "So 9."], "choices": []}]
@@ -137,6 +154,68 @@ def test_a_function_returning_the_wrong_thing_is_named_at_the_first_batch(user_f
     module = build_reward("composed", components=[{"fn": f"{user_file}:{fn}"}])
     with pytest.raises(RewardFunctionError, match=re.escape(f"reward component '{user_file}:{fn}' {message}")):
         module.score(COMPLETIONS, ROWS)
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("divides", f"on 3 completion(s) of rows a, b, c raised ZeroDivisionError: division by zero (at "
+                f"my_rewards.py:{DIVIDES_LINE} in <listcomp>; CRYSTAL_GRPO_TRACEBACK=1 prints the traceback)"),
+    ("keyword_only", "on 3 completion(s) of rows a, b, c: cannot be called as TRL calls a reward function, "
+                     "fn(completions, **columns) with the columns answer, reference_steps, choices, id (got an "
+                     "unexpected keyword argument 'reference_steps'); give it a **kwargs parameter"),
+])
+def test_a_function_that_raises_or_cannot_take_the_columns_is_one_line_naming_it_and_the_rows(user_file, fn, message):
+    module = build_reward("composed", components=[{"fn": f"{user_file}:{fn}"}])
+    rows = [{**row, "id": name} for row, name in zip(ROWS, "abc")]
+    with pytest.raises(RewardFunctionError) as err:
+        module.score(COMPLETIONS, rows)
+    assert str(err.value) == f"reward component '{user_file}:{fn}' {message}"
+
+
+def test_a_slow_function_is_said_to_be_running(user_file, monkeypatch, caplog):
+    """The function returns only once its progress line was logged (or after 60 s, failing), so
+    the test needs no timing: the threshold is made small, and the line must come."""
+    from crystal_grpo.rewards import user
+
+    monkeypatch.setattr(user, "SLOW_CALL_S", 0.01)
+    heard = load_object(f"{user_file}:HEARD")
+
+    class Hears(logging.Handler):
+        def emit(self, record):
+            if "still running" in record.getMessage():
+                heard.set()
+
+    module = build_reward("composed", components=[{"fn": f"{user_file}:waits"}])
+    hears = Hears()
+    logging.getLogger(user.__name__).addHandler(hears)
+    try:
+        with caplog.at_level(logging.WARNING, logger=user.__name__):
+            module.score(COMPLETIONS, [{**row, "id": f"r{i}"} for i, row in enumerate(ROWS)])
+    finally:
+        logging.getLogger(user.__name__).removeHandler(hears)
+    said = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert heard.is_set() and said[0] == (f"reward component '{user_file}:waits' on 3 completion(s) of rows r0, r1, "
+                                          "r2: still running, 0 s so far"), said
+
+
+@pytest.mark.slow  # a run, though of a committed model
+@pytest.mark.parametrize("traceback", [False, True], ids=["one_line", "with_traceback"])
+def test_a_run_whose_reward_raises_says_it_in_one_line(user_file, tmp_path, capsys, monkeypatch, traceback):
+    monkeypatch.delenv("CRYSTAL_GRPO_TRACEBACK", raising=False)
+    if traceback:
+        monkeypatch.setenv("CRYSTAL_GRPO_TRACEBACK", "1")
+    argv = ["--config", "tiny.yaml", "--model.name_or_path", str(REPO / "data/organism/warm_start"), "--output_dir",
+            str(tmp_path / "run"), "--reward.components", f"[{{fn: '{user_file}:divides'}}]",
+            "--validation.max_samples", "1", "--validation.max_new_tokens", "4", "--reward.params.encoder", "exact",
+            "--training.disable_tqdm", "false"]  # the trainer's bar, and no other, is open when the error comes
+    assert grpo.main(argv) == 2  # at the first call: validation before the first step
+    err = capsys.readouterr().err  # (besides transformers' progress bars)
+    said = [line for line in err.splitlines() if line.startswith("RewardFunctionError")]
+    assert len(said) == 1 and said[0].startswith(f"RewardFunctionError: reward component '{user_file}:divides' on 1 "
+                                                 "completion(s) of rows ")
+    assert said[0].endswith(f"raised ZeroDivisionError: division by zero (at my_rewards.py:{DIVIDES_LINE} in "
+                            "<listcomp>; CRYSTAL_GRPO_TRACEBACK=1 prints the traceback)")
+    assert ("Traceback (most recent call last):" in err) is traceback
+    assert (f'my_rewards.py", line {DIVIDES_LINE}' in err) is traceback
 
 
 def test_yaml_trains_with_a_reward_from_a_user_file_and_evaluates_with_it(user_file, tmp_path, tiny_lm_path):

@@ -157,6 +157,19 @@ def context_length(model: Any) -> int | None:
     return None
 
 
+#: Characters a normaliser may merge into one: NFC composes at most 4 (Unicode's longest canonical
+#: decomposition), so a text's normalised length is at least a quarter of its own.
+MAX_MERGED_CHARS = 4
+
+
+def max_token_chars(tok: Any) -> int:
+    """The most characters of a text one token of ``tok`` can stand for: its longest vocabulary
+    entry (a byte-level entry spells one byte a character, and a character is one byte or more),
+    times :data:`MAX_MERGED_CHARS`. A prompt longer than ``room`` times this cannot fit in ``room``
+    tokens: it is skipped without tokenising it (a 50 MB row took minutes and 9 GB to tokenise)."""
+    return MAX_MERGED_CHARS * max(map(len, tok.get_vocab()), default=1)
+
+
 def limit_prompt_lengths(split: LoadedSplit, tokenizer: Any, room: int, mode: str, key: str,
                          chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[LoadedSplit, str | None]:
     """Prompts longer than ``room`` tokens (the context minus the completion's tokens), per
@@ -166,7 +179,11 @@ def limit_prompt_lengths(split: LoadedSplit, tokenizer: Any, room: int, mode: st
     raw = split.dataset.with_format(None)
     prompts = raw["prompt"]
     texts = [prompt_text(tok, p, chat_template_kwargs) for p in prompts]
-    lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+    bound = room * max_token_chars(tok)
+    fit = [i for i, text in enumerate(texts) if len(text) <= bound]  # the rest cannot fit: never tokenised
+    lengths = [room + 1] * len(texts)
+    for i, ids in zip(fit, tok([texts[i] for i in fit], add_special_tokens=False)["input_ids"] if fit else []):
+        lengths[i] = len(ids)
     long = [i for i, n in enumerate(lengths) if n > room]
     if not long:
         return split, None

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads with the first generation: a command's --help need not wait for it
+    import torch
 
 
 @dataclass
@@ -75,11 +76,12 @@ def _encode(processing_class, prompts: Sequence, images: Sequence | None,
     return tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
 
 
-@torch.no_grad()
 def generate_batches(model, processing_class, prompts: Sequence, images: Sequence | None, sampling: Sampling,
                      batch_size: int, engine: Engine = Engine()) -> Iterator[list[list[str]]]:
     """For each chunk of ``batch_size`` prompts, ``num_samples`` completions per prompt (left
     padding, special tokens dropped); yields chunk by chunk so callers can save as they go."""
+    import torch
+
     tok = getattr(processing_class, "tokenizer", processing_class)
     if engine.continuous_batching and images is not None:
         raise ValueError("continuous batching generates text-only prompts; this model takes images")
@@ -90,13 +92,15 @@ def generate_batches(model, processing_class, prompts: Sequence, images: Sequenc
         for i in range(0, len(prompts), batch_size):
             enc = _encode(processing_class, prompts[i:i + batch_size],
                           None if images is None else images[i:i + batch_size], engine.chat_template_kwargs)
-            if engine.continuous_batching:
-                ids = _generate_continuous(model, tok, enc, sampling, engine)
-            else:
-                enc = {key: v.to(device) for key, v in enc.items()}
-                ids = model.generate(**enc, max_new_tokens=sampling.max_new_tokens, pad_token_id=tok.pad_token_id,
-                                     cache_implementation=engine.cache_implementation, **sampling.generate_kwargs())
-                ids = ids[:, enc["input_ids"].shape[1]:]
+            with torch.no_grad():  # (not around the yield: the caller's grad mode stays its own)
+                if engine.continuous_batching:
+                    ids = _generate_continuous(model, tok, enc, sampling, engine)
+                else:
+                    enc = {key: v.to(device) for key, v in enc.items()}
+                    ids = model.generate(**enc, max_new_tokens=sampling.max_new_tokens, pad_token_id=tok.pad_token_id,
+                                         cache_implementation=engine.cache_implementation,
+                                         **sampling.generate_kwargs())
+                    ids = ids[:, enc["input_ids"].shape[1]:]
             texts = tok.batch_decode(ids, skip_special_tokens=True)
             yield [texts[j:j + k] for j in range(0, len(texts), k)]
     finally:

@@ -20,9 +20,9 @@ import signal
 import sys
 from pathlib import Path
 
-from crystal_grpo.distributed import is_main_process, launch_command
+from crystal_grpo.distributed import is_main_process, launch_command, launcher_problem, wait_for_every_process
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.errors import CrystalError
+from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.train.checkpoints import (
     checkpoint_problem,
     checkpoint_step,
@@ -354,7 +354,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
     """
     phases = copy.deepcopy(phase_configs(cfg))  # a phase may be given its start below
     max_steps = [p.training.get("max_steps") for p in phases]
-    main, created = is_main_process(), not run_dir.exists()
+    main, created = is_main_process(), not os.path.lexists(run_dir)
     refused = foreign_folder(run_dir)  # before the lock: it is a file in the folder
     if refused:
         raise RunFolderError(refused)
@@ -362,6 +362,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
         with RunLock(run_dir, launch_command(), say) if main else contextlib.nullcontext():
             launch = plan_launch(run_dir, as_record(cfg), max_steps, resume, overwrite, say, write=main)
             if launch.action == "finished":
+                if main:
+                    say_summary(cfg, run_dir, write=False)
                 return launch.summary or {}
             return _run_phases(cfg, phases, run_dir, launch.action == "resume", callbacks)
     except BaseException:
@@ -401,15 +403,20 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
         prev = pdir
     if is_main_process():
         atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2))  # last: the run is finished
-        from crystal_grpo.train.summary import write_summary
-
-        say(f"\nthe run{', phase by phase' if cfg.phases else ''} (validation before -> after; "
-            f"{run_dir / RUN_SUMMARY}):\n" + write_summary(run_dir))
+        say_summary(cfg, run_dir)
         if cfg.phases:
             from crystal_grpo.train.plot import plot_run
 
             say(f"curves of all phases: {plot_run(run_dir)}")
     return summary
+
+
+def say_summary(cfg: RunConfig, run_dir: Path, write: bool = True) -> None:
+    """The run's table, phase by phase (``write``: into ``run_summary.json`` first)."""
+    from crystal_grpo.train.summary import write_summary
+
+    say(f"\nthe run{', phase by phase' if cfg.phases else ''} (validation before -> after; "
+        f"{run_dir / RUN_SUMMARY}):\n" + write_summary(run_dir, write))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -443,24 +450,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, _ = load_config(args.config, overrides)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        return refuse(f"config error: {err}")
+    environment = launcher_problem()
+    if environment:  # said by every process: without a launcher none is the main one
+        print(f"cannot start: {environment}", file=sys.stderr)
         return 2
-    missing = preflight(cfg)
-    if args.check:
-        from crystal_grpo.train.capacity import check_lines
+    from crystal_grpo.train.capacity import CapacityError, check_lines, launch_from
 
+    try:
+        processes = launch_from(args.accelerate_config, cfg.training.get("deepspeed"), args.gpus).gpus
+    except CapacityError:
+        processes = 1  # (--check says why in its memory line)
+    missing = preflight(cfg, processes)
+    if args.check:
         for line in check_lines(cfg, args.accelerate_config, args.gpus, args.gpu_memory):
             say(line)
     if missing:  # every missing piece at once, before any folder, lock or model
-        if is_main_process():
-            print("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing), file=sys.stderr)
-        return 2
+        return refuse("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing))
     run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
     refused = foreign_folder(run_dir)  # here before torch loads (run() checks it again, for a library caller)
     if refused:
-        if is_main_process():
-            print(f"{RunFolderError.__name__}: {refused}", file=sys.stderr)
-        return 2
+        return refuse(f"{RunFolderError.__name__}: {refused}")
     if args.check:
         phases = ", ".join(f"{p.name} ({p.trainer})" for p in cfg.phases) or cfg.trainer
         say(f"{args.config}: config valid and everything it names found; phases: {phases}; reward "
@@ -482,16 +492,36 @@ def main(argv: list[str] | None = None) -> int:
         say(f"aborted: the newest complete checkpoint is used by: {resume_command(argv)}")
         return 130
     except (CrystalError, OSError, RuntimeError) as err:
+        close_progress_bars()
         full = disk_full(err, run_dir)
         if full is not None:
-            print(f"\ndisk full: {full}; after freeing space: {resume_command(argv)}", file=sys.stderr)  # \n: after tqdm
+            print(f"disk full: {full}; after freeing space: {resume_command(argv)}", file=sys.stderr)
             return 1
         if not isinstance(err, CrystalError):
             raise
+        traceback_if_asked(err)
         if is_main_process() or not isinstance(err, RunFolderError):  # (every rank meets the same folder)
             print(f"{type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def close_progress_bars() -> None:
+    """Close the progress bars an error cut short (the trainer's tqdm bar), so that the error's
+    line starts a line of its own instead of following the bar's."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
+
+
+def refuse(message: str) -> int:
+    """Exit code 2 for a launch refused before anything loads: the message once (main process),
+    then every process of the launch waits for the others (a launcher stops them all as soon as
+    one exits, which could cut the message off)."""
+    if is_main_process():
+        print(message, file=sys.stderr, flush=True)
+    wait_for_every_process()
+    return 2
 
 
 def left_out_line(phase: PhaseSection) -> str:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ def locate(source: str | Path) -> Path:
     local Hugging Face cache (nothing is downloaded)."""
     path = Path(source)
     if path.exists():
-        return path
+        return _readable(path)
     if _HUB_ID.fullmatch(str(source)):
         from huggingface_hub import snapshot_download
 
@@ -50,6 +51,23 @@ def locate(source: str | Path) -> Path:
                             f"Hugging Face cache ({HF_HUB_CACHE}); fetch it first with: "
                             f"huggingface-cli download --repo-type dataset {source}") from None
     raise DataError(f"{path}: no such file or folder")
+
+
+#: What a path that is neither a regular file nor a folder is (``stat``'s file types).
+_SPECIAL = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"))
+
+
+def _readable(path: Path) -> Path:
+    """``path``, unless it cannot hold rows: a named pipe (reading one with no writer waits for
+    ever), a socket or a device, or an empty file."""
+    mode = path.stat().st_mode
+    kind = next((name for test, name in _SPECIAL if test(mode)), None)
+    if kind:
+        raise DataError(f"{path}: {kind}, not a file of rows; write the rows to a file and give that")
+    if stat.S_ISREG(mode) and path.stat().st_size == 0:
+        raise DataError(f"{path}: an empty file (0 bytes), no rows")
+    return path
 
 
 def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | None = None) -> list[tuple[int, Any]]:

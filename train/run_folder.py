@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -234,8 +235,9 @@ def foreign_folder(run_dir: Path) -> str | None:
     """Why a run may not write into ``run_dir``, or None: a run writes only into a new or empty
     folder, or one holding this project's run (a :data:`~crystal_grpo.train.layout.RUN_MARKERS`
     file), never among someone else's files."""
-    if not run_dir.exists() and not run_dir.is_symlink():
-        return None
+    if not os.path.lexists(run_dir):  # (Path.exists raises for a name too long)
+        cannot = _cannot_make(run_dir)
+        return f"--output_dir {run_dir} cannot be made: {cannot}; choose another --output_dir" if cannot else None
     if not run_dir.is_dir():
         return f"--output_dir {run_dir} is not a folder; choose another --output_dir"
     held = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in run_dir.iterdir())
@@ -244,6 +246,26 @@ def foreign_folder(run_dir: Path) -> str | None:
     return (f"--output_dir {run_dir} holds {some_of(held)} but no run of this project (no {RECORD}): a run writes "
             "only into a new or empty folder or its own run folder, so nothing here is touched; choose another "
             "--output_dir")
+
+
+def _cannot_make(run_dir: Path) -> str | None:
+    """Why the folder ``run_dir`` (not there yet) cannot be made, or None: a file on its way, a
+    name longer than the file system takes, or a place that takes no new folder (read-only, no
+    permission, a virtual file system such as /proc), the last found by making and removing a
+    scratch folder there (a unique name: the processes of one launch may try at once)."""
+    path = Path(os.path.abspath(run_dir))
+    base = next(p for p in path.parents if os.path.lexists(p))
+    if not base.is_dir():
+        return f"{base} is not a folder"
+    limit = os.pathconf(base, "PC_NAME_MAX")
+    for part in path.relative_to(base).parts:
+        if len(os.fsencode(part)) > limit:
+            return f"the name {part[:24]}... is {len(os.fsencode(part))} bytes long, the file system takes {limit}"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".crystal-grpo-probe-", dir=base))
+    except OSError as err:
+        return f"{base} takes no new folder ({err.strerror})"
+    return None
 
 
 # --- the decision at launch --------------------------------------------------------------

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from crystal_grpo.jsonl import atomic_write_text, read_jsonl
+from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.metrics import label
 from crystal_grpo.train.layout import METRICS_LOG, RUN_SUMMARY, VALIDATION_LOG, phases
 
@@ -137,10 +137,12 @@ def format_summary(summary: dict) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def write_summary(run_dir: str | Path) -> str:
-    """Write ``run_summary.json`` into the run folder; returns the table."""
-    summary = run_summary(run_dir)
-    atomic_write_text(Path(run_dir) / RUN_SUMMARY, json.dumps(summary, indent=2) + "\n")
+def write_summary(run_dir: str | Path, write: bool = True) -> str:
+    """Write ``run_summary.json`` into the run folder; returns the table. With ``write`` False (a
+    finished run launched again, which changes nothing), the table of the file already there."""
+    summary = (None if write else read_json(Path(run_dir) / RUN_SUMMARY)) or run_summary(run_dir)
+    if write:
+        atomic_write_text(Path(run_dir) / RUN_SUMMARY, json.dumps(summary, indent=2) + "\n")
     return format_summary(summary)
 
 

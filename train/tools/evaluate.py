@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crystal_grpo.errors import CrystalError
+from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.distributed import barrier, rank_and_world
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.metrics import per_completion
@@ -306,7 +306,8 @@ def build_parser():
     what.add_argument("--compare", nargs="+", metavar="EVAL_DIR[,EVAL_DIR...]", help="side by side: finished "
                       "evaluation folders of the same rows, with paired differences from the first; comma-separated "
                       "folders are one arm's training seeds (intervals then resample seeds, then rows)")
-    ap.add_argument("--data", help="JSONL data (docs/method.md section 1); default with --run: the run's validation data")
+    ap.add_argument("--data", help="JSONL data (docs/method.md section 1), e.g. a held-out test set; default: the "
+                    "run's validation data, which chose its best checkpoint")
     ap.add_argument("--split", help="split of a dataset folder or Hub dataset given as --data (default: test; "
                     "with the run's own validation data, its data.validation_split)")
     ap.add_argument("--out", help="output folder (default with --run: RUN/eval/PHASE)")
@@ -384,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             data = args.data or setup.data
             if not data:
                 raise EvalError("--data is required (the run config names no validation data)")
+            if not args.data and rank_and_world()[0] == 0:
+                print(f"{model or args.predictions}: scored on {data}, the run's validation data, which chose its "
+                      "best checkpoint: not a held-out estimate; --data FILE scores a test set")
             sampling = Sampling(setup.max_new_tokens, args.temperature, args.top_p, args.num_samples)
             split = args.split or (setup.data_split if not args.data else "test")
             req = EvalRequest(data=data, out=out, split=split, model=model if not args.predictions else None,
@@ -400,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(compare_markdown(compare(folders, args.bootstrap, args.seed)), end="")
         return 0
     except (CrystalError, ValueError, OSError) as err:
+        traceback_if_asked(err)
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -24,23 +24,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
 from crystal_grpo.rewards.answers import answers_match
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM
-from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
-from crystal_grpo.rewards.references import (
-    PAPER_CLUSTER_THRESHOLD,
-    BuiltChain,
-    Trajectory,
-    build_chain,
-    default_threshold,
-    distinct_step_similarities,
-    suggest_threshold,
-)
 from crystal_grpo.jsonl import atomic_write_text, read_json
 from crystal_grpo.train.generation import Sampling
 from crystal_grpo.train.predictions import (
@@ -53,6 +43,11 @@ from crystal_grpo.train.predictions import (
     generate_with_vllm,
     read_predictions,
 )
+
+
+if TYPE_CHECKING:  # torch: loaded by a build, not by --help
+    from crystal_grpo.rewards.match_f1 import MatchF1Scorer
+    from crystal_grpo.rewards.references import BuiltChain
 
 
 class BuildError(CrystalError, ValueError):
@@ -188,6 +183,8 @@ def accepted(solutions: Sequence[ParsedOutput], truth: Any, choices: Any, keep_i
 def build_row(raw: dict, record: dict, by_generator: dict[str, list[ParsedOutput]], scorer: MatchF1Scorer,
               req: BuildRequest, threshold: float) -> RowResult:
     """The output row for one input row (or why there is none)."""
+    from crystal_grpo.rewards.references import Trajectory, build_chain
+
     rid = str(raw["id"])
     trajectories = [Trajectory(steps, gen) for gen, sols in by_generator.items()
                     for steps in accepted(sols, record["answer"], record.get("choices"), req.keep_incorrect)]
@@ -260,6 +257,9 @@ def build(req: BuildRequest) -> dict:
     """Run one build (see the module docstring); returns the summary it prints."""
     if not req.generators and not req.trajectories:
         raise BuildError("nothing to build from: give --generator MODEL or --trajectories FILE (or both)")
+    from crystal_grpo.rewards.match_f1 import MatchF1Scorer
+    from crystal_grpo.rewards.references import PAPER_CLUSTER_THRESHOLD, default_threshold
+
     threshold = req.cluster_threshold if req.cluster_threshold is not None else default_threshold(req.encoder)
     notes = []
     if threshold is None:
@@ -382,6 +382,9 @@ def measure_threshold(data: str, encoder: str, device: str | None = None) -> dic
     if not chains:
         raise BuildError(f"{data}: no row with two or more reference_steps to measure on")
     import torch
+
+    from crystal_grpo.rewards.match_f1 import MatchF1Scorer
+    from crystal_grpo.rewards.references import default_threshold, distinct_step_similarities, suggest_threshold
 
     sims = distinct_step_similarities(MatchF1Scorer(encoder, device=device), chains).double()
     levels = (0.5, 0.9, 0.95, 0.99)

@@ -107,8 +107,6 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    from crystal_grpo.rewards.match_f1 import MatchF1Scorer
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--encoder", default=PACKAGED_MINILM)
     ap.add_argument("--threshold", type=float, default=0.35)
@@ -118,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", help="also write the tables here")
     a = ap.parse_args(argv)
+    from crystal_grpo.rewards.match_f1 import MatchF1Scorer  # after the arguments: --help answers at once
+
     encoder = MatchF1Scorer(a.encoder, threshold=a.threshold, device=a.device)
     scorers = {EXACT: MatchF1Scorer(EXACT, device=a.device), "encoder": encoder,
                "encoder + facts gate": MatchF1Scorer(encoder.model, threshold=a.threshold, device=a.device,

@@ -28,7 +28,6 @@ import functools
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 from crystal_grpo.train.tools import wordproblems
@@ -351,10 +350,13 @@ def build_tiny_vlm(path: str | Path, overwrite: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import argparse
     import time
 
-    argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0]) if argv else DEFAULT_OUT
+    ap = argparse.ArgumentParser(description="Build the tests' tiny random-weight models from configs (no hub "
+                                 f"access): {LM_NAME} and {VLM_NAME}, skipping any that already exist.")
+    ap.add_argument("out_dir", nargs="?", type=Path, default=DEFAULT_OUT, help="(default: %(default)s)")
+    out = ap.parse_args(argv).out_dir
     for name, fn in ((LM_NAME, build_tiny_lm), (VLM_NAME, build_tiny_vlm)):
         t0 = time.time()
         p = out / name
