@@ -9,7 +9,7 @@ The logic lives in crystal_grpo.train.tools.step_diagnosis.
 
 import sys
 
-from crystal_grpo.train.tools.step_diagnosis import main
+from crystal_grpo.train.tools.ablation_figures import step_diagnosis_main as main
 
 if __name__ == "__main__":
     sys.exit(main())

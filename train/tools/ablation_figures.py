@@ -30,7 +30,7 @@ from typing import Any
 from crystal_grpo.jsonl import atomic_write_text, read_jsonl
 from crystal_grpo.train.layout import samples_file
 from crystal_grpo.train.summary import read_phases
-from crystal_grpo.train.tools.sweep import Sweep
+from crystal_grpo.train.tools.sweep import Sweep, load_sweep
 from crystal_grpo.train.tools.sweep_report import paired_on_eval, write_report
 
 COLLAPSE_ARMS = ("answer_only", "shuffled_control", "cpr", "cpr_no_pcgrad", "cpr_curriculum")
@@ -323,10 +323,38 @@ def markdown(sweep: Sweep) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def step_diagnosis_main(argv: list[str] | None = None) -> int:
+    """scripts/step_diagnosis.py: the diagnosis table of evaluation folders or of a sweep's points."""
     import argparse
 
-    from crystal_grpo.train.tools.sweep import load_sweep
+    from crystal_grpo.train.tools.step_diagnosis import across_seeds, diagnose_eval, markdown, rows_by_id, sweep_table
+
+    ap = argparse.ArgumentParser(description="Steps beside answers: F1 on right and wrong answers, steps, answer = "
+                                 "last step, the slip model's F1, by variant (docs/experiments.md).")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--eval", nargs="+", metavar="DIR[,DIR...]", help="evaluation folders (scripts/evaluate.py "
+                      "--out); comma-separated folders are one arm's seeds")
+    what.add_argument("--sweep", help="a sweep YAML: every arm's evaluated points")
+    ap.add_argument("--data", help="the evaluated data (JSONL; default with --sweep: its eval.data)")
+    ap.add_argument("--output_dir", help="the sweep folder (default: the sweep's)")
+    ap.add_argument("--folder", default="eval", help="with --sweep: each point's evaluation subfolder (default eval)")
+    a = ap.parse_args(argv)
+    if a.sweep:
+        sweep = load_sweep(a.sweep, a.output_dir, resolve_init=False)
+        if a.data:
+            sweep.eval = {**sweep.eval, "data": a.data}
+        table = sweep_table(sweep, a.folder)
+    else:
+        if not a.data:
+            ap.error("--data is required with --eval")
+        data = rows_by_id(a.data)
+        table = {arm: across_seeds([diagnose_eval(f, data) for f in arm.split(",")]) for arm in a.eval}
+    print(markdown(table), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
 
     ap = argparse.ArgumentParser(description="The report of a reward ablation: the sweep's table, collapse, PCGrad, "
                                  "curriculum, the control, steps by variant, pre-registered contrasts.")

@@ -209,32 +209,3 @@ def contrasts_markdown(rows: Sequence[Mapping]) -> str:
                      f"{num(r['diff'], '+.3f')} [{num(r['low'], '+.3f')}, {num(r['high'], '+.3f')}] | {num(r['p'])} "
                      f"| {num(r['p_holm'])} | {r['seeds_needed'] or '-'} |")
     return "\n".join(lines) + "\n"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Steps beside answers: F1 on right and wrong answers, steps, answer = "
-                                 "last step, the slip model's F1, by variant (docs/experiments.md).")
-    what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--eval", nargs="+", metavar="DIR[,DIR...]", help="evaluation folders (scripts/evaluate.py "
-                      "--out); comma-separated folders are one arm's seeds")
-    what.add_argument("--sweep", help="a sweep YAML: every arm's evaluated points")
-    ap.add_argument("--data", help="the evaluated data (JSONL; default with --sweep: its eval.data)")
-    ap.add_argument("--output_dir", help="the sweep folder (default: the sweep's)")
-    ap.add_argument("--folder", default="eval", help="with --sweep: each point's evaluation subfolder (default eval)")
-    a = ap.parse_args(argv)
-    if a.sweep:
-        from crystal_grpo.train.tools.sweep import load_sweep
-
-        sweep = load_sweep(a.sweep, a.output_dir, resolve_init=False)
-        if a.data:
-            sweep.eval = {**sweep.eval, "data": a.data}
-        table = sweep_table(sweep, a.folder)
-    else:
-        if not a.data:
-            ap.error("--data is required with --eval")
-        data = rows_by_id(a.data)
-        table = {arm: across_seeds([diagnose_eval(f, data) for f in arm.split(",")]) for arm in a.eval}
-    print(markdown(table), end="")
-    return 0
