@@ -179,6 +179,24 @@ def test_duplicate_keys_are_an_error(tmp_path, text, line, key):
         load_config(str(path))
 
 
+@pytest.mark.parametrize("override, first", [
+    (["--training.max_steps", "3", "--training.max_steps", "4"], "--training.max_steps 3"),
+    (["--training", "{max_steps: 3}", "--training.max_steps=4"], "--training {max_steps: 3}"),
+    (["--training.max_steps", "3", "--training", "{max_steps: 4}"], "--training.max_steps 3"),
+])
+def test_an_override_given_twice_is_an_error_as_a_key_given_twice_in_yaml(override, first, capsys):
+    """The last one won without a word (issue 43 item 12)."""
+    assert grpo.main(["--config", "tiny.yaml", *override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"config error: override --training.max_steps is given twice on the command line ({first}, "
+                          "then --training") and err.endswith("give it once") and "\n" not in err
+
+
+def test_a_section_given_in_parts_on_the_command_line_is_merged():
+    cfg, _ = load_config("tiny", ["--training.max_steps", "3", "--training", "{learning_rate: 0.5}"])
+    assert cfg.training["max_steps"] == 3 and cfg.training["learning_rate"] == 0.5  # (max_steps was dropped)
+
+
 def test_config_file_must_be_a_mapping(tmp_path):
     with pytest.raises(ConfigError, match="the top level must be a mapping"):
         load_config(str(_write(tmp_path, "- a\n- b\n")))

@@ -358,8 +358,11 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``--a.b value`` / ``--a.b=value`` pairs into a nested dict; values parsed as YAML."""
+    """``--a.b value`` / ``--a.b=value`` pairs into a nested dict; values parsed as YAML. A key
+    given twice (also inside a section's value: ``--training '{max_steps: 3}' --training.max_steps
+    4``) is an error, as it is in a YAML file: the last would win without a word."""
     out: dict[str, Any] = {}
+    given: dict[tuple, str] = {}  # each key path set so far -> the override that set it
     it = iter(args)
     for arg in it:
         if not arg.startswith("--"):
@@ -376,7 +379,17 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override --{key}: {part!r} is set to a value above, not a section")
-        node[leaf] = parse_yaml(raw, f"override --{key}")
+        value = parse_yaml(raw, f"override --{key}")
+        path = tuple(key.split("."))
+        for sub in [path + p for p, _ in _leaves(value)] if isinstance(value, dict) and value else [path]:
+            twice = next((p for p in given if p[:len(sub)] == sub or sub[:len(p)] == p), None)
+            if twice is not None:
+                what = ".".join(min(twice, sub, key=len))
+                raise ConfigError(f"override --{what} is given twice on the command line ({given[twice]}, then "
+                                  f"--{key} {raw}); give it once")
+            given[sub] = f"--{key} {raw}"
+        before = node.get(leaf)  # a section given in parts is merged, never replaced
+        node[leaf] = deep_merge(before, value) if isinstance(value, dict) and isinstance(before, dict) else value
     return out
 
 
