@@ -178,6 +178,26 @@ def test_bad_input_is_one_line(inputs, tmp_path, capsys):
     assert "greedy decoding gives identical solutions" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("same", ["data", "a"])
+def test_out_naming_an_input_file_is_refused_and_the_file_left_as_it_is(inputs, capsys, same):
+    """--out = --data said "0 rows built, 8 already written" and exited 0 (issue 43 item 12)."""
+    before = inputs[same].read_bytes()
+    assert run(inputs, out=inputs[same]) == 2
+    flag = {"data": "--data", "a": "--trajectories"}[same]
+    assert capsys.readouterr().err.strip() == (f"error: --out {inputs[same]} is also the {flag} file: the build "
+                                               "appends its rows to --out; choose another --out")
+    assert inputs[same].read_bytes() == before
+
+
+def test_sampling_outside_its_range_is_one_line(inputs, tmp_path, capsys):
+    """--temperature -1 ran greedy while the report said -1 (issue 43 item 12)."""
+    args = ["--data", str(inputs["data"]), "--out", str(tmp_path / "x.jsonl"), "--generator", "m"]
+    for flag, value, expected in (("--temperature", "-1", "expected a number >= 0 (0: greedy decoding)"),
+                                  ("--top_p", "1.5", "expected a number in (0, 1]")):
+        assert br.main([*args, "--samples", "1", flag, value]) == 2
+        assert capsys.readouterr().err.strip() == f"error: {flag} {float(value)}: {expected}"
+
+
 def test_a_failed_start_does_not_block_the_retry(inputs, tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

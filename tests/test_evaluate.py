@@ -204,6 +204,33 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
     assert f"{bad}:1:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, expected", [("--temperature", "-1", "expected a number >= 0 (0: greedy decoding)"),
+                                                    ("--temperature", "nan", "expected a number >= 0 (0: greedy decoding)"),
+                                                    ("--top_p", "0", "expected a number in (0, 1]")])
+def test_sampling_outside_its_range_is_one_line(tmp_path, capsys, flag, value, expected):
+    """--temperature -1 ran greedy while the report said -1 (issue 43 item 12)."""
+    assert ev.main(["--model", str(tmp_path), "--out", str(tmp_path / "o"), *COMMON, flag, value]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {flag} {float(value)}: {expected}"
+
+
+def test_rows_that_share_an_id_are_refused_naming_both_lines(tmp_path, capsys):
+    """Completions are matched to rows by id: two rows of one id were both scored against the
+    second row's answer (8 right answers scored 0.125); training needs no unique ids."""
+    rows = [json.loads(x) for x in Path(DATA).read_text().splitlines()[:3]]
+    rows[2]["id"] = rows[0]["id"]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    preds = tmp_path / "p.jsonl"
+    preds.write_text("".join(json.dumps({"id": r["id"], "sample": 0, "reasoning_steps": r["reference_steps"],
+                                         "answer": r["answer"]}) + "\n" for r in rows))
+    out = tmp_path / "o"
+    assert ev.main(["--predictions", str(preds), "--data", str(data), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (f"{data}:3: duplicate id {rows[0]['id']!r} (first at {data}:1): completions are matched to their rows "
+            "by id") in err
+    assert not (out / "report.json").exists()
+
+
 def test_a_failed_start_does_not_block_the_corrected_command(model_eval, tiny_lm_path, tmp_path, capsys):
     out = tmp_path / "o"
     assert ev.main(["--model", str(tmp_path / "nonexistent"), "--out", str(out), *COMMON]) == 2

@@ -88,15 +88,23 @@ class LoadedSplit:
 def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_shown: int = 20,
                system_prompt: str | None = None, limit: int | None = None, split: str = "train",
                columns: Mapping[str, str] | None = None, require_references: bool = True,
-               skip_option: str | None = "data.skip_invalid: true") -> LoadedSplit:
+               skip_option: str | None = "data.skip_invalid: true", unique_ids: str | None = None) -> LoadedSplit:
     """Rows of one source (see :func:`locate`), each checked; ``skip_option`` is how the caller's
-    user asks to drop bad ones (None: the caller has no such option)."""
+    user asks to drop bad ones (None: the caller has no such option). ``unique_ids`` (why the
+    caller needs them) makes a row whose ``id`` an earlier row has a bad row; training needs no
+    unique ids, rows are rows there."""
     path = locate(source)
     columns = columns or {}
     base = path if path.is_dir() else path.parent
     records, places, errors, bad_rows = [], [], [], 0
+    first: dict[str, int] = {}
     for no, row in read_rows(path, split, columns):
         problems = [name_columns(p, columns) for p in row_problems(row, base, require_references)]
+        if unique_ids and not problems and "id" in row:
+            rid = str(row["id"])
+            if rid in first:
+                problems.append(f"duplicate id {rid!r} (first at {source}:{first[rid]}): {unique_ids}")
+            first.setdefault(rid, no)
         if problems:
             errors.extend(f"{source}:{no}: {p}" for p in problems)
             bad_rows += 1

@@ -7,12 +7,15 @@ or evaluation score measures the policy that was trained, not a different prompt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch loads with the first generation: a command's --help need not wait for it
     import torch
+
+from crystal_grpo.typed import ConfigError
 
 
 @dataclass
@@ -23,6 +26,13 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     num_samples: int = 1
+
+    def __post_init__(self) -> None:
+        """A negative temperature ran greedy while the report said it was sampled at that temperature."""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"--temperature {self.temperature}: expected a number >= 0 (0: greedy decoding)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top_p {self.top_p}: expected a number in (0, 1]")
 
     def generate_kwargs(self) -> dict[str, Any]:
         if self.temperature <= 0:

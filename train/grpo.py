@@ -455,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     if environment:  # said by every process: without a launcher none is the main one
         print(f"cannot start: {environment}", file=sys.stderr)
         return 2
+    where = args.output_dir if args.output_dir is not None else cfg.training.get("output_dir")
+    if where is not None and not str(where).strip():  # (it fell back to the default folder)
+        return refuse(f"config error: {'--output_dir' if args.output_dir is not None else 'training.output_dir'} is "
+                      f"empty ({where!r}); give the run folder, or leave it out for runs/{Path(args.config).stem}")
     from crystal_grpo.train.capacity import CapacityError, check_lines, launch_from
 
     try:
@@ -467,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             say(line)
     if missing:  # every missing piece at once, before any folder, lock or model
         return refuse("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing))
-    run_dir = Path(args.output_dir or cfg.training.get("output_dir") or f"runs/{Path(args.config).stem}")
+    run_dir = Path(where or f"runs/{Path(args.config).stem}")
     refused = foreign_folder(run_dir)  # here before torch loads (run() checks it again, for a library caller)
     if refused:
         return refuse(f"{RunFolderError.__name__}: {refused}")

@@ -216,7 +216,8 @@ def evaluate(req: EvalRequest) -> dict | None:
         atomic_write_text(out / "evaluation.json", json.dumps(identity, indent=2))
     barrier()
     split = load_split(req.data, system_prompt=req.setup.system_prompt, skip_invalid=req.skip_invalid,
-                       split=req.split, columns=req.setup.columns, skip_option="--skip_invalid")
+                       split=req.split, columns=req.setup.columns, skip_option="--skip_invalid",
+                       unique_ids="completions are matched to their rows by id")
     if split.skipped and rank == 0:
         print(f"skipped {split.skipped} invalid row(s) of {req.data} (--skip_invalid)")
     ds = split.dataset

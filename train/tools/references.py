@@ -267,6 +267,11 @@ def build(req: BuildRequest) -> dict:
         notes.append(f"no measured --cluster_threshold for encoder {req.encoder!r}: using the paper's "
                      f"{threshold}; watch the collapse warnings and measure one (docs/references.md)")
     out, folder = Path(req.out), req.folder
+    inputs = [("--data", req.data), *(("--trajectories", t) for t in req.trajectories)]
+    same = [flag for flag, path in inputs if Path(path).resolve() == out.resolve()]
+    if same:  # (built rows are appended to --out: into its own input, every row looks "already written")
+        raise BuildError(f"--out {out} is also the {same[0]} file: the build appends its rows to --out; choose "
+                         "another --out")
     raw, ds = read_rows(req)  # bad data stops the build before it claims a folder
     _check_identity(folder / SETTINGS, {
         "data": str(Path(req.data).resolve()), "generators": req.generators, "trajectories": req.trajectories,
