@@ -204,8 +204,10 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
     assert f"{bad}:1:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value, expected", [("--temperature", "-1", "expected a number >= 0 (0: greedy decoding)"),
-                                                    ("--temperature", "nan", "expected a number >= 0 (0: greedy decoding)"),
+GREEDY = "expected a number >= 0 (0: greedy decoding)"
+
+
+@pytest.mark.parametrize("flag, value, expected", [("--temperature", "-1", GREEDY), ("--temperature", "nan", GREEDY),
                                                     ("--top_p", "0", "expected a number in (0, 1]")])
 def test_sampling_outside_its_range_is_one_line(tmp_path, capsys, flag, value, expected):
     """--temperature -1 ran greedy while the report said -1 (issue 43 item 12)."""
