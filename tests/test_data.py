@@ -128,6 +128,16 @@ def test_images_stored_in_the_data_load_like_image_files(tmp_path):
     assert first.size == PILImage.open(Path("data/shapes") / (shapes[0].get("images") or [shapes[0]["image"]])[0]).size
 
 
+def test_a_column_mapping_naming_a_column_the_file_lacks_is_an_error(tmp_path):
+    """The row's own field of that name was read instead, without a word (issue 43 item 12)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    with pytest.raises(DataError) as err:
+        load_split(path, columns={"answer": "solution"})
+    assert str(err.value) == (f"{path}: data.columns maps answer to 'solution', a column no row of it has (its columns: "
+                              f"{', '.join(sorted({k for r in ROWS for k in r}))})")
+
+
 def test_columns_config_names_the_bad_field(tmp_path):
     with pytest.raises(ConfigError, match=r"data.columns: invalid value \{'questoin': 'problem'\}; expected a mapping "
                                           r"from one of 'id', 'question'"):

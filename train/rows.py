@@ -85,6 +85,13 @@ def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | Non
         rows = _json_array(path)
     else:
         rows = list(iter_jsonl(path))
+    if columns:
+        have = {k for _, row in rows if isinstance(row, dict) for k in row}
+        lacking = {ours: theirs for ours, theirs in columns.items() if theirs not in have}
+        if lacking and have:  # (a file without rows says so in its own words)
+            ours, theirs = next(iter(lacking.items()))
+            raise DataError(f"{path}: data.columns maps {ours} to {theirs!r}, a column no row of it has (its columns: "
+                            f"{', '.join(sorted(have))})")
     return [(no, _with_image_files(_rename(row, columns) if columns else row)) for no, row in rows]
 
 
