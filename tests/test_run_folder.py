@@ -134,6 +134,24 @@ def test_a_run_killed_after_its_last_step_finishes_without_training_past_it(fini
     assert (run / "validation.jsonl").read_text() == (finished["single"] / "validation.jsonl").read_text()
 
 
+def test_an_unreadable_run_json_is_kept_aside_not_rewritten(finished, tmp_path, capsys):
+    """A corrupted run.json was rewritten, its launch history lost (issue 43 item 12). Resumed
+    after its last checkpoint (a launch that writes the record and trains no step)."""
+    run = _copy(finished["single"], tmp_path / "single")
+    for name in ("final", "phase_done.json", "summary.json"):
+        shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+    broken = (run / RECORD).read_bytes()[:-40]  # cut off: not JSON
+    (run / RECORD).write_bytes(broken)
+    argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "4"]
+    assert grpo.main([*argv, "--resume_from_checkpoint", "latest"]) == 0
+    out = capsys.readouterr().out
+    (aside,) = run.glob(f"{RECORD}.unreadable-*")
+    assert aside.read_bytes() == broken
+    assert (f"{run / RECORD} is unreadable (not the JSON record of a run's config and launches): kept as "
+            f"{aside.name}; a new {RECORD} starts the launch history") in out
+    assert [x["how"] for x in json.loads((run / RECORD).read_text())["launches"]] == ["resume"]
+
+
 def test_more_steps_for_a_phase_that_later_phases_started_from_is_refused(finished, tmp_path, capsys):
     run = _copy(finished["multi"], tmp_path / "multi")
     argv = [*finished["common"], "--output_dir", str(run), "--resume_from_checkpoint", "latest"]

@@ -284,7 +284,7 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
     ``config`` is the run's resolved config (what ``run.json`` keeps), ``max_steps`` each
     phase's configured steps. Every rank calls this; only the main process writes.
     """
-    record = read_json(run_dir / RECORD)
+    record = read_record(run_dir, say, write)
     phases = config.get("phases") or []
     folders = [phase_dir(run_dir, i, p.get("name", ""), len(phases)) for i, p in enumerate(phases or [{}])]
     if overwrite and holds_run(run_dir):
@@ -330,6 +330,24 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
         say(f"no run in {run_dir} yet: starting fresh")
     _record(run_dir, config, None, "fresh", write)
     return Launch("fresh")
+
+
+def read_record(run_dir: Path, say: Callable[[str], None], write: bool) -> dict | None:
+    """``run.json``, or None without one. An unreadable one holds the run's launch history, which a
+    new record would lose: it is kept aside under a name of its own, with one line, and the run
+    goes on as a run without a record (a new one starts its history)."""
+    path = run_dir / RECORD
+    if not path.is_file():
+        return None
+    record = read_json(path)
+    if isinstance(record, dict) and isinstance(record.get("config"), dict) and isinstance(record.get("launches"), list):
+        return record
+    aside = path.with_name(f"{RECORD}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+    if write:
+        os.replace(path, aside)
+    say(f"{path} is unreadable (not the JSON record of a run's config and launches): kept as {aside.name}; a new "
+        f"{RECORD} starts the launch history")
+    return None
 
 
 def _started(folder: Path) -> bool:
