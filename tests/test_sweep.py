@@ -18,7 +18,8 @@ from crystal_grpo.train.tools import launch
 from crystal_grpo.train.tools import sweep as sw
 from crystal_grpo.train.tools import sweep_report
 from crystal_grpo.train.checkpoints import checkpoint_problem
-from crystal_grpo.train.layout import PHASE_DONE, POINT_LOG, SUMMARY, SWEEP_POINT
+from crystal_grpo.train.layout import PHASE_DONE, POINT_LOG, SUMMARY, SWEEP_LOCK, SWEEP_POINT
+from crystal_grpo.train.run_folder import RunLock
 from crystal_grpo.train.tools.sweep_report import build, markdown, point_metrics
 from runs import REPO, wait_for
 
@@ -134,6 +135,18 @@ def test_a_point_folder_holding_someone_elses_files_is_refused(tmp_path):
                        "but no run of this project"):
         sw.prepare(sweep, sweep.points[0])
     assert os.listdir(folder) == ["config.json"]
+
+
+def test_a_second_sweep_into_a_folder_a_live_sweep_runs_in_is_refused_before_any_point(tmp_path, capsys):
+    """Two sweeps into one folder at once: each found the other's point in use, and both exited 1
+    with "1 point(s) failed" although every point finished (issue 43 item 12)."""
+    out = tmp_path / "w"
+    with RunLock(out, "python scripts/sweep.py configs/sweeps/tiny.yaml", name=SWEEP_LOCK, what="sweep"):
+        assert sw.main([str(TINY_SWEEP), "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"sweep error: {out} is in use by a live sweep (pid {os.getpid()} on ") and err.endswith(
+        ": python scripts/sweep.py configs/sweeps/tiny.yaml); wait for it, stop it, or choose another --output_dir")
+    assert os.listdir(out) == [SWEEP_LOCK]  # no point ran, no status, no report
 
 
 def test_emit_prints_only_the_script_on_stdout(tmp_path):

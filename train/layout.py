@@ -45,6 +45,7 @@ FINAL = "final"
 MARKER = "checkpoint_complete.json"  # inside a checkpoint folder, written last
 STATE_FILE = "crystal_state.json"  # inside a checkpoint folder: what this project's trainer adds to HF's state
 SWEEP_POINT = "sweep_point.json"
+SWEEP_LOCK = "sweep.lock"  # in a sweep folder: held while a sweep runs its points
 POINT_LOG = "train.log"
 MODEL_CARD = "README.md"  # a phase's model card: the run's only when train/model_card.py recognises it
 #: A folder holding one of these holds this project's run (or a sweep point about to run one: the

@@ -74,10 +74,12 @@ def _process_start(pid: int) -> str | None:
 
 
 class RunLock:
-    """``with RunLock(run_dir, command, say):`` one live run in ``run_dir`` at a time."""
+    """``with RunLock(run_dir, command, say):`` one live run in ``run_dir`` at a time (``name`` and
+    ``what``: another holder's lock file, e.g. a sweep's in its sweep folder)."""
 
-    def __init__(self, run_dir: Path, command: str, say: Callable[[str], None] = logger.warning) -> None:
-        self.path, self.command, self.say = Path(run_dir) / LOCK, command, say
+    def __init__(self, run_dir: Path, command: str, say: Callable[[str], None] = logger.warning,
+                 name: str = LOCK, what: str = "run") -> None:
+        self.path, self.command, self.say, self.what = Path(run_dir) / name, command, say, what
         self.fd: int | None = None
 
     def __enter__(self) -> "RunLock":
@@ -91,11 +93,12 @@ class RunLock:
             os.close(fd)
             if err.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            raise RunFolderError(f"{self.path.parent} is in use by a live run ({_describe(read_json(self.path))}); "
-                                 "wait for it, stop it, or choose another --output_dir") from None
+            raise RunFolderError(f"{self.path.parent} is in use by a live {self.what} "
+                                 f"({_describe(read_json(self.path))}); wait for it, stop it, or choose another "
+                                 "--output_dir") from None
         stale = _read_fd(fd)
         if stale:  # the holder died without releasing (killed): the kernel dropped its flock
-            self.say(f"taking over the lock of a run that is gone ({_describe(stale)})")
+            self.say(f"taking over the lock of a {self.what} that is gone ({_describe(stale)})")
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
               "process_start": _process_start(os.getpid()), "command": self.command}
         os.ftruncate(fd, 0)

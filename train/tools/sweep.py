@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from crystal_grpo.distributed import launch_command
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text
-from crystal_grpo.train.layout import BEST, FINAL, POINT_LOG, SWEEP_POINT, is_finished, run_targets
-from crystal_grpo.train.run_folder import foreign_folder
+from crystal_grpo.train.layout import BEST, FINAL, POINT_LOG, SWEEP_LOCK, SWEEP_POINT, is_finished, run_targets
+from crystal_grpo.train.run_folder import RunFolderError, RunLock, foreign_folder
 from crystal_grpo.train.tools import launch
 from crystal_grpo.train.tools.launch import EVALUATE, TRAIN
 from crystal_grpo.train.tools.sweep_report import STATUS_FILE, eval_targets, read_status, write_report
@@ -378,22 +379,25 @@ def run_sweep(sweep: Sweep, only: list[str] | None = None, say: Callable[[str], 
     """Every point (or those named in ``only``) in the sweep's order (seed by seed), one after
     another, or ``jobs`` at a time with the CPU cores shared among them; a failure stops none.
     On Ctrl-C no point starts any more and the running ones save and stop. ``fork``: runs may
-    be forked from a process that imported the libraries once (train/tools/launch.py)."""
+    be forked from a process that imported the libraries once (train/tools/launch.py). One
+    sweep at a time runs in a sweep folder (``sweep.lock``): a second one found each point's
+    run busy and reported it failed."""
     points = select(sweep, only)
     settings = launch.Settings(max(1, launch.cores() // jobs) if jobs > 1 else None, fork)
-    if jobs <= 1:
-        return {p.name: run_point(sweep, p, say, settings) for p in points}
-    from concurrent.futures import ThreadPoolExecutor
+    with RunLock(sweep.output_dir, launch_command("scripts/sweep.py"), say, name=SWEEP_LOCK, what="sweep"):
+        if jobs <= 1:
+            return {p.name: run_point(sweep, p, say, settings) for p in points}
+        from concurrent.futures import ThreadPoolExecutor
 
-    pool = ThreadPoolExecutor(max_workers=jobs)
-    futures = [pool.submit(run_point, sweep, p, say, settings) for p in points]
-    try:
-        return {p.name: f.result() for p, f in zip(points, futures)}
-    except KeyboardInterrupt:
-        launch.interrupt_running()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool = ThreadPoolExecutor(max_workers=jobs)
+        futures = [pool.submit(run_point, sweep, p, say, settings) for p in points]
+        try:
+            return {p.name: f.result() for p, f in zip(points, futures)}
+        except KeyboardInterrupt:
+            launch.interrupt_running()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def select(sweep: Sweep, only: list[str] | None) -> list[Point]:
@@ -518,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                 if is_finished(sweep.output_dir / p.name):
                     evaluate_point(sweep, p)
         text, plots = write_report(sweep)
-    except SweepError as err:
+    except (SweepError, RunFolderError) as err:
         print(f"sweep error: {err}", file=sys.stderr)
         return 2
     print("\n" + text)
