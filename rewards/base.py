@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Union
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.metrics import VALIDATION
 from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.rewards.diagnostics import diagnostics, nanmean, total
@@ -62,6 +63,26 @@ OBJECTIVES: tuple[str, ...] = typing.get_args(Objective)
 METRICS: tuple[str, ...] = VALIDATION
 
 _SCORERS: dict[tuple, MatchF1Scorer] = {}
+
+#: The largest magnitude a reward value may have (docs/rewards.md, "What a reward returns"). TRL
+#: computes a group's mean and std in float32: past about 1e18 the variance overflows (1e308 is
+#: already inf in float32) and every advantage is NaN, so nothing learns and nothing says why.
+MAX_REWARD = 1e15
+
+
+class RewardFunctionError(CrystalError, ValueError):
+    """A reward (a user's function or module) gave something that is not one usable number (or
+    None) a completion; the message names the function, the row and the value."""
+
+
+def value_problem(value: float) -> str | None:
+    """Why ``value`` cannot be a reward (infinite, or beyond :data:`MAX_REWARD`), else None. NaN
+    passes: a module's NaN is "not applicable" (None in TRL); a user function's NaN is refused
+    where it is returned (rewards/user.py), where it cannot be told from None."""
+    if math.isinf(value) or abs(value) > MAX_REWARD:
+        return (f"{value!r} (a reward value must be finite and at most {MAX_REWARD:g} in magnitude: TRL's float32 "
+                "group statistics cannot hold it)")
+    return None
 
 
 def shared_scorer(**settings: Any) -> MatchF1Scorer:
@@ -234,7 +255,7 @@ class RewardModule:
         """
         import torch
 
-        comps = self.components(self.as_rewarded(batch))
+        comps = self.checked_components(batch)
         flagged = torch.zeros(len(batch), dtype=torch.bool)
         if guard and self.guard is not None:
             flagged = self.guard.step(batch.n_pred)
@@ -244,7 +265,19 @@ class RewardModule:
 
     def total(self, batch: Batch) -> torch.Tensor:
         """Each row's reward without the guard (the sum of its applicable components)."""
-        return total(self.components(self.as_rewarded(batch)), len(batch))
+        return total(self.checked_components(batch), len(batch))
+
+    def checked_components(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """:meth:`components` of the batch as the reward sees it (:meth:`as_rewarded`), each value
+        usable (:func:`value_problem`): every reward, metric and report reads them through here."""
+        comps = self.components(self.as_rewarded(batch))
+        for name, values in comps.items():
+            bad = values.isinf() | (values.abs() > MAX_REWARD)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                raise RewardFunctionError(f"reward {self.name or type(self).__name__!r}: component {name!r} is "
+                                          f"{value_problem(float(values[i]))} for completion {i} of the batch")
+        return comps
 
     def as_rewarded(self, batch: Batch) -> Batch:
         """The batch as the reward sees it: with ``malformed: zero`` a completion that fails the
@@ -257,7 +290,7 @@ class RewardModule:
         components (without the guard) and extra fields come under their own names, so a metric
         row naming one is all a new metric takes; override this for a value of your own. The
         evaluation's own names win where a component has the same name."""
-        comps = self.components(self.as_rewarded(batch))
+        comps = self.checked_components(batch)
         extra = {} if batch.extra is None else {n: batch.extra[:, i] for i, n in enumerate(self.extra_fields)}
         return {**extra, **comps, "accuracy": batch.correct, "format_rate": batch.format_ok, "steps_mean": batch.n_pred,
                 **{f: getattr(batch, f) for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1")},

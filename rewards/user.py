@@ -34,8 +34,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-from crystal_grpo.errors import TRACEBACK_VARIABLE, CrystalError, some_of
-from crystal_grpo.rewards.base import Batch, Objective, RewardConfig, RewardModule, Scored
+from crystal_grpo.errors import TRACEBACK_VARIABLE, some_of
+from crystal_grpo.rewards.base import (  # noqa: F401 - RewardFunctionError: importable here too
+    Batch,
+    Objective,
+    RewardConfig,
+    RewardFunctionError,
+    RewardModule,
+    Scored,
+    value_problem,
+)
 from crystal_grpo.rewards.cpr import CPRConfig
 from crystal_grpo.typed import ConfigError, option
 from crystal_grpo.user_code import ImportPathError, load_object  # noqa: F401 - load_object: importable here too
@@ -59,10 +67,6 @@ TERMS: dict[str, Callable[[Batch], torch.Tensor]] = {
 #: The error of a reward or component named by import path that cannot be used (the loader,
 #: crystal_grpo/user_code.py, serves curriculum modes too).
 RewardImportError = ImportPathError
-
-
-class RewardFunctionError(CrystalError, ValueError):
-    """A user's reward function returned something that is not one number (or None) a completion."""
 
 
 @dataclass
@@ -148,6 +152,8 @@ class ComposedReward(RewardModule):
 
     @staticmethod
     def _call(spec: ComponentSpec, fn: Callable, completions: Sequence[Any], columns: dict) -> list[float]:
+        """The function's values (None: NaN, not applicable), each checked (docs/rewards.md, "What a
+        reward returns"): anything else is an error naming the function, the row and the value."""
         what = f"reward component {spec.fn!r} on {_batch(len(completions), columns)}"
         try:
             inspect.signature(fn).bind(completions=completions, **columns)
@@ -160,6 +166,9 @@ class ComposedReward(RewardModule):
         with _said_while_running(what):
             try:
                 out = fn(completions=list(completions), **columns)
+            except SystemExit as stop:  # (uncaught, it ended the run with its exit code and no word)
+                raise RewardFunctionError(f"{what} raised SystemExit({stop.code!r}): a reward returns one value a "
+                                          "completion; it must not end the process") from None
             except Exception as err:  # noqa: BLE001 - the user's code: one line, the traceback on request
                 raise RewardFunctionError(f"{what} raised {type(err).__name__}: {err} (at {_origin(err)}; "
                                           f"{TRACEBACK_VARIABLE}=1 prints the traceback)") from err
@@ -167,15 +176,21 @@ class ComposedReward(RewardModule):
             got = f"{len(out)} value(s)" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
             raise RewardFunctionError(f"reward component {spec.fn!r} returned {got} for {len(completions)} completion(s); "
                              "expected a list with one number (or None) per completion")
+        ids = columns.get("id") or [None] * len(out)
         values = []
         for i, v in enumerate(out):
+            where = f"for completion {i}" + (f" (row {ids[i]!r})" if ids[i] is not None else "")
             if v is None:
                 values.append(math.nan)  # not applicable, as in TRL
-            elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                values.append(float(v))
-            else:
-                raise RewardFunctionError(f"reward component {spec.fn!r} returned {v!r} for completion {i}; expected a "
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise RewardFunctionError(f"reward component {spec.fn!r} returned {v!r} {where}; expected a "
                                  "number or None")
+            problem = ("nan (NaN is not a reward: return None where the function does not apply, as in TRL)"
+                       if math.isnan(v) else value_problem(float(v)))
+            if problem:
+                raise RewardFunctionError(f"reward component {spec.fn!r} returned {problem} {where}")
+            values.append(float(v))
         return values
 
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:

@@ -78,6 +78,20 @@ def test_several_plain_reward_functions_with_weights_eval_and_num_iterations(tmp
     assert (Path(trainer.args.output_dir) / "checkpoint-1" / MARKER).is_file()  # what this project adds
 
 
+def test_a_plain_reward_function_returning_an_unusable_value_is_named(tmp_path, tiny_lm_path):
+    """1e308 (inf in TRL's float32) made every advantage NaN: no update, no word (issue 43 item 7)."""
+    from crystal_grpo.rewards.user import RewardFunctionError
+
+    def huge(completions, **kwargs):
+        return [1.0] * (len(completions) - 1) + [1e308]
+
+    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[reward_position, huge],
+                                 args=_args(tmp_path, max_steps=1), train_dataset=DATA)
+    with pytest.raises(RewardFunctionError, match=re.escape("reward function 'huge' returned inf (a reward value must "
+                                                            "be finite and at most 1e+15 in magnitude")):
+        trainer.train()
+
+
 def test_peft_trains_only_the_adapter_with_another_loss_type(tmp_path, tiny_lm_path):
     """(TRL's default loss, dapo, is the first test's; the README's runs use it too.)"""
     from peft import LoraConfig

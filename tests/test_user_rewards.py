@@ -59,6 +59,21 @@ def waits(completions, **kwargs):
     HEARD.wait(60)  # (a judge model, an API) until the progress line came, so no clock decides the test
     return [0.0 for _ in completions]
 
+def inf_reward(completions, **kwargs):
+    return [float("inf")] * len(completions)
+
+def one_minus_inf(completions, **kwargs):
+    return [0.0] * (len(completions) - 1) + [float("-inf")]
+
+def huge(completions, **kwargs):
+    return [1e308] * len(completions)
+
+def nan_reward(completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+def exits(completions, **kwargs):
+    raise SystemExit(0)
+
 NOT_A_FUNCTION = 3
 
 class Shortness(RewardModule):
@@ -68,6 +83,19 @@ class Shortness(RewardModule):
 
     def components(self, batch):
         return {"short": 1.0 / (1.0 + batch.n_pred)}
+
+class Unbounded(RewardModule):
+    name = "unbounded"
+    objectives = {"x": "accuracy"}
+    uses_steps = False
+
+    def components(self, batch):
+        return {"x": batch.correct.new_tensor([0.0, float("inf")] + [float("nan")] * (len(batch) - 2))}
+
+class Exiting(Unbounded):
+    def components(self, batch):
+        import sys
+        sys.exit(0)
 '''
 
 DIVIDES_LINE = next(i for i, line in enumerate(USER_CODE.splitlines(), 1) if "1 / 0" in line)
@@ -171,6 +199,30 @@ def test_a_function_that_raises_or_cannot_take_the_columns_is_one_line_naming_it
     assert str(err.value) == f"reward component '{user_file}:{fn}' {message}"
 
 
+UNUSABLE = ("(a reward value must be finite and at most 1e+15 in magnitude: TRL's float32 group statistics cannot "
+            "hold it)")
+
+
+@pytest.mark.parametrize("fn, message", [
+    ("inf_reward", f"returned inf {UNUSABLE} for completion 0 (row 'a')"),
+    ("one_minus_inf", f"returned -inf {UNUSABLE} for completion 2 (row 'c')"),
+    ("huge", f"returned 1e+308 {UNUSABLE} for completion 0 (row 'a')"),
+    ("nan_reward", "returned nan (NaN is not a reward: return None where the function does not apply, as in TRL) for "
+                   "completion 0 (row 'a')"),
+    ("exits", "on 3 completion(s) of rows a, b, c raised SystemExit(0): a reward returns one value a completion; it "
+              "must not end the process"),
+])
+def test_a_value_no_advantage_can_be_made_of_is_an_error_naming_function_row_and_value(user_file, fn, message):
+    """inf or 1e308 trained nothing (grad norm 0) without a word; -inf in one completion, from the
+    next step on; NaN was read as None, so a weight-1.0 term vanished; sys.exit(0) ended the run
+    with exit status 0 (issue 43 items 7, 8). None stays "not applicable", as in TRL."""
+    module = build_reward("composed", components=[{"fn": f"{user_file}:{fn}"}])
+    rows = [{**r, "id": i} for r, i in zip(ROWS, "abc")]
+    with pytest.raises(RewardFunctionError) as err:
+        module.score(COMPLETIONS, rows)
+    assert str(err.value) == f"reward component '{user_file}:{fn}' {message}"
+
+
 def test_a_slow_function_is_said_to_be_running(user_file, monkeypatch, caplog):
     """The function returns only once its progress line was logged (or after 60 s, failing), so
     the test needs no timing: the threshold is made small, and the line must come."""
@@ -216,6 +268,44 @@ def test_a_run_whose_reward_raises_says_it_in_one_line(user_file, tmp_path, caps
                             "<listcomp>; CRYSTAL_GRPO_TRACEBACK=1 prints the traceback)")
     assert ("Traceback (most recent call last):" in err) is traceback
     assert (f'my_rewards.py", line {DIVIDES_LINE}' in err) is traceback
+
+
+def test_a_reward_module_s_infinite_component_is_an_error_wherever_it_is_read(user_file):
+    """A module's NaN is "not applicable" (its components' contract); inf is not a reward."""
+    module = build_reward(f"{user_file}:Unbounded")
+    batch = module.score(COMPLETIONS, ROWS).batch
+    for read in (module.total, module.rewards, module.metrics):  # training, validation, evaluation
+        with pytest.raises(RewardFunctionError, match=re.escape(f"reward 'unbounded': component 'x' is inf {UNUSABLE} "
+                                                                "for completion 1 of the batch")):
+            read(batch)
+
+
+def _user_run(user_file, tmp_path, tiny_lm_path, reward: dict) -> list[str]:
+    """train/grpo.py's arguments for tiny.yaml with ``reward``, validating one short row at step 0
+    (the first call of the reward)."""
+    config = tmp_path / "mine.yaml"
+    raw = yaml.safe_load(Path("configs/tiny.yaml").read_text())
+    raw["reward"] = reward
+    config.write_text(yaml.safe_dump(raw))
+    return ["--config", str(config), "--output_dir", str(tmp_path / "run"), "--model.name_or_path", str(tiny_lm_path),
+            "--validation.max_samples", "1", "--validation.max_new_tokens", "8"]
+
+
+def test_runs_with_an_unusable_reward_stop_with_one_line(user_file, tmp_path, tiny_lm_path, capsys):
+    """Before: exit 0, "steps 2", validation "inf -> inf", nothing learnt (issue 43 item 7); a
+    reward calling sys.exit(0): exit 0, no word, no run folder (item 8)."""
+    def fn(name):
+        return {"params": ENC, "components": [{"fn": f"{user_file}:{name}", "objective": "accuracy"}]}
+
+    for reward, code, line in (
+            (fn("one_minus_inf"), 2,
+             f"RewardFunctionError: reward component '{user_file}:one_minus_inf' returned -inf"),
+            (fn("exits"), 2, f"RewardFunctionError: reward component '{user_file}:exits' on 1 completion(s)"),
+            ({"name": f"{user_file}:Exiting", "params": ENC}, 1,
+             f"error: the run was ended by SystemExit(0) raised in components ({user_file}:")):
+        assert grpo.main(_user_run(user_file, tmp_path, tiny_lm_path, reward)) == code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(line), err[-3:]
 
 
 def test_yaml_trains_with_a_reward_from_a_user_file_and_evaluates_with_it(user_file, tmp_path, tiny_lm_path):

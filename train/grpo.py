@@ -495,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         say(f"aborted: the newest complete checkpoint is used by: {resume_command(argv)}")
         return 130
+    except SystemExit as stop:
+        if stop.code not in (None, 0):  # (a message or an exit code: said by Python as usual)
+            raise
+        close_progress_bars()
+        print(f"error: {exited_line(stop)}", file=sys.stderr)
+        return 1
     except (CrystalError, OSError, RuntimeError) as err:
         close_progress_bars()
         full = disk_full(err, run_dir)
@@ -526,6 +532,17 @@ def refuse(message: str) -> int:
         print(message, file=sys.stderr, flush=True)
     wait_for_every_process()
     return 2
+
+
+def exited_line(stop: SystemExit) -> str:
+    """``sys.exit(0)`` called by code a run calls (a user's reward or callback) ended the run with
+    exit status 0 and no word: one line naming where it was raised."""
+    tb = stop.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = f" in {tb.tb_frame.f_code.co_name} ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})" if tb else ""
+    return (f"the run was ended by SystemExit({stop.code!r}) raised{where}: code a run calls (a reward, a callback) "
+            "must return, or raise an error, not exit the process")
 
 
 def left_out_line(phase: PhaseSection) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from trl.extras.profiling import profiling_decorator
 
-from crystal_grpo.rewards.base import OBJECTIVES, Batch, RewardModule
+from crystal_grpo.rewards.base import MAX_REWARD, OBJECTIVES, Batch, RewardFunctionError, RewardModule, value_problem
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,11 @@ class RewardModuleMixin:
         """
         if self.reward is None:  # the user's reward functions, exactly as TRL calls them
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            bad = rewards.isinf() | (rewards.abs() > MAX_REWARD)  # (NaN: TRL's None, not applicable)
+            if bool(bad.any()):
+                i, j = (int(k) for k in bad.nonzero()[0])
+                raise RewardFunctionError(f"reward function {self.reward_func_names[j]!r} returned "
+                                          f"{value_problem(float(rewards[i, j]))} for completion {i} of the batch")
             column = self._outcome_column
             self.last_outcome = None if column is None else rewards[:, column].double().cpu()
             return rewards
