@@ -253,6 +253,8 @@ def test_resume_warns_about_overrides_the_checkpoint_undoes(tmp_path, tiny_lm_pa
     assert step3["learning_rate"] == pytest.approx(1e-4)  # as the warning says: the checkpoint's rate, not 5e-5
     state = json.loads((tmp_path / "run" / "checkpoint-3" / "crystal_state.json").read_text())
     assert state["settings"]["learning_rate"] == pytest.approx(1e-4)  # the optimizer's truth, not the config's
+    record, config = (json.loads((tmp_path / "run" / name).read_text()) for name in ("run.json", "config.json"))
+    assert record["config"]["training"]["learning_rate"] == config["training"]["learning_rate"] == 1e-4  # were 5e-5
 
 
 def test_resume_with_logs_after_the_checkpoint_logs_each_step_once(tmp_path, tiny_lm_path):

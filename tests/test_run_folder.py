@@ -102,8 +102,12 @@ def test_a_finished_sweep_point_run_by_its_emitted_command_changes_nothing(tmp_p
     assert after == before
 
 
-def test_a_larger_max_steps_continues_the_run_and_says_so(finished, tmp_path, capsys):
-    """...and a user's files beside the run (their own README.md too) stay as they are."""
+def test_a_larger_max_steps_continues_the_run_and_says_so(finished, tmp_path, capsys, caplog):
+    """...on transformers' schedule for the new max_steps (linear here: 1e-4 x (5 - 4) / 5 at step
+    5), said in one line; step 5 trained at the checkpoint's rate, 0, and changed no weight (issue
+    43 item 5). And a user's files beside the run (their own README.md too) stay as they are."""
+    from safetensors.torch import load_file
+
     run = _copy(finished["single"], tmp_path / "single")
     files = _user_files(run, tmp_path / "outside")
     argv = [*finished["common"], "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
@@ -111,6 +115,14 @@ def test_a_larger_max_steps_continues_the_run_and_says_so(finished, tmp_path, ca
     out = capsys.readouterr().out
     assert f"{run}: finished at step 4; continuing to training.max_steps 5" in out
     assert logged_steps(run) == [1, 2, 3, 4, 5] and checkpoint_problem(run / "checkpoint-5") is None
+    (step5,) = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("step") == 5
+                and "loss" in r]
+    assert step5["learning_rate"] == pytest.approx(2e-5, rel=1e-6)
+    assert ("resumed at step 4 on a learning-rate schedule other than the checkpoint's (lr_scheduler_type linear, "
+            "max_steps 5): transformers plans it over the whole run from step 0, so step 5 trains at 2e-05, not at "
+            "the checkpoint's 0;") in caplog.text
+    before, after = (load_file(run / f"checkpoint-{n}" / "model.safetensors") for n in (4, 5))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
     assert {name: (run / name).read_bytes() for name in files} == files  # no model card over the user's README
     assert json.loads((run / "phase_done.json").read_text())["global_step"] == 5
     launches = json.loads((run / RECORD).read_text())["launches"]

@@ -5,7 +5,8 @@
   interrupted save is never resumed from; a save that fills the disk removes its partial folder.
 - ``crystal_state.json`` (``crystal_state``): what travels with a checkpoint besides HF's own
   state: the optimizer settings, and each concept's own part (the non-finite count, the
-  reward module's state), restored by ``_load_optimizer_and_scheduler``.
+  reward module's state), restored by ``_load_optimizer_and_scheduler``, which also sets the
+  learning rate to what this run's schedule gives at the restored step (:func:`continue_schedule`).
 - ``train(resume_from_checkpoint="latest" | True)``: the newest *complete* checkpoint.
 - ``finish_from``: end a phase whose checkpoint already holds its last step, without a step.
 - ``_issue_warnings_after_load``: a resumed model's tied ``lm_head`` is not reported missing.
@@ -14,10 +15,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from crystal_grpo.distributed import all_ranks
@@ -34,6 +37,30 @@ from crystal_grpo.train.checkpoints import (
     write_marker,
 )
 from crystal_grpo.train.layout import STATE_FILE, checkpoint_name
+
+logger = logging.getLogger(__name__)
+
+
+def continue_schedule(optimizer: Any, scheduler: Any) -> tuple[int, float, float] | None:
+    """Set each parameter group's learning rate to what ``scheduler`` gives at its restored step;
+    returns (the step, the first group's saved rate, its rate now) where they differed, else None.
+
+    transformers restores the optimizer's rates as saved but builds the schedule for this run's
+    ``max_steps``: with another ``max_steps`` (or schedule) the first step after a resume trained
+    at the saved rate (0 at the end of a linear schedule) and the next ones on the new schedule.
+    Schedules that are not a ``LambdaLR`` (ReduceLROnPlateau) keep their saved rates."""
+    sched = getattr(scheduler, "scheduler", scheduler)  # (accelerate's wrapper)
+    if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+        return None
+    planned = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+    groups = optimizer.param_groups
+    saved = [float(g["lr"]) for g in groups]
+    if saved == planned:
+        return None
+    for group, lr in zip(groups, planned):
+        group["lr"] = lr
+    sched._last_lr = list(planned)  # what get_last_lr() (the logged learning_rate) reads, as step() sets it
+    return sched.last_epoch, saved[0], planned[0]
 
 
 class _BeforeFirstStep(Exception):
@@ -88,6 +115,14 @@ class CheckpointMixin:
         if path and os.path.exists(path):
             with open(path) as fh:
                 self.load_crystal_state(json.load(fh))
+        changed = continue_schedule(self.optimizer, self.lr_scheduler) if checkpoint else None
+        if changed and self.accelerator.is_main_process:
+            (step, saved, now), kind = changed, self.args.lr_scheduler_type
+            logger.warning(
+                "resumed at step %d on a learning-rate schedule other than the checkpoint's (lr_scheduler_type %s, "
+                "max_steps %s): transformers plans it over the whole run from step 0, so step %d trains at %.6g, "
+                "not at the checkpoint's %.6g; for a constant rate from here use lr_scheduler_type constant",
+                step, getattr(kind, "value", kind), self.args.max_steps, step + 1, now, saved)
 
     def finish_from(self, checkpoint: str) -> None:
         """End a phase whose ``checkpoint`` already holds its last step: load it (weights,

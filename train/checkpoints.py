@@ -186,17 +186,22 @@ def optimizer_settings(optimizer: Any, scheduler: Any) -> dict[str, float]:
     return out
 
 
-def settings_undone(saved: dict[str, float], args: Any) -> list[str]:
-    """One line per override that resuming will silently undo (value differs from the checkpoint's)."""
-    out = []
+def settings_undone(saved: dict[str, float], args: Any) -> dict[str, tuple[float, float]]:
+    """``{key: (the config's value, the checkpoint's)}`` for each :data:`RESTORED_SETTINGS` that
+    differs: resuming keeps the checkpoint's (the run goes on with it, and records it)."""
+    out = {}
     for key in RESTORED_SETTINGS:
         now, then = getattr(args, key, None), saved.get(key)
         if now is not None and then is not None and not math.isclose(float(now), float(then), rel_tol=1e-9, abs_tol=0.0):
-            out.append(f"training.{key} is {now!r} but the checkpoint was trained with {then!r}: resuming "
-                       f"restores the optimizer and scheduler state, so the run continues with {then!r}. "
-                       "To change it, start a new run from the checkpoint's weights (--model.name_or_path "
-                       "CHECKPOINT) instead of resuming.")
+            out[key] = (now, then)
     return out
+
+
+def undone_line(key: str, now: float, then: float) -> str:
+    return (f"training.{key} is {now!r} but the checkpoint was trained with {then!r}: resuming restores the "
+            f"optimizer and scheduler state, so the run continues with {then!r} (and run.json records it). To "
+            "change it, start a new run from the checkpoint's weights (--model.name_or_path CHECKPOINT) instead "
+            "of resuming.")
 
 
 # --- disk space -------------------------------------------------------------------------

@@ -14,10 +14,12 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from crystal_grpo.distributed import is_main_process, launch_command, launcher_problem, wait_for_every_process
@@ -31,6 +33,7 @@ from crystal_grpo.train.checkpoints import (
     resolve_resume,
     settings_undone,
     truncate_logs,
+    undone_line,
 )
 from crystal_grpo.train.config import ConfigError, PaperRecipe, PhaseSection, RunConfig, load_config, phase_configs
 from crystal_grpo.train.layout import (
@@ -60,6 +63,7 @@ from crystal_grpo.train.run_folder import (
     mark_phase_done,
     phase_state,
     plan_launch,
+    record_kept,
 )
 from crystal_grpo.typed import to_dict
 
@@ -155,10 +159,11 @@ def _sampler_factory(cfg: RunConfig, dataset, max_steps: int):
     return make_sampler_factory(cfg.curriculum, dataset, max_steps)
 
 
-def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
-              callbacks: list | None = None) -> tuple[dict, int]:
+def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callbacks: list | None = None,
+              record: Callable[[dict], None] | None = None) -> tuple[dict, int]:
     """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics and
-    the step it reached."""
+    the step it reached. ``record`` is given the training settings a resume keeps from its
+    checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
     from crystal_grpo.train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
     from crystal_grpo.train.data import load_datasets
     from crystal_grpo.train.interrupt import Interrupted
@@ -172,8 +177,13 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None,
     if checkpoint:
         check_zero_resume(checkpoint, args.world_size)
         state = Path(checkpoint) / STATE_FILE
-        for line in settings_undone((read_json(state) or {}).get("settings", {}), args):
-            say(f"warning: {line}")
+        kept = settings_undone((read_json(state) or {}).get("settings", {}), args)
+        for key, (now, then) in kept.items():
+            say(f"warning: {undone_line(key, now, then)}")
+            setattr(args, key, then)  # what the trainer, its saved arguments and config.json then say
+            cfg.training[key] = then
+        if kept and record is not None and is_main_process():
+            record({key: then for key, (_, then) in kept.items()})
         with args.main_process_first(desc="truncating the run's logs to the checkpoint"):
             if is_main_process():  # every rank then reads the same logs (validation record)
                 truncate_logs(output_dir, checkpoint_step(checkpoint))
@@ -396,7 +406,8 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
             say(f"\n=== phase {i + 1}/{len(cfg.phases)}: {phase.name} ===")
             if phase.left_out:
                 say(left_out_line(phase))
-        validation, step = run_phase(pcfg, pdir, "latest" if started else None, callbacks)
+        validation, step = run_phase(pcfg, pdir, "latest" if started else None, callbacks,
+                                     functools.partial(record_kept, run_dir, i if cfg.phases else None))
         summary[phase.name] = validation
         if is_main_process():
             mark_phase_done(pdir, pcfg.training.get("max_steps"), step, validation)

@@ -353,6 +353,18 @@ def read_record(run_dir: Path, say: Callable[[str], None], write: bool) -> dict 
     return None
 
 
+def record_kept(run_dir: Path, phase: int | None, kept: dict[str, Any]) -> None:
+    """Write into ``run.json``'s config the training settings a resume kept from its checkpoint
+    instead of the command's (phase ``phase`` of a multi-phase run), so that the record says
+    what the run trains with and the next launch names the difference."""
+    record = read_json(run_dir / RECORD)
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        return
+    section = record["config"] if phase is None else record["config"]["phases"][phase].setdefault("overrides", {})
+    section.setdefault("training", {}).update(kept)
+    atomic_write_text(run_dir / RECORD, json.dumps(record, indent=2, default=str))
+
+
 def _started(folder: Path) -> bool:
     return any((folder / name).exists() for name in PROGRESS) or bool(checkpoint_folders(folder))
 
