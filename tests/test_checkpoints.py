@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from crystal_grpo.train import grpo
 from crystal_grpo.train.checkpoints import (
+    CheckpointError,
     checkpoint_problem,
     latest_complete,
     resolve_resume,
@@ -73,6 +74,31 @@ def test_latest_is_the_newest_complete_checkpoint_and_says_what_it_skipped(tmp_p
     said = []
     assert resolve_resume(tmp_path, "latest", said.append) == str(good)
     assert said[-1] == f"resuming from {good}" and len(said) == 4
+
+
+def test_a_checkpoint_corrupted_at_the_same_size_is_not_resumed(tmp_path):
+    """model.safetensors corrupted at the same size, marker intact: resumed, and the accuracy fell
+    from 0.375 to 0 (issue 43 item 11). The marker's sha256 finds it where a run resumes: latest
+    falls back to the previous complete checkpoint and says so; an explicit path is refused."""
+    good = _fake_checkpoint(tmp_path, 2)
+    bad = _fake_checkpoint(tmp_path, 4)
+    weights = bad / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as fh:  # a byte of the last weight: the header stays valid
+        fh.seek(size - 1)
+        last = fh.read(1)
+        fh.seek(size - 1)
+        fh.write(bytes([last[0] ^ 0xFF]))
+    assert weights.stat().st_size == size and checkpoint_problem(bad) is None  # sizes and header agree
+    problem = (f"{weights}: its content is not what was saved (sha256 differs from checkpoint_complete.json's: "
+               "corrupted or overwritten)")
+    assert checkpoint_problem(bad, checksums=True) == problem
+    said = []
+    assert resolve_resume(tmp_path, "latest", said.append) == str(good)
+    assert said == [f"skipping {problem}", f"resuming from {good}"]
+    with pytest.raises(CheckpointError) as err:
+        resolve_resume(tmp_path, str(bad))
+    assert str(err.value) == f"cannot resume: {problem}"
 
 
 def test_explicit_checkpoint_is_checked_file_by_file(tmp_path):

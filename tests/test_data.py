@@ -138,6 +138,26 @@ def test_a_column_mapping_naming_a_column_the_file_lacks_is_an_error(tmp_path):
                               f"{', '.join(sorted({k for r in ROWS for k in r}))})")
 
 
+def test_training_data_smaller_than_one_batch_is_refused_before_the_model_loads(tmp_path, tiny_lm_path, capsys,
+                                                                                 monkeypatch):
+    """3 prompts, a batch of 4 (16 completions of 4 generations): "steps 0", exit 0, final/ = the
+    starting weights (issue 43 item 9)."""
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("crystal_grpo.train.models.load_policy", loaded)
+    run = tmp_path / "run"
+    assert grpo.main(["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), "--output_dir", str(run),
+                      "--data.max_train_samples", "3", "--training.per_device_train_batch_size", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("DataError: ") and err[-1].endswith(
+        ": 3 training prompt(s), fewer than one generation batch takes (4 = generation_batch_size 16 / "
+        "num_generations 4; per_device_train_batch_size x processes x steps_per_generation completions): the run "
+        "would train 0 steps; give more rows (data.max_train_samples) or a smaller "
+        "training.per_device_train_batch_size"), err[-3:]
+    assert not run.exists()
+
+
 def test_columns_config_names_the_bad_field(tmp_path):
     with pytest.raises(ConfigError, match=r"data.columns: invalid value \{'questoin': 'problem'\}; expected a mapping "
                                           r"from one of 'id', 'question'"):

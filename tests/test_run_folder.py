@@ -23,7 +23,8 @@ from crystal_grpo.train.checkpoints import checkpoint_problem
 from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.config import apply_phase, load_config
 from crystal_grpo.train.layout import LOCK, POINT_LOG, RECORD, SWEEP_POINT
-from crystal_grpo.train.run_folder import RunFolderError, RunLock, clear_run, config_diff, foreign_folder
+from crystal_grpo.train.run_folder import (RunFolderError, RunLock, clear_run, config_diff, data_digests,
+                                           foreign_folder)
 from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
 
 QUICK = ["--validation.eval_steps", "2", "--validation.max_samples", "2", "--training.save_steps", "2"]
@@ -144,6 +145,62 @@ def test_a_run_killed_after_its_last_step_finishes_without_training_past_it(fini
                                                                               "model.safetensors")
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert (run / "validation.jsonl").read_text() == (finished["single"] / "validation.jsonl").read_text()
+
+
+def test_an_explicit_checkpoint_is_resumed_or_refused_in_one_line(finished, tmp_path, capsys):
+    """--resume_from_checkpoint PATH: a missing path or another run's checkpoint started a fresh
+    run; an older checkpoint-2 resumed the newest instead (issue 43 item 10)."""
+    run = _copy(finished["single"], tmp_path / "single")
+    argv = [*finished["common"], "--training.max_steps", "4", "--resume_from_checkpoint"]
+    for path, where, message in (
+            (tmp_path / "nope", tmp_path / "new", f"cannot resume: {tmp_path / 'nope'}: no such checkpoint folder"),
+            (run / "checkpoint-4", tmp_path / "new", f"cannot resume: {run / 'checkpoint-4'} is not a checkpoint of "
+             f"the run in {tmp_path / 'new'}: resume its own run (--output_dir {run}), or start a new run from its "
+             f"weights (--model.name_or_path {run / 'checkpoint-4'})"),
+            (run / "checkpoint-2", run, f"{run}: this run already finished (step 4); resuming its older "
+             f"{run / 'checkpoint-2'} would train its steps again over its results")):
+        assert grpo.main([*argv, str(path), "--output_dir", str(where)]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "new").exists()
+    for name in ("final", "phase_done.json", "summary.json"):  # killed after its last checkpoint
+        shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+    assert grpo.main([*argv, str(run / "checkpoint-2"), "--output_dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert (f"resuming from {run / 'checkpoint-2'}, older than checkpoint-4: that one is no longer complete "
+            "(completion marker removed)") in out
+    assert logged_steps(run) == [1, 2, 3, 4]  # steps 3 and 4 trained again, logged once
+    assert checkpoint_problem(run / "checkpoint-4") is None  # saved over
+
+
+def test_a_data_file_changed_since_the_last_launch_is_named_on_resume(finished, tmp_path, capsys):
+    """The training file replaced between a run and its resume: no word (issue 43 item 9). Here
+    run.json says it had other content at the last launch; data_digests reads the content."""
+    run = _copy(finished["single"], tmp_path / "single")
+    for name in ("final", "phase_done.json", "summary.json"):  # killed after its last checkpoint
+        shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+    record = json.loads((run / RECORD).read_text())
+    train = record["config"]["data"]["train"]
+    now = data_digests([train])[train]
+    assert record["launches"][-1]["data"][train] == now  # recorded at the launch
+    record["launches"][-1]["data"][train] = "sha256:0123456789abcdef"
+    (run / RECORD).write_text(json.dumps(record))
+    argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "4"]
+    assert grpo.main([*argv, "--resume_from_checkpoint", "latest"]) == 0
+    assert (f"warning: {train} changed since this run's last launch (sha256:0123456789abcdef -> {now}): the steps "
+            "from here train on its new content, the steps before on the old") in capsys.readouterr().out
+    assert json.loads((run / RECORD).read_text())["launches"][-1]["data"][train] == now
+
+
+def test_data_digests_follow_a_file_s_content_and_a_folder_s_names_and_sizes(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "a.jsonl").write_text('{"q": 1}\n')
+    (tmp_path / "d" / "x.arrow").write_text("1234")
+    first = data_digests([str(tmp_path / "a.jsonl"), str(tmp_path / "d"), "org/hub-dataset", None])
+    assert set(first) == {str(tmp_path / "a.jsonl"), str(tmp_path / "d")}
+    (tmp_path / "a.jsonl").write_text('{"q": 2}\n')  # same size, other content
+    (tmp_path / "d" / "x.arrow").write_text("12345")
+    second = data_digests([str(tmp_path / "a.jsonl"), str(tmp_path / "d")])
+    assert all(first[k] != second[k] for k in first)
 
 
 def test_an_unreadable_run_json_is_kept_aside_not_rewritten(finished, tmp_path, capsys):

@@ -3,10 +3,13 @@
 HF's Trainer writes ``checkpoint-N`` file by file, so a run killed while saving leaves a
 folder that looks like a checkpoint but is not one, and ``get_last_checkpoint`` picks it.
 Here every checkpoint gets a completion marker, written last (after every rank has
-written its shards), that lists each file with its size. A checkpoint is complete when
-its marker exists, every listed file has its recorded size and every safetensors file has
-a valid header; ``latest`` is the newest complete one. The marker is removed before a
-folder is (re)written, so a checkpoint being overwritten never counts as complete.
+written its shards), that lists each file with its size and sha256. A checkpoint is
+complete when its marker exists, every listed file has its recorded size and every
+safetensors file has a valid header; ``latest`` is the newest complete one. The marker is
+removed before a folder is (re)written, so a checkpoint being overwritten never counts as
+complete. The checksums are compared where a checkpoint is resumed or started from (a
+file corrupted at the same size), not on every look at the folder: each comparison reads
+the whole checkpoint (docs/training.md gives the cost).
 
 Resuming also truncates the run folder's logs to the checkpoint's step, so every step is
 logged once, and warns about overrides the restored optimizer state silently undoes. The
@@ -17,11 +20,14 @@ torch nor transformers (train/grpo.py imports it at the top, and ``--check`` sta
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +60,25 @@ def remove_marker(folder: str | Path) -> None:
 
 
 def write_marker(folder: str | Path, step: int) -> None:
-    """List every file of the finished checkpoint with its size; written atomically, last."""
+    """List every file of the finished checkpoint with its size and sha256; written atomically,
+    last. The files were just written, so they are read back from the page cache."""
     folder = Path(folder)
-    files = {str(p.relative_to(folder)): p.stat().st_size
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER}
-    atomic_write_text(folder / MARKER, json.dumps({"step": step, "files": files}, indent=1))
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER]
+    names = [str(p.relative_to(folder)) for p in paths]
+    files = {name: p.stat().st_size for name, p in zip(names, paths)}
+    sha256 = dict(zip(names, sha256_files(paths)))
+    atomic_write_text(folder / MARKER, json.dumps({"step": step, "files": files, "sha256": sha256}, indent=1))
+
+
+def sha256_file(path: str | Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def sha256_files(paths: list[Path]) -> list[str]:
+    """Each file's sha256, several files at once (hashlib releases the GIL while it hashes)."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256_file, paths))
 
 
 # --- checking --------------------------------------------------------------------------
@@ -82,11 +102,13 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def checkpoint_problem(folder: str | Path, require_marker: bool = True) -> str | None:
+def checkpoint_problem(folder: str | Path, require_marker: bool = True, checksums: bool = False) -> str | None:
     """Why ``folder`` cannot be resumed from, or None when it is complete.
 
     Without ``require_marker`` (a checkpoint named explicitly, possibly written by another
-    tool or an older version) the files present are still checked.
+    tool or an older version) the files present are still checked. With ``checksums`` each
+    file's sha256 is compared with the marker's (a marker that has them): this reads the
+    whole checkpoint.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -94,8 +116,9 @@ def checkpoint_problem(folder: str | Path, require_marker: bool = True) -> str |
     marker = folder / MARKER
     if marker.exists():
         try:
-            files = json.loads(marker.read_text())["files"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
+            saved = json.loads(marker.read_text())
+            files, sha256 = saved["files"], saved.get("sha256", {}) if checksums else {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             return f"{marker}: unreadable completion marker ({err})"
         for rel, size in files.items():
             p = folder / rel
@@ -103,6 +126,11 @@ def checkpoint_problem(folder: str | Path, require_marker: bool = True) -> str |
                 return f"{p}: missing (the checkpoint is incomplete)"
             if p.stat().st_size != size:
                 return f"{p}: {p.stat().st_size} bytes, {size} when it was saved (truncated or overwritten)"
+        now = sha256_files([folder / rel for rel in sha256])
+        for (rel, digest), found in zip(sha256.items(), now):
+            if found != digest:
+                return (f"{folder / rel}: its content is not what was saved (sha256 differs from {MARKER}'s: "
+                        "corrupted or overwritten)")
     elif require_marker:
         return (f"{folder}: incomplete (no {MARKER}: the run was stopped while saving it, or an older "
                 "version wrote it; pass its path to --resume_from_checkpoint to try it anyway)")
@@ -124,15 +152,16 @@ def checkpoint_step(folder: str | Path) -> int:
     return int(json.loads(state.read_text())["global_step"]) if state.is_file() else 0
 
 
-def latest_complete(run_dir: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest complete ``checkpoint-N`` in ``run_dir`` and why each newer one was skipped."""
+def latest_complete(run_dir: str | Path, checksums: bool = False) -> tuple[Path | None, list[str]]:
+    """The newest complete ``checkpoint-N`` in ``run_dir`` and why each newer one was skipped
+    (``checksums``: see :func:`checkpoint_problem`)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return None, []
     found = checkpoint_folders(run_dir)[::-1]
     skipped = []
     for folder in found:
-        problem = checkpoint_problem(folder)
+        problem = checkpoint_problem(folder, checksums=checksums)
         if problem is None:
             return folder, skipped
         skipped.append(problem)
@@ -144,15 +173,42 @@ def resolve_resume(run_dir: str | Path, resume: str | None, say=logger.info) -> 
     if not resume:
         return None
     if resume == "latest":
-        chosen, skipped = latest_complete(run_dir)
+        chosen, skipped = latest_complete(run_dir, checksums=True)
         for problem in skipped:
             say(f"skipping {problem}")
         say(f"resuming from {chosen}" if chosen else f"no complete checkpoint in {run_dir}: starting fresh")
         return str(chosen) if chosen else None
-    problem = checkpoint_problem(resume, require_marker=False)
+    problem = checkpoint_problem(resume, require_marker=False, checksums=True)
     if problem:
         raise CheckpointError(f"cannot resume: {problem}")
     return resume
+
+
+def explicit_resume_problem(checkpoint: str | Path, run_dir: Path, folders: list[Path]) -> str | None:
+    """Why ``--resume_from_checkpoint PATH`` cannot resume the run in ``run_dir`` (whose phase
+    folders are ``folders``), or None: PATH must be a checkpoint that resumes (checked file by
+    file) of this run. A missing path or another run's checkpoint started this one fresh."""
+    problem = checkpoint_problem(checkpoint, require_marker=False)
+    if problem:
+        return f"cannot resume: {problem}"
+    if Path(checkpoint).resolve().parent not in {f.resolve() for f in folders}:
+        return (f"cannot resume: {checkpoint} is not a checkpoint of the run in {run_dir}: resume its own run "
+                f"(--output_dir {Path(checkpoint).parent}), or start a new run from its weights "
+                f"(--model.name_or_path {checkpoint})")
+    return None
+
+
+def set_back(run_dir: Path, checkpoint: str | Path) -> str | None:
+    """Resuming a checkpoint older than the run's newest complete ones: those hold steps the run
+    now trains again, so their completion markers go (``latest`` never resumes them; their files
+    stay until the run saves over them); returns the line that says so, or None."""
+    step = checkpoint_step(checkpoint)
+    newer = [f for f in checkpoint_folders(run_dir) if (step_of(f) or 0) > step and (f / MARKER).is_file()]
+    for folder in newer:
+        remove_marker(folder)
+    return (f"resuming from {checkpoint}, older than {', '.join(f.name for f in newer)}: "
+            f"{'that one is' if len(newer) == 1 else 'those are'} no longer complete (completion marker removed), so "
+            "that latest never resumes them; the run saves over them as it reaches their steps") if newer else None
 
 
 # --- resuming ----------------------------------------------------------------------------

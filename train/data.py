@@ -155,6 +155,19 @@ def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, L
             LoadedSplit(own_image_loader(split["test"]), 0, train.source + " (held out)"))
 
 
+def batch_problem(split: LoadedSplit, args: Any) -> str | None:
+    """Why ``split`` cannot fill one GRPO generation batch, or None. TRL's sampler (and the
+    curriculum's) yields only whole batches of distinct prompts, so fewer prompts than one
+    takes trained 0 steps, exited 0 and saved the starting weights as ``final/``."""
+    need = args.generation_batch_size // args.num_generations
+    if len(split.dataset) >= need:
+        return None
+    return (f"{split.source}: {len(split.dataset)} training prompt(s), fewer than one generation batch takes "
+            f"({need} = generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}; "
+            "per_device_train_batch_size x processes x steps_per_generation completions): the run would train 0 "
+            "steps; give more rows (data.max_train_samples) or a smaller training.per_device_train_batch_size")
+
+
 def context_length(model: Any) -> int | None:
     """The model's positions (``max_position_embeddings``, of its text model for a VLM), or None."""
     config = getattr(model, "config", None)

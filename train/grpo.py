@@ -26,11 +26,14 @@ from crystal_grpo.distributed import is_main_process, launch_command, launcher_p
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.train.checkpoints import (
+    CheckpointError,
     checkpoint_problem,
     checkpoint_step,
     disk_full,
+    explicit_resume_problem,
     latest_complete,
     resolve_resume,
+    set_back,
     settings_undone,
     truncate_logs,
     undone_line,
@@ -58,6 +61,7 @@ from crystal_grpo.train.run_folder import (
     as_record,
     clear_attempt,
     clear_run,
+    data_digests,
     foreign_folder,
     holds_run,
     mark_phase_done,
@@ -165,7 +169,7 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
     the step it reached. ``record`` is given the training settings a resume keeps from its
     checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
     from crystal_grpo.train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
-    from crystal_grpo.train.data import load_datasets
+    from crystal_grpo.train.data import DataError, batch_problem, load_datasets
     from crystal_grpo.train.interrupt import Interrupted
     from crystal_grpo.train.models import load_policy, model_source
     from crystal_grpo.train.vision import parameter_line, resolution_line
@@ -187,6 +191,9 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
         with args.main_process_first(desc="truncating the run's logs to the checkpoint"):
             if is_main_process():  # every rank then reads the same logs (validation record)
                 truncate_logs(output_dir, checkpoint_step(checkpoint))
+                line = set_back(output_dir, checkpoint)
+                if line:
+                    say(line)
     else:
         with args.main_process_first(desc="starting the phase over"):
             if is_main_process() and output_dir.is_dir() and METRICS_LOG in clear_attempt(output_dir):
@@ -197,8 +204,14 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
     train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
     if train.skipped:
         say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")
+    too_few = batch_problem(train, args) if cfg.trainer == "grpo" else None
+    if too_few:  # before the model loads; again below, once long prompts are dropped
+        raise DataError(too_few)
     model, processing_class = load_policy(cfg.model)
     train, val = limit_prompts(cfg, args, model, processing_class, train, val)
+    too_few = batch_problem(train, args) if cfg.trainer == "grpo" else None
+    if too_few:
+        raise DataError(f"{too_few} (after dropping prompts too long for the context)")
     for line in length_warnings(cfg, args, processing_class, train, val):
         say(f"warning: {line}")
     output_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no phase folder
@@ -338,6 +351,21 @@ def length_warnings(cfg: RunConfig, args, processing_class, train, val) -> list[
     return [w for lengths, limit, key in checks if (w := truncation_warning(lengths, limit, key))]
 
 
+def explicit_phase_problem(checkpoint: str, pdir: Path, name: str, later: list[Path]) -> str | None:
+    """Why ``--resume_from_checkpoint PATH`` cannot resume phase ``name`` (in ``pdir``), the first
+    unfinished one, or None: PATH must be one of its checkpoints, and no later phase (``later``:
+    their folders) may have started from its end."""
+    if Path(checkpoint).resolve().parent != pdir.resolve():
+        return (f"cannot resume: {checkpoint} is not a checkpoint of phase {name} ({pdir}), the phase this run "
+                f"resumes in (those before it finished): resume with latest, or start a new run from its weights "
+                f"(--model.name_or_path {checkpoint})")
+    started = [d.name for d in later if d.is_dir()]
+    if started:
+        return (f"cannot resume: {checkpoint}: later phases ({', '.join(started)}) started from the end of phase "
+                f"{name}; start a new run from its weights (--model.name_or_path {checkpoint})")
+    return None
+
+
 def phase_start(prev_dir: Path, init_from: str) -> str | None:
     """The checkpoint a phase starts from: the previous phase's best (if complete) or last."""
     if init_from == "none":
@@ -345,7 +373,7 @@ def phase_start(prev_dir: Path, init_from: str) -> str | None:
     record = read_best(prev_dir) if init_from == "best" else None
     if record and (prev_dir / record.checkpoint).exists():  # (a best found by the final
         ckpt = prev_dir / record.checkpoint                   # validation lives in final/)
-        problem = checkpoint_problem(ckpt)
+        problem = checkpoint_problem(ckpt, checksums=True)
         if problem is None:
             return str(ckpt)
         say(f"best checkpoint unusable ({problem}); starting from {prev_dir / FINAL}")
@@ -359,8 +387,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
     The folder holds this run only (train/run_folder.py): a live run elsewhere in it is
     refused, a finished run is left as it is, a fresh start in a folder holding another run
     is refused unless ``overwrite``. With ``resume``, a phase that finished its configured
-    steps is skipped, the first unfinished one resumes from its latest checkpoint (with the
-    starting weights it was given), and later phases start as usual.
+    steps is skipped, the first unfinished one resumes from its latest checkpoint (or the one
+    ``resume`` names, which must be one of that phase's) with the starting weights it was given,
+    and later phases start as usual.
     """
     phases = copy.deepcopy(phase_configs(cfg))  # a phase may be given its start below
     max_steps = [p.training.get("max_steps") for p in phases]
@@ -368,14 +397,20 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
     refused = foreign_folder(run_dir)  # before the lock: it is a file in the folder
     if refused:
         raise RunFolderError(refused)
+    if resume not in (None, "latest"):
+        folders = [phase_dir(run_dir, i, p.name, len(cfg.phases)) for i, p in enumerate(cfg.phases)] or [run_dir]
+        problem = explicit_resume_problem(resume, run_dir, folders)
+        if problem:
+            raise CheckpointError(problem)
     try:
         with RunLock(run_dir, launch_command(), say) if main else contextlib.nullcontext():
-            launch = plan_launch(run_dir, as_record(cfg), max_steps, resume, overwrite, say, write=main)
+            data = data_digests([f for p in phases for f in (p.data.train, p.data.validation)]) if main else None
+            launch = plan_launch(run_dir, as_record(cfg), max_steps, resume, overwrite, say, write=main, data=data)
             if launch.action == "finished":
                 if main:
                     say_summary(cfg, run_dir, write=False)
                 return launch.summary or {}
-            return _run_phases(cfg, phases, run_dir, launch.action == "resume", callbacks)
+            return _run_phases(cfg, phases, run_dir, resume if launch.action == "resume" else None, callbacks)
     except BaseException:
         if main and created and run_dir.is_dir() and not holds_run(run_dir):
             with contextlib.suppress(OSError):  # a failed start leaves no folder behind (a file put there stays)
@@ -384,7 +419,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
         raise
 
 
-def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: bool,
+def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: str | None,
                 callbacks: list | None) -> dict:
     summary, prev = {}, None
     for i, pcfg in enumerate(phases):
@@ -395,7 +430,12 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
             say(f"phase {phase.name}: already done, skipping")
             summary[phase.name], prev = (state.record or {}).get("validation", {}), pdir
             continue
-        started = resume and latest_complete(pdir)[0] is not None
+        if resume not in (None, "latest"):
+            problem = explicit_phase_problem(resume, pdir, phase.name, [
+                phase_dir(run_dir, j, p.name, len(cfg.phases)) for j, p in enumerate(cfg.phases) if j > i])
+            if problem:
+                raise CheckpointError(problem)
+        started = resume is not None and latest_complete(pdir)[0] is not None
         if prev is not None:
             start = (read_config(pdir)["model"]["name_or_path"] if started
                      else phase_start(prev, phase.init_from))
@@ -406,8 +446,9 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
             say(f"\n=== phase {i + 1}/{len(cfg.phases)}: {phase.name} ===")
             if phase.left_out:
                 say(left_out_line(phase))
-        validation, step = run_phase(pcfg, pdir, "latest" if started else None, callbacks,
+        validation, step = run_phase(pcfg, pdir, (resume or "latest") if started else None, callbacks,
                                      functools.partial(record_kept, run_dir, i if cfg.phases else None))
+        resume = resume and "latest"  # (an explicit checkpoint is this phase's; later phases had not started)
         summary[phase.name] = validation
         if is_main_process():
             mark_phase_done(pdir, pcfg.training.get("max_steps"), step, validation)

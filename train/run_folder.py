@@ -22,6 +22,7 @@ A single-phase run is its own (only) phase folder; a multi-phase run has one
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from typing import Any
 
 from crystal_grpo.errors import CrystalError, some_of
 from crystal_grpo.jsonl import atomic_write_text, read_json
-from crystal_grpo.train.checkpoints import latest_complete
+from crystal_grpo.train.checkpoints import latest_complete, sha256_file
 from crystal_grpo.train.layout import (
     ATTEMPT_FILES,
     FINAL,
@@ -281,11 +282,13 @@ class Launch:
 
 
 def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: str | None, overwrite: bool,
-                say: Callable[[str], None], write: bool) -> Launch:
+                say: Callable[[str], None], write: bool, data: dict[str, str] | None = None) -> Launch:
     """Decide (and, with ``write``, record) what this launch does with ``run_dir``.
 
     ``config`` is the run's resolved config (what ``run.json`` keeps), ``max_steps`` each
-    phase's configured steps. Every rank calls this; only the main process writes.
+    phase's configured steps, ``data`` the digest of each data file (:func:`data_digests`),
+    recorded with the launch: a resume names each file whose content changed since the last
+    launch. Every rank calls this; only the main process writes.
     """
     record = read_record(run_dir, say, write)
     phases = config.get("phases") or []
@@ -300,6 +303,11 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
         finished = is_finished(run_dir) and all(s.status == "done" for s in states)
         if finished and (resume or diff == []):
             steps = ", ".join(str(s.reached) for s in states)
+            newest = latest_complete(Path(resume).parent)[0] if resume not in (None, "latest") else None
+            if newest is not None and newest.resolve() != Path(resume).resolve():
+                raise RunFolderError(f"{run_dir}: this run already finished (step {steps}); resuming its older {resume} "
+                                     f"would train its steps again over its results: start a new run from its weights "
+                                     f"(--model.name_or_path {resume}), or start again with --overwrite_output_dir")
             say(f"{run_dir}: this run already finished (step {steps}); nothing to do"
                 + (f" (settings now differ: {some_of(diff, sep='; ')})" if diff else "")
                 + ". Train more with a larger training.max_steps and --resume_from_checkpoint latest, or start "
@@ -327,12 +335,33 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
         others = [d for d in diff or [] if not d.split(":")[0].endswith("max_steps")]
         if others:
             say(f"resuming with settings that differ from the run's: {some_of(others, sep='; ')}")
-        _record(run_dir, config, record, "resume", write)
+        before = next((x["data"] for x in reversed((record or {}).get("launches", [])) if x.get("data")), {})
+        for path, digest in (data or {}).items():
+            if before.get(path, digest) != digest:
+                say(f"warning: {path} changed since this run's last launch ({before[path]} -> {digest}): the steps "
+                    "from here train on its new content, the steps before on the old")
+        _record(run_dir, config, record, "resume", write, data)
         return Launch("resume")
     elif resume:
         say(f"no run in {run_dir} yet: starting fresh")
-    _record(run_dir, config, None, "fresh", write)
+    _record(run_dir, config, None, "fresh", write, data)
     return Launch("fresh")
+
+
+def data_digests(paths: Sequence[str]) -> dict[str, str]:
+    """``{path: digest}`` of each local data file or folder: a file's sha256 (read once, about
+    a second per GB), a folder's over its files' names and sizes (its contents are not read);
+    names that are not local paths (Hub ids) are left out."""
+    out = {}
+    for name in dict.fromkeys(p for p in paths if p):
+        path = Path(name)
+        if path.is_file():
+            out[name] = "sha256:" + sha256_file(path)[:16]
+        elif path.is_dir():
+            listing = "".join(f"{p.relative_to(path)}\t{p.stat().st_size}\n" for p in sorted(path.rglob("*"))
+                              if p.is_file())
+            out[name] = "names+sizes:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
+    return out
 
 
 def read_record(run_dir: Path, say: Callable[[str], None], write: bool) -> dict | None:
@@ -369,14 +398,15 @@ def _started(folder: Path) -> bool:
     return any((folder / name).exists() for name in PROGRESS) or bool(checkpoint_folders(folder))
 
 
-def _record(run_dir: Path, config: dict, record: dict | None, how: str, write: bool) -> None:
+def _record(run_dir: Path, config: dict, record: dict | None, how: str, write: bool,
+            data: dict[str, str] | None = None) -> None:
     if not write:
         return
     from crystal_grpo.distributed import launch_command
 
     launches = (record or {}).get("launches", [])
     launches.append({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(), "how": how,
-                     "command": launch_command()})
+                     "command": launch_command(), **({"data": data} if data else {})})
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / RECORD, json.dumps({"config": config, "launches": launches}, indent=2,
                                                    default=str))

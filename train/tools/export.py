@@ -112,13 +112,13 @@ class ExportResult:
 
 # --- what the folder is ---------------------------------------------------------------
 def inspect_checkpoint(path: str | Path) -> Checkpoint:
-    """The checkpoint's kind, after checking its files are complete (sizes against the
-    trainer's completion marker when there is one, safetensors headers always)."""
+    """The checkpoint's kind, after checking its files are complete (sizes and sha256 against
+    the trainer's completion marker when there is one, safetensors headers always)."""
     p = Path(path)
     if not p.is_dir():
         raise ExportError(f"{p}: no such folder; {EXPECTED}")
     if (p / MARKER).exists():
-        problem = checkpoint_problem(p)
+        problem = checkpoint_problem(p, checksums=True)
     else:
         problem = next(filter(None, map(safetensors_problem, sorted(p.rglob("*.safetensors")))), None)
     if problem:
