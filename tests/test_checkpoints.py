@@ -101,6 +101,34 @@ def test_a_checkpoint_corrupted_at_the_same_size_is_not_resumed(tmp_path):
     assert str(err.value) == f"cannot resume: {problem}"
 
 
+def test_a_resume_on_a_longer_schedule_trains_at_its_rate_not_the_saved_one():
+    """transformers restores the optimizer's saved rate (0 at the end of a linear schedule) and
+    builds the scheduler for the new max_steps; the first step after the resume trained at 0."""
+    from transformers import get_scheduler
+
+    from crystal_grpo.train.checkpointing import continue_schedule
+
+    def made(steps: int):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-4)
+        return optimizer, get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=steps)
+
+    optimizer, scheduler = made(4)
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    saved = optimizer.state_dict(), scheduler.state_dict()
+    optimizer, scheduler = made(5)  # resumed with max_steps 5, as the Trainer does it
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
+    assert optimizer.param_groups[0]["lr"] == 0.0  # what step 5 trained at
+    assert continue_schedule(optimizer, scheduler) == (4, 0.0, pytest.approx(2e-5))
+    assert optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == pytest.approx(2e-5)
+    optimizer, scheduler = made(4)  # the same schedule: nothing changes, bit for bit
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
+    assert continue_schedule(optimizer, scheduler) is None
+
+
 def test_explicit_checkpoint_is_checked_file_by_file(tmp_path):
     folder = _fake_checkpoint(tmp_path, 5, marker=False)  # e.g. written by an older version: allowed
     assert checkpoint_problem(folder, require_marker=False) is None
