@@ -134,8 +134,8 @@ def test_a_column_mapping_naming_a_column_the_file_lacks_is_an_error(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     with pytest.raises(DataError) as err:
         load_split(path, columns={"answer": "solution"})
-    assert str(err.value) == (f"{path}: data.columns maps answer to 'solution', a column no row of it has (its columns: "
-                              f"{', '.join(sorted({k for r in ROWS for k in r}))})")
+    assert str(err.value) == (f"{path}: data.columns maps answer to 'solution', a column no row of it has (its "
+                              f"columns: {', '.join(sorted({k for r in ROWS for k in r}))})")
 
 
 def test_training_data_smaller_than_one_batch_is_refused_before_the_model_loads(tmp_path, tiny_lm_path, capsys,

@@ -305,9 +305,10 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
             steps = ", ".join(str(s.reached) for s in states)
             newest = latest_complete(Path(resume).parent)[0] if resume not in (None, "latest") else None
             if newest is not None and newest.resolve() != Path(resume).resolve():
-                raise RunFolderError(f"{run_dir}: this run already finished (step {steps}); resuming its older {resume} "
-                                     f"would train its steps again over its results: start a new run from its weights "
-                                     f"(--model.name_or_path {resume}), or start again with --overwrite_output_dir")
+                raise RunFolderError(f"{run_dir}: this run already finished (step {steps}); resuming its older "
+                                     f"{resume} would train its steps again over its results: start a new run from "
+                                     f"its weights (--model.name_or_path {resume}), or start again with "
+                                     "--overwrite_output_dir")
             say(f"{run_dir}: this run already finished (step {steps}); nothing to do"
                 + (f" (settings now differ: {some_of(diff, sep='; ')})" if diff else "")
                 + ". Train more with a larger training.max_steps and --resume_from_checkpoint latest, or start "
@@ -372,7 +373,8 @@ def read_record(run_dir: Path, say: Callable[[str], None], write: bool) -> dict 
     if not path.is_file():
         return None
     record = read_json(path)
-    if isinstance(record, dict) and isinstance(record.get("config"), dict) and isinstance(record.get("launches"), list):
+    if (isinstance(record, dict) and isinstance(record.get("config"), dict)
+            and isinstance(record.get("launches"), list)):
         return record
     aside = path.with_name(f"{RECORD}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
     if write:
