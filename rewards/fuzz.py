@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from crystal_grpo.rewards.base import RewardFunctionError
+
 # --- the pools ---------------------------------------------------------------------
 
 _NORMAL_STEPS = [
@@ -315,7 +317,7 @@ class RewardStats:
     name: str
     completions: int = 0
     crashes: int = 0  # completions in calls that raised or did not return one float/None each
-    non_finite: int = 0
+    non_finite: int = 0  # non-finite values, and completions in calls refused for one (RewardFunctionError)
     seconds: float = 0.0
     slowest_s: float = 0.0
     slowest_shape: str = "-"
@@ -353,6 +355,10 @@ def fuzz(modules: dict[str, Any], n: int, seed: int = 0, batch: int = 16,
                        or not all(v is None or isinstance(v, float) for v in o)]
                 if bad:
                     raise TypeError(f"reward returned {str(bad[0])[:200]}")
+            except RewardFunctionError as err:  # a value refused as no reward (infinite, huge): non-finite
+                st.non_finite += size
+                st.first_error = st.first_error or f"{fb.shape}: {type(err).__name__}: {str(err)[:300]}"
+                outs = []
             except Exception as err:  # noqa: BLE001 - counted and reported
                 st.crashes += size
                 st.first_error = st.first_error or f"{fb.shape}: {type(err).__name__}: {str(err)[:300]}"
