@@ -262,10 +262,12 @@ def test_a_point_stopped_while_evaluated_is_evaluated_when_the_sweep_runs_again(
     assert report["rows"] == 2 and report["model"] == str(sweep.output_dir / point.name / "final")
 
 
-def test_ctrl_c_to_the_sweep_stops_its_running_point_after_a_checkpoint(tiny_lm_path, tmp_path):
-    """SIGINT to the sweep's process alone (a scheduler's, or a terminal's that its runs missed):
-    the running point hears it from the sweep, saves a checkpoint at the end of its step and
-    stops; no other point starts; the sweep exits 130."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_sweep_stops_its_running_point_after_a_checkpoint(sig, tiny_lm_path, tmp_path):
+    """SIGINT (Ctrl-C, to the sweep's process alone) or SIGTERM (a scheduler's): the running point
+    hears it from the sweep, saves a checkpoint at the end of its step and stops; no other point
+    starts; the sweep exits 130. The sweep starts with SIGINT ignored, as a shell starts a background
+    job: it must still hear it."""
     path = write(tmp_path, f"""
 base: {REPO / 'configs' / 'tiny.yaml'}
 overrides: {{training.max_steps: 300, training.save_steps: 1000, validation.eval_steps: 0,
@@ -274,10 +276,11 @@ points: [{{name: a}}, {{name: b}}]
 """)
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "scripts/sweep.py", str(path), "--output_dir", str(out)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         wait_for(out / "a" / "metrics.jsonl", proc)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()

@@ -137,6 +137,18 @@ def interrupt_running() -> None:
                 pass
 
 
+def interrupt_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt here, so that the runs save a checkpoint and stop,
+    even where this process's launcher left SIGINT ignored (a shell does for a background job).
+    Call it before the first run: the fork server inherits it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_interrupt)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def _child(entry: Entry, args: list[str], log: str, root: str, threads: int | None) -> None:
     """The forked run: as ``python SCRIPT ARGS`` would start it, its output into ``log``."""
     os.chdir(root)

@@ -493,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no_fork", action="store_true", help="start every run in a new interpreter instead of forking it "
                     "from one that imported the libraries once")
     args = ap.parse_args(argv)
+    launch.interrupt_on_signals()
     if args.emit:  # stdout carries the script alone (libraries print notes while they load: to stderr)
         try:
             with contextlib.redirect_stdout(sys.stderr):
