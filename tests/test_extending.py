@@ -1,4 +1,4 @@
-"""The extension points the README names ("Extending it"), each added from outside the package
+"""The extension points docs/extending.md names, each added from outside the package
 as a user adds it: a module of their own and a YAML file, no edit of crystal_grpo. A reward and
 a reward component are in tests/test_user_rewards.py; a metric, a curriculum mode, a mode's
 option and a data format are here. Each check reads what the run would read (the loaded
