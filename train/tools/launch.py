@@ -13,6 +13,7 @@ visible: the CUDA driver does not survive a fork, so GPU sweeps keep subprocesse
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import importlib
 import multiprocessing
@@ -24,6 +25,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 #: What a training run and an evaluation import, loaded once into the fork server.
 PRELOAD = ("crystal_grpo.train.grpo", "crystal_grpo.train.trainer", "crystal_grpo.train.pcgrad",
@@ -137,12 +139,20 @@ def interrupt_running() -> None:
                 pass
 
 
-def interrupt_on_signals() -> None:
-    """SIGINT and SIGTERM raise KeyboardInterrupt here, so that the runs save a checkpoint and stop,
-    even where this process's launcher left SIGINT ignored (a shell does for a background job).
-    Call it before the first run: the fork server inherits it."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise_interrupt)
+@contextlib.contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """Inside, SIGINT and SIGTERM raise KeyboardInterrupt, so that the runs save a checkpoint and
+    stop, even where this process's launcher left SIGINT ignored (a shell does for a background
+    job). Enter it before the first run: the fork server inherits it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -493,7 +493,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no_fork", action="store_true", help="start every run in a new interpreter instead of forking it "
                     "from one that imported the libraries once")
     args = ap.parse_args(argv)
-    launch.interrupt_on_signals()
     if args.emit:  # stdout carries the script alone (libraries print notes while they load: to stderr)
         try:
             with contextlib.redirect_stdout(sys.stderr):
@@ -508,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep {sweep.name}: {len(sweep.points)} point(s) in {sweep.output_dir}")
         start, cpu = time.perf_counter(), launch.children_cpu()
         try:
-            results = {} if args.report else run_sweep(sweep, args.point, jobs=args.jobs, fork=not args.no_fork)
+            with launch.interrupt_on_signals():
+                results = {} if args.report else run_sweep(sweep, args.point, jobs=args.jobs, fork=not args.no_fork)
         except KeyboardInterrupt:
             print("\ninterrupted: the running points saved a checkpoint and stopped; the same command resumes the sweep",
                   file=sys.stderr)
