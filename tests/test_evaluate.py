@@ -204,6 +204,32 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
     assert f"{bad}:1:" in capsys.readouterr().err
 
 
+def test_an_evaluation_writes_only_into_its_own_folder_and_never_over_what_it_reads(tmp_path, capsys):
+    """--out naming a folder of the user's replaced its report.md; --predictions OUT/predictions.jsonl
+    was replaced by the scored file, and with --force deleted before it was read (second hostile set)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    preds = mine / "predictions.jsonl"
+    text = "".join(json.dumps({"id": r["id"], "sample": 0, "reasoning_steps": r["reference_steps"],
+                               "answer": r["answer"], "model": "mine"}) + "\n" for r in read_jsonl(DATA)[:N])
+    preds.write_text(text)
+    (mine / "report.md").write_text("my notes")
+    for force in ([], ["--force"]):
+        assert ev.main(["--predictions", str(preds), "--out", str(mine), *COMMON, *force]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: --predictions {preds} is a file the evaluation writes into --out {mine}, so it would be replaced "
+            "by the scored predictions: choose another --out")
+    copy = tmp_path / "p.jsonl"
+    copy.write_text(text)
+    assert ev.main(["--predictions", str(copy), "--out", str(mine), *COMMON]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {mine} holds predictions.jsonl, report.md but no evaluation (evaluation.json): an evaluation "
+        "writes only into a new or empty folder or its own, so nothing here is touched; choose another --out")
+    assert sorted(os.listdir(mine)) == ["predictions.jsonl", "report.md"]
+    assert preds.read_text() == text and (mine / "report.md").read_text() == "my notes"
+    assert ev.main(["--predictions", str(copy), "--out", str(tmp_path / "new"), *COMMON]) == 0
+
+
 GREEDY = "expected a number >= 0 (0: greedy decoding)"
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crystal_grpo.errors import CrystalError, traceback_if_asked
+from crystal_grpo.errors import CrystalError, some_of, traceback_if_asked
 from crystal_grpo.distributed import barrier, rank_and_world
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.metrics import per_completion
@@ -50,6 +50,9 @@ CRYSTAL_METRICS = "crystal_metrics_predictions.jsonl"
 #: The inputs of the authors' own CLI (``crystal-metrics evaluate PREDICTIONS REFERENCES``): one
 #: JSON object each, keyed by row id (its ``cli.py``): the first sample of each row, the references.
 CRYSTAL_CLI = ("crystal_metrics/predictions.json", "crystal_metrics/references.json")
+#: What an evaluation writes in its folder; the first is its marker, written before anything else.
+IDENTITY = "evaluation.json"
+WRITES = (IDENTITY, PREDICTIONS, REPORT, "report.md", "report.png", CRYSTAL_METRICS, *CRYSTAL_CLI)
 
 
 class EvalError(CrystalError, ValueError):
@@ -197,6 +200,9 @@ def evaluate(req: EvalRequest) -> dict | None:
                 "max_samples": req.max_samples}
     if locate(req.data).is_dir():  # a dataset with splits: which one is part of what was evaluated
         identity["split"] = req.split
+    refused = out_problem(out, req.predictions)
+    if refused:
+        raise EvalError(refused)
     previous = _read_identity(out)
     if previous is not None and previous != identity and not _has_work(out):
         previous = None  # an attempt that failed before its first prediction blocks nothing
@@ -213,7 +219,7 @@ def evaluate(req: EvalRequest) -> dict | None:
         if req.force:
             for name in (PREDICTIONS, REPORT, CRYSTAL_METRICS, *CRYSTAL_CLI):
                 (out / name).unlink(missing_ok=True)
-        atomic_write_text(out / "evaluation.json", json.dumps(identity, indent=2))
+        atomic_write_text(out / IDENTITY, json.dumps(identity, indent=2))
     barrier()
     split = load_split(req.data, system_prompt=req.setup.system_prompt, skip_invalid=req.skip_invalid,
                        split=req.split, columns=req.setup.columns, skip_option="--skip_invalid",
@@ -269,8 +275,25 @@ def evaluate(req: EvalRequest) -> dict | None:
     return report
 
 
+def out_problem(out: Path, predictions: str | None) -> str | None:
+    """Why an evaluation may not write into ``out``, or None: it writes only into a new or empty
+    folder or one holding an evaluation (its :data:`IDENTITY` marker), never over the
+    ``--predictions`` file it reads (``--force`` would delete that before reading it)."""
+    inputs = {(out / name).resolve() for name in WRITES}
+    if predictions is not None and Path(predictions).resolve() in inputs:
+        return (f"--predictions {predictions} is a file the evaluation writes into --out {out}, so it would be "
+                "replaced by the scored predictions: choose another --out")
+    if not out.is_dir() or (out / IDENTITY).is_file():
+        return None
+    held = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in out.iterdir())
+    if not held:
+        return None
+    return (f"--out {out} holds {some_of(held)} but no evaluation ({IDENTITY}): an evaluation writes only into a new "
+            "or empty folder or its own, so nothing here is touched; choose another --out")
+
+
 def _read_identity(out: Path) -> dict | None:
-    path = out / "evaluation.json"
+    path = out / IDENTITY
     try:
         return json.loads(path.read_text()) if path.exists() else None
     except ValueError:
