@@ -247,6 +247,23 @@ def test_overwrite_replaces_only_an_export(run, full_export, tmp_path, capsys):
     assert (exported / "notes.txt").read_text() == "my notes on this export"
 
 
+def test_a_marker_naming_a_file_outside_its_folder_is_no_export_s(tmp_path):
+    """--overwrite replaced an export whose marker also listed ../victim.txt, then deleted that file
+    outside it with the old export (second hostile set)."""
+    from crystal_grpo.train.tools.export import overwrite_problem
+
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    (forged / "model.safetensors").write_bytes(b"12345")
+    (tmp_path / "victim.txt").write_text("outside the export")
+    (forged / MANIFEST).write_text(json.dumps({"files": {"model.safetensors": 5, "../victim.txt": 18}}))
+    assert overwrite_problem(forged) == (f"--out {forged} holds {MANIFEST}, model.safetensors but is no export "
+                                         f"({MANIFEST}, the list every export writes, is missing or unreadable); "
+                                         "--overwrite replaces only an export: choose another --out")
+    (forged / MANIFEST).write_text(json.dumps({"files": {"model.safetensors": 5}}))
+    assert overwrite_problem(forged) is None  # the same export, its marker its own
+
+
 def test_not_a_checkpoint_is_one_line_and_exit_2(run, repo_root, tmp_path):
     proc = subprocess.run([sys.executable, "scripts/export.py", str(run / "phase1-grpo"), "--out", str(tmp_path / "x")],
                           cwd=repo_root, capture_output=True, text=True, timeout=120)

@@ -305,10 +305,13 @@ def write_manifest(folder: Path, ckpt: Checkpoint, kind: str, dtype: str) -> Non
 
 
 def _listed(folder: Path) -> dict[str, int] | None:
-    """The files an export's marker lists, or None: no marker, or an unreadable one."""
+    """The files an export's marker lists, or None: no marker, or one no export wrote (unreadable,
+    or naming a path outside ``folder``: ``..``, absolute)."""
     record = read_json(folder / MANIFEST)
     files = record.get("files") if isinstance(record, dict) else None
-    return files if isinstance(files, dict) else None
+    if not isinstance(files, dict) or any(Path(rel).is_absolute() or ".." in Path(rel).parts for rel in files):
+        return None
+    return files
 
 
 def overwrite_problem(out: Path) -> str | None:
