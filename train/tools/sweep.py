@@ -209,6 +209,10 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
                 points.append(Point(name, arm, str(config), over, seed))
     points.sort(key=lambda p: seeds.index(p.seed))  # seed by seed: a stopped sweep leaves its arms balanced
     names = [p.name for p in points]
+    for name in names:  # a point's run folder is <sweep folder>/<name>: one folder, never one elsewhere
+        if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise SweepError(f"point {name!r}: a point's name is the name of its run folder in the sweep folder, so "
+                             "it may not be . or .. or hold / or \\ or NUL; rename it")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise SweepError(f"points named more than once: {', '.join(dupes)}")
