@@ -367,3 +367,29 @@ def test_precision_check_asks_torch_only_where_a_gpu_may_be(tmp_path, monkeypatc
         assert asked is None or "has no bf16" in asked
     else:
         assert asked == fast
+
+
+def _laughs(levels: int) -> str:
+    """The "billion laughs": each level a list of nine aliases of the one before."""
+    lines = ["model:", "  name_or_path: data/organism/warm_start", "  init_kwargs:", "    l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text, said", [
+    (_laughs(9), "the YAML expands to 490,329,058 values through its aliases (*name), more than 100,000: a config "
+                 "holds a few hundred"),
+    ("model:\n  init_kwargs: &k {self: *k}\n", "a YAML alias (*name) refers to a value that holds it: a config "
+                                                "cannot hold itself"),
+], ids=["billion_laughs", "holds_itself"])
+def test_yaml_aliases_that_explode_or_loop_are_one_line(tmp_path, text, said):
+    """9 levels of 9 aliases passed --check, then the run hung writing run.json (490 million
+    values); an alias inside its own value ended in RecursionError (second hostile set)."""
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value) == f"{path}: {said}"
+    small = tmp_path / "small.yaml"
+    small.write_text(_laughs(3) + "data: {train: data/wordproblems/train.jsonl}\n")
+    assert load_config(str(small))[0].model.init_kwargs["l1"][0] == ["lol"] * 9  # aliases as such are fine

@@ -337,12 +337,44 @@ def _yaml_error(where: str, err: yaml.YAMLError) -> ConfigError:
     return ConfigError(f"{where}{pos}: invalid YAML: {problem}" + (f" ({context})" if context else ""))
 
 
+#: The most values a config may expand to through YAML aliases (a shipped config has a few hundred).
+MAX_YAML_VALUES = 100_000
+
+
+def _expanded_size(value: Any, sizes: dict[int, int], inside: set[int], where: str) -> int:
+    """How many values ``value`` holds once its aliases are written out (each shared list or
+    mapping counted once per use, measured once); a value that holds itself is an error."""
+    if not isinstance(value, (dict, list)):
+        return 1
+    key = id(value)
+    if key in inside:
+        raise ConfigError(f"{where}: a YAML alias (*name) refers to a value that holds it: a config cannot hold "
+                          "itself")
+    if key not in sizes:
+        inside.add(key)
+        sizes[key] = 1 + sum(_expanded_size(v, sizes, inside, where)
+                             for v in (value.values() if isinstance(value, dict) else value))
+        inside.discard(key)
+    return sizes[key]
+
+
 def parse_yaml(text: str, where: str) -> Any:
-    """Safe YAML with floats in scientific notation and no duplicate keys."""
+    """Safe YAML with floats in scientific notation and no duplicate keys, whose aliases neither
+    loop nor expand past :data:`MAX_YAML_VALUES` values (every later step copies it out in full)."""
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        value = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
     except yaml.YAMLError as err:
         raise _yaml_error(where, err) from None
+    except RecursionError:
+        raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
+    try:
+        size = _expanded_size(value, {}, set(), where)
+    except RecursionError:
+        raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
+    if size > MAX_YAML_VALUES:
+        raise ConfigError(f"{where}: the YAML expands to {size:,} values through its aliases (*name), more than "
+                          f"{MAX_YAML_VALUES:,}: a config holds a few hundred")
+    return value
 
 
 def resolve_config_path(name_or_path: str) -> Path:
