@@ -24,19 +24,36 @@ class Unreadable:
     problem: str
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object that gives one key twice: ``json`` keeps the last value without a word."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` that refuses a key given twice in one object."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKeyError(f"key {key!r} given twice in one object (which value is meant?)")
+    return obj
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed value or :class:`Unreadable`) for each non-blank line."""
+    """(line number, parsed value or :class:`Unreadable`) for each non-blank line; a UTF-8 byte
+    order mark before the first line is read past, as Python's ``utf-8-sig`` does."""
     with open(path, "rb") as fh:
         for no, raw in enumerate(fh, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if no == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 yield no, Unreadable(f"not UTF-8 text ({err.reason} at byte {err.start})")
                 continue
             if not line.strip():
                 continue
             try:
-                yield no, json.loads(line)
+                yield no, json.loads(line, object_pairs_hook=unique_keys)
+            except DuplicateKeyError as err:
+                yield no, Unreadable(str(err))
             except json.JSONDecodeError as err:
                 yield no, Unreadable(f"invalid JSON ({err.msg} at column {err.colno})")
             except (ValueError, RecursionError) as err:  # an int past 4,300 digits, absurd nesting

@@ -106,6 +106,26 @@ def test_a_broken_json_array_or_parquet_file_is_one_clear_error(tmp_path):
         load_split(broken)
 
 
+def test_a_key_given_twice_in_a_row_is_a_bad_row_and_a_byte_order_mark_is_read_past(tmp_path):
+    """A row giving "answer" twice trained on the last value without a word; a file saved with a
+    UTF-8 byte order mark (Windows editors) lost its first row: "invalid JSON" (second hostile set)."""
+    lines = [json.dumps(r) for r in ROWS[:3]]
+    lines[1] = lines[1][:-1] + ', "answer": "999"}'
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text("\r\n".join(lines) + "\r\n")
+    with pytest.raises(DataError) as err:
+        load_split(twice)
+    assert str(err.value) == (f"1 invalid row(s) in {twice} (set data.skip_invalid: true to drop them):\n  {twice}:2: "
+                              "key 'answer' given twice in one object (which value is meant?)")
+    array = tmp_path / "twice.json"
+    array.write_text("[" + ",\n".join(lines) + "]")
+    with pytest.raises(DataError, match="key 'answer' given twice in one object"):
+        load_split(array)
+    marked = tmp_path / "bom.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps(r) for r in ROWS).encode() + b"\r\n")
+    assert _seen(load_split(marked)) == _seen(load_split("data/wordproblems/train.jsonl", limit=6))
+
+
 def test_images_stored_in_the_data_load_like_image_files(tmp_path):
     from PIL import Image as PILImage
 

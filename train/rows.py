@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.errors import CrystalError
-from crystal_grpo.jsonl import iter_jsonl
+from crystal_grpo.jsonl import iter_jsonl, unique_keys
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -103,7 +103,7 @@ def _first_char(path: Path) -> str:
 
 def _json_array(path: Path) -> list[tuple[int, Any]]:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8-sig"))
+        rows = json.loads(path.read_text(encoding="utf-8-sig"), object_pairs_hook=unique_keys)
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except (json.JSONDecodeError, RecursionError, ValueError) as err:
