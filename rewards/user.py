@@ -26,6 +26,7 @@ import contextlib
 import inspect
 import logging
 import math
+import numbers
 import threading
 import time
 import traceback
@@ -172,6 +173,8 @@ class ComposedReward(RewardModule):
             except Exception as err:  # noqa: BLE001 - the user's code: one line, the traceback on request
                 raise RewardFunctionError(f"{what} raised {type(err).__name__}: {err} (at {_origin(err)}; "
                                           f"{TRACEBACK_VARIABLE}=1 prints the traceback)") from err
+        if getattr(out, "ndim", None) == 1 and hasattr(out, "tolist"):  # a numpy array or torch tensor, as TRL takes
+            out = out.tolist()
         if not isinstance(out, (list, tuple)) or len(out) != len(completions):
             got = f"{len(out)} value(s)" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
             raise RewardFunctionError(f"reward component {spec.fn!r} returned {got} for {len(completions)} completion(s); "
@@ -183,7 +186,7 @@ class ComposedReward(RewardModule):
             if v is None:
                 values.append(math.nan)  # not applicable, as in TRL
                 continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):  # numpy's scalars are numbers.Real
                 raise RewardFunctionError(f"reward component {spec.fn!r} returned {v!r} {where}; expected a "
                                  "number or None")
             problem = ("nan (NaN is not a reward: return None where the function does not apply, as in TRL)"

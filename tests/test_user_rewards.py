@@ -71,6 +71,18 @@ def huge(completions, **kwargs):
 def nan_reward(completions, **kwargs):
     return [float("nan")] * len(completions)
 
+def numpy_scalars(completions, **kwargs):
+    import numpy as np
+    return [np.float32(0.5), np.int64(1), np.float64(0.25)][:len(completions)]
+
+def numpy_array(completions, **kwargs):
+    import numpy as np
+    return np.arange(len(completions), dtype=np.float32)
+
+def tensor_values(completions, **kwargs):
+    import torch
+    return torch.arange(len(completions), dtype=torch.float32)
+
 def exits(completions, **kwargs):
     raise SystemExit(0)
 
@@ -197,6 +209,15 @@ def test_a_function_that_raises_or_cannot_take_the_columns_is_one_line_naming_it
     with pytest.raises(RewardFunctionError) as err:
         module.score(COMPLETIONS, rows)
     assert str(err.value) == f"reward component '{user_file}:{fn}' {message}"
+
+
+@pytest.mark.parametrize("fn, values", [("numpy_scalars", [0.5, 1.0, 0.25]), ("numpy_array", [0.0, 1.0, 2.0]),
+                                        ("tensor_values", [0.0, 1.0, 2.0])])
+def test_numbers_numpy_and_torch_return_are_numbers_as_in_trl(user_file, fn, values):
+    """np.float32(0.5) and np.int64(1) were refused as "not a number", a numpy array or a torch
+    tensor as "not a list"; TRL takes them all (second hostile set)."""
+    module = build_reward("composed", components=[{"fn": f"{user_file}:{fn}"}])
+    assert module.components(module.score(COMPLETIONS, ROWS).batch)[fn].tolist() == values
 
 
 UNUSABLE = ("(a reward value must be finite and at most 1e+15 in magnitude: TRL's float32 group statistics cannot "
