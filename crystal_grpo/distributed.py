@@ -45,6 +45,10 @@ def launcher_problem(env: dict | None = None) -> str | None:
     message about ``MASTER_ADDR``. One process with none of them set is fine."""
     env = os.environ if env is None else env
     given = [k for k in LAUNCHER_VARIABLES if env.get(k)]
+    for k, low in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
+        if env.get(k) and not (env[k].strip().isdigit() and int(env[k]) >= low):
+            return (f"environment: {k}={env[k]!r}: a launcher sets it to a whole number >= {low}; unset it for one "
+                    "process, or start several with torchrun or accelerate launch")
     wants_group = env.get("LOCAL_RANK") or int(env.get("WORLD_SIZE") or 1) > 1
     missing = [k for k in LAUNCHER_VARIABLES if not env.get(k)]
     if not wants_group or not missing:
@@ -59,7 +63,7 @@ def wait_for_every_process(timeout_s: float = 120) -> None:
     the launch reaches it too. A launcher stops the other processes as soon as one exits, so a
     process exiting first could cut off the main process's message. A no-op in one process,
     or when no process group can be made (a process already gone)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or launcher_problem() is not None:
+    if launcher_problem() is not None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     import datetime
 

@@ -57,7 +57,11 @@ def test_an_output_dir_that_cannot_be_made_is_one_line_before_anything_loads(tmp
     ({"RANK": "1", "WORLD_SIZE": "2"},
      "RANK=1, WORLD_SIZE=2 set, as a launcher sets them for each process, but not LOCAL_RANK, MASTER_ADDR, "
      "MASTER_PORT: start several processes with torchrun or accelerate launch, or unset RANK, WORLD_SIZE for one"),
-], ids=["local_rank", "rank_and_world_size"])
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0': a launcher sets it to a whole number >= 1; unset it for one process, or "
+                          "start several with torchrun or accelerate launch"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two': a launcher sets it to a whole number >= 1; unset it for one process, "
+                            "or start several with torchrun or accelerate launch"),
+], ids=["local_rank", "rank_and_world_size", "world_size_0", "world_size_two"])
 def test_launcher_variables_without_a_launcher_are_one_line(tmp_path, capsys, monkeypatch, variables, said):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
