@@ -371,7 +371,8 @@ def test_precision_check_asks_torch_only_where_a_gpu_may_be(tmp_path, monkeypatc
 
 def _laughs(levels: int) -> str:
     """The "billion laughs": each level a list of nine aliases of the one before."""
-    lines = ["model:", "  name_or_path: data/organism/warm_start", "  init_kwargs:", "    l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines = ["model:", "  name_or_path: data/organism/warm_start", "  init_kwargs:",
+             "    l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
     lines += [f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
     return "\n".join(lines) + "\n"
 
