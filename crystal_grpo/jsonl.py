@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from crystal_grpo.errors import CrystalError
+
 
 @dataclass(frozen=True)
 class Unreadable:
@@ -24,7 +26,7 @@ class Unreadable:
     problem: str
 
 
-class DuplicateKeyError(ValueError):
+class DuplicateKeyError(CrystalError, ValueError):
     """A JSON object that gives one key twice: ``json`` keeps the last value without a word."""
 
 
