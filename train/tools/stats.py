@@ -6,8 +6,9 @@ arm: two arms whose seeds scatter by 0.05 can then look different at 95% with th
 each. :func:`two_level_ci` resamples seeds, then rows (a hierarchical bootstrap, paired by
 row across arms); :func:`seed_test` is the per-seed Welch test on the seed means beside it, with
 its t-interval (near its nominal coverage with few seeds, where the percentile bootstrap of three
-seeds runs short), :func:`holm` corrects a family of such tests, and :func:`seeds_needed` says
-how many seeds a difference of the observed size would need.
+seeds runs short), :func:`holm` corrects a family of such tests, :func:`seeds_needed` says
+how many seeds a difference of the observed size would need, and :func:`detectable_difference`
+the smallest difference a planned number of seeds can find (a power analysis before a sweep).
 """
 
 from __future__ import annotations
@@ -85,6 +86,21 @@ def seeds_needed(diff: float, sd: float, z_alpha: float = 1.959964, z_power: flo
     if not (math.isfinite(diff) and math.isfinite(sd)) or diff == 0:
         return None
     return max(2, math.ceil(2 * ((z_alpha + z_power) * sd / diff) ** 2))
+
+
+def detectable_difference(sd_a: float, sd_b: float, seeds: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest true difference Welch's two-sided test at ``alpha`` finds with chance ``power``
+    when each arm has ``seeds`` seeds scattering by ``sd_a`` and ``sd_b`` (t quantiles at the
+    Welch-Satterthwaite degrees of freedom: with few seeds the normal approximation is too hopeful)."""
+    from scipy.stats import t
+
+    if seeds < 2 or not (0 < alpha < 1 and 0 < power < 1):
+        raise ValueError(f"need seeds >= 2 and alpha, power in (0, 1), got {seeds}, {alpha}, {power}")
+    va, vb = sd_a ** 2 / seeds, sd_b ** 2 / seeds
+    if va + vb == 0:
+        return 0.0
+    df = (va + vb) ** 2 / ((va ** 2 + vb ** 2) / (seeds - 1))
+    return float((t.ppf(1 - alpha / 2, df) + t.ppf(power, df)) * math.sqrt(va + vb))
 
 
 def seed_test(a: Sequence[float], b: Sequence[float]) -> SeedTest:
