@@ -109,3 +109,40 @@ contrasts:
     assert accuracy["diff"] == 0 and accuracy["p"] is None  # both arms always right: no spread, no test
     assert recall["p_holm"] == pytest.approx(recall["p"])  # the only test in the family
     assert "| eval | all | recall | short | full | 3, 3 |" in contrasts_markdown(table)
+
+
+def test_a_sweep_arm_trained_with_minilm_is_scored_with_the_exact_matcher(tmp_path):
+    """The encoder follow-up (configs/sweeps/organism_hinted_encoder.yaml) reads every arm with the exact
+    matcher: completions whose last step states a wrong result score below 1 in the sweep's per-seed table
+    although the arm trained with MiniLM, which matches those same steps (F1 1.0, checked here)."""
+    from crystal_grpo.rewards import build_reward
+    from crystal_grpo.train.tools.organism import write_jsonl
+    from crystal_grpo.train.tools.step_diagnosis import per_seed
+    from crystal_grpo.train.tools.sweep import load_sweep
+
+    rows = [r for r in make_split(TaskSpec(wording="sentence"), 20, seed=5, partition="held_out", prefix="s")
+            if int(r["difficulty"]) >= 2][:4]
+    write_jsonl(rows, tmp_path / "rows.jsonl")
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text(f"""
+base: organism.yaml
+points: [{{name: minilm, overrides: {{reward.name: cpr, reward.params.encoder: "packaged:all-MiniLM-L6-v2"}}}}]
+seeds: [1]
+eval: {{data: {tmp_path / 'rows.jsonl'}}}
+""")
+    sweep = load_sweep(sweep_file, tmp_path / "out")
+    assert sweep.points[0].run_config["reward"]["params"]["encoder"] == "packaged:all-MiniLM-L6-v2"
+    texts = []
+    for r in rows:  # the last step's result off by one, the chain otherwise the reference's
+        *head, last = r["reference_steps"]
+        result = stated_result(last)
+        texts.append(completion([*head, last[:last.rindex(result)] + str((int(result) + 1) % 10) + "."], r["answer"]))
+    out = tmp_path / "out" / "minilm_seed1" / "eval"
+    out.mkdir(parents=True)
+    (out / "report.json").write_text("{}")
+    write_jsonl([{"id": r["id"], "sample": 0, "completion": t} for r, t in zip(rows, texts)], out / "predictions.jsonl")
+    minilm = build_reward("cpr", encoder="packaged:all-MiniLM-L6-v2", device="cpu")
+    assert minilm.per_row(minilm.score(texts, rows, with_steps=True).batch)["f1"].min() == pytest.approx(1.0)
+    exact_f1 = per_seed(sweep)["minilm"][0]["all"]["f1"]
+    expected = sum((len(r["reference_steps"]) - 1) / len(r["reference_steps"]) for r in rows) / len(rows)
+    assert exact_f1 == pytest.approx(expected)
