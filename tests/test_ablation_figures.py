@@ -88,3 +88,29 @@ def test_curves_table_is_mean_and_sd_over_the_seeds_that_reached_a_step():
     lines = curves_markdown(runs, keys=("recall",)).splitlines()
     assert lines[2] == "| answer_only | hinted | 0 | 3 | 0.400 ± 0.000 |"
     assert lines[3] == "| answer_only | hinted | 20 | 2 | 0.200 ± 0.141 |"
+
+
+def test_training_tables_give_the_mean_and_the_range_over_seeds(sweep):
+    """training.md's pieces: curves as mean [min, max] over the seeds that reached a step (a variant the rows
+    lack is '-'), the largest kl_max of each seed over all its phases, and accuracy by k over validation."""
+    from crystal_grpo.train.tools.ablation_figures import accuracy_by_k_markdown, kl_max, training_curves_markdown
+
+    def at(recall):
+        return {"all": {k: 0.5 for k in SUMMARY}, "hinted": {k: 0.5 for k in SUMMARY} | {"recall": recall}}
+    lines = training_curves_markdown({"cpr": [{0: at(0.2), 20: at(0.1)}, {0: at(0.4)}]}).splitlines()
+    assert lines[2] == "| cpr | 0 | 2 | 0.500 [0.500, 0.500] | 0.300 [0.200, 0.400] | 0.500 [0.500, 0.500] | " \
+                       "0.500 [0.500, 0.500] | 0.500 [0.500, 0.500] |"
+    assert lines[3] == "| cpr | 20 | 1 | 0.500 | 0.100 | 0.500 | 0.500 | 0.500 |"
+    plain = training_curves_markdown({"a": [{0: {"all": {k: 0.5 for k in SUMMARY}}}]}).splitlines()[2]
+    assert plain == "| a | 0 | 1 | 0.500 | - | - | 0.500 | - |"
+
+    for seed, peaks in ((1, (0.2, 0.7)), (2, (0.4, 0.1))):  # the curriculum's phases: its max is over both
+        for phase, peak in zip(("phase1-answer_only", "phase2-cpr"), peaks):
+            path = sweep.output_dir / f"cpr_curriculum_seed{seed}" / phase / "metrics.jsonl"
+            path.write_text("".join(json.dumps({"step": s, "loss": 0.1, "kl_max": peak * s / 2}) + "\n" for s in (1, 2)))
+    assert kl_max(sweep)["cpr_curriculum"] == [pytest.approx(0.7), pytest.approx(0.4)]
+    assert "cpr" not in kl_max(sweep) or kl_max(sweep)["cpr"] == []
+
+    text = accuracy_by_k_markdown(sweep, [])
+    assert "| cpr | 0 | 2 | 1.000 [1.000, 1.000] | 0.000 [0.000, 0.000] |" in text
+    assert "| cpr | 4 | 2 | 1.000 [1.000, 1.000] | 1.000 [1.000, 1.000] |" in text

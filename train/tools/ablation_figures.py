@@ -14,7 +14,10 @@ configs/sweeps/organism_ablation.yaml), read from a finished sweep's run folders
   validation samples scored again by train/tools/step_diagnosis.py);
 - ``diagnosis.md``: the step diagnosis of every evaluation of the final weights (``eval`` and
   each ``eval.also``), by arm and variant, and the sweep's pre-registered ``contrasts`` with
-  Holm's correction.
+  Holm's correction;
+- ``training.md``: per arm, mean [seed range]: the validation curves (accuracy, hinted recall and
+  Match F1, steps written), the training KL's maximum (the paper's Table 5 "KL max"), and accuracy
+  by reference step count k over validation and on each evaluation of the final weights.
 
 Global steps: a multi-phase arm's second phase continues its first phase's step count.
 """
@@ -248,6 +251,89 @@ def diagnosis_markdown(sweep: Sweep, runs: dict[str, list[dict]] | None = None) 
     return "\n".join(lines) + "\n"
 
 
+def _spread(xs: list[float]) -> str:
+    """``mean [min, max]`` of the finite values (``-`` without any)."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return "-"
+    return f"{sum(xs) / len(xs):.3f}" + (f" [{min(xs):.3f}, {max(xs):.3f}]" if len(xs) > 1 else "")
+
+
+#: The columns of ``training.md``'s curves: (variant, step_diagnosis number, label).
+TRAINING_CURVES = (("all", "accuracy", "accuracy (all)"), ("hinted", "recall", "recall (hinted)"),
+                   ("hinted", "f1", "Match F1 (hinted)"), ("all", "steps", "steps written (all)"),
+                   ("hinted", "steps", "steps written (hinted)"))
+
+
+def training_curves_markdown(runs: dict[str, list[dict]]) -> str:
+    """:func:`variant_runs` at each validation step: one line an arm and step, each column the mean over
+    the seeds that reached it with their range (a variant the rows lack stays ``-``)."""
+    lines = ["| arm | step | seeds | " + " | ".join(label for _, _, label in TRAINING_CURVES) + " |",
+             "|---|---|---|" + "---|" * len(TRAINING_CURVES)]
+    for arm, seeds in runs.items():
+        for step in sorted({s for r in seeds for s in r}):
+            at = [r[step] for r in seeds if step in r]
+            cells = [_spread([v[variant][key] for v in at if variant in v]) for variant, key, _ in TRAINING_CURVES]
+            lines.append(f"| {arm} | {step} | {len(at)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def kl_max(sweep: Sweep) -> dict[str, list[float]]:
+    """Arm -> each finished seed's largest logged ``kl_max`` over training (every phase)."""
+    return {arm: [max(c.values()) for c in (train_curve(r, "kl_max") for r in runs) if c]
+            for arm, runs in _done(sweep).items()}
+
+
+def accuracy_by_k_markdown(sweep: Sweep, folders: list[str]) -> str:
+    """Accuracy by reference step count k, mean [seed range] per arm: on each evaluation folder of the
+    final weights (``eval``, ``eval_greedy``: every row, step_diagnosis's exact scoring) and over
+    validation (the sampled per-row records at each validation step)."""
+    from crystal_grpo.train.tools.step_diagnosis import completions_of, rows_by_id, score
+
+    lines = []
+    data = rows_by_id(sweep.eval["data"]) if sweep.eval else {}
+    for folder in folders:
+        per_arm: dict[str, list[dict[int, float]]] = defaultdict(list)
+        for p in sweep.points:
+            ev = sweep.output_dir / p.name / folder
+            if (ev / "report.json").is_file():
+                by: dict[int, list[float]] = defaultdict(list)
+                for s in score(*completions_of(read_jsonl(ev / "predictions.jsonl"), data)):
+                    by[s["k"]].append(s["correct"])
+                per_arm[p.arm].append({k: sum(xs) / len(xs) for k, xs in by.items()})
+        lines += _by_k_lines(f"final weights, `{folder}`", {arm: {"": runs} for arm, runs in per_arm.items()})
+    val = {arm: [accuracy_by_k(r) for r in runs] for arm, runs in _done(sweep).items()}
+    val = {arm: {str(step): [{int(k): a for k, a in r[step].items()} for r in runs if step in r]
+                 for step in sorted({s for r in runs for s in r})} for arm, runs in val.items()}
+    lines += _by_k_lines("validation (sampled), by step", val)
+    return "\n".join(lines) + "\n"
+
+
+def _by_k_lines(title: str, table: dict[str, dict[str, list[dict[int, float]]]]) -> list[str]:
+    ks = sorted({k for steps in table.values() for runs in steps.values() for r in runs for k in r})
+    if not ks:
+        return []
+    lines = [f"### Accuracy by reference step count: {title}", "",
+             "| arm | step | seeds | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|---|---|" + "---|" * len(ks)]
+    for arm, steps in table.items():
+        for step, runs in steps.items():
+            lines.append(f"| {arm} | {step or 'final'} | {len(runs)} | "
+                         + " | ".join(_spread([r.get(k, math.nan) for r in runs]) for k in ks) + " |")
+    return lines + [""]
+
+
+def training_markdown(sweep: Sweep, runs: dict[str, list[dict]]) -> str:
+    """``training.md`` (module docstring)."""
+    folders = ["eval", *(f"eval_{n}" for n in ((sweep.eval or {}).get("also") or {}))] if sweep.eval else []
+    lines = [f"# {sweep.name}: over training, per arm (mean [min, max] over seeds)", "",
+             "## Validation (sampled, held out) by step, steps matched exactly", "", training_curves_markdown(runs),
+             "## KL max over training (the largest logged `kl_max` of each seed)", "",
+             "| arm | seeds | KL max |", "|---|---|---|"]
+    lines += [f"| {arm} | {len(xs)} | {_spread(xs)} |" for arm, xs in kl_max(sweep).items()]
+    lines += ["", accuracy_by_k_markdown(sweep, folders)]
+    return "\n".join(lines) + "\n"
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -370,5 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(sweep.output_dir / "pcgrad_summary.json", json.dumps(pcgrad_summary(sweep), indent=2))
     diagnosis = diagnosis_markdown(sweep, runs)
     atomic_write_text(sweep.output_dir / "diagnosis.md", diagnosis)
-    print(report + "\n" + text + "\n" + diagnosis + "".join(f"\nplot: {p}" for p in paths))
+    training = training_markdown(sweep, runs)
+    atomic_write_text(sweep.output_dir / "training.md", training)
+    print(report + "\n" + text + "\n" + diagnosis + "\n" + training + "".join(f"\nplot: {p}" for p in paths))
     return 0
