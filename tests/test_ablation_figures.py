@@ -107,7 +107,8 @@ def test_training_tables_give_the_mean_and_the_range_over_seeds(sweep):
     for seed, peaks in ((1, (0.2, 0.7)), (2, (0.4, 0.1))):  # the curriculum's phases: its max is over both
         for phase, peak in zip(("phase1-answer_only", "phase2-cpr"), peaks):
             path = sweep.output_dir / f"cpr_curriculum_seed{seed}" / phase / "metrics.jsonl"
-            path.write_text("".join(json.dumps({"step": s, "loss": 0.1, "kl_max": peak * s / 2}) + "\n" for s in (1, 2)))
+            rows = [{"step": s, "loss": 0.1, "kl_max": peak * s / 2} for s in (1, 2)]
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert kl_max(sweep)["cpr_curriculum"] == [pytest.approx(0.7), pytest.approx(0.4)]
     assert "cpr" not in kl_max(sweep) or kl_max(sweep)["cpr"] == []
 

@@ -140,7 +140,8 @@ eval: {{data: {tmp_path / 'rows.jsonl'}}}
     out = tmp_path / "out" / "minilm_seed1" / "eval"
     out.mkdir(parents=True)
     (out / "report.json").write_text("{}")
-    write_jsonl([{"id": r["id"], "sample": 0, "completion": t} for r, t in zip(rows, texts)], out / "predictions.jsonl")
+    preds = [{"id": r["id"], "sample": 0, "completion": t} for r, t in zip(rows, texts)]
+    write_jsonl(preds, out / "predictions.jsonl")
     minilm = build_reward("cpr", encoder="packaged:all-MiniLM-L6-v2", device="cpu")
     assert minilm.per_row(minilm.score(texts, rows, with_steps=True).batch)["f1"].min() == pytest.approx(1.0)
     exact_f1 = per_seed(sweep)["minilm"][0]["all"]["f1"]
