@@ -30,7 +30,7 @@ PYTEST := -m pytest -q -p no:cacheprovider
 # module-scoped run stay on one worker (tests/conftest.py); OMP_NUM_THREADS=2 make test overrides.
 XDIST  := -n auto --dist loadgroup
 
-.PHONY: setup setup-vllm check-vllm-set test test-fast test-latest test-vllm-set lock latest-venv demo \
+.PHONY: setup setup-vllm check-vllm-set lint test test-fast test-latest test-vllm-set lock latest-venv demo \
 	demo-smollm2 bench clean clean-runs
 
 # The lock constrains every distribution, pip and the build backend included (PIP_CONSTRAINT
@@ -63,12 +63,17 @@ check-vllm-set: setup
 
 test test-fast test-latest test-vllm-set: export OMP_NUM_THREADS ?= 1
 
-test: setup
+# ruff's lint and format check ([tool.ruff] in pyproject.toml; `ruff format .` fixes the format).
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: setup lint
 	$(PY) $(PYTEST) $(XDIST)
 
 # The inner loop: everything that builds no model and launches no run (tests marked slow, see
 # tests/conftest.py), in under a minute.
-test-fast: setup
+test-fast: setup lint
 	$(PY) $(PYTEST) $(XDIST) -m "not slow"
 
 demo: setup

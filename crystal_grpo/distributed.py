@@ -47,15 +47,19 @@ def launcher_problem(env: dict | None = None) -> str | None:
     given = [k for k in LAUNCHER_VARIABLES if env.get(k)]
     for k, low in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)):
         if env.get(k) and not (env[k].strip().isdigit() and int(env[k]) >= low):
-            return (f"environment: {k}={env[k]!r}: a launcher sets it to a whole number >= {low}; unset it for one "
-                    "process, or start several with torchrun or accelerate launch")
+            return (
+                f"environment: {k}={env[k]!r}: a launcher sets it to a whole number >= {low}; unset it for one "
+                "process, or start several with torchrun or accelerate launch"
+            )
     wants_group = env.get("LOCAL_RANK") or int(env.get("WORLD_SIZE") or 1) > 1
     missing = [k for k in LAUNCHER_VARIABLES if not env.get(k)]
     if not wants_group or not missing:
         return None
     shown = ", ".join(f"{k}={env[k]}" for k in given)
-    return (f"environment: {shown} set, as a launcher sets them for each process, but not {', '.join(missing)}: "
-            f"start several processes with torchrun or accelerate launch, or unset {', '.join(given)} for one")
+    return (
+        f"environment: {shown} set, as a launcher sets them for each process, but not {', '.join(missing)}: "
+        f"start several processes with torchrun or accelerate launch, or unset {', '.join(given)} for one"
+    )
 
 
 def wait_for_every_process(timeout_s: float = 120) -> None:

@@ -64,8 +64,12 @@ def release(version: str) -> str:
 def freeze() -> list[str]:
     """``name==version`` for every distribution of this interpreter's environment, the
     editable project itself left out, as ``pip freeze`` reports them."""
-    out = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     pins = []
     for line in out.splitlines():
         match = _PIN.match(line.strip())
@@ -107,7 +111,9 @@ def drift(path: str | Path, ignore: frozenset[str] = frozenset({"crystal-grpo"})
             continue
         if name not in have:
             continue  # locked but not installed here (e.g. a platform-only dependency): nothing to compare
-        lines.append(f"{name}: installed {have[name]}, " + (f"locked {locked[name]}" if name in locked else "not locked"))
+        lines.append(
+            f"{name}: installed {have[name]}, " + (f"locked {locked[name]}" if name in locked else "not locked")
+        )
     return lines
 
 
@@ -121,8 +127,11 @@ def index_env(constraint: str | Path | None = None) -> dict[str, str]:
     """This process's environment with pip seeing only the package index, as a GPU machine does:
     no pip configuration files and no find-links folders (a CPU build of torch may lie in one
     here, whose dependencies are not the CUDA build's). PIP_INDEX_URL, a mirror, is kept."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX", "PIP_CONSTRAINT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX", "PIP_CONSTRAINT")
+    }
     env["PIP_CONFIG_FILE"] = os.devnull
     if constraint is not None:
         env["PIP_CONSTRAINT"] = str(Path(constraint).resolve())
@@ -140,32 +149,63 @@ class Resolution:
 
 
 #: pip's words for a request the network, not the index's contents, failed.
-NETWORK_SIGNS = ("NewConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "Max retries exceeded",
-                 "Connection refused", "Temporary failure in name resolution", "Network is unreachable",
-                 "RemoteDisconnected", "ConnectionResetError", "ProxyError", "SSLError")
+NETWORK_SIGNS = (
+    "NewConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "Max retries exceeded",
+    "Connection refused",
+    "Temporary failure in name resolution",
+    "Network is unreachable",
+    "RemoteDisconnected",
+    "ConnectionResetError",
+    "ProxyError",
+    "SSLError",
+)
 
 
 def index_answers(env: dict[str, str], name: str) -> bool:
     """The index lists ``name``'s releases (what tells a network failure from a resolution one)."""
-    probe = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name], env=env,
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", name], env=env, capture_output=True, text=True
+    )
     return probe.returncode == 0 and not any(sign in probe.stdout + probe.stderr for sign in NETWORK_SIGNS)
 
 
-def resolve(requirements: list[str], constraint: str | Path | None = None,
-            project: str = "crystal-grpo") -> Resolution:
+def resolve(
+    requirements: list[str], constraint: str | Path | None = None, project: str = "crystal-grpo"
+) -> Resolution:
     """What ``pip install REQUIREMENTS`` would install (under ``constraint``), from pip's resolver
     in dry-run with :func:`index_env`: wheels' metadata by range requests, no wheel downloaded."""
     env = index_env(constraint)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        run = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-                              "--use-feature=fast-deps", "--report", str(report), *requirements],
-                             env=env, capture_output=True, text=True)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--use-feature=fast-deps",
+                "--report",
+                str(report),
+                *requirements,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if run.returncode == 0:
             installs = json.loads(report.read_text(encoding="utf-8"))["install"]
-            return Resolution({i["metadata"]["name"]: release(i["metadata"]["version"])
-                               for i in installs if canonical(i["metadata"]["name"]) != project})
+            return Resolution(
+                {
+                    i["metadata"]["name"]: release(i["metadata"]["version"])
+                    for i in installs
+                    if canonical(i["metadata"]["name"]) != project
+                }
+            )
     said = run.stdout + run.stderr
     errors = [line for line in said.splitlines() if line.startswith("ERROR") or line.startswith("    ")]
     names = [m[0] for r in requirements if (m := re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r))]
@@ -178,8 +218,9 @@ def write_resolved(path: str | Path, requirements: list[str]) -> Resolution:
     result = resolve(requirements)
     if result.pins is not None:
         pins = sorted(result.pins.items(), key=lambda pin: pin[0].lower())
-        Path(path).write_text(RESOLVED_HEADER + f"# python: {python_tag()}\n" + "".join(f"{n}=={v}\n" for n, v in pins),
-                              encoding="utf-8")
+        Path(path).write_text(
+            RESOLVED_HEADER + f"# python: {python_tag()}\n" + "".join(f"{n}=={v}\n" for n, v in pins), encoding="utf-8"
+        )
     return result
 
 
@@ -212,18 +253,27 @@ def main(argv: list[str] | None = None) -> int:
     if command == "fits":
         want = resolved_for(path)
         if want not in (None, python_tag()):
-            print(f"{path} was resolved for {want}, this is {python_tag()} ({sys.executable}): "
-                  "use that Python (make setup-vllm PYTHON=...)", file=sys.stderr)
+            print(
+                f"{path} was resolved for {want}, this is {python_tag()} ({sys.executable}): "
+                "use that Python (make setup-vllm PYTHON=...)",
+                file=sys.stderr,
+            )
             return 1
         return 0
     result = resolve(requirements, path) if command == "check" else write_resolved(path, requirements)
     if result.pins is not None:
-        print(f"{path}: {' '.join(requirements)} resolves: {len(result.pins)} distributions"
-              if command == "check" else f"wrote {path} ({len(result.pins)} distributions)")
+        print(
+            f"{path}: {' '.join(requirements)} resolves: {len(result.pins)} distributions"
+            if command == "check"
+            else f"wrote {path} ({len(result.pins)} distributions)"
+        )
         return 0
     if result.unreachable:
-        print(f"{path}: NOT CHECKED, the package index did not answer (a network failure, not a verdict on the "
-              f"set):\n{result.message}", file=sys.stderr)
+        print(
+            f"{path}: NOT CHECKED, the package index did not answer (a network failure, not a verdict on the "
+            f"set):\n{result.message}",
+            file=sys.stderr,
+        )
         return 75
     print(f"{path}: {' '.join(requirements)} does not resolve:\n{result.message}", file=sys.stderr)
     return 1

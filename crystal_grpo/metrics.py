@@ -90,16 +90,19 @@ def register(*specs: MetricSpec) -> None:
     known = {m.name: m for m in TABLE}
     for m in specs:
         if m.name in known and known[m.name] != m:
-            raise MetricTableError(f"metric {m.name!r} is already in the metric table as {known[m.name]}; "
-                                   f"registering {m} would change it")
+            raise MetricTableError(
+                f"metric {m.name!r} is already in the metric table as {known[m.name]}; registering {m} would change it"
+            )
         if m.name not in known:
             TABLE, known[m.name] = (*TABLE, m), m
 
 
 class UnknownMetric(CrystalError, KeyError):
     def __str__(self) -> str:
-        return (f"metric {self.args[0]!r} is not in the metric table (crystal_grpo/metrics.py); "
-                f"known: {', '.join(m.name for m in TABLE)}")
+        return (
+            f"metric {self.args[0]!r} is not in the metric table (crystal_grpo/metrics.py); "
+            f"known: {', '.join(m.name for m in TABLE)}"
+        )
 
 
 def spec(name: str) -> MetricSpec:

@@ -41,8 +41,12 @@ class Range:
     lt: float | None = None
 
     def holds(self, x: float) -> bool:
-        return ((self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
-                and (self.le is None or x <= self.le) and (self.lt is None or x < self.lt))
+        return (
+            (self.ge is None or x >= self.ge)
+            and (self.gt is None or x > self.gt)
+            and (self.le is None or x <= self.le)
+            and (self.lt is None or x < self.lt)
+        )
 
     def __str__(self) -> str:
         low = f"{self.ge} <= " if self.ge is not None else f"{self.gt} < " if self.gt is not None else ""
@@ -52,9 +56,15 @@ class Range:
         return f"{low}x{high}"
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *,
-           default_factory: Any = dataclasses.MISSING, weight: bool = False, rest: bool = False,
-           **bounds: float) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    default_factory: Any = dataclasses.MISSING,
+    weight: bool = False,
+    rest: bool = False,
+    **bounds: float,
+) -> Any:
     """A dataclass field with its help text and, for a number, the range it must lie in.
     ``weight``: a reward weight (negative only when the config opts in: ``negative_weights``);
     ``rest``: the dict field that takes the keys the section does not declare (module docstring)."""
@@ -136,8 +146,12 @@ def check_value(path: str, value: Any, tp: Any, bounds: Range | None = None) -> 
     if not _type_ok(value, tp):
         raise ConfigError(f"{path}: invalid value {value!r}; expected {_describe(tp)}")
     coerced = _coerce(value, tp)
-    if bounds is not None and isinstance(coerced, (int, float)) and not isinstance(coerced, bool) \
-            and not bounds.holds(coerced):
+    if (
+        bounds is not None
+        and isinstance(coerced, (int, float))
+        and not isinstance(coerced, bool)
+        and not bounds.holds(coerced)
+    ):
         raise ConfigError(f"{path}: invalid value {value!r}; expected {bounds}")
     return coerced
 
@@ -197,8 +211,13 @@ def describe(cls: type, prefix: str = "") -> list[str]:
         if nested:
             lines.extend(describe(nested[0], key + "."))
             continue
-        default = (f.default if f.default is not dataclasses.MISSING else
-                   f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else f.default_factory()
+            if f.default_factory is not dataclasses.MISSING
+            else ""
+        )
         bounds = f.metadata.get("range")
         extra = f" ({bounds})" if bounds else ""
         lines.append(f"  --{key}  {_describe(tp)} = {default!r}{extra}\n      {f.metadata.get('help', '')}")

@@ -53,8 +53,9 @@ def load_object(spec: str, what: str = "reward") -> Any:
             module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - any error while importing the user's code
         sys.modules.pop(locals().get("name", ""), None)
-        raise ImportPathError(f"{what} {spec!r}: {module_name} does not import "
-                              f"({type(err).__name__}: {err})") from None
+        raise ImportPathError(
+            f"{what} {spec!r}: {module_name} does not import ({type(err).__name__}: {err})"
+        ) from None
     if not hasattr(module, attr):
         raise ImportPathError(f"{what} {spec!r}: {module_name} has no {attr!r}")
     return getattr(module, attr)

@@ -34,7 +34,20 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "TIERS", "ComplexityConfig", "CurriculumSampler", "CurriculumSamplerFactory", "CurriculumSection", "Schedule",
-    "annotate", "answer_type", "complexity_components", "complexity_score", "complexity_tier",
-    "curriculum_stats", "make_sampler_factory", "question_text", "step_count", "tier_of",
+    "TIERS",
+    "ComplexityConfig",
+    "CurriculumSampler",
+    "CurriculumSamplerFactory",
+    "CurriculumSection",
+    "Schedule",
+    "annotate",
+    "answer_type",
+    "complexity_components",
+    "complexity_score",
+    "complexity_tier",
+    "curriculum_stats",
+    "make_sampler_factory",
+    "question_text",
+    "step_count",
+    "tier_of",
 ]

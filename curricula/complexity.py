@@ -44,22 +44,102 @@ def _words(*phrases: str) -> re.Pattern[str]:
 
 
 LING_MARKERS: dict[str, re.Pattern[str]] = {
-    "conditional": _words("if", "when", "whenever", "unless", "whether", "suppose", "supposing",
-                          "assume", "assuming", "otherwise", "in case"),
-    "causal": _words("because", "therefore", "thus", "hence", "since", "so that", "due to",
-                     "cause", "causes", "caused", "consequently", "as a result", "leads to",
-                     "lead to", "result in", "results in"),
-    "comparison": _words("than", "more", "less", "most", "least", "compare", "compared",
-                         "comparison", "same", "different", "difference", "similar", "versus", "vs",
-                         "larger", "largest", "smaller", "smallest", "greater", "greatest",
-                         "higher", "highest", "lower", "lowest", "bigger", "biggest", "fewer",
-                         "fewest", "longer", "longest", "shorter", "shortest", "older", "oldest",
-                         "younger", "youngest", "farther", "farthest", "closer", "closest",
-                         "better", "best", "worse", "worst", "heavier", "heaviest", "lighter",
-                         "lightest", "faster", "fastest", "slower", "slowest", "warmer",
-                         "warmest", "colder", "coldest", "hotter", "hottest"),
-    "negation": re.compile(r"\b(?:not|never|none|nor|neither|nothing|nobody|without|except|cannot)\b"
-                           r"|n['’]t\b", re.IGNORECASE),
+    "conditional": _words(
+        "if",
+        "when",
+        "whenever",
+        "unless",
+        "whether",
+        "suppose",
+        "supposing",
+        "assume",
+        "assuming",
+        "otherwise",
+        "in case",
+    ),
+    "causal": _words(
+        "because",
+        "therefore",
+        "thus",
+        "hence",
+        "since",
+        "so that",
+        "due to",
+        "cause",
+        "causes",
+        "caused",
+        "consequently",
+        "as a result",
+        "leads to",
+        "lead to",
+        "result in",
+        "results in",
+    ),
+    "comparison": _words(
+        "than",
+        "more",
+        "less",
+        "most",
+        "least",
+        "compare",
+        "compared",
+        "comparison",
+        "same",
+        "different",
+        "difference",
+        "similar",
+        "versus",
+        "vs",
+        "larger",
+        "largest",
+        "smaller",
+        "smallest",
+        "greater",
+        "greatest",
+        "higher",
+        "highest",
+        "lower",
+        "lowest",
+        "bigger",
+        "biggest",
+        "fewer",
+        "fewest",
+        "longer",
+        "longest",
+        "shorter",
+        "shortest",
+        "older",
+        "oldest",
+        "younger",
+        "youngest",
+        "farther",
+        "farthest",
+        "closer",
+        "closest",
+        "better",
+        "best",
+        "worse",
+        "worst",
+        "heavier",
+        "heaviest",
+        "lighter",
+        "lightest",
+        "faster",
+        "fastest",
+        "slower",
+        "slowest",
+        "warmer",
+        "warmest",
+        "colder",
+        "coldest",
+        "hotter",
+        "hottest",
+    ),
+    "negation": re.compile(
+        r"\b(?:not|never|none|nor|neither|nothing|nobody|without|except|cannot)\b"
+        r"|n['’]t\b",
+        re.IGNORECASE,
+    ),
 }
 COUNTING = re.compile(r"\bhow\s+many\b|\bcount\b|\bnumber\s+of\b", re.IGNORECASE)
 WHY = re.compile(r"\bwhy\b", re.IGNORECASE)
@@ -77,8 +157,9 @@ class ComplexityConfig:
     step_cap: int = 30
     char_cap: int = 300
     word_cap: int = 50
-    type_base: Mapping[str, float] = field(default_factory=lambda: {
-        "yes_no": 0.2, "letter": 0.3, "number": 0.4, "text": 0.5})
+    type_base: Mapping[str, float] = field(
+        default_factory=lambda: {"yes_no": 0.2, "letter": 0.3, "number": 0.4, "text": 0.5}
+    )
     counting_adjust: float = -0.15
     why_adjust: float = 0.20
 
@@ -113,8 +194,9 @@ def question_text(example: Mapping[str, Any]) -> str:
         if isinstance(turn, Mapping) and turn.get("role") == "user":
             content = turn.get("content")
             if isinstance(content, list):
-                content = " ".join(p.get("text") or "" for p in content
-                                   if isinstance(p, Mapping) and p.get("type") == "text")
+                content = " ".join(
+                    p.get("text") or "" for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+                )
             return str(content or "").split("\nOptions:")[0].strip()
     return ""
 
@@ -136,8 +218,7 @@ def answer_type(example: Mapping[str, Any]) -> AnswerType:
     return "text"
 
 
-def complexity_components(example: Mapping[str, Any],
-                          config: ComplexityConfig = DEFAULT_CONFIG) -> dict[str, float]:
+def complexity_components(example: Mapping[str, Any], config: ComplexityConfig = DEFAULT_CONFIG) -> dict[str, float]:
     """The four sub-scores of Eq. S1, each in [0, 1]."""
     q = question_text(example)
     s_steps = min(step_count(example), config.step_cap) / config.step_cap
@@ -166,8 +247,10 @@ def complexity_tier(example: Mapping[str, Any], config: ComplexityConfig = DEFAU
     return tier_of(complexity_score(example, config))
 
 
-def rows(dataset: Any, columns: Sequence[str] = ("question", "prompt", "answer", "choices",
-                                                  "reference_steps", "reference_sets")) -> list[dict]:
+def rows(
+    dataset: Any,
+    columns: Sequence[str] = ("question", "prompt", "answer", "choices", "reference_steps", "reference_sets"),
+) -> list[dict]:
     """Rows as dicts with only the columns complexity needs. For a ``datasets.Dataset``
     this reads whole columns, so image transforms (train/data.py) never run."""
     names = getattr(dataset, "column_names", None)
@@ -180,8 +263,9 @@ def rows(dataset: Any, columns: Sequence[str] = ("question", "prompt", "answer",
     return [{c: cols[c][i] for c in present} for i in range(len(dataset))]
 
 
-def annotate(examples: Iterable[Mapping[str, Any]], config: ComplexityConfig = DEFAULT_CONFIG
-             ) -> tuple[list[int], list[float], list[Tier]]:
+def annotate(
+    examples: Iterable[Mapping[str, Any]], config: ComplexityConfig = DEFAULT_CONFIG
+) -> tuple[list[int], list[float], list[Tier]]:
     """Step counts, complexity scores and tiers of many examples (for samplers and logs)."""
     steps, scores, tiers = [], [], []
     for ex in examples:

@@ -202,8 +202,9 @@ class CurriculumSampler(Sampler[int]):
         return chunk
 
 
-def curriculum_stats(indices: Sequence[int], step_counts: Sequence[float],
-                     tiers: Sequence[str] | None = None) -> dict[str, float]:
+def curriculum_stats(
+    indices: Sequence[int], step_counts: Sequence[float], tiers: Sequence[str] | None = None
+) -> dict[str, float]:
     """Mean reference step count and tier shares of the given (e.g. one chunk's) indices."""
     idx = list(indices)
     if not idx:
@@ -226,9 +227,17 @@ class CurriculumSamplerFactory:
     steps (1 with TRL's defaults). Without a horizon (``max_steps <= 0``) T is one epoch.
     """
 
-    def __init__(self, dataset: Any, *, mode: str | type[Schedule] = "competence", total_steps: int | None = None,
-                 difficulty: Difficulty = "steps", start_chunk: int = 0, options: Any = None,
-                 **mode_options: Any) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        mode: str | type[Schedule] = "competence",
+        total_steps: int | None = None,
+        difficulty: Difficulty = "steps",
+        start_chunk: int = 0,
+        options: Any = None,
+        **mode_options: Any,
+    ) -> None:
         if difficulty not in ("steps", "complexity"):
             raise ValueError(f"difficulty {difficulty!r} is unknown: allowed values are steps, complexity")
         self.mode, self.total_steps = schedule_class(mode), total_steps
@@ -242,8 +251,16 @@ class CurriculumSamplerFactory:
         self.step_counts, self.scores, self.tiers = annotate(rows(dataset))
         self.difficulty = self.step_counts if self.difficulty_key == "steps" else self.scores
 
-    def __call__(self, dataset: Any = None, *, mini_repeat_count: int, batch_size: int = 1,
-                 repeat_count: int = 1, seed: int = 42, steps_per_chunk: float = 1.0) -> CurriculumSampler:
+    def __call__(
+        self,
+        dataset: Any = None,
+        *,
+        mini_repeat_count: int,
+        batch_size: int = 1,
+        repeat_count: int = 1,
+        seed: int = 42,
+        steps_per_chunk: float = 1.0,
+    ) -> CurriculumSampler:
         if dataset is not None and len(dataset) != len(self.difficulty):
             self._annotate(dataset)
         n_chunks = len(self.difficulty) // batch_size
@@ -251,8 +268,17 @@ class CurriculumSamplerFactory:
         t_chunks = max(1, math.ceil(horizon / steps_per_chunk)) if horizon else max(1, n_chunks)
         self.steps_per_chunk = steps_per_chunk
         self.sampler = CurriculumSampler(
-            self.difficulty, mini_repeat_count, batch_size, repeat_count, mode=self.mode, total_steps=t_chunks,
-            seed=seed, buckets=self.tiers, start_chunk=self.start_chunk, options=self.options)
+            self.difficulty,
+            mini_repeat_count,
+            batch_size,
+            repeat_count,
+            mode=self.mode,
+            total_steps=t_chunks,
+            seed=seed,
+            buckets=self.tiers,
+            start_chunk=self.start_chunk,
+            options=self.options,
+        )
         return self.sampler
 
     def chunk_at_step(self, step: int) -> int:
@@ -270,13 +296,19 @@ class CurriculumSamplerFactory:
         return out
 
 
-def make_sampler_factory(section: CurriculumSection, dataset: Any, max_steps: int | None = None
-                         ) -> CurriculumSamplerFactory:
+def make_sampler_factory(
+    section: CurriculumSection, dataset: Any, max_steps: int | None = None
+) -> CurriculumSamplerFactory:
     """Factory for ``CrystalGRPOTrainer(sampler_factory=...)`` from a ``curriculum:`` config
     section (resolved here unless the config's validation did); ``total_steps`` defaults to the
     run's ``max_steps``."""
     if section.schedule is None:
         resolve(section)
     return CurriculumSamplerFactory(
-        dataset, mode=section.schedule, total_steps=section.total_steps or max_steps,
-        difficulty=section.difficulty, start_chunk=section.start_chunk, options=section.config)
+        dataset,
+        mode=section.schedule,
+        total_steps=section.total_steps or max_steps,
+        difficulty=section.difficulty,
+        start_chunk=section.start_chunk,
+        options=section.config,
+    )

@@ -53,15 +53,21 @@ class CurriculumSection:
     Schedule's ``Options``), checked against it by :func:`resolve` when the config is validated.
     """
 
-    mode: str = option("competence", "A Schedule's mode: competence (the pool grows from the easiest c0 share), "
-                       "buckets (complexity tiers open in turn), sorted (the whole data easiest-first); or your "
-                       "Schedule subclass as 'package.module:Name' or 'path/file.py:Name'.")
+    mode: str = option(
+        "competence",
+        "A Schedule's mode: competence (the pool grows from the easiest c0 share), "
+        "buckets (complexity tiers open in turn), sorted (the whole data easiest-first); or your "
+        "Schedule subclass as 'package.module:Name' or 'path/file.py:Name'.",
+    )
     total_steps: Union[int, None] = option(None, "Pacing horizon T in optimizer steps (default: max_steps).", ge=1)
     difficulty: Difficulty = option("steps", "Order by reference step count or by complexity score.")
     start_chunk: int = option(0, "Global chunk the run starts at (continue a curriculum in a new run).", ge=0)
     options: dict[str, Any] = option(
-        default_factory=dict, rest=True, help="The mode's own options (its Schedule's Options fields), as keys of "
-        "this section: e.g. competence's c0 and pacing, buckets' bucket_order (each mode's are listed below).")
+        default_factory=dict,
+        rest=True,
+        help="The mode's own options (its Schedule's Options fields), as keys of "
+        "this section: e.g. competence's c0 and pacing, buckets' bucket_order (each mode's are listed below).",
+    )
     schedule: Union[type, None] = derived("The mode's Schedule class, found when the config is validated.")
     config: Any = derived("The mode's options, typed (its Schedule's Options), made when the config is validated.")
 
@@ -101,8 +107,14 @@ class Schedule:
         if cls.mode:
             Schedule.registry[cls.mode] = cls
 
-    def __init__(self, order: list[int], batch_size: int, total_steps: int | None, options: Any = None,
-                 buckets: Sequence[Hashable] | None = None) -> None:
+    def __init__(
+        self,
+        order: list[int],
+        batch_size: int,
+        total_steps: int | None,
+        options: Any = None,
+        buckets: Sequence[Hashable] | None = None,
+    ) -> None:
         self.order, self.batch_size, self.total_steps = order, batch_size, total_steps
         self.n = len(order)
         self.options = options if options is not None else self.Options()
@@ -118,8 +130,10 @@ class Schedule:
             near = difflib.get_close_matches(str(unknown[0]), fields, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             own = f"its options: {', '.join(fields)}" if fields else "it has no options of its own"
-            raise ConfigError(f"unknown key {f'{where}.{unknown[0]}'!r}{hint} for mode {cls.mode or cls.__name__!r}; "
-                              f"{where} takes {', '.join(SECTION_KEYS)}, and {own}")
+            raise ConfigError(
+                f"unknown key {f'{where}.{unknown[0]}'!r}{hint} for mode {cls.mode or cls.__name__!r}; "
+                f"{where} takes {', '.join(SECTION_KEYS)}, and {own}"
+            )
         return from_dict(cls.Options, dict(options), where)
 
     def threshold(self, t: int) -> int:
@@ -148,8 +162,10 @@ def schedule_class(mode: str | type[Schedule]) -> type[Schedule]:
     if mode in Schedule.registry:
         return Schedule.registry[mode]
     if not is_import_path(mode):
-        raise ConfigError(f"curriculum.mode: invalid value {mode!r}; expected one of "
-                          f"{', '.join(map(repr, Schedule.registry))}, or a Schedule subclass as {FORMS}")
+        raise ConfigError(
+            f"curriculum.mode: invalid value {mode!r}; expected one of "
+            f"{', '.join(map(repr, Schedule.registry))}, or a Schedule subclass as {FORMS}"
+        )
     return load_subclass(mode, Schedule, "curriculum.mode")
 
 
@@ -184,7 +200,7 @@ class CompetenceSchedule(Schedule):
     def competence(self, t: int) -> float:
         x = t / self.total_steps
         if self.pacing == "sqrt":
-            return min(1.0, math.sqrt(self.c0 ** 2 + (1.0 - self.c0 ** 2) * x))
+            return min(1.0, math.sqrt(self.c0**2 + (1.0 - self.c0**2) * x))
         return min(1.0, self.c0 + (1.0 - self.c0) * x)
 
     def threshold(self, t: int) -> int:
@@ -204,8 +220,10 @@ class BucketSchedule(Schedule):
     @dataclass
     class Options:
         bucket_order: Union[list[Union[str, int]], None] = option(
-            None, "The bucket labels in the order they open (default: easy, medium, hard for complexity tiers, "
-            "else sorted).")
+            None,
+            "The bucket labels in the order they open (default: easy, medium, hard for complexity tiers, "
+            "else sorted).",
+        )
 
     def __init__(self, order, batch_size, total_steps, options=None, buckets=None) -> None:
         super().__init__(order, batch_size, total_steps, options, buckets)

@@ -54,8 +54,10 @@ def reward_class(name: str) -> type[RewardModule]:
     if name in REWARDS:
         return REWARDS[name]
     if not is_import_path(name):
-        raise ConfigError(f"reward.name: invalid value {name!r}; expected one of {', '.join(map(repr, REWARDS))}, "
-                          f"or a RewardModule subclass as {FORMS}")
+        raise ConfigError(
+            f"reward.name: invalid value {name!r}; expected one of {', '.join(map(repr, REWARDS))}, "
+            f"or a RewardModule subclass as {FORMS}"
+        )
     return load_subclass(name, RewardModule, "reward", " (a plain reward function goes in reward.components)")
 
 
@@ -82,6 +84,23 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "REWARDS", "RewardConfig", "RewardModule", "CPRConfig", "CompositeConfig", "AnswerOnlyConfig", "FormatConfig", "AuthorsCodeConfig", "ComposedConfig", "ShuffledConfig", "build_reward", "get_reward_funcs", "register_reward", "reward_params", "cpr_reward",
-    "MatchF1Scorer", "StepScores", "PACKAGED_MINILM", "PAPER_ENCODER",
+    "REWARDS",
+    "RewardConfig",
+    "RewardModule",
+    "CPRConfig",
+    "CompositeConfig",
+    "AnswerOnlyConfig",
+    "FormatConfig",
+    "AuthorsCodeConfig",
+    "ComposedConfig",
+    "ShuffledConfig",
+    "build_reward",
+    "get_reward_funcs",
+    "register_reward",
+    "reward_params",
+    "cpr_reward",
+    "MatchF1Scorer",
+    "StepScores",
+    "PACKAGED_MINILM",
+    "PAPER_ENCODER",
 ]

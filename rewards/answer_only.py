@@ -34,9 +34,12 @@ class FormatReward(RewardModule):
 class AnswerOnlyConfig(RewardConfig):
     accuracy_weight: float = option(1.0, "w_a: reward of a correct answer.", weight=True)
     format_weight: float = option(0.1, "w_f: reward of a completion in the JSON format.", weight=True)
-    score_steps: bool = option(False, "Also score the steps of every training batch, for the step diagnostics in "
-                               "the training log (not rewarded; the encoder's time in every step). Validation and "
-                               "evaluation report Match F1 either way.")
+    score_steps: bool = option(
+        False,
+        "Also score the steps of every training batch, for the step diagnostics in "
+        "the training log (not rewarded; the encoder's time in every step). Validation and "
+        "evaluation report Match F1 either way.",
+    )
     verbosity_guard: Union[bool, None] = option(False, "Penalise over-long step lists (off: steps earn nothing).")
 
 

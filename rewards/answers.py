@@ -56,10 +56,23 @@ def set_default_judge(fn: Judge | None) -> None:
 
 #: Typographic quotes, unicode minus and dashes, and the fraction slash as ASCII (the step gate reads
 #: steps with it too: rewards/facts.py).
-PLAIN_PUNCTUATION = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'",
-                                   "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"',
-                                   "\u2212": "-", "\u2012": "-", "\u2013": "-", "\ufe63": "-",
-                                   "\u2044": "/"})  # also unicode minus/dashes and the fraction slash
+PLAIN_PUNCTUATION = str.maketrans(
+    {
+        "\u2018": "'",
+        "\u2019": "'",
+        "\u201a": "'",
+        "\u201b": "'",
+        "\u201c": '"',
+        "\u201d": '"',
+        "\u201e": '"',
+        "\u201f": '"',
+        "\u2212": "-",
+        "\u2012": "-",
+        "\u2013": "-",
+        "\ufe63": "-",
+        "\u2044": "/",
+    }
+)  # also unicode minus/dashes and the fraction slash
 _ARTICLES = {"a", "an", "the"}
 _DIGIT_PUNCT = re.compile(r"(?<=\d)[^\w\s](?=\d)")
 
@@ -97,6 +110,7 @@ def _yes_no(text: str) -> bool | None:
 
 # --- numbers -----------------------------------------------------------------------
 
+
 class Number(NamedTuple):
     """A number as written: its value (NaN when it does not fit a float) and whether it is a percentage."""
 
@@ -116,9 +130,16 @@ PERCENT = r"(\s*(?:%|percent\b|per\s+cent\b))?"
 # with the currency sign's whitespace ("$" + 20,000 spaces took 37 s). Both changes
 # read exactly the numbers the earlier pattern read.
 _NUMBER = re.compile(
-    r"(?<![\w.])(?=[-+$€£¥₹.\d])" + _CUR + r"(?:([-+])\s*)?" + _CUR
-    + DIGITS + r"(?:\s*/\s*(\d+(?:\.\d+)?))?"  # fraction 1/2
-    + EXPONENT + PERCENT, re.IGNORECASE)
+    r"(?<![\w.])(?=[-+$€£¥₹.\d])"
+    + _CUR
+    + r"(?:([-+])\s*)?"
+    + _CUR
+    + DIGITS
+    + r"(?:\s*/\s*(\d+(?:\.\d+)?))?"  # fraction 1/2
+    + EXPONENT
+    + PERCENT,
+    re.IGNORECASE,
+)
 
 
 def _numbers(text: str, limit: int = 2) -> list[Number]:
@@ -169,8 +190,11 @@ _WRAPPED = _OPEN + "([A-Za-z])" + _CLOSE + "(?:[.:!]" + _CLOSE + ")?"
 _BARE_LETTER = re.compile("^" + _WRAPPED + "$")
 # "(?:\s*:)?\s*" rather than "\s*:?\s*": two whitespace runs that can trade characters
 # backtrack quadratically on a long run of spaces.
-_PHRASE_LETTER = re.compile(r"^(?:the\s+)?(?:correct\s+|final\s+)?(?:answer|option|choice)"
-                            r"(?:\s+is)?(?:\s*:)?\s*" + _WRAPPED + "$", re.IGNORECASE)
+_PHRASE_LETTER = re.compile(
+    r"^(?:the\s+)?(?:correct\s+|final\s+)?(?:answer|option|choice)"
+    r"(?:\s+is)?(?:\s*:)?\s*" + _WRAPPED + "$",
+    re.IGNORECASE,
+)
 _PREFIX_LETTER = re.compile(r"^(?:\(([A-Za-z])\)\s*|([A-Z])[.)]\s+)\S")
 
 
@@ -198,12 +222,16 @@ def _choice_letter(text: str, choices: Sequence[str]) -> str | None:
     num = _one_number(text)
     if num is None:
         return None
-    hits = [i for i, opt in enumerate(opts[:26])
-            if (o := _one_number(opt)) is not None and numbers_match(num, o, 0.0, 1e-9)]
+    hits = [
+        i
+        for i, opt in enumerate(opts[:26])
+        if (o := _one_number(opt)) is not None and numbers_match(num, o, 0.0, 1e-9)
+    ]
     return chr(ord("A") + hits[0]) if len(hits) == 1 else None
 
 
 # --- the comparison ----------------------------------------------------------------
+
 
 def answers_match(
     predicted: str | int | float | None,
@@ -248,7 +276,12 @@ def answers_match(
     if norm_pred and norm_pred == norm_gold:
         return True
 
-    free_form = (gold_letter is None and gold_num is None and pred_yn is None
-                 and _bare_letter(pred) is None and _one_number(pred) is None)
+    free_form = (
+        gold_letter is None
+        and gold_num is None
+        and pred_yn is None
+        and _bare_letter(pred) is None
+        and _one_number(pred) is None
+    )
     judge = judge if judge is not None else _default_judge
     return bool(free_form and judge is not None and judge(pred, gold))

@@ -53,7 +53,7 @@ def _outermost_object(text: str) -> str | None:
     for i in range(first, len(text)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[first:i + 1]
+            return text[first : i + 1]
     return None
 
 
@@ -67,8 +67,12 @@ def released_format(text: str) -> float:
             span = _outermost_object(cleaned)
             parsed = json.loads(re.sub(r",(\s*[\]}])", r"\1", span)) if span is not None else None
         steps = parsed.get("reasoning_steps") if isinstance(parsed, dict) else None
-        ok = (isinstance(steps, list) and isinstance(parsed.get("answer"), str) and len(steps) > 0
-              and all(isinstance(s, str) for s in steps))
+        ok = (
+            isinstance(steps, list)
+            and isinstance(parsed.get("answer"), str)
+            and len(steps) > 0
+            and all(isinstance(s, str) for s in steps)
+        )
     except Exception:  # noqa: BLE001 - theirs: any failure scores 0
         ok = False
     return 1.0 if ok else 0.0
@@ -168,16 +172,20 @@ class AuthorsCodeReward(RewardModule):
     """format + accuracy + CPR, summed, exactly as the released trainer computes them."""
 
     name = "authors_code"
-    objectives = {"authors_code_format": "accuracy", "authors_code_accuracy": "accuracy",
-                  "authors_code_cpr": "reasoning"}
+    objectives = {
+        "authors_code_format": "accuracy",
+        "authors_code_accuracy": "accuracy",
+        "authors_code_cpr": "reasoning",
+    }
     extra_fields = ("authors_code_format", "authors_code_accuracy", "authors_code_cpr")
     outcome_component = "authors_code_accuracy"
     uses_steps = False  # their reward needs no encoder; validation still embeds steps for Match F1
     config_class = AuthorsCodeConfig
     config: AuthorsCodeConfig
 
-    def score(self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]],
-              with_steps: bool | None = None) -> Scored:
+    def score(
+        self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]], with_steps: bool | None = None
+    ) -> Scored:
         from crystal_metrics.accuracy import AccuracyCalculator  # crystal-metrics itself, not a copy
         from crystal_metrics.rewards import causal_process_reward
 
@@ -188,13 +196,22 @@ class AuthorsCodeReward(RewardModule):
         judge = AccuracyCalculator()
         accuracy = [released_accuracy(t, truth, _problem(r), judge) for t, truth, r in zip(texts, truths, rows)]
         try:  # their vqa_causal_reasoning_reward: any failure scores the whole batch 0
-            cpr = causal_process_reward([[{"content": t}] for t in texts], ground_truths=truths,
-                                        reference_steps=[list(r.get("reference_steps") or []) for r in rows],
-                                        answer_weight=self.config.answer_weight, step_weight=self.config.step_weight)
+            cpr = causal_process_reward(
+                [[{"content": t}] for t in texts],
+                ground_truths=truths,
+                reference_steps=[list(r.get("reference_steps") or []) for r in rows],
+                answer_weight=self.config.answer_weight,
+                step_weight=self.config.step_weight,
+            )
         except Exception:  # noqa: BLE001
             cpr = [0.0] * len(texts)
-        scored.batch.extra = scored.batch.correct.new_tensor(  # float64, like the batch
-            [[released_format(t) for t in texts], accuracy, cpr]).reshape(3, len(texts)).T
+        scored.batch.extra = (
+            scored.batch.correct.new_tensor(  # float64, like the batch
+                [[released_format(t) for t in texts], accuracy, cpr]
+            )
+            .reshape(3, len(texts))
+            .T
+        )
         return scored
 
     def outcome(self, batch: Batch) -> torch.Tensor:

@@ -80,15 +80,18 @@ def value_problem(value: float) -> str | None:
     passes: a module's NaN is "not applicable" (None in TRL); a user function's NaN is refused
     where it is returned (rewards/user.py), where it cannot be told from None."""
     if math.isinf(value) or abs(value) > MAX_REWARD:
-        return (f"{value!r} (a reward value must be finite and at most {MAX_REWARD:g} in magnitude: TRL's float32 "
-                "group statistics cannot hold it)")
+        return (
+            f"{value!r} (a reward value must be finite and at most {MAX_REWARD:g} in magnitude: TRL's float32 "
+            "group statistics cannot hold it)"
+        )
     return None
 
 
 def shared_scorer(**settings: Any) -> MatchF1Scorer:
     """One scorer (one encoder, one cache) per process and settings."""
-    key = tuple(sorted((k, v if isinstance(v, (str, int, float, bool, type(None))) else id(v))
-                       for k, v in settings.items()))
+    key = tuple(
+        sorted((k, v if isinstance(v, (str, int, float, bool, type(None))) else id(v)) for k, v in settings.items())
+    )
     if key not in _SCORERS:
         from crystal_grpo.rewards.match_f1 import MatchF1Scorer
 
@@ -101,21 +104,28 @@ class RewardConfig:
     """Settings every reward module shares (``reward.params`` of a run config); a module's own
     weights are fields of its subclass (e.g. ``CPRConfig`` in rewards/cpr.py)."""
 
-    encoder: Any = option(PACKAGED_MINILM, "Sentence encoder for Match F1: hub id (local cache only offline), "
-                          "local folder, or 'packaged:all-MiniLM-L6-v2'; or 'exact': two steps match when their "
-                          "normalised strings are equal (no model; for formal steps). The paper: " + PAPER_ENCODER + ".")
+    encoder: Any = option(
+        PACKAGED_MINILM,
+        "Sentence encoder for Match F1: hub id (local cache only offline), "
+        "local folder, or 'packaged:all-MiniLM-L6-v2'; or 'exact': two steps match when their "
+        "normalised strings are equal (no model; for formal steps). The paper: " + PAPER_ENCODER + ".",
+    )
     threshold: float = option(0.35, "tau: minimum cosine similarity for two steps to match.", ge=-1, le=1)
     order_alpha: float = option(0.3, "Weight of the order (LIS) term in Ordered Match F1.", ge=0, le=1)
     matcher: Literal["greedy", "dp"] = option("greedy", "greedy 1:1 matching (the paper) or dp (order-preserving).")
-    step_gate: StepGate = option("none", "none: steps match on the encoder's similarity alone; facts: a predicted and "
-                                 "a reference step whose numbers, operators and variables disagree never match "
-                                 "(numbers within rel_tol/abs_tol; rewards/facts.py), for formal steps.")
+    step_gate: StepGate = option(
+        "none",
+        "none: steps match on the encoder's similarity alone; facts: a predicted and "
+        "a reference step whose numbers, operators and variables disagree never match "
+        "(numbers within rel_tol/abs_tol; rewards/facts.py), for formal steps.",
+    )
     step_metric: StepMetric = option("f1", "The step score rewards use: Match F1 or Ordered Match F1.")
     device: Union[str, None] = option(None, "Encoder device (None: CUDA when available).")
     scorer_batch_size: int = option(128, "Encoder batch size.", ge=1)
     cache_size: int = option(50_000, "Step embeddings kept across batches (LRU; 0: none).", ge=0)
-    verbosity_guard: Union[bool, None] = option(None, "Penalise over-long step lists (None: on when the reward "
-                                               "scores steps).")
+    verbosity_guard: Union[bool, None] = option(
+        None, "Penalise over-long step lists (None: on when the reward scores steps)."
+    )
     guard_k: float = option(2.0, "The guard flags more than k x the running median step count.", gt=0)
     guard_window: int = option(1024, "How many recent step counts the median is over.", ge=1)
     guard_factor: float = option(0.5, "A flagged completion keeps this share of its reward.", ge=0, le=1)
@@ -123,13 +133,18 @@ class RewardConfig:
     rel_tol: float = option(1e-2, "Relative tolerance of numeric answers (and of the step gate's numbers).", ge=0)
     abs_tol: float = option(1e-6, "Absolute tolerance of numeric answers (and of the step gate's numbers).", ge=0)
     malformed: Union[Literal["zero", "lenient"], None] = option(
-        None, "What a completion that fails the format check earns. zero: its answer and steps count 0, so it "
+        None,
+        "What a completion that fails the format check earns. zero: its answer and steps count 0, so it "
         "gets the minimal reward (CRYSTAL S6.3: 'Malformed outputs receive F=0 and minimal reward but still "
         "contribute gradients'); lenient: the answer and steps read leniently from it count. None: zero for "
-        "rewards with a reasoning component (CPR, composite), lenient for the others. Validation and evaluation metrics read leniently "
-        "either way, so every arm is measured alike.")
-    negative_weights: bool = option(False, "Allow negative reward weights (a penalty term on purpose); without "
-                                    "this a negative weight is refused as a likely typo.")
+        "rewards with a reasoning component (CPR, composite), lenient for the others. Validation and evaluation "
+        "metrics read leniently either way, so every arm is measured alike.",
+    )
+    negative_weights: bool = option(
+        False,
+        "Allow negative reward weights (a penalty term on purpose); without "
+        "this a negative weight is refused as a likely typo.",
+    )
 
 
 class RewardModule:
@@ -154,8 +169,9 @@ class RewardModule:
     #: dynamic sampling's ``metric: outcome`` gates on; None: the reward has none (that metric is refused).
     outcome_component: str | None = None
 
-    def __init__(self, config: RewardConfig | None = None, *, judge: Callable[[str, str], bool] | None = None,
-                 **params: Any) -> None:
+    def __init__(
+        self, config: RewardConfig | None = None, *, judge: Callable[[str, str], bool] | None = None, **params: Any
+    ) -> None:
         """``config`` (this class's ``config_class``) or its fields as keyword parameters;
         ``judge`` is an optional ``(predicted, truth) -> bool`` for free-form answers."""
         self.config = config if config is not None else self.make_config(params)
@@ -164,14 +180,25 @@ class RewardModule:
         if bad:
             raise ValueError(f"{type(self).__name__}.objectives {bad}: each must be one of {OBJECTIVES}")
         self.step_metric = cfg.step_metric
-        self._scorer_settings = dict(encoder=cfg.encoder, threshold=cfg.threshold, alpha=cfg.order_alpha,
-                                     matcher=cfg.matcher, device=cfg.device, batch_size=cfg.scorer_batch_size,
-                                     cache_size=cfg.cache_size, step_gate=cfg.step_gate, rel_tol=cfg.rel_tol,
-                                     abs_tol=cfg.abs_tol)
+        self._scorer_settings = dict(
+            encoder=cfg.encoder,
+            threshold=cfg.threshold,
+            alpha=cfg.order_alpha,
+            matcher=cfg.matcher,
+            device=cfg.device,
+            batch_size=cfg.scorer_batch_size,
+            cache_size=cfg.cache_size,
+            step_gate=cfg.step_gate,
+            rel_tol=cfg.rel_tol,
+            abs_tol=cfg.abs_tol,
+        )
         self.scorer = shared_scorer(**self._scorer_settings) if self.uses_steps else None
         use_guard = self.uses_steps if cfg.verbosity_guard is None else cfg.verbosity_guard
-        self.guard = (VerbosityGuard(cfg.guard_k, cfg.guard_window, cfg.guard_factor, cfg.guard_min_history)
-                      if use_guard else None)
+        self.guard = (
+            VerbosityGuard(cfg.guard_k, cfg.guard_window, cfg.guard_factor, cfg.guard_min_history)
+            if use_guard
+            else None
+        )
         self.answer_options = {"rel_tol": cfg.rel_tol, "abs_tol": cfg.abs_tol, "judge": judge}
         rewards_steps = "reasoning" in self.objectives.values()
         self.malformed = cfg.malformed or ("zero" if rewards_steps else "lenient")
@@ -187,15 +214,19 @@ class RewardModule:
         if unknown:
             near = difflib.get_close_matches(unknown[0], names, n=1)
             hint = f": did you mean {near[0]!r}?" if near else ""
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))} for reward {cls.name!r} "
-                              f"(unknown parameter {unknown[0]!r}{hint}); allowed: {', '.join(sorted(names))}")
+            raise ConfigError(
+                f"{where}: unknown key(s) {', '.join(map(repr, unknown))} for reward {cls.name!r} "
+                f"(unknown parameter {unknown[0]!r}{hint}); allowed: {', '.join(sorted(names))}"
+            )
         config = from_dict(cls.config_class, dict(params), where)
         if not config.negative_weights:
             for f in dataclasses.fields(config):
                 value = getattr(config, f.name)
                 if f.metadata.get("weight") and isinstance(value, (int, float)) and value < 0:
-                    raise ConfigError(f"{where}.{f.name}: invalid value {value!r}; a reward weight must be >= 0 (set "
-                                      f"{where}.negative_weights: true if the penalty is meant)")
+                    raise ConfigError(
+                        f"{where}.{f.name}: invalid value {value!r}; a reward weight must be >= 0 (set "
+                        f"{where}.negative_weights: true if the penalty is meant)"
+                    )
         return config
 
     # -- to implement -----------------------------------------------------------------
@@ -204,8 +235,9 @@ class RewardModule:
         raise NotImplementedError
 
     # -- the one evaluation (rewards/evaluation.py) -------------------------------------
-    def score(self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]],
-              with_steps: bool | None = None) -> Scored:
+    def score(
+        self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]], with_steps: bool | None = None
+    ) -> Scored:
         """Parse, check answers and match steps for these rows; no guard, no state.
 
         ``completions``: model output (text, TRL's message lists, anything: it never
@@ -215,8 +247,9 @@ class RewardModule:
         when ``with_steps`` asks (validation reports Match F1 for every reward).
         """
         scorer = self._scorer() if (self.uses_steps if with_steps is None else with_steps) else None
-        return evaluate(completions, rows, scorer=scorer, step_metric=self.step_metric,
-                        answer_options=self.answer_options)
+        return evaluate(
+            completions, rows, scorer=scorer, step_metric=self.step_metric, answer_options=self.answer_options
+        )
 
     def pin_references(self, rows: Any) -> int:
         """Embed every reference step of ``rows`` (a ``datasets.Dataset`` or a list of
@@ -225,8 +258,11 @@ class RewardModule:
         if not self.uses_steps:
             return 0
         names = getattr(rows, "column_names", None)
-        column = ((lambda k: rows[k] if k in names else [None] * len(rows)) if names is not None
-                  else (lambda k: [r.get(k) for r in rows]))
+        column = (
+            (lambda k: rows[k] if k in names else [None] * len(rows))
+            if names is not None
+            else (lambda k: [r.get(k) for r in rows])
+        )
         chains = map(reference_chains, column("reference_steps"), column("reference_sets"))
         return self._scorer().pin(step for cs in chains for chain in cs or [] for step in chain)
 
@@ -275,8 +311,10 @@ class RewardModule:
             bad = values.isinf() | (values.abs() > MAX_REWARD)
             if bool(bad.any()):
                 i = int(bad.nonzero()[0])
-                raise RewardFunctionError(f"reward {self.name or type(self).__name__!r}: component {name!r} is "
-                                          f"{value_problem(float(values[i]))} for completion {i} of the batch")
+                raise RewardFunctionError(
+                    f"reward {self.name or type(self).__name__!r}: component {name!r} is "
+                    f"{value_problem(float(values[i]))} for completion {i} of the batch"
+                )
         return comps
 
     def as_rewarded(self, batch: Batch) -> Batch:
@@ -292,9 +330,15 @@ class RewardModule:
         evaluation's own names win where a component has the same name."""
         comps = self.checked_components(batch)
         extra = {} if batch.extra is None else {n: batch.extra[:, i] for i, n in enumerate(self.extra_fields)}
-        return {**extra, **comps, "accuracy": batch.correct, "format_rate": batch.format_ok, "steps_mean": batch.n_pred,
-                **{f: getattr(batch, f) for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1")},
-                "reward": total(comps, len(batch))}
+        return {
+            **extra,
+            **comps,
+            "accuracy": batch.correct,
+            "format_rate": batch.format_ok,
+            "steps_mean": batch.n_pred,
+            **{f: getattr(batch, f) for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1")},
+            "reward": total(comps, len(batch)),
+        }
 
     def metrics(self, batch: Batch) -> dict[str, float]:
         """The metric table's ``reward`` rows for a batch, in table order: what validation and

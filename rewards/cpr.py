@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     import torch
 
 
-def cpr_reward(f1: torch.Tensor, correct: torch.Tensor, a_w: float = 0.65, s_w: float = 0.35,
-               lam: float = 0.3) -> torch.Tensor:
+def cpr_reward(
+    f1: torch.Tensor, correct: torch.Tensor, a_w: float = 0.65, s_w: float = 0.35, lam: float = 0.3
+) -> torch.Tensor:
     """Eq. 7 in one line, for readers and tests."""
     return (a_w + s_w * f1).where(correct.bool(), s_w * f1 * lam)
 
@@ -30,8 +31,9 @@ class CPRConfig(RewardConfig):
 
     answer_weight: float = option(0.65, "a_w: reward of a correct answer.", weight=True)
     step_weight: float = option(0.35, "s_w: weight of the step score (Match F1).", weight=True)
-    wrong_answer_discount: float = option(0.3, "lambda: share of the step reward kept when the answer is wrong.",
-                                          weight=True)
+    wrong_answer_discount: float = option(
+        0.3, "lambda: share of the step reward kept when the answer is wrong.", weight=True
+    )
 
 
 class CPRReward(RewardModule):

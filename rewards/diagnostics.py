@@ -39,7 +39,7 @@ def diagnostics(batch: Batch, comps: dict[str, torch.Tensor], flagged: torch.Ten
     reward = total(comps, len(batch))
     c = batch.correct.bool()
     refs = batch.has_refs.bool()
-    mean = lambda t: float(t.mean()) if len(t) else math.nan  # noqa: E731
+    mean = lambda t: float(t.mean()) if len(t) else math.nan
     out = {
         "accuracy": mean(batch.correct),
         "format_rate": mean(batch.format_ok),

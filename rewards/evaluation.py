@@ -33,8 +33,7 @@ MAX_SCORED_STEPS = 256
 StepMetric = Literal["f1", "ordered_f1"]
 STEP_METRICS: tuple[str, ...] = typing.get_args(StepMetric)
 
-FIELDS = ("correct", "format_ok", "has_refs", "n_pred", "step",
-          "precision", "recall", "f1", "lis_ratio", "ordered_f1")
+FIELDS = ("correct", "format_ok", "has_refs", "n_pred", "step", "precision", "recall", "f1", "lis_ratio", "ordered_f1")
 #: The step scores of a row (NaN without references; 0 for a malformed completion under ``malformed: zero``).
 STEP_FIELDS = ("step", "precision", "recall", "f1", "ordered_f1")
 #: Columns of a data row the evaluation reads (docs/method.md section 1); any other key is ignored.
@@ -74,15 +73,15 @@ class Batch:
         return base if self.extra is None else torch.cat([base, self.extra.to(base)], dim=1)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor, extra: int = 0) -> "Batch":
+    def from_tensor(cls, t: torch.Tensor, extra: int = 0) -> Batch:
         t = t.double().reshape(-1, len(FIELDS) + extra)
-        return cls(**{f: t[:, i] for i, f in enumerate(FIELDS)}, extra=t[:, len(FIELDS):] if extra else None)
+        return cls(**{f: t[:, i] for i, f in enumerate(FIELDS)}, extra=t[:, len(FIELDS) :] if extra else None)
 
     def rows(self) -> list[list[float]]:
         return self.as_tensor().tolist()
 
     @classmethod
-    def from_rows(cls, rows: list[list[float]], extra: int = 0) -> "Batch":
+    def from_rows(cls, rows: list[list[float]], extra: int = 0) -> Batch:
         import torch
 
         return cls.from_tensor(torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(FIELDS) + extra), extra)
@@ -118,14 +117,24 @@ def is_correct(predicted: str | None, truth: Any, choices: Any, opts: Mapping[st
     if predicted is None or truth is None:
         return False
     try:
-        return answers_match(predicted, truth if isinstance(truth, (int, float)) else str(truth),
-                             choices if isinstance(choices, (list, tuple)) else None, **opts)
+        return answers_match(
+            predicted,
+            truth if isinstance(truth, (int, float)) else str(truth),
+            choices if isinstance(choices, (list, tuple)) else None,
+            **opts,
+        )
     except Exception:  # noqa: BLE001 - a reward must never crash training
         return False
 
 
-def evaluate(completions: Sequence[Any], rows: Sequence[Mapping[str, Any]], *, scorer: MatchF1Scorer | None,
-             step_metric: str, answer_options: Mapping[str, Any]) -> Scored:
+def evaluate(
+    completions: Sequence[Any],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    scorer: MatchF1Scorer | None,
+    step_metric: str,
+    answer_options: Mapping[str, Any],
+) -> Scored:
     """Parse, check answers and (with a ``scorer``) match steps for these rows; no guard, no state.
 
     ``completions``: model output (text, TRL's message lists, anything: it never raises) or
@@ -137,17 +146,29 @@ def evaluate(completions: Sequence[Any], rows: Sequence[Mapping[str, Any]], *, s
     parsed = [c if isinstance(c, ParsedOutput) else parse_completion(c) for c in completions]
     n = len(parsed)
     col = {k: [r.get(k) if isinstance(r, Mapping) else None for r in rows] for k in COLUMNS}
-    refs = ([reference_chains(s, sets) for s, sets in zip(col["reference_steps"], col["reference_sets"])]
-            if scorer is not None else [None] * n)
-    f64 = lambda xs: torch.tensor(xs, dtype=torch.float64).reshape(n)  # noqa: E731
-    nan = lambda: torch.full((n,), math.nan, dtype=torch.float64)  # noqa: E731
+    refs = (
+        [reference_chains(s, sets) for s, sets in zip(col["reference_steps"], col["reference_sets"])]
+        if scorer is not None
+        else [None] * n
+    )
+    f64 = lambda xs: torch.tensor(xs, dtype=torch.float64).reshape(n)
+    nan = lambda: torch.full((n,), math.nan, dtype=torch.float64)
     batch = Batch(
-        correct=f64([float(is_correct(p.answer, a, ch, answer_options))
-                     for p, a, ch in zip(parsed, col["answer"], col["choices"])]),
+        correct=f64(
+            [
+                float(is_correct(p.answer, a, ch, answer_options))
+                for p, a, ch in zip(parsed, col["answer"], col["choices"])
+            ]
+        ),
         format_ok=f64([float(p.format_ok) for p in parsed]),
         has_refs=f64([float(r is not None) for r in refs]),
         n_pred=f64([float(len(p.steps)) for p in parsed]),
-        step=nan(), precision=nan(), recall=nan(), f1=nan(), lis_ratio=nan(), ordered_f1=nan(),
+        step=nan(),
+        precision=nan(),
+        recall=nan(),
+        f1=nan(),
+        lis_ratio=nan(),
+        ordered_f1=nan(),
     )
     step_rows = [i for i, r in enumerate(refs) if r is not None]
     scores = None
@@ -164,7 +185,7 @@ def zero_malformed(batch: Batch) -> Batch:
     """The batch with every completion that fails the format check neither correct nor matching
     any step (``malformed: zero``, CRYSTAL S6.3); rows without references keep NaN step scores."""
     bad = batch.format_ok == 0
-    zeroed = lambda t: t.masked_fill(bad & ~t.isnan(), 0.0)  # noqa: E731
-    return dataclasses.replace(batch, correct=batch.correct.masked_fill(bad, 0.0),
-                               **{f: zeroed(getattr(batch, f)) for f in STEP_FIELDS})
-
+    zeroed = lambda t: t.masked_fill(bad & ~t.isnan(), 0.0)
+    return dataclasses.replace(
+        batch, correct=batch.correct.masked_fill(bad, 0.0), **{f: zeroed(getattr(batch, f)) for f in STEP_FIELDS}
+    )

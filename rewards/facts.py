@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from crystal_grpo.rewards.answers import DIGITS, EXPONENT, PERCENT, PLAIN_PUNCTUATION, Number, numbers_match
+from crystal_grpo.rewards.answers import DIGITS, EXPONENT, PERCENT, PLAIN_PUNCTUATION, Number
 from crystal_grpo.rewards.text import clean_text
 
 if TYPE_CHECKING:
@@ -63,7 +63,8 @@ _TOKEN = re.compile(
     r"|(?P<opword>\b(?:plus|minus|times|multiplied\s+by|divided\s+by)\b)"
     r"|(?P<word>[^\W\d_]{2,}(?:-[^\W\d_]{2,})*)"
     r"|(?P<variable>(?<![^\W\d_])[^\W\d_](?:\d+|_[^\W_]+)?'*(?![^\W_]))"
-    r"|(?P<operator><=|>=|!=|[-+*/^×·÷<>≤≥≠√])")
+    r"|(?P<operator><=|>=|!=|[-+*/^×·÷<>≤≥≠√])"
+)
 #: A step's leading label ("Step 2:", "2.", "(2)", "2)") is not a fact.
 _LABEL = re.compile(r"\s*(?:step\s*\d+\s*[.):]?|\(?\d+[.):])\s+")
 _NUMBER_PARTS = re.compile(r"(?:[$€£¥₹]\s*)?" + DIGITS + EXPONENT + PERCENT)
@@ -105,9 +106,16 @@ def _operator_words(tokens: list[re.Match], text: str) -> list[bool]:
     """Which tokens are operator words that act as operators: each is joined (by spaces only) to an
     operand on both sides ("9 plus 3"; not "3 times bigger", not "times, 4")."""
     operand = [m.lastgroup in ("number", "variable") for m in tokens]
-    joined = [not text[a.end():b.start()].strip() for a, b in zip(tokens, tokens[1:])]  # token i and i + 1
-    return [m.lastgroup == "opword" and 0 < i < len(tokens) - 1 and operand[i - 1] and operand[i + 1]
-            and joined[i - 1] and joined[i] for i, m in enumerate(tokens)]
+    joined = [not text[a.end() : b.start()].strip() for a, b in zip(tokens, tokens[1:])]  # token i and i + 1
+    return [
+        m.lastgroup == "opword"
+        and 0 < i < len(tokens) - 1
+        and operand[i - 1]
+        and operand[i + 1]
+        and joined[i - 1]
+        and joined[i]
+        for i, m in enumerate(tokens)
+    ]
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -115,10 +123,10 @@ def step_facts(step: str) -> Facts:
     """The facts ``step`` states (module docstring). Any str reads without raising."""
     text = unicodedata.normalize("NFKC", clean_text(step)).translate(PLAIN_PUNCTUATION).casefold()
     label = _LABEL.match(text)
-    text = text[label.end():] if label else text
+    text = text[label.end() :] if label else text
     tokens = list(_TOKEN.finditer(text))
     acts = _operator_words(tokens, text)
-    beside_word = lambda i: (i > 0 and acts[i - 1]) or (i + 1 < len(acts) and acts[i + 1])  # noqa: E731
+    beside_word = lambda i: (i > 0 and acts[i - 1]) or (i + 1 < len(acts) and acts[i + 1])
     skeleton: list[str] = []
     numbers: list[Number] = []
     for i, m in enumerate(tokens):
@@ -130,14 +138,16 @@ def step_facts(step: str) -> Facts:
             skeleton.append(OPERATOR_WORDS[_SPACE.sub(" ", token)])
         elif kind == "operator":
             skeleton.append(OPERATOR_SYMBOLS.get(token, token))
-        elif kind == "variable" and (token not in _ARTICLE_LIKE or beside_word(i)
-                                     or _beside_maths(text, m.start(), m.end())):
+        elif kind == "variable" and (
+            token not in _ARTICLE_LIKE or beside_word(i) or _beside_maths(text, m.start(), m.end())
+        ):
             skeleton.append(token)
     return Facts(tuple(skeleton), tuple(numbers))
 
 
-def numbers_agree(facts: Sequence[Facts], a: torch.Tensor, b: torch.Tensor, rel_tol: float,
-                  abs_tol: float) -> torch.Tensor:
+def numbers_agree(
+    facts: Sequence[Facts], a: torch.Tensor, b: torch.Tensor, rel_tol: float, abs_tol: float
+) -> torch.Tensor:
     """``[P]`` bool: whether ``facts[a[p]]`` and ``facts[b[p]]`` (the same count of numbers) have their
     numbers pairwise equal in order, as ``answers.numbers_match`` compares two numbers, all at once."""
     import torch
@@ -171,8 +181,9 @@ def facts_agree(a: Facts, b: Facts, rel_tol: float, abs_tol: float) -> bool:
     return bool(numbers_agree([a, b], torch.tensor([0]), torch.tensor([1]), rel_tol, abs_tol)[0])
 
 
-def gate_blocks(pred_text: torch.Tensor, ref_text: torch.Tensor, steps: Sequence[str], rel_tol: float,
-                abs_tol: float) -> torch.Tensor:
+def gate_blocks(
+    pred_text: torch.Tensor, ref_text: torch.Tensor, steps: Sequence[str], rel_tol: float, abs_tol: float
+) -> torch.Tensor:
     """Which (predicted, reference) step pairs may match: ``[C, U, M]`` bool for ``[C, U]`` and
     ``[C, M]`` indices into ``steps`` (padding: any value, its entries are not read).
 
@@ -185,9 +196,10 @@ def gate_blocks(pred_text: torch.Tensor, ref_text: torch.Tensor, steps: Sequence
     skeleton_ids: dict[tuple[str, ...], int] = {}
     facts = [step_facts(s) for s in steps]
     fid = torch.tensor([fact_ids.setdefault(f, len(fact_ids)) for f in facts] or [0], dtype=torch.long)
-    sid = torch.tensor([skeleton_ids.setdefault(f.skeleton, len(skeleton_ids)) for f in facts] or [0],
-                       dtype=torch.long)
-    pick = lambda ids, idx: ids.to(idx.device)[idx.clamp(min=0)]  # noqa: E731
+    sid = torch.tensor(
+        [skeleton_ids.setdefault(f.skeleton, len(skeleton_ids)) for f in facts] or [0], dtype=torch.long
+    )
+    pick = lambda ids, idx: ids.to(idx.device)[idx.clamp(min=0)]
     fp, fr = pick(fid, pred_text).unsqueeze(2), pick(fid, ref_text).unsqueeze(1)
     agree = fp == fr
     near = (pick(sid, pred_text).unsqueeze(2) == pick(sid, ref_text).unsqueeze(1)) & ~agree

@@ -49,36 +49,136 @@ _NORMAL_STEPS = [
     "Look at the second row of the table.",
     "Subtract the smaller number from the larger one.",
 ]
-_UNICODE_STEPS = ["\u0661\u0662 \u0966\u0967 \uff11\uff12", "\u216b \u00bd \u00b2", "\u4e00\u4e8c\u4e09",
-                  "\U0001F600" * 50, "\u0301" * 200, "\u00e9t\u00e9 \u2212 1"]
-_LONG_STEPS = ["a" + " " * 20_000 + "b", "\t \n" * 5_000, "word " * 20_000, "x" * 100_000,
-               "answer: " + " " * 3_000 + "B", "$" + " " * 5_000 + "12", "per" + " " * 5_000 + "cent", "1 " * 3_000,
-               "`" * 20_000, "{" * 20_000]
+_UNICODE_STEPS = [
+    "\u0661\u0662 \u0966\u0967 \uff11\uff12",
+    "\u216b \u00bd \u00b2",
+    "\u4e00\u4e8c\u4e09",
+    "\U0001f600" * 50,
+    "\u0301" * 200,
+    "\u00e9t\u00e9 \u2212 1",
+]
+_LONG_STEPS = [
+    "a" + " " * 20_000 + "b",
+    "\t \n" * 5_000,
+    "word " * 20_000,
+    "x" * 100_000,
+    "answer: " + " " * 3_000 + "B",
+    "$" + " " * 5_000 + "12",
+    "per" + " " * 5_000 + "cent",
+    "1 " * 3_000,
+    "`" * 20_000,
+    "{" * 20_000,
+]
 _HOSTILE_STEPS = [
-    "\ud800", "\udfff", "a \ud83d b", "\ud83d\ude00 smile", "\ufffd", "\x00", "\x00\x01\x02\x7f",
-    "\x1b[31mred\x1b[0m", "\u200b\u200c\u200d", "\ufeffBOM", "\u202eright-to-left", "\r\n\t",
-    "`" * 500, "```json", "{", "}", "[[[[", '"', "\\", "\\u", "NaN", "Infinity", "-1e999",
-    "9" * 5000, "(B)", "**B**", "\u201cB\u201d", *_UNICODE_STEPS, *_LONG_STEPS,
+    "\ud800",
+    "\udfff",
+    "a \ud83d b",
+    "\ud83d\ude00 smile",
+    "\ufffd",
+    "\x00",
+    "\x00\x01\x02\x7f",
+    "\x1b[31mred\x1b[0m",
+    "\u200b\u200c\u200d",
+    "\ufeffBOM",
+    "\u202eright-to-left",
+    "\r\n\t",
+    "`" * 500,
+    "```json",
+    "{",
+    "}",
+    "[[[[",
+    '"',
+    "\\",
+    "\\u",
+    "NaN",
+    "Infinity",
+    "-1e999",
+    "9" * 5000,
+    "(B)",
+    "**B**",
+    "\u201cB\u201d",
+    *_UNICODE_STEPS,
+    *_LONG_STEPS,
 ]
 STEP_POOL: list[str] = _NORMAL_STEPS + _HOSTILE_STEPS
 REFERENCE_POOL: list[list[str]] = [
-    _NORMAL_STEPS[0:4], _NORMAL_STEPS[4:8], _NORMAL_STEPS[8:12], _NORMAL_STEPS[12:18],
-    ["A single reference step."], ["\ud800 a reference with a lone surrogate", "step two"],
+    _NORMAL_STEPS[0:4],
+    _NORMAL_STEPS[4:8],
+    _NORMAL_STEPS[8:12],
+    _NORMAL_STEPS[12:18],
+    ["A single reference step."],
+    ["\ud800 a reference with a lone surrogate", "step two"],
 ]
 TRUTHS = ["9", "12", "B", "A", "yes", "no", "Paris", "3/4", "50%", "-3", "1,234.5", "0.5", "STOP", "twelve"]
 CHOICES = [None, None, ["10 apples", "12 apples", "14 apples", "Paris"], ["north", "south"]]
 
-_LETTER_FORMS = ["{}", "({})", "{}.", "{})", "option {}", "Option ({})", "the answer is {}", "Answer: {}",
-                 "\u201c{}\u201d", "\u2018{}\u2019", '"{}"', "'{}'", "[{}]", "{{{}}}", "<{}>", "\u300c{}\u300d",
-                 "\u3010{}\u3011", "\uff08{}\uff09", "**{}**", "*{}*", "`{}`", "__{}__", "({}).", "**({})**",
-                 "Answer: [{}]", "option \u201c{}\u201d", "{} 12 apples", "({}) Paris", "[[{}]]", "{}?"]
-_NUMBER_FORMS = ["{}", "{}.0", "${}", "\u20ac{}", "{} sheep", "{}km", "The answer is {}.", "-{}", "\u2212{}",
-                 "{},000", "{}/4", "{}%", "{} percent", "{} per cent", "{}e3", ".{}", "{} apples and 4 pears",
-                 "$ {}", "- $ {}", "{} / 2", "\uff11\uff12", "\u0661\u0662", "\u00bd", "1,2345", "1-2", "{}" + "0" * 400,
-                 "\u00a3  {}", "+{}", "{}" + " " * 2_000 + "%"]
+_LETTER_FORMS = [
+    "{}",
+    "({})",
+    "{}.",
+    "{})",
+    "option {}",
+    "Option ({})",
+    "the answer is {}",
+    "Answer: {}",
+    "\u201c{}\u201d",
+    "\u2018{}\u2019",
+    '"{}"',
+    "'{}'",
+    "[{}]",
+    "{{{}}}",
+    "<{}>",
+    "\u300c{}\u300d",
+    "\u3010{}\u3011",
+    "\uff08{}\uff09",
+    "**{}**",
+    "*{}*",
+    "`{}`",
+    "__{}__",
+    "({}).",
+    "**({})**",
+    "Answer: [{}]",
+    "option \u201c{}\u201d",
+    "{} 12 apples",
+    "({}) Paris",
+    "[[{}]]",
+    "{}?",
+]
+_NUMBER_FORMS = [
+    "{}",
+    "{}.0",
+    "${}",
+    "\u20ac{}",
+    "{} sheep",
+    "{}km",
+    "The answer is {}.",
+    "-{}",
+    "\u2212{}",
+    "{},000",
+    "{}/4",
+    "{}%",
+    "{} percent",
+    "{} per cent",
+    "{}e3",
+    ".{}",
+    "{} apples and 4 pears",
+    "$ {}",
+    "- $ {}",
+    "{} / 2",
+    "\uff11\uff12",
+    "\u0661\u0662",
+    "\u00bd",
+    "1,2345",
+    "1-2",
+    "{}" + "0" * 400,
+    "\u00a3  {}",
+    "+{}",
+    "{}" + " " * 2_000 + "%",
+]
 
 
 # --- the shapes ----------------------------------------------------------------------
+
 
 def _rand_text(rng: random.Random, max_len: int = 40) -> str:
     """Random unicode: mostly ASCII, some of every plane, lone surrogates included."""
@@ -152,7 +252,7 @@ def _near_json(rng, truth):
         lambda t: "[" + t + "]",
         lambda t: t.replace('"answer"', '"Answer"'),
         lambda t: "// comment\n" + t,
-        lambda t: (lambda i: t[:i] + rng.choice("{}[]\",:\\") + t[i:])(rng.randrange(len(t) + 1)),
+        lambda t: (lambda i: t[:i] + rng.choice('{}[]",:\\') + t[i:])(rng.randrange(len(t) + 1)),
     ]
     return rng.choice(edits)(text)
 
@@ -164,65 +264,111 @@ def _truncated(rng, truth):
 
 def _surrogates(rng, truth):
     lone = [chr(rng.randint(0xD800, 0xDFFF)) for _ in range(3)]
-    obj = {"reasoning_steps": [lone[0], "step " + lone[1], rng.choice(STEP_POOL)],
-           "answer": rng.choice([truth + lone[2], lone[2] + " " + truth, lone[2]])}
+    obj = {
+        "reasoning_steps": [lone[0], "step " + lone[1], rng.choice(STEP_POOL)],
+        "answer": rng.choice([truth + lone[2], lone[2] + " " + truth, lone[2]]),
+    }
     text = _dumps(rng, obj)
     return rng.choice([text, lone[0] + text, text + lone[1], "```json\n" + text + "\n```" + lone[2]])
 
 
 def _numbers(rng, truth):
-    literal = rng.choice(["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1" + "0" * 400, "9" * 5_000,
-                          "1e-999", "0.1e400", "123456789012345678901234567890", "-0"])
+    literal = rng.choice(
+        [
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "1e999",
+            "-1e999",
+            "1" + "0" * 400,
+            "9" * 5_000,
+            "1e-999",
+            "0.1e400",
+            "123456789012345678901234567890",
+            "-0",
+        ]
+    )
     steps = '["a step", ' + literal + "]" if rng.random() < 0.5 else '["a step"]'
     return '{"reasoning_steps": ' + steps + ', "answer": ' + literal + "}"
 
 
 def _deep(rng, truth):
     d = rng.choice([50, 1_000, 5_000, 50_000])
-    return rng.choice([
-        "[" * d + "]" * d,
-        '{"a":' * d + "1" + "}" * d,
-        '{"reasoning_steps": ' + "[" * d + '"x"' + "]" * d + ', "answer": "9"}',
-        '{"reasoning_steps": ["a"], "answer": ' + "[" * d + "]" * d + "}",
-        "{" * d,
-    ])
+    return rng.choice(
+        [
+            "[" * d + "]" * d,
+            '{"a":' * d + "1" + "}" * d,
+            '{"reasoning_steps": ' + "[" * d + '"x"' + "]" * d + ', "answer": "9"}',
+            '{"reasoning_steps": ["a"], "answer": ' + "[" * d + "]" * d + "}",
+            "{" * d,
+        ]
+    )
 
 
 def _whitespace(rng, truth):
     n = rng.choice([1_000, 20_000, 100_000])
     ws = rng.choice([" ", "\t", " \t", "\n", "\u00a0", "\u3000", "\r\n"])
-    return rng.choice([
-        "```" + ws * n + "x",
-        "```json" + ws * n + "`` x",
-        _dumps(rng, {"reasoning_steps": ["a"], "answer": "a" + ws * n + "b"}),
-        _dumps(rng, {"reasoning_steps": ["a"], "answer": "$" + ws * n + truth}),
-        _dumps(rng, {"reasoning_steps": ["a"], "answer": "9 per" + ws * n + "x"}),
-        _dumps(rng, {"reasoning_steps": ["a"], "answer": "option" + ws * n + "!"}),
-        ws * n + _dumps(rng, _obj(rng, truth)) + ws * n,
-    ])
+    return rng.choice(
+        [
+            "```" + ws * n + "x",
+            "```json" + ws * n + "`` x",
+            _dumps(rng, {"reasoning_steps": ["a"], "answer": "a" + ws * n + "b"}),
+            _dumps(rng, {"reasoning_steps": ["a"], "answer": "$" + ws * n + truth}),
+            _dumps(rng, {"reasoning_steps": ["a"], "answer": "9 per" + ws * n + "x"}),
+            _dumps(rng, {"reasoning_steps": ["a"], "answer": "option" + ws * n + "!"}),
+            ws * n + _dumps(rng, _obj(rng, truth)) + ws * n,
+        ]
+    )
 
 
 def _backticks(rng, truth):
     n = rng.choice([10, 1_000, 20_000, 100_000])
-    return rng.choice(["`" * n, "`` " * (n // 3), "```" * (n // 3) + _dumps(rng, _obj(rng, truth)),
-                       "```json\n" + _dumps(rng, _obj(rng, truth)) + "\n" + "`" * n])
+    return rng.choice(
+        [
+            "`" * n,
+            "`` " * (n // 3),
+            "```" * (n // 3) + _dumps(rng, _obj(rng, truth)),
+            "```json\n" + _dumps(rng, _obj(rng, truth)) + "\n" + "`" * n,
+        ]
+    )
 
 
 def _unicode(rng, truth):
-    answer = rng.choice(["\u0661\u0662", "\uff11\uff12", "\u216b", "\u4e00\u4e8c", "\u00bd", "\u00b9\u00b2",
-                         "\uff22", "\u0392", "\u0411", "\u05d1", "\u00e9t\u00e9", "\U0001d401", "\u2474"])
+    answer = rng.choice(
+        [
+            "\u0661\u0662",
+            "\uff11\uff12",
+            "\u216b",
+            "\u4e00\u4e8c",
+            "\u00bd",
+            "\u00b9\u00b2",
+            "\uff22",
+            "\u0392",
+            "\u0411",
+            "\u05d1",
+            "\u00e9t\u00e9",
+            "\U0001d401",
+            "\u2474",
+        ]
+    )
     return _dumps(rng, {"reasoning_steps": [rng.choice(_UNICODE_STEPS)], "answer": answer})
 
 
 def _control(rng, truth):
     junk = "".join(chr(rng.randint(0, 31)) for _ in range(rng.randint(1, 50)))
-    return rng.choice([junk, junk + _dumps(rng, _obj(rng, truth)),
-                       _dumps(rng, {"reasoning_steps": [junk], "answer": truth + junk})])
+    return rng.choice(
+        [junk, junk + _dumps(rng, _obj(rng, truth)), _dumps(rng, {"reasoning_steps": [junk], "answer": truth + junk})]
+    )
 
 
 def _long_steps(rng, truth):
-    return _dumps(rng, {"reasoning_steps": [rng.choice(_LONG_STEPS) for _ in range(rng.randint(1, 4))],
-                        "answer": _answer(rng, truth)})
+    return _dumps(
+        rng,
+        {
+            "reasoning_steps": [rng.choice(_LONG_STEPS) for _ in range(rng.randint(1, 4))],
+            "answer": _answer(rng, truth),
+        },
+    )
 
 
 def _many_steps(rng, truth):
@@ -231,13 +377,23 @@ def _many_steps(rng, truth):
 
 
 def _letters(rng, truth):
-    return _dumps(rng, {"reasoning_steps": [rng.choice(_NORMAL_STEPS)],
-                        "answer": rng.choice(_LETTER_FORMS).format(rng.choice("ABCDabz"))})
+    return _dumps(
+        rng,
+        {
+            "reasoning_steps": [rng.choice(_NORMAL_STEPS)],
+            "answer": rng.choice(_LETTER_FORMS).format(rng.choice("ABCDabz")),
+        },
+    )
 
 
 def _number_forms(rng, truth):
-    return _dumps(rng, {"reasoning_steps": [rng.choice(_NORMAL_STEPS)],
-                        "answer": rng.choice(_NUMBER_FORMS).format(rng.choice(["9", "12", "0", "50", "3"]))})
+    return _dumps(
+        rng,
+        {
+            "reasoning_steps": [rng.choice(_NORMAL_STEPS)],
+            "answer": rng.choice(_NUMBER_FORMS).format(rng.choice(["9", "12", "0", "50", "3"])),
+        },
+    )
 
 
 def _random_unicode(rng, truth):
@@ -246,28 +402,65 @@ def _random_unicode(rng, truth):
 
 def _conversational(rng, truth):
     text = _dumps(rng, _obj(rng, truth))
-    return rng.choice([
-        [{"role": "assistant", "content": text}],
-        [{"role": "assistant", "content": [{"type": "text", "text": text[:10]}, {"type": "image"},
-                                           {"type": "text", "text": text[10:]}]}],
-        [{"role": "user", "content": "Q?"}, {"content": text}],
-        [{"role": "assistant", "content": None}],
-        {"role": "assistant", "content": text},
-    ])
+    return rng.choice(
+        [
+            [{"role": "assistant", "content": text}],
+            [
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": text[:10]},
+                        {"type": "image"},
+                        {"type": "text", "text": text[10:]},
+                    ],
+                }
+            ],
+            [{"role": "user", "content": "Q?"}, {"content": text}],
+            [{"role": "assistant", "content": None}],
+            {"role": "assistant", "content": text},
+        ]
+    )
 
 
 def _junk(rng, truth):
-    return rng.choice([None, 0, 3.5, True, b"\xff\xfe{", b'{"reasoning_steps": [], "answer": "9"}', [], {},
-                       [[[]]], [None, 1], {"content": 5}, object(), float("nan")])
+    return rng.choice(
+        [
+            None,
+            0,
+            3.5,
+            True,
+            b"\xff\xfe{",
+            b'{"reasoning_steps": [], "answer": "9"}',
+            [],
+            {},
+            [[[]]],
+            [None, 1],
+            {"content": 5},
+            object(),
+            float("nan"),
+        ]
+    )
 
 
 SHAPES: dict[str, Callable[[random.Random, str], Any]] = {
-    "valid JSON": _valid, "fenced": _fenced, "near-JSON": _near_json, "truncated JSON": _truncated,
-    "lone surrogates": _surrogates, "huge/NaN/Infinity numbers": _numbers, "deep nesting": _deep,
-    "long whitespace runs": _whitespace, "many backticks": _backticks, "unicode letters/digits": _unicode,
-    "control characters": _control, "very long steps": _long_steps, "thousands of steps": _many_steps,
-    "option-letter wrappings": _letters, "number surface forms": _number_forms,
-    "random unicode": _random_unicode, "conversational": _conversational, "junk objects": _junk,
+    "valid JSON": _valid,
+    "fenced": _fenced,
+    "near-JSON": _near_json,
+    "truncated JSON": _truncated,
+    "lone surrogates": _surrogates,
+    "huge/NaN/Infinity numbers": _numbers,
+    "deep nesting": _deep,
+    "long whitespace runs": _whitespace,
+    "many backticks": _backticks,
+    "unicode letters/digits": _unicode,
+    "control characters": _control,
+    "very long steps": _long_steps,
+    "thousands of steps": _many_steps,
+    "option-letter wrappings": _letters,
+    "number surface forms": _number_forms,
+    "random unicode": _random_unicode,
+    "conversational": _conversational,
+    "junk objects": _junk,
 }
 MIXED = "mixed"
 
@@ -310,6 +503,7 @@ def hostile_batches(n: int, seed: int = 0, batch: int = 16) -> Iterator[FuzzBatc
 
 # --- the runner ----------------------------------------------------------------------
 
+
 @dataclass
 class RewardStats:
     """What one reward module did with the fuzzed completions."""
@@ -331,14 +525,21 @@ class RewardStats:
 def call_reward(module: Any, fb: FuzzBatch, log: dict) -> list[list[Any]]:
     """Every component function of ``module`` on one batch, called the way TRL calls them."""
     n = len(fb.completions)
-    kwargs = {"prompts": [""] * n, "completions": list(fb.completions), "answer": [fb.truth] * n,
-              "reference_steps": [fb.references] * n, "reference_sets": [fb.reference_sets] * n,
-              "choices": [fb.choices] * n, "log_metric": log.__setitem__}
+    kwargs = {
+        "prompts": [""] * n,
+        "completions": list(fb.completions),
+        "answer": [fb.truth] * n,
+        "reference_steps": [fb.references] * n,
+        "reference_sets": [fb.reference_sets] * n,
+        "choices": [fb.choices] * n,
+        "log_metric": log.__setitem__,
+    }
     return [f(**kwargs) for f in module.reward_funcs()]
 
 
-def fuzz(modules: dict[str, Any], n: int, seed: int = 0, batch: int = 16,
-         progress: Callable[[int], None] | None = None) -> dict[str, RewardStats]:
+def fuzz(
+    modules: dict[str, Any], n: int, seed: int = 0, batch: int = 16, progress: Callable[[int], None] | None = None
+) -> dict[str, RewardStats]:
     """Run ``n`` hostile completions through every module; never raises on a reward failure."""
     stats = {name: RewardStats(name) for name in modules}
     done = 0
@@ -351,8 +552,13 @@ def fuzz(modules: dict[str, Any], n: int, seed: int = 0, batch: int = 16,
             start = time.perf_counter()
             try:
                 outs = call_reward(module, fb, log)
-                bad = [o for o in outs if not isinstance(o, list) or len(o) != size
-                       or not all(v is None or isinstance(v, float) for v in o)]
+                bad = [
+                    o
+                    for o in outs
+                    if not isinstance(o, list)
+                    or len(o) != size
+                    or not all(v is None or isinstance(v, float) for v in o)
+                ]
                 if bad:
                     raise TypeError(f"reward returned {str(bad[0])[:200]}")
             except RewardFunctionError as err:  # a value refused as no reward (infinite, huge): non-finite
@@ -375,10 +581,27 @@ def fuzz(modules: dict[str, Any], n: int, seed: int = 0, batch: int = 16,
 
 
 def format_table(stats: dict[str, RewardStats]) -> str:
-    head = ["reward", "completions", "crashes", "non-finite", "slowest call (s)", "slowest shape", "mean ms/completion"]
-    body = [[s.name, str(s.completions), str(s.crashes), str(s.non_finite), f"{s.slowest_s:.3f}",
-             s.slowest_shape, f"{s.mean_ms:.3f}"] for s in stats.values()]
+    head = [
+        "reward",
+        "completions",
+        "crashes",
+        "non-finite",
+        "slowest call (s)",
+        "slowest shape",
+        "mean ms/completion",
+    ]
+    body = [
+        [
+            s.name,
+            str(s.completions),
+            str(s.crashes),
+            str(s.non_finite),
+            f"{s.slowest_s:.3f}",
+            s.slowest_shape,
+            f"{s.mean_ms:.3f}",
+        ]
+        for s in stats.values()
+    ]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    line = lambda r: "  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w)  # noqa: E731
-                               for i, (c, w) in enumerate(zip(r, widths)))
+    line = lambda r: "  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])

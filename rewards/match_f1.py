@@ -85,9 +85,7 @@ def _padded_index(lists: Sequence[Sequence[int]], device: torch.device) -> tuple
     return out.to(device), lengths.to(device)
 
 
-def metrics_from_matches(
-    matched: torch.Tensor, n_pred: torch.Tensor, n_ref: torch.Tensor, alpha: float
-) -> StepScores:
+def metrics_from_matches(matched: torch.Tensor, n_pred: torch.Tensor, n_ref: torch.Tensor, alpha: float) -> StepScores:
     """Precision/recall/F1 (with every empty-side rule), LIS ratio and Ordered F1."""
     tp = matched.sum(dim=(1, 2))
     tpf, npf, nrf = tp.double(), n_pred.double(), n_ref.double()
@@ -101,11 +99,18 @@ def metrics_from_matches(
     ordered = f1 * ((1 - alpha) + alpha * lis_ratio)
     nz = matched.nonzero()
     pairs = list(torch.split(nz[:, 1:].cpu(), tp.cpu().tolist())) if len(tp) else []
-    cpu = lambda t: t.float().cpu()  # noqa: E731
+    cpu = lambda t: t.float().cpu()
     return StepScores(
-        precision=cpu(precision), recall=cpu(recall), f1=cpu(f1), lis_ratio=cpu(lis_ratio),
-        ordered_f1=cpu(ordered), n_pred=n_pred.cpu(), n_ref=n_ref.cpu(), n_matched=tp.cpu(),
-        pairs=pairs, best_reference=torch.zeros(len(tp), dtype=torch.long),
+        precision=cpu(precision),
+        recall=cpu(recall),
+        f1=cpu(f1),
+        lis_ratio=cpu(lis_ratio),
+        ordered_f1=cpu(ordered),
+        n_pred=n_pred.cpu(),
+        n_ref=n_ref.cpu(),
+        n_matched=tp.cpu(),
+        pairs=pairs,
+        best_reference=torch.zeros(len(tp), dtype=torch.long),
     )
 
 
@@ -126,12 +131,18 @@ def match_similarities(
 
 
 def _select(scores: StepScores, rows: torch.Tensor) -> StepScores:
-    pick = lambda t: t[rows]  # noqa: E731
+    pick = lambda t: t[rows]
     return StepScores(
-        precision=pick(scores.precision), recall=pick(scores.recall), f1=pick(scores.f1),
-        lis_ratio=pick(scores.lis_ratio), ordered_f1=pick(scores.ordered_f1),
-        n_pred=pick(scores.n_pred), n_ref=pick(scores.n_ref), n_matched=pick(scores.n_matched),
-        pairs=[scores.pairs[i] for i in rows.tolist()], best_reference=scores.best_reference,
+        precision=pick(scores.precision),
+        recall=pick(scores.recall),
+        f1=pick(scores.f1),
+        lis_ratio=pick(scores.lis_ratio),
+        ordered_f1=pick(scores.ordered_f1),
+        n_pred=pick(scores.n_pred),
+        n_ref=pick(scores.n_ref),
+        n_matched=pick(scores.n_matched),
+        pairs=[scores.pairs[i] for i in rows.tolist()],
+        best_reference=scores.best_reference,
     )
 
 
@@ -195,8 +206,10 @@ class MatchF1Scorer:
             raise ValueError(f"alpha={alpha!r}: must lie in [0, 1]")
         self.exact = is_exact(encoder)
         if self.exact and not 0.0 < threshold <= 1.0:
-            raise ValueError(f"threshold={threshold!r} with the exact encoder: similarities are 0 or 1, so it must "
-                             "lie in (0, 1] (at <= 0 every pair of steps would match)")
+            raise ValueError(
+                f"threshold={threshold!r} with the exact encoder: similarities are 0 or 1, so it must "
+                "lie in (0, 1] (at <= 0 every pair of steps would match)"
+            )
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = None if self.exact else load_encoder(encoder, self.device)
         if self.model is not None:
@@ -221,8 +234,10 @@ class MatchF1Scorer:
         embeddings (its similarity is string identity): it raises.
         """
         if self.exact:
-            raise ValueError("the exact encoder compares normalised strings and has no embeddings; use a sentence "
-                             "encoder where embeddings are needed (e.g. clustering reference steps)")
+            raise ValueError(
+                "the exact encoder compares normalised strings and has no embeddings; use a sentence "
+                "encoder where embeddings are needed (e.g. clustering reference steps)"
+            )
         cache, pinned = self._cache, self._pinned
         missing = [t for t in texts if t not in pinned and t not in cache]
         self.last_encoded = len(missing)
@@ -242,7 +257,9 @@ class MatchF1Scorer:
                 cache.popitem(last=False)
         if not rows:
             # sentence-transformers 6 renamed get_sentence_embedding_dimension.
-            get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+            get_dim = (
+                getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+            )
             dim = get_dim() or 1
             return torch.zeros(0, dim, device=self.device)
         return torch.stack(rows)
@@ -262,14 +279,18 @@ class MatchF1Scorer:
             return 0
         new = [t for t in dict.fromkeys(texts) if t not in self._pinned]
         for i in range(0, len(new), chunk):
-            part = new[i:i + chunk]
+            part = new[i : i + chunk]
             self._pinned.update(zip(part, self._encode(part)))
         return len(new)
 
     def _encode(self, texts: Sequence[str]) -> torch.Tensor:
         return self.model.encode(
-            [clean_text(t) for t in texts], batch_size=self.batch_size, convert_to_tensor=True,
-            normalize_embeddings=True, show_progress_bar=False, device=str(self.device),
+            [clean_text(t) for t in texts],
+            batch_size=self.batch_size,
+            convert_to_tensor=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+            device=str(self.device),
         )
 
     # -- scoring ----------------------------------------------------------------------
@@ -282,7 +303,7 @@ class MatchF1Scorer:
         if len(predicted) != len(references):
             raise ValueError(f"{len(predicted)} predictions but {len(references)} references")
         vocab: dict[str, int] = {}
-        idx = lambda steps: [vocab.setdefault(s, len(vocab)) for s in steps]  # noqa: E731
+        idx = lambda steps: [vocab.setdefault(s, len(vocab)) for s in steps]
         pred_idx = [idx(p) for p in predicted]
         ref_idx, row_example = [], []
         for i, chains in enumerate(references):
@@ -312,8 +333,10 @@ class MatchF1Scorer:
         a gated scorer refuses.
         """
         if self.step_gate != "none":
-            raise ValueError(f"step_gate={self.step_gate!r} reads the steps' text; score_embeddings has only "
-                             "embeddings: use score()")
+            raise ValueError(
+                f"step_gate={self.step_gate!r} reads the steps' text; score_embeddings has only "
+                "embeddings: use score()"
+            )
         if len(predicted) != len(references):
             raise ValueError(f"{len(predicted)} predictions but {len(references)} references")
         parts, pred_idx, ref_idx, row_example, offset = [], [], [], [], 0
@@ -336,8 +359,9 @@ class MatchF1Scorer:
         return self._score_rows(table, pred_idx, ref_idx, row_example)
 
     @torch.inference_mode()
-    def _score_rows(self, table, pred_idx, ref_idx, row_example, exact: bool = False,
-                    steps: Sequence[str] | None = None) -> StepScores:
+    def _score_rows(
+        self, table, pred_idx, ref_idx, row_example, exact: bool = False, steps: Sequence[str] | None = None
+    ) -> StepScores:
         """Core: one similarity batch for every (example, reference chain) row.
 
         Rows that share a reference chain (a GRPO group: every generation of one prompt)
@@ -351,8 +375,9 @@ class MatchF1Scorer:
         n_examples = len(pred_idx)
         if n_examples == 0:
             empty = torch.zeros(0)
-            return StepScores(empty, empty, empty, empty, empty, empty.long(), empty.long(),
-                              empty.long(), [], empty.long())
+            return StepScores(
+                empty, empty, empty, empty, empty, empty.long(), empty.long(), empty.long(), [], empty.long()
+            )
         chains: dict[tuple[int, ...], int] = {}
         chain_ref: list[list[int]] = []
         chain_pred: list[dict[int, int]] = []  # text id -> position in the chain's block
@@ -370,7 +395,7 @@ class MatchF1Scorer:
         table = table.to(dev, torch.long if exact else torch.float32)
         if table.numel() == 0:
             table = torch.zeros(1, 1, device=dev, dtype=table.dtype)
-        gather = lambda pad: table.index_select(0, pad.clamp(min=0).reshape(-1)).view(*pad.shape, table.shape[1])  # noqa: E731
+        gather = lambda pad: table.index_select(0, pad.clamp(min=0).reshape(-1)).view(*pad.shape, table.shape[1])
         pred_text = _padded_index([list(m) for m in chain_pred], dev)[0]  # [C, U] text ids
         ref_text = _padded_index(chain_ref, dev)[0]  # [C, M]
         block_pred, block_ref = gather(pred_text), gather(ref_text)  # [C, U, d], [C, M, d]

@@ -75,8 +75,9 @@ def _completion_text(completion: Any) -> str:
         completion = [completion]
     if isinstance(completion, (list, tuple)):
         messages = [m for m in completion if isinstance(m, dict)]
-        return "\n".join(_content_text(m.get("content")) for m in messages
-                         if m.get("role", "assistant") == "assistant")
+        return "\n".join(
+            _content_text(m.get("content")) for m in messages if m.get("role", "assistant") == "assistant"
+        )
     return ""
 
 
@@ -123,7 +124,7 @@ def _unfence(text: str) -> str:
     """
     if len(text) < 2 * len(_FENCE) or not (text.startswith(_FENCE) and text.endswith(_FENCE)):
         return text
-    body = text[len(_FENCE):-len(_FENCE)]
+    body = text[len(_FENCE) : -len(_FENCE)]
     return body[4:] if body[:4].casefold() == "json" else body
 
 

@@ -130,8 +130,9 @@ def collapse_reasons(n_steps: int, largest: int, n_clusters: int, median_length:
     return out
 
 
-def aggregate(trajectories: Sequence[Trajectory], embeddings: Sequence[torch.Tensor], threshold: float,
-              min_support: int = 2) -> BuiltChain:
+def aggregate(
+    trajectories: Sequence[Trajectory], embeddings: Sequence[torch.Tensor], threshold: float, min_support: int = 2
+) -> BuiltChain:
     """The consensus chain of docs/method.md section 11 from trajectories and their step embeddings
     (``embeddings[t]`` is ``[len(steps_t), d]``, L2-normalised). Empty trajectories count for
     nothing. A step's normalised position in a trajectory of n steps is (i + 0.5) / n, the
@@ -151,13 +152,16 @@ def aggregate(trajectories: Sequence[Trajectory], embeddings: Sequence[torch.Ten
     chain = BuiltChain([c.text for c in kept], kept, dropped, len(nodes), median)
     chain.collapse = collapse_reasons(len(nodes), chain.largest_cluster, len(clusters), median)
     if not chain.collapse and median >= COLLAPSE_MIN_STEPS and len(kept) < COLLAPSE_LENGTH_RATIO * median:
-        chain.warnings.append(f"the chain has {len(kept)} step(s), the trajectories a median of {median:g}: "
-                              f"most steps were in fewer than {min_support} trajectories")
+        chain.warnings.append(
+            f"the chain has {len(kept)} step(s), the trajectories a median of {median:g}: "
+            f"most steps were in fewer than {min_support} trajectories"
+        )
     return chain
 
 
-def _cluster(trajectories: Sequence[Trajectory], nodes: list[tuple[int, int]], sim: torch.Tensor,
-             group: list[int]) -> Cluster:
+def _cluster(
+    trajectories: Sequence[Trajectory], nodes: list[tuple[int, int]], sim: torch.Tensor, group: list[int]
+) -> Cluster:
     members = [nodes[g] for g in group]
     t, i = nodes[medoid(sim, group)]
     per_trajectory: dict[int, list[float]] = {}
@@ -193,7 +197,8 @@ def suggest_threshold(similarities: torch.Tensor, quantile: float = 0.99) -> flo
     return math.ceil(float(torch.quantile(similarities.double(), quantile)) * 100) / 100
 
 
-def build_chain(scorer: MatchF1Scorer, trajectories: Sequence[Trajectory], threshold: float,
-                min_support: int = 2) -> BuiltChain:
+def build_chain(
+    scorer: MatchF1Scorer, trajectories: Sequence[Trajectory], threshold: float, min_support: int = 2
+) -> BuiltChain:
     """:func:`aggregate` with the scorer's encoder and embedding cache."""
     return aggregate(trajectories, embed_steps(scorer, [t.steps for t in trajectories]), threshold, min_support)

@@ -42,15 +42,22 @@ def _is_scalar(x) -> bool:
 
 
 # (field, required, check, what it must be) for each kind of row.
-PRED_FIELDS = [("reasoning_steps", True, _is_str_list, "a list of strings"),
-               ("answer", True, lambda x: x is None or _is_scalar(x), "a string, a finite number or null")]
-DATA_FIELDS = [("question", True, lambda x: isinstance(x, str), "a string"),
-               ("answer", True, _is_scalar, "a string or a finite number"),
-               ("reference_steps", True, lambda x: _is_str_list(x) and any(s.strip() for s in x),
-                "a non-empty list of strings"),
-               ("reference_sets", False, lambda x: isinstance(x, list) and all(map(_is_str_list, x)),
-                "a list of lists of strings"),
-               ("source", False, lambda x: isinstance(x, str), "a string")]
+PRED_FIELDS = [
+    ("reasoning_steps", True, _is_str_list, "a list of strings"),
+    ("answer", True, lambda x: x is None or _is_scalar(x), "a string, a finite number or null"),
+]
+DATA_FIELDS = [
+    ("question", True, lambda x: isinstance(x, str), "a string"),
+    ("answer", True, _is_scalar, "a string or a finite number"),
+    ("reference_steps", True, lambda x: _is_str_list(x) and any(s.strip() for s in x), "a non-empty list of strings"),
+    (
+        "reference_sets",
+        False,
+        lambda x: isinstance(x, list) and all(map(_is_str_list, x)),
+        "a list of lists of strings",
+    ),
+    ("source", False, lambda x: isinstance(x, str), "a string"),
+]
 
 
 def _check(fields, row: dict) -> str | None:
@@ -76,8 +83,11 @@ def read_jsonl(path: Path, fields, errors: list[str]) -> dict[str, dict]:
             continue
         rid = row.get("id")
         if rid is None or isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            errors.append(f"{path}:{n}: missing field 'id' (a string or integer)" if rid is None
-                          else f"{path}:{n}: 'id' must be a string or integer")
+            errors.append(
+                f"{path}:{n}: missing field 'id' (a string or integer)"
+                if rid is None
+                else f"{path}:{n}: 'id' must be a string or integer"
+            )
             continue
         problem = _check(fields, row)
         if problem:
@@ -102,35 +112,70 @@ def _summary(examples: list[dict]) -> dict:
 def format_table(rows: dict[str, dict]) -> str:
     head = ["subset", "precision", "recall", "match_f1", "lis_ratio", "ordered_f1", "pred_steps", "n"]
     keys = (*METRICS, "mean_pred_steps")
-    body = [[clean_text(name)] + ["-" if m[k] is None else f"{m[k]:.3f}" for k in keys] + [str(m["n"])]
-            for name, m in rows.items()]
+    body = [
+        [clean_text(name)] + ["-" if m[k] is None else f"{m[k]:.3f}" for k in keys] + [str(m["n"])]
+        for name, m in rows.items()
+    ]
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return "\n".join([fmt(head), fmt(["-" * w for w in widths]), *map(fmt, body)])
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="crystal-grpo-score", description=__doc__.split("\n\n")[0])
-    p.add_argument("--predictions", required=True, type=Path, metavar="JSONL",
-                   help='prediction rows {"id", "reasoning_steps": [...], "answer"}, one JSON object a line')
-    p.add_argument("--data", required=True, type=Path, metavar="JSONL",
-                   help="data rows of docs/method.md section 1 (id, question, answer, reference_steps, optional "
-                        "reference_sets and source), one JSON object a line")
-    p.add_argument("--out", required=True, type=Path, metavar="JSON",
-                   help="report to write: overall and per-source means, per-example scores and pairs")
-    p.add_argument("--encoder", default=PACKAGED_MINILM,
-                   help=f"sentence encoder: hub id (local cache only with HF_HUB_OFFLINE=1), local folder, "
-                        f"{PACKAGED_MINILM!r} (default; the paper used {PAPER_ENCODER!r}), or {EXACT!r} "
-                        f"(normalised string identity, no model)")
-    p.add_argument("--threshold", type=float, default=0.35,
-                   help="minimum cosine similarity for two steps to match, inclusive (tau; default 0.35)")
-    p.add_argument("--alpha", type=float, default=0.3,
-                   help="weight of the order term in Ordered Match F1, in [0, 1] (default 0.3)")
-    p.add_argument("--matcher", choices=("greedy", "dp"), default="greedy",
-                   help="greedy 1:1 matching in descending similarity (the paper; default) or dp, "
-                        "the order-preserving alignment")
-    p.add_argument("--step_gate", choices=("none", "facts"), default="none",
-                   help="facts: steps whose numbers, operators or variables disagree never match (rewards/facts.py)")
+    p.add_argument(
+        "--predictions",
+        required=True,
+        type=Path,
+        metavar="JSONL",
+        help='prediction rows {"id", "reasoning_steps": [...], "answer"}, one JSON object a line',
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        type=Path,
+        metavar="JSONL",
+        help="data rows of docs/method.md section 1 (id, question, answer, reference_steps, optional "
+        "reference_sets and source), one JSON object a line",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="JSON",
+        help="report to write: overall and per-source means, per-example scores and pairs",
+    )
+    p.add_argument(
+        "--encoder",
+        default=PACKAGED_MINILM,
+        help=f"sentence encoder: hub id (local cache only with HF_HUB_OFFLINE=1), local folder, "
+        f"{PACKAGED_MINILM!r} (default; the paper used {PAPER_ENCODER!r}), or {EXACT!r} "
+        f"(normalised string identity, no model)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=0.35,
+        help="minimum cosine similarity for two steps to match, inclusive (tau; default 0.35)",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=0.3,
+        help="weight of the order term in Ordered Match F1, in [0, 1] (default 0.3)",
+    )
+    p.add_argument(
+        "--matcher",
+        choices=("greedy", "dp"),
+        default="greedy",
+        help="greedy 1:1 matching in descending similarity (the paper; default) or dp, the order-preserving alignment",
+    )
+    p.add_argument(
+        "--step_gate",
+        choices=("none", "facts"),
+        default="none",
+        help="facts: steps whose numbers, operators or variables disagree never match (rewards/facts.py)",
+    )
     p.add_argument("--device", default=None, help="encoder device (default: cuda when available, else cpu)")
     return p
 
@@ -157,23 +202,33 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
             print(f"error: {path} holds no rows; nothing scored", file=sys.stderr)
             return 2
     if not set(preds) & set(data):
-        print(f"error: no prediction id of {args.predictions} is an id of {args.data} (e.g. "
-              f"{clean_text(', '.join(list(preds)[:3]))} vs {clean_text(', '.join(list(data)[:3]))}); nothing scored",
-              file=sys.stderr)
+        print(
+            f"error: no prediction id of {args.predictions} is an id of {args.data} (e.g. "
+            f"{clean_text(', '.join(list(preds)[:3]))} vs {clean_text(', '.join(list(data)[:3]))}); nothing scored",
+            file=sys.stderr,
+        )
         return 2
     missing = [data[i]["id"] for i in data if i not in preds]
     unknown = [preds[i]["id"] for i in preds if i not in data]
-    for ids, what in ((missing, f"example(s) in {args.data} have no prediction (not scored)"),
-                      (unknown, f"prediction(s) in {args.predictions} have ids not in the data (ignored)")):
+    for ids, what in (
+        (missing, f"example(s) in {args.data} have no prediction (not scored)"),
+        (unknown, f"prediction(s) in {args.predictions} have ids not in the data (ignored)"),
+    ):
         if ids:
             shown = clean_text(", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else ""))
             print(f"warning: {len(ids)} {what}: {shown}", file=sys.stderr)
     lent = scorer is not None
     try:  # the reward modules' evaluation (score()); answer_only is the one without guard or weights
         lent_encoder = EXACT if lent and scorer.exact else (scorer.model if lent else args.encoder)
-        module = AnswerOnlyReward(encoder=lent_encoder, threshold=args.threshold,
-                                  order_alpha=args.alpha, device=args.device, matcher=args.matcher,
-                                  step_gate=args.step_gate, score_steps=True)
+        module = AnswerOnlyReward(
+            encoder=lent_encoder,
+            threshold=args.threshold,
+            order_alpha=args.alpha,
+            device=args.device,
+            matcher=args.matcher,
+            step_gate=args.step_gate,
+            score_steps=True,
+        )
     except (EncoderLoadError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -200,10 +255,17 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
         "examples": examples,
         "missing_predictions": missing,
         "unknown_predictions": unknown,
-        "settings": {"predictions": str(args.predictions), "data": str(args.data),
-                     "encoder": args.encoder, "encoder_preloaded": lent,
-                     "threshold": args.threshold, "alpha": args.alpha, "matcher": args.matcher,
-                     "step_gate": args.step_gate, "device": str(module.scorer.device)},
+        "settings": {
+            "predictions": str(args.predictions),
+            "data": str(args.data),
+            "encoder": args.encoder,
+            "encoder_preloaded": lent,
+            "threshold": args.threshold,
+            "alpha": args.alpha,
+            "matcher": args.matcher,
+            "step_gate": args.step_gate,
+            "device": str(module.scorer.device),
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

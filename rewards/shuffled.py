@@ -54,5 +54,7 @@ class ShuffledAnswerReward(AnswerOnlyReward):
     def components(self, batch: Batch) -> dict[str, torch.Tensor]:
         plain = super().components(batch)
         order = permutation(batch, self.config.seed)
-        return {"shuffled_accuracy": plain["answer_only_accuracy"][order],
-                "shuffled_format": plain["answer_only_format"][order]}
+        return {
+            "shuffled_accuracy": plain["answer_only_accuracy"][order],
+            "shuffled_format": plain["answer_only_format"][order],
+        }

@@ -61,15 +61,17 @@ class TRLRewardFunctions:
             funcs.append(func)
         return funcs
 
-    def call(self, component: str, prompts: Any, completions: Sequence[Any], kwargs: dict
-             ) -> dict[str, list[float | None]]:
+    def call(
+        self, component: str, prompts: Any, completions: Sequence[Any], kwargs: dict
+    ) -> dict[str, list[float | None]]:
         """Every component's values for this process's completions, asked for by ``component``'s
         function: the batch is evaluated by the first function called on it, read by the others."""
         content = _content(prompts, completions)
         last = self._batch
         if last is None or component not in last.unread or last.content != content:
-            last = self._batch = _Evaluated(content, self.evaluate(prompts, completions, kwargs),
-                                            set(self.module.objectives))
+            last = self._batch = _Evaluated(
+                content, self.evaluate(prompts, completions, kwargs), set(self.module.objectives)
+            )
         last.unread.discard(component)
         return last.values
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 from crystal_grpo.errors import TRACEBACK_VARIABLE, some_of
-from crystal_grpo.rewards.base import (  # noqa: F401 - RewardFunctionError: importable here too
+from crystal_grpo.rewards.base import (
     Batch,
     Objective,
     RewardConfig,
@@ -47,7 +47,7 @@ from crystal_grpo.rewards.base import (  # noqa: F401 - RewardFunctionError: imp
 )
 from crystal_grpo.rewards.cpr import CPRConfig
 from crystal_grpo.typed import ConfigError, option
-from crystal_grpo.user_code import ImportPathError, load_object  # noqa: F401 - load_object: importable here too
+from crystal_grpo.user_code import ImportPathError, load_object
 
 if TYPE_CHECKING:
     import torch
@@ -74,25 +74,33 @@ RewardImportError = ImportPathError
 class ComponentSpec:
     """One term of a composed reward (``reward.components`` of a run config)."""
 
-    fn: str = option("", "A TRL-style reward function as 'package.module:name' or 'path/file.py:name', or "
-                         "crystal:<term> (" + ", ".join(TERMS) + ").")
+    fn: str = option(
+        "",
+        "A TRL-style reward function as 'package.module:name' or 'path/file.py:name', or "
+        "crystal:<term> (" + ", ".join(TERMS) + ").",
+    )
     weight: float = option(1.0, "Its weight in the sum.", weight=True)
-    objective: Union[Objective, None] = option(None, "accuracy or reasoning: the objective it serves (PCGrad "
-                                               "needs it for every component).")
+    objective: Union[Objective, None] = option(
+        None, "accuracy or reasoning: the objective it serves (PCGrad needs it for every component)."
+    )
     name: Union[str, None] = option(None, "Its name in logs (default: the function's).")
 
 
 def component_function(spec: str) -> Callable[..., Any] | None:
     """The user's function of ``spec``, checked; None for a ``crystal:`` term."""
     if spec.startswith("crystal:"):
-        if spec[len("crystal:"):] not in TERMS:
-            raise ConfigError(f"reward.components: unknown term {spec!r}; crystal: terms are "
-                              + ", ".join(f"crystal:{t}" for t in TERMS))
+        if spec[len("crystal:") :] not in TERMS:
+            raise ConfigError(
+                f"reward.components: unknown term {spec!r}; crystal: terms are "
+                + ", ".join(f"crystal:{t}" for t in TERMS)
+            )
         return None
     fn = load_object(spec, "reward component")
     if isinstance(fn, type) or not callable(fn):
-        raise RewardImportError(f"reward component {spec!r} is a {type(fn).__name__}, not a function "
-                                "fn(completions, **columns) -> list[float | None]")
+        raise RewardImportError(
+            f"reward component {spec!r} is a {type(fn).__name__}, not a function "
+            "fn(completions, **columns) -> list[float | None]"
+        )
     return fn
 
 
@@ -141,13 +149,17 @@ class ComposedReward(RewardModule):
         specs = list(config.components)
         return next((n for n, s in zip(_names(specs), specs) if s.fn == "crystal:accuracy"), None)
 
-    def score(self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]],
-              with_steps: bool | None = None) -> Scored:
+    def score(
+        self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]], with_steps: bool | None = None
+    ) -> Scored:
         scored = super().score(completions, rows, with_steps)
         if self.extra_fields:
             columns = _columns(rows)
-            values = [self._call(spec, fn, completions, columns)
-                      for spec, fn in zip(self.specs, self.functions) if fn is not None]
+            values = [
+                self._call(spec, fn, completions, columns)
+                for spec, fn in zip(self.specs, self.functions)
+                if fn is not None
+            ]
             scored.batch.extra = scored.batch.correct.new_tensor(values).reshape(len(values), -1).T  # float64
         return scored
 
@@ -159,26 +171,34 @@ class ComposedReward(RewardModule):
         try:
             inspect.signature(fn).bind(completions=completions, **columns)
         except TypeError as err:
-            raise RewardFunctionError(f"{what}: cannot be called as TRL calls a reward function, "
-                                      f"fn(completions, **columns) with the columns {', '.join(columns)} ({err}); "
-                                      "give it a **kwargs parameter") from None
+            raise RewardFunctionError(
+                f"{what}: cannot be called as TRL calls a reward function, "
+                f"fn(completions, **columns) with the columns {', '.join(columns)} ({err}); "
+                "give it a **kwargs parameter"
+            ) from None
         except ValueError:
             pass  # no signature to read (a builtin): the call says what is wrong
         with _said_while_running(what):
             try:
                 out = fn(completions=list(completions), **columns)
             except SystemExit as stop:  # (uncaught, it ended the run with its exit code and no word)
-                raise RewardFunctionError(f"{what} raised SystemExit({stop.code!r}): a reward returns one value a "
-                                          "completion; it must not end the process") from None
-            except Exception as err:  # noqa: BLE001 - the user's code: one line, the traceback on request
-                raise RewardFunctionError(f"{what} raised {type(err).__name__}: {err} (at {_origin(err)}; "
-                                          f"{TRACEBACK_VARIABLE}=1 prints the traceback)") from err
+                raise RewardFunctionError(
+                    f"{what} raised SystemExit({stop.code!r}): a reward returns one value a "
+                    "completion; it must not end the process"
+                ) from None
+            except Exception as err:
+                raise RewardFunctionError(
+                    f"{what} raised {type(err).__name__}: {err} (at {_origin(err)}; "
+                    f"{TRACEBACK_VARIABLE}=1 prints the traceback)"
+                ) from err
         if getattr(out, "ndim", None) == 1 and hasattr(out, "tolist"):  # a numpy array or torch tensor, as TRL takes
             out = out.tolist()
         if not isinstance(out, (list, tuple)) or len(out) != len(completions):
             got = f"{len(out)} value(s)" if isinstance(out, (list, tuple)) else f"a {type(out).__name__}"
-            raise RewardFunctionError(f"reward component {spec.fn!r} returned {got} for {len(completions)} completion(s); "
-                             "expected a list with one number (or None) per completion")
+            raise RewardFunctionError(
+                f"reward component {spec.fn!r} returned {got} for {len(completions)} completion(s); "
+                "expected a list with one number (or None) per completion"
+            )
         ids = columns.get("id") or [None] * len(out)
         values = []
         for i, v in enumerate(out):
@@ -187,10 +207,14 @@ class ComposedReward(RewardModule):
                 values.append(math.nan)  # not applicable, as in TRL
                 continue
             if not isinstance(v, numbers.Real) or isinstance(v, bool):  # numpy's scalars are numbers.Real
-                raise RewardFunctionError(f"reward component {spec.fn!r} returned {v!r} {where}; expected a "
-                                 "number or None")
-            problem = ("nan (NaN is not a reward: return None where the function does not apply, as in TRL)"
-                       if math.isnan(v) else value_problem(float(v)))
+                raise RewardFunctionError(
+                    f"reward component {spec.fn!r} returned {v!r} {where}; expected a number or None"
+                )
+            problem = (
+                "nan (NaN is not a reward: return None where the function does not apply, as in TRL)"
+                if math.isnan(v)
+                else value_problem(float(v))
+            )
             if problem:
                 raise RewardFunctionError(f"reward component {spec.fn!r} returned {problem} {where}")
             values.append(float(v))
@@ -200,7 +224,7 @@ class ComposedReward(RewardModule):
         out, k = {}, 0
         for name, spec, fn in zip(self.component_names, self.specs, self.functions):
             if fn is None:
-                value = TERMS[spec.fn[len("crystal:"):]](batch)
+                value = TERMS[spec.fn[len("crystal:") :]](batch)
             else:
                 value, k = batch.extra[:, k], k + 1
             out[name] = spec.weight * value

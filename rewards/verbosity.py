@@ -37,10 +37,10 @@ class VerbosityGuard:
     history: deque = field(default_factory=deque, repr=False)
 
     def __post_init__(self) -> None:
-        if (self.k <= 0 or self.window <= 0 or not 0.0 <= self.factor <= 1.0
-                or not 0 < self.min_history <= self.window):
-            raise ValueError("verbosity guard: need k > 0, window > 0, 0 <= factor <= 1 and "
-                             f"0 < min_history <= window (got {self})")
+        if self.k <= 0 or self.window <= 0 or not 0.0 <= self.factor <= 1.0 or not 0 < self.min_history <= self.window:
+            raise ValueError(
+                f"verbosity guard: need k > 0, window > 0, 0 <= factor <= 1 and 0 < min_history <= window (got {self})"
+            )
         self.history = deque((c for c in self.history if c > 0), maxlen=self.window)
 
     def median(self) -> float | None:
@@ -73,8 +73,13 @@ class VerbosityGuard:
         return (component - penalty).where(flagged, component)
 
     def state_dict(self) -> dict:
-        return {"k": self.k, "window": self.window, "factor": self.factor,
-                "min_history": self.min_history, "history": list(self.history)}
+        return {
+            "k": self.k,
+            "window": self.window,
+            "factor": self.factor,
+            "min_history": self.min_history,
+            "history": list(self.history),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the window; settings stay as configured (like k, window and factor).

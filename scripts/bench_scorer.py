@@ -44,16 +44,39 @@ from crystal_grpo.rewards.facts import step_facts
 
 GEN_PER_PROMPT, N_REF, POOL = 8, 12, 20
 NAMES = ["Sam", "Ana", "Li", "Omar", "Mia", "Raj", "Zoe", "Ben", "Ivy", "Tom", "Eva", "Kai"]
-ITEMS = ["apples", "pencils", "marbles", "stickers", "cookies", "books", "coins", "shells",
-         "cards", "eggs", "stamps", "beads"]
+ITEMS = [
+    "apples",
+    "pencils",
+    "marbles",
+    "stickers",
+    "cookies",
+    "books",
+    "coins",
+    "shells",
+    "cards",
+    "eggs",
+    "stamps",
+    "beads",
+]
 # (symbol, action in the reference wording, action in the paraphrase wording)
-OPS = [("+", "buys {b} more", "gets another {b}"), ("-", "gives {b} away", "hands over {b}"),
-       ("*", "multiplies the pile by {b}", "makes the pile {b} times bigger"),
-       ("+", "finds {b} more", "picks up {b} extra"), ("-", "loses {b}", "drops {b}")]
-GENERIC = ["Let me think about this step by step.", "First, read the question carefully.",
-           "I should double-check the arithmetic."]
-OFF_TOPIC = ["{n} likes the colour {c}.", "The weather was {w} that day, said {n}.",
-             "{n} walked to school with a friend.", "Rivers flow toward the sea near {n}'s town."]
+OPS = [
+    ("+", "buys {b} more", "gets another {b}"),
+    ("-", "gives {b} away", "hands over {b}"),
+    ("*", "multiplies the pile by {b}", "makes the pile {b} times bigger"),
+    ("+", "finds {b} more", "picks up {b} extra"),
+    ("-", "loses {b}", "drops {b}"),
+]
+GENERIC = [
+    "Let me think about this step by step.",
+    "First, read the question carefully.",
+    "I should double-check the arithmetic.",
+]
+OFF_TOPIC = [
+    "{n} likes the colour {c}.",
+    "The weather was {w} that day, said {n}.",
+    "{n} walked to school with a friend.",
+    "Rivers flow toward the sea near {n}'s town.",
+]
 
 
 def make_prompt(rng: random.Random, p: int) -> tuple[list[str], list[str]]:
@@ -151,19 +174,38 @@ def main(argv=None) -> int:
     model = scorer.model  # the very same object (the scorer may have cast it to fp16 on CUDA)
     gated = MatchF1Scorer(model, threshold=tau, device=dev, cache_size=1_000_000, step_gate="facts")
     sync = torch.cuda.synchronize if scorer.device.type == "cuda" else (lambda: None)
-    enc = lambda texts: model.encode(texts, batch_size=scorer.batch_size, convert_to_tensor=True,  # noqa: E731
-                                     normalize_embeddings=True, show_progress_bar=False)
+    enc = lambda texts: model.encode(
+        texts, batch_size=scorer.batch_size, convert_to_tensor=True, normalize_embeddings=True, show_progress_bar=False
+    )
     enc(["Warm-up sentence about 3 apples."] * 16)
     scorer.score([["warm up"]], [["warm up"]])
     scorer._cache.clear()
 
-    print(f"bench_scorer: encoder={args.encoder} device={scorer.device} torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} repeats={args.repeats} ((a) once at >=1024) tau={tau}")
-    print(f"workload: {GEN_PER_PROMPT} completions/prompt sampled from one policy, so they repeat steps: "
-          f"each draws 8-12 steps from a per-prompt pool of {POOL} texts (identical to a reference, "
-          f"paraphrases, off-topic); {N_REF} reference steps per prompt")
-    head = ["completions", "unique/total texts", "(a) s", "(b) s", "(c) s", "(d) s", "(e) s", "(f) s", "(g) s",
-            "a/b speed-up", "b/d ratio", "e/c speed-up", "f/b", "g/c"]
+    print(
+        f"bench_scorer: encoder={args.encoder} device={scorer.device} torch={torch.__version__} "
+        f"threads={torch.get_num_threads()} repeats={args.repeats} ((a) once at >=1024) tau={tau}"
+    )
+    print(
+        f"workload: {GEN_PER_PROMPT} completions/prompt sampled from one policy, so they repeat steps: "
+        f"each draws 8-12 steps from a per-prompt pool of {POOL} texts (identical to a reference, "
+        f"paraphrases, off-topic); {N_REF} reference steps per prompt"
+    )
+    head = [
+        "completions",
+        "unique/total texts",
+        "(a) s",
+        "(b) s",
+        "(c) s",
+        "(d) s",
+        "(e) s",
+        "(f) s",
+        "(g) s",
+        "a/b speed-up",
+        "b/d ratio",
+        "e/c speed-up",
+        "f/b",
+        "g/c",
+    ]
     rows, checks = [], []
     for n in sizes:
         preds, refs = make_batch(n, seed=n)
@@ -182,14 +224,19 @@ def main(argv=None) -> int:
             step_facts.cache_clear()
 
         # each ungated measurement and its gated twin alternate, so a change of load hits both alike
-        (t_b, s_b), (t_f, s_f) = best_of_alternating([(lambda: scorer.score(preds, refs), scorer._cache.clear),
-                                                      (lambda: gated.score(preds, refs), cold_gated)], args.repeats)
-        (t_c, _), (t_g, _) = best_of_alternating([(lambda: scorer.score(preds, refs), None),
-                                                  (lambda: gated.score(preds, refs), None)], args.repeats)
+        (t_b, s_b), (t_f, s_f) = best_of_alternating(
+            [(lambda: scorer.score(preds, refs), scorer._cache.clear), (lambda: gated.score(preds, refs), cold_gated)],
+            args.repeats,
+        )
+        (t_c, _), (t_g, _) = best_of_alternating(
+            [(lambda: scorer.score(preds, refs), None), (lambda: gated.score(preds, refs), None)], args.repeats
+        )
         row = {t: i for i, t in enumerate(unique)}
         table = table.float().cpu()
-        mats = [(table[[row[t] for t in p]] @ table[[row[t] for t in r]].T).tolist() if p else []
-                for p, r in zip(preds, refs)]
+        mats = [
+            (table[[row[t] for t in p]] @ table[[row[t] for t in r]].T).tolist() if p else []
+            for p, r in zip(preds, refs)
+        ]
         t_e, _ = best_of(lambda: [plain_greedy_f1(S, tau) for S in mats], args.repeats)
 
         def loop():
@@ -203,9 +250,18 @@ def main(argv=None) -> int:
         diff = max(abs(a - b) for a, b in zip(f1_a, s_b.f1.tolist()))
         checks.append(f"{n}: max |F1(a) - F1(b)| = {diff:.2e}")
         checks.append(f"{n}: gated F1 mean {float(s_f.f1.mean()):.3f} vs {float(s_b.f1.mean()):.3f} ungated")
-        rows.append([str(n), f"{len(unique)}/{total}", *(f"{t:.3f}" for t in (t_a, t_b, t_c, t_d, t_e, t_f, t_g)),
-                     f"{t_a / t_b:.1f}x", f"{t_b / t_d:.2f}", f"{t_e / t_c:.1f}x", f"{t_f / t_b:.2f}",
-                     f"{t_g / t_c:.2f}"])
+        rows.append(
+            [
+                str(n),
+                f"{len(unique)}/{total}",
+                *(f"{t:.3f}" for t in (t_a, t_b, t_c, t_d, t_e, t_f, t_g)),
+                f"{t_a / t_b:.1f}x",
+                f"{t_b / t_d:.2f}",
+                f"{t_e / t_c:.1f}x",
+                f"{t_f / t_b:.2f}",
+                f"{t_g / t_c:.2f}",
+            ]
+        )
         print(f"  measured {n} completions", file=sys.stderr, flush=True)
 
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]

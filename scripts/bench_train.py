@@ -58,7 +58,6 @@ import sys
 import time
 from pathlib import Path
 
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = REPO_ROOT / ".cache" / "models"
 DEFAULT_SETTINGS = "trl-full,plain-full-answer,plain-full,plain-full-pcgrad,trl-lora,plain-lora"
@@ -106,8 +105,12 @@ def main() -> None:
 
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
     if a.threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(a.threads)
     model = build_model(a.model)
@@ -117,26 +120,34 @@ def main() -> None:
         a.encoder = "exact"
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {platform.machine()})"
     settings = a.settings.split(",")
-    print(f"GRPO steps on {device}, {time.strftime('%Y-%m-%d')}: model {Path(model).name}, {a.dtype}, "
-          f"{a.batch} completions x <= {a.completion_length} tokens, lr {a.learning_rate}, seed {a.seed}, "
-          f"encoder {a.encoder}, threads {a.threads or 'default'}; median of {a.steps} steps after {a.warmup}, "
-          f"{a.rounds} round(s) of "
-          f"{len(settings)} settings", flush=True)
+    print(
+        f"GRPO steps on {device}, {time.strftime('%Y-%m-%d')}: model {Path(model).name}, {a.dtype}, "
+        f"{a.batch} completions x <= {a.completion_length} tokens, lr {a.learning_rate}, seed {a.seed}, "
+        f"encoder {a.encoder}, threads {a.threads or 'default'}; median of {a.steps} steps after {a.warmup}, "
+        f"{a.rounds} round(s) of "
+        f"{len(settings)} settings",
+        flush=True,
+    )
     results: dict[str, list[dict]] = {s: [] for s in settings}
     for rnd in range(a.rounds):
-        for setting in settings[rnd % len(settings):] + settings[:rnd % len(settings)]:  # no setting always first
+        for setting in settings[rnd % len(settings) :] + settings[: rnd % len(settings)]:  # no setting always first
             out = Path(a.out) / f"{Path(model).name}-{setting}"
             shutil.rmtree(out, ignore_errors=True)
-            proc = subprocess.run(command(setting, model, out, a, cuda), cwd=REPO_ROOT, env=env,
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                command(setting, model, out, a, cuda), cwd=REPO_ROOT, env=env, capture_output=True, text=True
+            )
             if proc.returncode != 0:
                 print(proc.stdout[-3000:] + proc.stderr[-6000:], file=sys.stderr)
                 raise SystemExit(f"{setting}: exit {proc.returncode}")
             r = summarise(out, a.warmup)
             results[setting].append(r)
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-            print(f"  round {rnd + 1} {setting:<22} step {r['step']:.3f} s  wall {r['wall']:.3f} s  "
-                  f"tokens {r['tokens']:.1f}  (load {load:.2f})", file=sys.stderr, flush=True)
+            print(
+                f"  round {rnd + 1} {setting:<22} step {r['step']:.3f} s  wall {r['wall']:.3f} s  "
+                f"tokens {r['tokens']:.1f}  (load {load:.2f})",
+                file=sys.stderr,
+                flush=True,
+            )
     print(table(results))
 
 

@@ -27,12 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                 epilog="Any other argument goes to train/grpo.py (e.g. --training.max_steps 20).")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog="Any other argument goes to train/grpo.py (e.g. --training.max_steps 20).",
+    )
     ap.add_argument("--smollm2", action="store_true", help="the earlier demo: SmolLM2-135M, configs/demo.yaml")
     args, rest = ap.parse_known_args(argv)
-    config, prepare = (("demo.yaml", "scripts/prepare_smollm2.py") if args.smollm2
-                       else ("demo_organism.yaml", "scripts/make_organism.py"))
+    config, prepare = (
+        ("demo.yaml", "scripts/prepare_smollm2.py")
+        if args.smollm2
+        else ("demo_organism.yaml", "scripts/make_organism.py")
+    )
     if "--resume_from_checkpoint" not in rest and "--overwrite_output_dir" not in rest:
         rest += ["--resume_from_checkpoint", "latest"]  # `make demo` again: finished is finished, stopped resumes
     start = time.time()

@@ -26,8 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from crystal_grpo.rewards import build_reward
-from crystal_grpo.rewards.fuzz import format_table, fuzz
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM
+from crystal_grpo.rewards.fuzz import format_table, fuzz
 
 
 def main(argv=None) -> int:
@@ -38,21 +38,28 @@ def main(argv=None) -> int:
     p.add_argument("--encoder", default=PACKAGED_MINILM, help=f"sentence encoder (default {PACKAGED_MINILM!r})")
     p.add_argument("--device", default="cpu", help="encoder device (default cpu)")
     args = p.parse_args(argv)
-    modules = {name: build_reward(name, encoder=args.encoder, device=args.device)
-               for name in ("format", "answer_only", "composite", "cpr")}
+    modules = {
+        name: build_reward(name, encoder=args.encoder, device=args.device)
+        for name in ("format", "answer_only", "composite", "cpr")
+    }
     start = time.perf_counter()
     step = max(args.n // 20, 1)
 
     def progress(done: int) -> None:
         if done % step < args.batch:
-            print(f"  {done:,} / {args.n:,} completions, {time.perf_counter() - start:.0f} s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"  {done:,} / {args.n:,} completions, {time.perf_counter() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     stats = fuzz(modules, args.n, seed=args.seed, batch=args.batch, progress=progress)
     wall = time.perf_counter() - start
     print(format_table(stats))
-    print(f"\n{args.n:,} completions x {len(modules)} rewards, seed {args.seed}, batch {args.batch}, "
-          f"device {args.device}: {wall:.0f} s wall")
+    print(
+        f"\n{args.n:,} completions x {len(modules)} rewards, seed {args.seed}, batch {args.batch}, "
+        f"device {args.device}: {wall:.0f} s wall"
+    )
     failed = False
     for s in stats.values():
         if s.first_error:

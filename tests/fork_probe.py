@@ -10,8 +10,18 @@ LIBRARIES_LOADED = "transformers" in sys.modules  # at import: a forked run find
 def main(argv: list[str]) -> int:
     import torch
 
-    print(json.dumps({"libraries_loaded": LIBRARIES_LOADED, "threads": torch.get_num_threads(), "argv": argv,
-                      "argv0": sys.argv[0], "cwd": os.getcwd(), "pid": os.getpid()}))
+    print(
+        json.dumps(
+            {
+                "libraries_loaded": LIBRARIES_LOADED,
+                "threads": torch.get_num_threads(),
+                "argv": argv,
+                "argv0": sys.argv[0],
+                "cwd": os.getcwd(),
+                "pid": os.getpid(),
+            }
+        )
+    )
     return 3
 
 

@@ -15,8 +15,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 def grpo_cmd(run: Path, model: Path, *extra: str) -> list[str]:
     """``python train/grpo.py`` on tiny.yaml into ``run``."""
-    return [sys.executable, "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(run),
-            "--model.name_or_path", str(model), *extra]
+    return [
+        sys.executable,
+        "train/grpo.py",
+        "--config",
+        "tiny.yaml",
+        "--output_dir",
+        str(run),
+        "--model.name_or_path",
+        str(model),
+        *extra,
+    ]
 
 
 def env(**extra: str) -> dict:
@@ -25,7 +34,10 @@ def env(**extra: str) -> dict:
 
 def grpo_with(patch: str) -> str:
     """A ``python -c`` program: ``patch`` (which wraps one method), then train/grpo.py's main."""
-    return f"import os, signal, sys, time\n{patch}\nfrom crystal_grpo.train import grpo\nsys.exit(grpo.main(sys.argv[1:]))\n"
+    return (
+        f"import os, signal, sys, time\n{patch}\nfrom crystal_grpo.train import grpo\n"
+        "sys.exit(grpo.main(sys.argv[1:]))\n"
+    )
 
 
 def logged_steps(run: Path, name: str = "metrics.jsonl", key: str = "loss") -> list[int]:
@@ -45,8 +57,11 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``folder`` with its size and modification time (ns): what "nothing changed" compares."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 #: DeepSpeed ZeRO-3 on CPU (gloo), the project's recipe (docs/training.md).
@@ -58,10 +73,24 @@ ONE_VALIDATION_ROW = ["--validation.max_samples", "1", "--validation.max_new_tok
 def torchrun_script(script: Path | str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     """``script`` in ``nproc`` processes under ``torchrun --standalone``: its rendezvous takes a free
     port from the OS, so parallel runs never collide."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(script), *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env=env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions")))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        str(script),
+        *args,
+    ]
+    return subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions")),
+    )
 
 
 #: train/grpo.py's main once per command line of the JSON list ``sys.argv[1]``, each run with a
@@ -88,5 +117,6 @@ def torchrun_runs(argvs: list[list[str]], nproc: int = 2) -> subprocess.Complete
 
 def torchrun(out: Path, model: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
     """train/grpo.py on tiny.yaml under torchrun, gloo, no mid-run validation."""
-    return torchrun_script(*grpo_cmd(out, model, "--cpu_backend", "gloo", "--validation.eval_steps", "0",
-                                     *extra)[1:], nproc=nproc)
+    return torchrun_script(
+        *grpo_cmd(out, model, "--cpu_backend", "gloo", "--validation.eval_steps", "0", *extra)[1:], nproc=nproc
+    )

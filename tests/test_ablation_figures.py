@@ -23,14 +23,35 @@ from crystal_grpo.train.tools.sweep import Point, Sweep
 
 def _phase(folder: Path, reward: str, steps: int, pcgrad: bool, start_acc: float) -> None:
     folder.mkdir(parents=True)
-    rows = [{"step": s, "loss": 0.1, "reward": 0.5, f"{reward}/steps_mean": 2.0 + s / 10, f"{reward}/f1": s / steps,
-             **({"pcgrad/cosine": -0.2 if s % 2 else 0.1, "pcgrad/conflict": float(s % 2),
-                 "pcgrad/projected_fraction": 0.05 * (s % 2)} if pcgrad else {})} for s in range(1, steps + 1)]
+    rows = [
+        {
+            "step": s,
+            "loss": 0.1,
+            "reward": 0.5,
+            f"{reward}/steps_mean": 2.0 + s / 10,
+            f"{reward}/f1": s / steps,
+            **(
+                {
+                    "pcgrad/cosine": -0.2 if s % 2 else 0.1,
+                    "pcgrad/conflict": float(s % 2),
+                    "pcgrad/projected_fraction": 0.05 * (s % 2),
+                }
+                if pcgrad
+                else {}
+            ),
+        }
+        for s in range(1, steps + 1)
+    ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     vals = [0, steps]
-    (folder / "validation.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": start_acc}) + "\n" for s in vals))
+    (folder / "validation.jsonl").write_text(
+        "".join(json.dumps({"step": s, "accuracy": start_acc}) + "\n" for s in vals)
+    )
     for s in vals:  # k=1 always right, k=2 right once the phase ends
-        lines = [{"id": "a", "difficulty": "1", "correct": 1.0}, {"id": "b", "difficulty": "2", "correct": float(s > 0)}]
+        lines = [
+            {"id": "a", "difficulty": "1", "correct": 1.0},
+            {"id": "b", "difficulty": "2", "correct": float(s > 0)},
+        ]
         (folder / f"validation_samples_step{s}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
@@ -46,8 +67,10 @@ def sweep(tmp_path) -> Sweep:
         _phase(cur / "phase1-answer_only", "answer_only", 2, pcgrad=False, start_acc=0.3)
         _phase(cur / "phase2-cpr", "cpr", 3, pcgrad=True, start_acc=0.4)
         (cur / "summary.json").write_text("{}")
-        points += [Point(f"cpr_seed{seed}", "cpr", "organism.yaml", {}, seed),
-                   Point(f"cpr_curriculum_seed{seed}", "cpr_curriculum", "organism_curriculum.yaml", {}, seed)]
+        points += [
+            Point(f"cpr_seed{seed}", "cpr", "organism.yaml", {}, seed),
+            Point(f"cpr_curriculum_seed{seed}", "cpr_curriculum", "organism_curriculum.yaml", {}, seed),
+        ]
     points.append(Point("answer_only_seed1", "answer_only", "organism.yaml", {}, 1))  # not started: left out
     return Sweep("s", "python", out, points)
 
@@ -84,6 +107,7 @@ def test_pcgrad_by_window_of_global_steps(sweep):
 def test_curves_table_is_mean_and_sd_over_the_seeds_that_reached_a_step():
     def at(recall):
         return {"hinted": {k: 0.5 for k in SUMMARY} | {"recall": recall}}
+
     runs = {"answer_only": [{0: at(0.4), 20: at(0.1)}, {0: at(0.4), 20: at(0.3)}, {0: at(0.4)}]}
     lines = curves_markdown(runs, keys=("recall",)).splitlines()
     assert lines[2] == "| answer_only | hinted | 0 | 3 | 0.400 ± 0.000 |"
@@ -97,9 +121,12 @@ def test_training_tables_give_the_mean_and_the_range_over_seeds(sweep):
 
     def at(recall):
         return {"all": {k: 0.5 for k in SUMMARY}, "hinted": {k: 0.5 for k in SUMMARY} | {"recall": recall}}
+
     lines = training_curves_markdown({"cpr": [{0: at(0.2), 20: at(0.1)}, {0: at(0.4)}]}).splitlines()
-    assert lines[2] == "| cpr | 0 | 2 | 0.500 [0.500, 0.500] | 0.300 [0.200, 0.400] | 0.500 [0.500, 0.500] | " \
-                       "0.500 [0.500, 0.500] | 0.500 [0.500, 0.500] |"
+    assert (
+        lines[2] == "| cpr | 0 | 2 | 0.500 [0.500, 0.500] | 0.300 [0.200, 0.400] | 0.500 [0.500, 0.500] | "
+        "0.500 [0.500, 0.500] | 0.500 [0.500, 0.500] |"
+    )
     assert lines[3] == "| cpr | 20 | 1 | 0.500 | 0.100 | 0.500 | 0.500 | 0.500 |"
     plain = training_curves_markdown({"a": [{0: {"all": {k: 0.5 for k in SUMMARY}}}]}).splitlines()[2]
     assert plain == "| a | 0 | 1 | 0.500 | - | - | 0.500 | - |"

@@ -11,16 +11,35 @@ from crystal_grpo.train.config import AlarmSection
 
 def _run(tmp_path, tiny_lm_path, *overrides):
     out = tmp_path / "run"
-    argv = ["--config", "tiny.yaml", "--output_dir", str(out), "--model.name_or_path", str(tiny_lm_path),
-            "--validation.eval_steps", "0", "--validation.at_start", "false", *overrides]
+    argv = [
+        "--config",
+        "tiny.yaml",
+        "--output_dir",
+        str(out),
+        "--model.name_or_path",
+        str(tiny_lm_path),
+        "--validation.eval_steps",
+        "0",
+        "--validation.at_start",
+        "false",
+        *overrides,
+    ]
     assert grpo.main(argv) == 0
     return out, [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_truncation_steps_and_recall_alarms(tmp_path, tiny_lm_path, capsys):
     """Four tokens: every completion is cut off and writes no finished step, so no step matches."""
-    _, rows = _run(tmp_path, tiny_lm_path, "--training.max_completion_length", "4", "--alarms.window", "2",
-                   "--alarms.max_truncated", "0.5")
+    _, rows = _run(
+        tmp_path,
+        tiny_lm_path,
+        "--training.max_completion_length",
+        "4",
+        "--alarms.window",
+        "2",
+        "--alarms.max_truncated",
+        "0.5",
+    )
     out = capsys.readouterr().out
     first, second = [r for r in rows if "loss" in r]
     assert not any(k.startswith("alarm/") for k in first)  # the window is not full yet
@@ -30,9 +49,20 @@ def test_truncation_steps_and_recall_alarms(tmp_path, tiny_lm_path, capsys):
 
 
 def test_zero_reward_std_alarm_stops_the_run_when_asked(tmp_path, tiny_lm_path, capsys):
-    run, rows = _run(tmp_path, tiny_lm_path, "--reward.params.answer_weight", "0", "--reward.params.step_weight",
-                     "0", "--training.max_steps", "4", "--alarms.zero_std_steps", "2", "--alarms.stop_on_alarm",
-                     "true")
+    run, rows = _run(
+        tmp_path,
+        tiny_lm_path,
+        "--reward.params.answer_weight",
+        "0",
+        "--reward.params.step_weight",
+        "0",
+        "--training.max_steps",
+        "4",
+        "--alarms.zero_std_steps",
+        "2",
+        "--alarms.stop_on_alarm",
+        "true",
+    )
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and "alarm/zero_std" in steps[1] and "alarm/zero_std" not in steps[0]
     assert (run / "checkpoint-2").is_dir()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -220,13 +219,58 @@ def test_huge_or_odd_inputs_do_not_raise():
 
 # --- option letters in their usual wrappings -----------------------------------------
 
-WRAPPED_B = ["\u201cB\u201d", "\u2018B\u2019", '"B"', "'B'", "[B]", "{B}", "<B>", "\u300cB\u300d", "\u3010B\u3011",
-             "\uff08B\uff09", "\uff3bB\uff3d", "**B**", "*B*", "`B`", "__B__", "\u00abB\u00bb", "(B).", "**(B)**",
-             "**B.**", "B!", "[B].", "Answer: [B]", "Answer: **B**", "answer:B", "option \u201cB\u201d",
-             "Option 'B'", "The answer is **B**.", "the answer is: (B)", "Final answer: `B`",
-             "The correct answer is [B]."]
-NOT_LETTERS = ["Bee", "Both", "12", "[12]", "(Paris)", "**yes**", "'no'", "[A] and [B]", "B12", "AB", "B?",
-               "B-", "b c", "Answer: Bee", "**Both**", "option B2", "[[B] x]", "<b>bold</b>"]
+WRAPPED_B = [
+    "\u201cB\u201d",
+    "\u2018B\u2019",
+    '"B"',
+    "'B'",
+    "[B]",
+    "{B}",
+    "<B>",
+    "\u300cB\u300d",
+    "\u3010B\u3011",
+    "\uff08B\uff09",
+    "\uff3bB\uff3d",
+    "**B**",
+    "*B*",
+    "`B`",
+    "__B__",
+    "\u00abB\u00bb",
+    "(B).",
+    "**(B)**",
+    "**B.**",
+    "B!",
+    "[B].",
+    "Answer: [B]",
+    "Answer: **B**",
+    "answer:B",
+    "option \u201cB\u201d",
+    "Option 'B'",
+    "The answer is **B**.",
+    "the answer is: (B)",
+    "Final answer: `B`",
+    "The correct answer is [B].",
+]
+NOT_LETTERS = [
+    "Bee",
+    "Both",
+    "12",
+    "[12]",
+    "(Paris)",
+    "**yes**",
+    "'no'",
+    "[A] and [B]",
+    "B12",
+    "AB",
+    "B?",
+    "B-",
+    "b c",
+    "Answer: Bee",
+    "**Both**",
+    "option B2",
+    "[[B] x]",
+    "<b>bold</b>",
+]
 
 
 @pytest.mark.parametrize("text", WRAPPED_B)
@@ -286,7 +330,7 @@ def test_answer_scanners_are_linear(name):
 @pytest.mark.parametrize("truth", ["12", "B", "yes", "Paris"])
 def test_hostile_answers_never_match_and_return_fast(name, truth):
     assert answers_match(HOSTILE[name], truth, CHOICES) is False
-    assert answers_match(HOSTILE[name][:answers.MAX_ANSWER_CHARS], truth) in (True, False)
+    assert answers_match(HOSTILE[name][: answers.MAX_ANSWER_CHARS], truth) in (True, False)
 
 
 def test_over_long_prediction_never_matches_unless_the_truth_is_as_long():
@@ -310,19 +354,78 @@ def test_numbers_past_float_range_or_str_limit_do_not_raise():
 # The patterns before the linear-time rewrite, as references on short inputs.
 OLD_CUR = r"(?:[$€£¥₹]\s*)?"
 OLD_NUMBER = re.compile(
-    r"(?<![\w.])" + OLD_CUR + r"([-+])?\s*" + OLD_CUR
+    r"(?<![\w.])"
+    + OLD_CUR
+    + r"([-+])?\s*"
+    + OLD_CUR
     + r"(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?!\d)"
-    + r"(?:\s*/\s*(\d+(?:\.\d+)?))?" + r"(?:[eE]([-+]?\d+))?"
-    + r"(\s*(?:%|percent\b|per\s+cent\b))?", re.IGNORECASE)
+    + r"(?:\s*/\s*(\d+(?:\.\d+)?))?"
+    + r"(?:[eE]([-+]?\d+))?"
+    + r"(\s*(?:%|percent\b|per\s+cent\b))?",
+    re.IGNORECASE,
+)
 OLD_BARE = re.compile(r"^\(?([A-Za-z])\)?[.:)]?$")
-OLD_PHRASE = re.compile(r"^(?:the\s+)?(?:correct\s+|final\s+)?(?:answer|option|choice)"
-                        r"(?:\s+is)?\s*:?\s*\(?([A-Za-z])\)?[.:)]?$", re.IGNORECASE)
+OLD_PHRASE = re.compile(
+    r"^(?:the\s+)?(?:correct\s+|final\s+)?(?:answer|option|choice)"
+    r"(?:\s+is)?\s*:?\s*\(?([A-Za-z])\)?[.:)]?$",
+    re.IGNORECASE,
+)
 
-number_soup = st.lists(st.sampled_from(["$", "€", " ", "  ", "\t", "-", "+", "1", "23", "4,567", ".", ",", "/", "%",
-                                        "per", "cent", "percent", "e", "E", "x", "a", "1.5", "0"]),
-                       max_size=10).map("".join)
-letter_soup = st.lists(st.sampled_from(["the ", "The ", "correct ", "final ", "answer", "Answer", "option", "choice",
-                                        " is", " ", ":", "(", ")", ".", "B", "b", "C", "\t"]), max_size=8).map("".join)
+number_soup = st.lists(
+    st.sampled_from(
+        [
+            "$",
+            "€",
+            " ",
+            "  ",
+            "\t",
+            "-",
+            "+",
+            "1",
+            "23",
+            "4,567",
+            ".",
+            ",",
+            "/",
+            "%",
+            "per",
+            "cent",
+            "percent",
+            "e",
+            "E",
+            "x",
+            "a",
+            "1.5",
+            "0",
+        ]
+    ),
+    max_size=10,
+).map("".join)
+letter_soup = st.lists(
+    st.sampled_from(
+        [
+            "the ",
+            "The ",
+            "correct ",
+            "final ",
+            "answer",
+            "Answer",
+            "option",
+            "choice",
+            " is",
+            " ",
+            ":",
+            "(",
+            ")",
+            ".",
+            "B",
+            "b",
+            "C",
+            "\t",
+        ]
+    ),
+    max_size=8,
+).map("".join)
 
 
 @settings(max_examples=600, deadline=None, derandomize=True)

@@ -17,10 +17,20 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: Package -> folder, as pyproject.toml maps them.
-PACKAGES = {"crystal_grpo": "crystal_grpo", "crystal_grpo.rewards": "rewards", "crystal_grpo.curricula": "curricula",
-            "crystal_grpo.train": "train", "crystal_grpo.train.tools": "train/tools"}
-LAYER = {"crystal_grpo": 0, "crystal_grpo.rewards": 1, "crystal_grpo.curricula": 1, "crystal_grpo.train": 2,
-         "crystal_grpo.train.tools": 3}
+PACKAGES = {
+    "crystal_grpo": "crystal_grpo",
+    "crystal_grpo.rewards": "rewards",
+    "crystal_grpo.curricula": "curricula",
+    "crystal_grpo.train": "train",
+    "crystal_grpo.train.tools": "train/tools",
+}
+LAYER = {
+    "crystal_grpo": 0,
+    "crystal_grpo.rewards": 1,
+    "crystal_grpo.curricula": 1,
+    "crystal_grpo.train": 2,
+    "crystal_grpo.train.tools": 3,
+}
 
 
 def modules() -> dict[str, Path]:
@@ -65,23 +75,28 @@ def imports(module: str) -> list[tuple[str, str | None]]:
 
 
 def test_every_module_is_seen():
-    assert {"crystal_grpo.train.trainer", "crystal_grpo.train.tools.evaluate", "crystal_grpo.metrics",
-            "crystal_grpo.rewards.cpr", "crystal_grpo.curricula.sampler"} <= set(MODULES)
+    assert {
+        "crystal_grpo.train.trainer",
+        "crystal_grpo.train.tools.evaluate",
+        "crystal_grpo.metrics",
+        "crystal_grpo.rewards.cpr",
+        "crystal_grpo.curricula.sampler",
+    } <= set(MODULES)
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_import_from_a_higher_layer(module):
     """Tools import the core, never the reverse; rewards and curricula never import train."""
     mine = LAYER[package_of(module)]
-    above = sorted({target for target, _ in imports(module)
-                    if target in MODULES and LAYER[package_of(target)] > mine})
+    above = sorted({target for target, _ in imports(module) if target in MODULES and LAYER[package_of(target)] > mine})
     assert not above, f"{module} (layer {mine}) imports {above}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_private_name_crosses_modules(module):
-    private = [f"{target}.{name}" for target, name in imports(module)
-               if name and name.startswith("_") and target != module]
+    private = [
+        f"{target}.{name}" for target, name in imports(module) if name and name.startswith("_") and target != module
+    ]
     assert not private, f"{module} imports private names {private}"
 
 
@@ -94,7 +109,7 @@ def test_no_import_cycles():
         state[m] = "open"
         for t in sorted(graph[m]):
             if state.get(t) == "open":
-                cycles.append(path[path.index(t):] + [t])
+                cycles.append(path[path.index(t) :] + [t])
             elif t not in state:
                 visit(t, path + [t])
         state[m] = "done"
@@ -130,16 +145,23 @@ def test_every_error_of_the_library_is_a_crystal_error():
     found = []
     for module in MODULES:
         for name, obj in vars(importlib.import_module(module)).items():
-            if (inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == module
-                    and not name.startswith("_") and f"{module}.{name}" not in not_errors):
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, Exception)
+                and obj.__module__ == module
+                and not name.startswith("_")
+                and f"{module}.{name}" not in not_errors
+            ):
                 found.append(obj)
     assert len(found) >= 15
     assert [e.__qualname__ for e in found if not issubclass(e, CrystalError)] == []
 
 
 #: A repository path as the code and the docs name them (``train/tools/sweep.py``, ``docs/method.md``).
-REPO_PATH = re.compile(r"(?<![\w./-])((?:train|rewards|curricula|crystal_grpo|scripts|tests|configs|docs)/[\w/.-]+"
-                       r"\.(?:py|md|yaml|json))")
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:train|rewards|curricula|crystal_grpo|scripts|tests|configs|docs)/[\w/.-]+"
+    r"\.(?:py|md|yaml|json))"
+)
 #: Paths of other projects' repositories that the text names as such.
 ELSEWHERE = {"tests/test_grpo_trainer.py"}  # TRL's own test file
 
@@ -150,11 +172,18 @@ def named_paths(text: str) -> set[str]:
 
 def test_every_file_the_code_and_docs_name_exists():
     """A moved or renamed module leaves no comment, docstring or doc pointing at where it was."""
-    texts = [p for p in REPO.rglob("*") if p.suffix in (".py", ".md", ".yaml")
-             and not {".venv", ".cache", ".git", "runs"} & set(p.relative_to(REPO).parts)]
-    missing = sorted(f"{p.relative_to(REPO)}: {path}" for p in texts
-                     for path in named_paths(p.read_text(encoding="utf-8", errors="replace"))
-                     if not (REPO / path).exists())
+    texts = [
+        p
+        for p in REPO.rglob("*")
+        if p.suffix in (".py", ".md", ".yaml")
+        and not {".venv", ".cache", ".git", "runs"} & set(p.relative_to(REPO).parts)
+    ]
+    missing = sorted(
+        f"{p.relative_to(REPO)}: {path}"
+        for p in texts
+        for path in named_paths(p.read_text(encoding="utf-8", errors="replace"))
+        if not (REPO / path).exists()
+    )
     assert missing == []
     gone = "train/" + "sweep.py"  # spelled apart, or this file would name it
     assert named_paths(f"see {gone}, or ``{gone}``.") == {gone}  # what the check flags

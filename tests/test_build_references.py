@@ -44,13 +44,29 @@ def write_jsonl(path: Path, rows) -> Path:
 
 @pytest.fixture
 def inputs(tmp_path) -> dict:
-    return {"data": write_jsonl(tmp_path / "data.jsonl", ROWS), "a": write_jsonl(tmp_path / "a.jsonl", TRAJ_A),
-            "b": write_jsonl(tmp_path / "b.jsonl", TRAJ_B), "out": tmp_path / "out.jsonl"}
+    return {
+        "data": write_jsonl(tmp_path / "data.jsonl", ROWS),
+        "a": write_jsonl(tmp_path / "a.jsonl", TRAJ_A),
+        "b": write_jsonl(tmp_path / "b.jsonl", TRAJ_B),
+        "out": tmp_path / "out.jsonl",
+    }
 
 
 def run(inputs, *extra, out=None) -> int:
-    return br.main(["--data", str(inputs["data"]), "--out", str(out or inputs["out"]), "--trajectories",
-                    str(inputs["a"]), str(inputs["b"]), "--device", "cpu", *extra])
+    return br.main(
+        [
+            "--data",
+            str(inputs["data"]),
+            "--out",
+            str(out or inputs["out"]),
+            "--trajectories",
+            str(inputs["a"]),
+            str(inputs["b"]),
+            "--device",
+            "cpu",
+            *extra,
+        ]
+    )
 
 
 def summary(out: Path) -> dict:
@@ -87,8 +103,10 @@ def test_keep_incorrect_reference_sets_and_rebuild(inputs, tmp_path):
     assert rows["r3"]["reference_steps"] == ["Bo has 9 pens."]  # the step both wrong solutions share
     assert rows["r3"]["reference_build"]["accepted"] == 2
     # r1: with the wrong solution kept there are three; the one equal to the chain is not repeated.
-    assert rows["r1"]["reference_sets"] == [["Ann has three.", "Penguins live in Antarctica."],
-                                            [STEP1, STEP2, "The answer is 7."]]
+    assert rows["r1"]["reference_sets"] == [
+        ["Ann has three.", "Penguins live in Antarctica."],
+        [STEP1, STEP2, "The answer is 7."],
+    ]
     # r2 is rebuilt from b alone: one trajectory cannot reach --min_support 2 ...
     assert "r2" not in rows and summary(inputs["out"])["no_consensus"] == ["r2", "r4"]
     # ... and with --min_support 1 it is, and scored against the references it had.
@@ -170,11 +188,28 @@ def test_bad_input_is_one_line(inputs, tmp_path, capsys):
     assert "bad.jsonl:1: missing or empty 'question'" in capsys.readouterr().err
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"id": "r1", "reasoning_steps": ["x"], "answer": "7"}\n{"id": \n')
-    assert br.main(["--data", str(inputs["data"]), "--out", str(tmp_path / "z.jsonl"), "--trajectories",
-                    str(broken)]) == 2
+    assert (
+        br.main(["--data", str(inputs["data"]), "--out", str(tmp_path / "z.jsonl"), "--trajectories", str(broken)])
+        == 2
+    )
     assert "broken.jsonl:2: invalid JSON" in capsys.readouterr().err
-    assert br.main(["--data", str(inputs["data"]), "--out", str(tmp_path / "w.jsonl"), "--generator", "m",
-                    "--samples", "2", "--temperature", "0"]) == 2
+    assert (
+        br.main(
+            [
+                "--data",
+                str(inputs["data"]),
+                "--out",
+                str(tmp_path / "w.jsonl"),
+                "--generator",
+                "m",
+                "--samples",
+                "2",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert "greedy decoding gives identical solutions" in capsys.readouterr().err
 
 
@@ -184,16 +219,20 @@ def test_out_naming_an_input_file_is_refused_and_the_file_left_as_it_is(inputs, 
     before = inputs[same].read_bytes()
     assert run(inputs, out=inputs[same]) == 2
     flag = {"data": "--data", "a": "--trajectories"}[same]
-    assert capsys.readouterr().err.strip() == (f"error: --out {inputs[same]} is also the {flag} file: the build "
-                                               "appends its rows to --out; choose another --out")
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {inputs[same]} is also the {flag} file: the build "
+        "appends its rows to --out; choose another --out"
+    )
     assert inputs[same].read_bytes() == before
 
 
 def test_sampling_outside_its_range_is_one_line(inputs, tmp_path, capsys):
     """--temperature -1 ran greedy while the report said -1 (issue 43 item 12)."""
     args = ["--data", str(inputs["data"]), "--out", str(tmp_path / "x.jsonl"), "--generator", "m"]
-    for flag, value, expected in (("--temperature", "-1", "expected a number >= 0 (0: greedy decoding)"),
-                                  ("--top_p", "1.5", "expected a number in (0, 1]")):
+    for flag, value, expected in (
+        ("--temperature", "-1", "expected a number >= 0 (0: greedy decoding)"),
+        ("--top_p", "1.5", "expected a number in (0, 1]"),
+    ):
         assert br.main([*args, "--samples", "1", flag, value]) == 2
         assert capsys.readouterr().err.strip() == f"error: {flag} {float(value)}: {expected}"
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import replace
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,8 +25,13 @@ from crystal_grpo.train.capacity import (
 )
 from crystal_grpo.train.tools.capacity import meta_counts, meta_lora_params, meta_model
 
-SIZES = [(1_000, 10, 1, 1), (358_683_904, 4_358_144, 1, 1), (3_754_622_976, 311_164_928, 4, 1),
-         (3_754_622_976, 311_164_928, 8, 2), (7_000_000_007, 500_000_001, 3, 5)]
+SIZES = [
+    (1_000, 10, 1, 1),
+    (358_683_904, 4_358_144, 1, 1),
+    (3_754_622_976, 311_164_928, 4, 1),
+    (3_754_622_976, 311_164_928, 8, 2),
+    (7_000_000_007, 500_000_001, 3, 5),
+]
 
 
 @pytest.mark.parametrize("total,largest,per_node,nodes", SIZES)
@@ -38,10 +43,17 @@ def test_the_estimator_copies_equal_deepspeeds(total, largest, per_node, nodes):
         for offload_params in (False, True):
             for zero_init in (False, True):
                 for factor in (1.0, 1.5):
-                    kw = dict(num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload,
-                              cpu_offload_params=offload_params, zero_init=zero_init, additional_buffer_factor=factor)
-                    assert capacity.zero3_model_states(total, largest, **kw) == \
-                        estimate_zero3_model_states_mem_needs(total, largest, **kw), kw
+                    kw = dict(
+                        num_gpus_per_node=per_node,
+                        num_nodes=nodes,
+                        cpu_offload=offload,
+                        cpu_offload_params=offload_params,
+                        zero_init=zero_init,
+                        additional_buffer_factor=factor,
+                    )
+                    assert capacity.zero3_model_states(total, largest, **kw) == estimate_zero3_model_states_mem_needs(
+                        total, largest, **kw
+                    ), kw
         kw = dict(num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload)
         assert capacity.zero2_model_states(total, **kw) == estimate_zero2_model_states_mem_needs(total, **kw), kw
 
@@ -55,14 +67,48 @@ def test_trl_defaults_are_trls():
 
 
 TEXT_CONFIGS = {
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True),
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=1, vocab_size=300, attention_bias=True, mlp_bias=True),
-    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                    num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=300),
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, vocab_size=300, tie_word_embeddings=True),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        tie_word_embeddings=True,
+    ),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=300,
+        attention_bias=True,
+        mlp_bias=True,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=300,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -118,15 +164,17 @@ def test_resized_image_tokens_are_the_processors(tiny_vlm_path, bounds):
     from crystal_grpo.train.vision import VisionSection, image_tokens, resized_image_tokens
 
     low, high = bounds
-    processing = load_processing(open_source(ModelSection(str(tiny_vlm_path))), VisionSection(min_pixels=low,
-                                                                                                max_pixels=high))
+    processing = load_processing(
+        open_source(ModelSection(str(tiny_vlm_path))), VisionSection(min_pixels=low, max_pixels=high)
+    )
     ip = processing.image_processor
     for h, w in [(768, 1024), (336, 448), (3024, 4032), (1000, 37), (50, 90), (20, 20), (28, 28), (599, 601)]:
         expected = image_tokens(processing, h, w)
         assert resized_image_tokens(h, w, low, high, factor=ip.patch_size * ip.merge_size) == expected, (h, w)
     assert capacity.prompt_image_tokens(sizes_from_config(QWEN25_VL_3B_CONFIG), VisionSection()) == 768
-    assert capacity.prompt_image_tokens(sizes_from_config(QWEN25_VL_3B_CONFIG),
-                                        VisionSection(max_pixels=None)) == 999  # the published processor's bound
+    assert (
+        capacity.prompt_image_tokens(sizes_from_config(QWEN25_VL_3B_CONFIG), VisionSection(max_pixels=None)) == 999
+    )  # the published processor's bound
 
 
 def _saved_bytes(model, run) -> int:
@@ -150,8 +198,9 @@ def _qwen2(layers: int, **extra):
 
     cfg = {**TEXT_CONFIGS["qwen2"], "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": layers, **extra}
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in cfg.items() if k != "model_type"},
-                                         attn_implementation="sdpa")).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(**{k: v for k, v in cfg.items() if k != "model_type"}, attn_implementation="sdpa")
+    ).to(torch.bfloat16)
     return model, sizes_from_config(cfg)
 
 
@@ -172,13 +221,25 @@ def test_activation_counts_are_what_autograd_keeps():
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     def vision(depth):
-        vcfg = dict(depth=depth, hidden_size=128, intermediate_size=352, num_heads=4, out_hidden_size=64,
-                    fullatt_block_indexes=[1])
-        cfg = Qwen2_5_VLConfig(text_config=dict(TEXT_CONFIGS["qwen2"], rope_parameters={
-            "rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}), vision_config=vcfg)
+        vcfg = dict(
+            depth=depth,
+            hidden_size=128,
+            intermediate_size=352,
+            num_heads=4,
+            out_hidden_size=64,
+            fullatt_block_indexes=[1],
+        )
+        cfg = Qwen2_5_VLConfig(
+            text_config=dict(
+                TEXT_CONFIGS["qwen2"],
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
+            ),
+            vision_config=vcfg,
+        )
         torch.manual_seed(0)
         return Qwen2_5_VLForConditionalGeneration(cfg).to(torch.bfloat16), sizes_from_config(
-            {"model_type": "qwen2_5_vl", **TEXT_CONFIGS["qwen2"], "vision_config": vcfg})
+            {"model_type": "qwen2_5_vl", **TEXT_CONFIGS["qwen2"], "vision_config": vcfg}
+        )
 
     grid = torch.tensor([[1, 16, 16]])
     pixels = torch.randn(256, 3 * 2 * 14 * 14, dtype=torch.bfloat16)
@@ -194,24 +255,43 @@ def test_kv_cache_is_what_generate_keeps():
     model = model.float()
     sizes = dataclasses.replace(sizes, dtype_bytes=4)
     prompts, new = torch.randint(3, 300, (3, 11)), 9
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    kept = sum(t.numel() * t.element_size() for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+    out = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    kept = sum(
+        t.numel() * t.element_size() for layer in out.past_key_values.layers for t in (layer.keys, layer.values)
+    )
     work = Workload(micro_batch=3, generation_batch=3, prompt_tokens=11, completion_tokens=new)
     assert kept == kv_cache_bytes(sizes, work) * (11 + new - 1) // (11 + new)
 
 
 def test_the_launch_comes_from_the_accelerate_config_the_launcher_or_gpus(tmp_path):
-    cases = {"zero3_1x4.yaml": (4, 1, 3), "configs/accelerate/zero3_1x8.yaml": (8, 1, 3),
-             "zero3_2nodes.yaml": (16, 2, 3), "ddp_1x4.yaml": (4, 1, 0), "zero2_1x4.yaml": (4, 1, 2)}
+    cases = {
+        "zero3_1x4.yaml": (4, 1, 3),
+        "configs/accelerate/zero3_1x8.yaml": (8, 1, 3),
+        "zero3_2nodes.yaml": (16, 2, 3),
+        "ddp_1x4.yaml": (4, 1, 0),
+        "zero2_1x4.yaml": (4, 1, 2),
+    }
     for name, want in cases.items():
         launch = launch_from(name, env={})
         assert (launch.gpus, launch.nodes, launch.zero_stage) == want, name
     assert launch_from(env={}) == capacity.Launch()
     offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     (tmp_path / "ds.json").write_text(json.dumps(offload))
-    env = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "ACCELERATE_USE_DEEPSPEED": "true",
-           "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "ds.json")}
+    env = {
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "ds.json"),
+    }
     launch = launch_from(env=env)
     assert (launch.gpus, launch.nodes, launch.zero_stage, launch.offload_optimizer) == (8, 2, 3, True)
     launched = launch_from(deepspeed=str(tmp_path / "ds.json"), gpus=2, env={"WORLD_SIZE": "8"})
@@ -236,7 +316,8 @@ def test_a_model_without_a_reachable_config_is_not_estimated(tmp_path, monkeypat
     cfg, _ = load_config("cpr_curriculum", ["--model.name_or_path", "someone/not-in-the-cache"])
     assert capacity.check_lines(cfg) == [
         "memory per GPU: cannot estimate: model.name_or_path 'someone/not-in-the-cache': no config.json here (not a "
-        "local folder, not in the Hugging Face cache) to read the model's sizes from"]
+        "local folder, not in the Hugging Face cache) to read the model's sizes from"
+    ]
     (tmp_path / "config.json").write_text(json.dumps({**QWEN25_VL_3B_CONFIG, "model_type": "mamba"}))
     cfg, _ = load_config("cpr_curriculum", ["--model.name_or_path", str(tmp_path)])
     assert "is not one the memory plan knows" in capacity.check_lines(cfg)[0]
@@ -250,19 +331,28 @@ def test_check_prints_the_memory_per_gpu_and_warns_when_a_phase_cannot_fit(repo_
     from crystal_grpo.train.preflight import gpu_device_nodes
 
     heavy = ("torch", "trl", "transformers", "deepspeed", "peft", "accelerate")
-    base = ["--config", "cpr_curriculum", "--output_dir", str(tmp_path / "r"), "--check",
-            "--accelerate_config", "zero3_1x4.yaml"]
+    base = [
+        "--config",
+        "cpr_curriculum",
+        "--output_dir",
+        str(tmp_path / "r"),
+        "--check",
+        "--accelerate_config",
+        "zero3_1x4.yaml",
+    ]
     base += ["--model.dtype", "float32"] if gpu_device_nodes() else []  # then the precision check asks torch
-    code = (f"import sys; from crystal_grpo.train import grpo; base = {base!r}; "
-            "[grpo.main(base + ['--gpu_memory', gib] + more) for gib, more in (('80', []), ('40', ['--gpus', '2']))]; "
-            f"print('heavy:', sorted(m for m in {heavy!r} if m in sys.modules))")
+    code = (
+        f"import sys; from crystal_grpo.train import grpo; base = {base!r}; "
+        "[grpo.main(base + ['--gpu_memory', gib] + more) for gib, more in (('80', []), ('40', ['--gpus', '2']))]; "
+        f"print('heavy:', sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo_root, timeout=120)
     out = done.stdout.splitlines()
     assert out[-1] == "heavy: []", done.stdout + done.stderr
     heads = [i for i, line in enumerate(out) if line.startswith("memory per GPU, predicted")]
     assert len(heads) == 2 and "3.75B parameters" in out[heads[0]] and "4 GPUs, DeepSpeed ZeRO-3" in out[heads[0]]
     assert "768 image tokens (a 1024 x 768 picture at 3,136-602,112 pixels)" in out[heads[0]]
-    at80, at40 = out[heads[0]:heads[1]], out[heads[1]:-1]
+    at80, at40 = out[heads[0] : heads[1]], out[heads[1] : -1]
     assert [line.split(":")[0] for line in at80[1:3]] == ["  answer_only", "  cpr"]
     assert all("; fits in 72.0 usable" in line for line in at80[1:3]) and not any("warning" in x for x in at80)
     assert "PCGrad" not in at80[1] and "max(generation 8.2, activations 6.2 + PCGrad rows 10.5)" in at80[2]
@@ -284,8 +374,10 @@ def test_the_warning_names_what_would_fit():
     lines = capacity.check_lines(cfg, "zero3_1x4.yaml", gpu_memory=80)
     warnings = [line for line in lines if line.startswith("warning:")]
     assert [w.split(":")[1] for w in warnings] == [" answer_only", " cpr"]
-    assert warnings[1].endswith("it would with: per_device_train_batch_size 3 with num_generations 4; gradient "
-                                "checkpointing; LoRA (model.lora)")
+    assert warnings[1].endswith(
+        "it would with: per_device_train_batch_size 3 with num_generations 4; gradient "
+        "checkpointing; LoRA (model.lora)"
+    )
     paper, _ = load_config("cpr_curriculum")
     one_gpu = [line for line in capacity.check_lines(paper, "zero3_1x1.yaml", gpu_memory=80) if "warning:" in line]
     assert [w.split(":")[1] for w in one_gpu] == [" answer_only", " cpr"]
@@ -304,8 +396,11 @@ def test_pcgrad_rows_follow_the_config_and_the_gradient_storage():
     from crystal_grpo.train.config import load_config, phase_configs
 
     sizes = sizes_from_config(QWEN25_VL_3B_CONFIG)
-    fp32_buffer = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"},
-                   "data_types": {"grad_accum_dtype": "fp32"}}
+    fp32_buffer = {
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": "auto"},
+        "data_types": {"grad_accum_dtype": "fp32"},
+    }
 
     def work(*overrides, accelerate="zero3_1x4.yaml", deepspeed=None, phase=-1):
         cfg, _ = load_config("cpr_curriculum", list(overrides))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, wait_for
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
@@ -29,7 +30,6 @@ from crystal_grpo.train.checkpoints import (
 from crystal_grpo.train.config import load_config
 from crystal_grpo.train.layout import MARKER, checkpoint_folders, checkpoint_name, step_of
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
-from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, wait_for
 
 
 # --- the marker and what "complete" means ------------------------------------------------------
@@ -67,8 +67,11 @@ def test_latest_is_the_newest_complete_checkpoint_and_says_what_it_skipped(tmp_p
     (tmp_path / "checkpoint-50").write_text("not a folder")
     chosen, skipped = latest_complete(tmp_path)
     assert chosen == good
-    assert [s.split(":")[0] for s in skipped] == [str(tmp_path / "checkpoint-40"), str(tmp_path / "checkpoint-30"),
-                                                  str(truncated / "model.safetensors")]
+    assert [s.split(":")[0] for s in skipped] == [
+        str(tmp_path / "checkpoint-40"),
+        str(tmp_path / "checkpoint-30"),
+        str(truncated / "model.safetensors"),
+    ]
     assert "incomplete (no checkpoint_complete.json" in skipped[0]
     assert "100 bytes, " in skipped[2] and "truncated" in skipped[2]
     said = []
@@ -90,8 +93,10 @@ def test_a_checkpoint_corrupted_at_the_same_size_is_not_resumed(tmp_path):
         fh.seek(size - 1)
         fh.write(bytes([last[0] ^ 0xFF]))
     assert weights.stat().st_size == size and checkpoint_problem(bad) is None  # sizes and header agree
-    problem = (f"{weights}: its content is not what was saved (sha256 differs from checkpoint_complete.json's: "
-               "corrupted or overwritten)")
+    problem = (
+        f"{weights}: its content is not what was saved (sha256 differs from checkpoint_complete.json's: "
+        "corrupted or overwritten)"
+    )
     assert checkpoint_problem(bad, checksums=True) == problem
     said = []
     assert resolve_resume(tmp_path, "latest", said.append) == str(good)
@@ -166,16 +171,21 @@ def test_a_marker_is_removed_before_a_checkpoint_is_rewritten(tmp_path, tiny_lm_
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CrystalGRPOTrainer, "_save_optimizer_and_scheduler", save_opt)
-        grpo.run(load_config("tiny.yaml", [*args, "--training.max_steps", "3"])[0], run, str(run / "checkpoint-1"),
-                 callbacks=[Spy()])
+        grpo.run(
+            load_config("tiny.yaml", [*args, "--training.max_steps", "3"])[0],
+            run,
+            str(run / "checkpoint-1"),
+            callbacks=[Spy()],
+        )
     assert stale["step"] == 2 and seen["marker_during_save"] is False
     assert "model.safetensors" in seen["marker"]["files"] and "crystal_state.json" in seen["marker"]["files"]
     assert checkpoint_problem(folder) is None and checkpoint_problem(run / "checkpoint-3") is None
 
 
 def test_truncate_logs_keeps_rows_up_to_the_step(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n"
-                                                    for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo'
+    )
     truncate_logs(tmp_path, 2)
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
@@ -194,13 +204,21 @@ Trainer._save_optimizer_and_scheduler = dying
 
 def test_sigkill_while_saving_then_resume_latest_picks_the_last_complete_one(tmp_path, tiny_lm_path, capsys):
     run = tmp_path / "run"
-    args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
-                "--validation.eval_steps", "1")[2:]
-    proc = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, *args], cwd=REPO, env={**env(), "KILL_AT_STEP": "2"},
-                          capture_output=True, text=True, timeout=600)
+    args = grpo_cmd(
+        run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1", "--validation.eval_steps", "1"
+    )[2:]
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_SAVE, *args],
+        cwd=REPO,
+        env={**env(), "KILL_AT_STEP": "2"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (run / "checkpoint-2" / "model.safetensors").exists() and not (run / "checkpoint-2" / MARKER).exists()
-    # Before the fix, latest picked checkpoint-2 and crashed (no trainer_state.json there). The resume: in this process.
+    # Before the fix, latest picked checkpoint-2 and crashed (no trainer_state.json there).
+    # The resume: in this process.
     assert grpo.main([*args, "--resume_from_checkpoint", "latest"]) == 0
     out = capsys.readouterr().out
     assert f"skipping {run / 'checkpoint-2'}: incomplete" in out
@@ -213,8 +231,9 @@ def test_sigkill_while_saving_then_resume_latest_picks_the_last_complete_one(tmp
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, tiny_lm_path, sig):
     run = tmp_path / "run"
-    cmd = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
-               "--validation.eval_steps", "0")
+    cmd = grpo_cmd(
+        run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100", "--validation.eval_steps", "0"
+    )
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(run / "metrics.jsonl", proc)
     proc.send_signal(sig)
@@ -223,9 +242,11 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
     step = max(logged_steps(run))
     assert step < 40
     line = [x for x in out.splitlines() if x.startswith("interrupted by")]
-    resume = (f"resume with: python train/grpo.py --config tiny.yaml --output_dir {run} --model.name_or_path "
-              f"{tiny_lm_path} --training.max_steps 40 --training.save_steps 100 --validation.eval_steps 0 "
-              "--resume_from_checkpoint latest")
+    resume = (
+        f"resume with: python train/grpo.py --config tiny.yaml --output_dir {run} --model.name_or_path "
+        f"{tiny_lm_path} --training.max_steps 40 --training.save_steps 100 --validation.eval_steps 0 "
+        "--resume_from_checkpoint latest"
+    )
     assert line == [f"interrupted by {sig.name} at step {step}: saved {run / f'checkpoint-{step}'}; {resume}"]
     assert checkpoint_problem(run / f"checkpoint-{step}") is None
     assert not (run / "final").exists()  # no end-of-run work: no final model, no final validation
@@ -267,11 +288,18 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_lm_path):
     """The first Ctrl-C asks for a save; a second one during that save aborts the process
     instead of waiting for it (which here would take an hour: the communicate timeout)."""
     run = tmp_path / "run"
-    args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
-                "--validation.eval_steps", "0")[2:]
+    args = grpo_cmd(
+        run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100", "--validation.eval_steps", "0"
+    )[2:]
     with open(tmp_path / "stderr.txt", "w+") as err:  # a file: an unread stderr pipe could fill and block the run
-        proc = subprocess.Popen([sys.executable, "-c", BLOCKED_SAVE, *args], cwd=REPO, env=env(),
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", BLOCKED_SAVE, *args],
+            cwd=REPO,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
         try:
             wait_for(run / "metrics.jsonl", proc)
             proc.send_signal(signal.SIGINT)
@@ -292,16 +320,41 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, tiny_lm_path):
 
 
 def test_resume_warns_about_overrides_the_checkpoint_undoes(tmp_path, tiny_lm_path, capsys):
-    common = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "run"), "--model.name_or_path",
-              str(tiny_lm_path), "--validation.eval_steps", "0", "--training.save_steps", "1",
-              "--training.lr_scheduler_type", "constant"]
+    common = [
+        "--config",
+        "tiny.yaml",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--model.name_or_path",
+        str(tiny_lm_path),
+        "--validation.eval_steps",
+        "0",
+        "--training.save_steps",
+        "1",
+        "--training.lr_scheduler_type",
+        "constant",
+    ]
     assert grpo.main([*common, "--training.max_steps", "2"]) == 0
     capsys.readouterr()
-    assert grpo.main([*common, "--training.max_steps", "3", "--training.learning_rate", "5e-5",
-                      "--resume_from_checkpoint", "latest"]) == 0
+    assert (
+        grpo.main(
+            [
+                *common,
+                "--training.max_steps",
+                "3",
+                "--training.learning_rate",
+                "5e-5",
+                "--resume_from_checkpoint",
+                "latest",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert ("warning: training.learning_rate is 5e-05 but the checkpoint was trained with 0.0001: resuming "
-            "restores the optimizer and scheduler state, so the run continues with 0.0001") in out
+    assert (
+        "warning: training.learning_rate is 5e-05 but the checkpoint was trained with 0.0001: resuming "
+        "restores the optimizer and scheduler state, so the run continues with 0.0001"
+    ) in out
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (step3,) = [r for r in rows if "loss" in r and r["step"] == 3]
     assert step3["learning_rate"] == pytest.approx(1e-4)  # as the warning says: the checkpoint's rate, not 5e-5
@@ -312,12 +365,34 @@ def test_resume_warns_about_overrides_the_checkpoint_undoes(tmp_path, tiny_lm_pa
 
 
 def test_resume_with_logs_after_the_checkpoint_logs_each_step_once(tmp_path, tiny_lm_path):
-    common = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "run"), "--model.name_or_path",
-              str(tiny_lm_path), "--validation.eval_steps", "1", "--validation.max_samples", "2"]
+    common = [
+        "--config",
+        "tiny.yaml",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--model.name_or_path",
+        str(tiny_lm_path),
+        "--validation.eval_steps",
+        "1",
+        "--validation.max_samples",
+        "2",
+    ]
     assert grpo.main([*common, "--training.max_steps", "3", "--training.save_steps", "2"]) == 0
     run = tmp_path / "run"
-    assert grpo.main([*common, "--training.max_steps", "4", "--training.save_steps", "2",
-                      "--resume_from_checkpoint", str(run / "checkpoint-2")]) == 0
+    assert (
+        grpo.main(
+            [
+                *common,
+                "--training.max_steps",
+                "4",
+                "--training.save_steps",
+                "2",
+                "--resume_from_checkpoint",
+                str(run / "checkpoint-2"),
+            ]
+        )
+        == 0
+    )
     assert logged_steps(run) == [1, 2, 3, 4]
     assert logged_steps(run, "validation.jsonl", "accuracy") == [0, 1, 2, 3, 4]
     best = json.loads((run / "best_checkpoint.json").read_text())
@@ -335,12 +410,24 @@ def _trained_prompts(model: Path, out: Path, resume: str | None = None, trainer_
         seen[trainer_state.global_step + 1] = list(dict.fromkeys(prompts))
         return [float(i % 2) for i in range(len(completions))]
 
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=8, num_generations=2, max_completion_length=4,
-                      max_steps=6, save_strategy="no" if resume else "steps", save_steps=1, report_to="none",
-                      bf16=False, use_cpu=True)
-    trainer_class(model=str(model), reward_funcs=record, args=args,
-                  train_dataset=Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(8)])
-                  ).train(resume_from_checkpoint=resume)
+    args = GRPOConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=6,
+        save_strategy="no" if resume else "steps",
+        save_steps=1,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+    )
+    trainer_class(
+        model=str(model),
+        reward_funcs=record,
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": f"Question {i}:"} for i in range(8)]),
+    ).train(resume_from_checkpoint=resume)
     return seen
 
 
@@ -353,7 +440,9 @@ def test_a_run_resumed_in_a_later_epoch_trains_the_prompts_of_the_uninterrupted_
     assert straight == _trained_prompts(tiny_lm_path, tmp_path / "trl", trainer_class=GRPOTrainer)  # TRL's order
     assert [straight[1], straight[2]] != [straight[3], straight[4]]  # epochs differ (seed 42): the check can fail
     for step in (2, 3):  # at the boundary of epochs 0 and 1; inside epoch 1
-        resumed = _trained_prompts(tiny_lm_path, tmp_path / f"from{step}", str(tmp_path / "run" / f"checkpoint-{step}"))
+        resumed = _trained_prompts(
+            tiny_lm_path, tmp_path / f"from{step}", str(tmp_path / "run" / f"checkpoint-{step}")
+        )
         assert resumed == {s: straight[s] for s in range(step + 1, 7)}, step
 
 
@@ -362,12 +451,31 @@ def test_ctrl_c_on_a_torchrun_job_stops_gracefully(tmp_path, tiny_lm_path, free_
     """A terminal's Ctrl-C reaches the launcher's process group; torchrun forwards it to the
     workers (in sessions of their own) and SIGKILLs them after its shutdown timeout."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           *grpo_cmd(run, tiny_lm_path, "--cpu_backend", "gloo", "--training.max_steps", "40",
-                 "--training.save_steps", "100", "--validation.eval_steps", "0")[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port),
+        *grpo_cmd(
+            run,
+            tiny_lm_path,
+            "--cpu_backend",
+            "gloo",
+            "--training.max_steps",
+            "40",
+            "--training.save_steps",
+            "100",
+            "--validation.eval_steps",
+            "0",
+        )[1:],
+    ]
     run_env = env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     wait_for(run / "metrics.jsonl", proc)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=300)
@@ -381,15 +489,36 @@ def test_ctrl_c_on_a_torchrun_job_stops_gracefully(tmp_path, tiny_lm_path, free_
 def test_two_processes_stop_at_the_same_step_when_only_one_gets_the_signal(tmp_path, tiny_lm_path, free_port):
     """Only rank 1 receives SIGTERM; both ranks agree (all-reduce) and save one checkpoint."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           *grpo_cmd(run, tiny_lm_path, "--cpu_backend", "gloo", "--training.max_steps", "40",
-                 "--training.save_steps", "100", "--validation.eval_steps", "0")[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port),
+        *grpo_cmd(
+            run,
+            tiny_lm_path,
+            "--cpu_backend",
+            "gloo",
+            "--training.max_steps",
+            "40",
+            "--training.save_steps",
+            "100",
+            "--validation.eval_steps",
+            "0",
+        )[1:],
+    ]
     run_env = env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(run / "metrics.jsonl", proc)
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    rank1 = [pid for pid in children
-             if "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b" ").decode(errors="replace")]
+    rank1 = [
+        pid
+        for pid in children
+        if "LOCAL_RANK=1" in Path(f"/proc/{pid}/environ").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    ]
     assert len(rank1) == 1, children
     os.kill(int(rank1[0]), signal.SIGTERM)
     out, err = proc.communicate(timeout=300)

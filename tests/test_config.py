@@ -18,9 +18,11 @@ from crystal_grpo.train.config import ConfigError, load_config
 
 def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_path):
     cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text("model: {name_or_path: m}\ndata: {train: t.jsonl}\n"
-                        "training: {learning_rate: 1e-5, max_steps: 1e3, warmup_steps: 5E-2}\n"
-                        "reward: {name: cpr, params: {step_weight: 4e-1, guard_window: 2e3}}\n")
+    cfg_file.write_text(
+        "model: {name_or_path: m}\ndata: {train: t.jsonl}\n"
+        "training: {learning_rate: 1e-5, max_steps: 1e3, warmup_steps: 5E-2}\n"
+        "reward: {name: cpr, params: {step_weight: 4e-1, guard_window: 2e3}}\n"
+    )
     cfg, _ = load_config(str(cfg_file))
     assert cfg.training == {"learning_rate": 1e-5, "max_steps": 1000, "warmup_steps": 0.05}
     assert type(cfg.training["max_steps"]) is int and type(cfg.reward.config.guard_window) is int
@@ -29,60 +31,92 @@ def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_pa
     assert cfg.training["learning_rate"] == 5e-6 and cfg.reward.params["threshold"] == 0.35
 
 
-@pytest.mark.parametrize("override, message", [
-    (["--training.learning_rate", "fast"], "training.learning_rate: invalid value 'fast'; expected float"),
-    (["--training.max_steps", "two"], "training.max_steps: invalid value 'two'; expected int"),
-    (["--training.num_generations", "3.5"], "training.num_generations: invalid value 3.5; expected int or null"),
-    (["--training.bf16", "1"], "training.bf16: invalid value 1; expected bool or null"),
-    (["--training.temperature", ".nan"], "training.temperature: invalid value nan; expected float (a finite"),
-    (["--training.report_to", "{a: 1}"], "training.report_to: invalid value {'a': 1}; expected null or str or"),
-    (["--training.lr_scheduler_type", "3"], "training.lr_scheduler_type: invalid value 3; expected SchedulerType"),
-    (["--training.num_generations", "1"], "training.num_generations: invalid value 1; expected x >= 2"),
-    (["--training.learning_rate", "-1e-5"], "training.learning_rate: invalid value -1e-05; expected x >= 0"),
-    (["--reward.params.step_weight", "0.4e"], "reward.params.step_weight: invalid value '0.4e'; expected float"),
-    (["--reward.params.threshold", "1.5"], "reward.params.threshold: invalid value 1.5; expected -1 <= x <= 1"),
-    (["--reward.params.guard_window", "0"], "reward.params.guard_window: invalid value 0; expected x >= 1"),
-    (["--reward.params.verbosity_guard", "maybe"], "reward.params.verbosity_guard: invalid value 'maybe'"),
-    (["--reward.params.device", "0"], "reward.params.device: invalid value 0; expected str or null"),
-    (["--reward.params.matcher", "hungarian"], "reward.params.matcher: invalid value 'hungarian'; expected one of"),
-    (["--validation.eval_steps", "-1"], "validation.eval_steps: invalid value -1; expected x >= 0"),
-    (["--validation.max_new_tokens", "0"], "validation.max_new_tokens: invalid value 0; expected x >= 1"),
-    (["--data.validation_fraction", "1.0"], "data.validation_fraction: invalid value 1.0; expected 0 <= x < 1"),
-    (["--stability.max_consecutive_nonfinite", "0"], "stability.max_consecutive_nonfinite: invalid value 0"),
-    (["--model.lora", "{r: 0}"], "model.lora.r: invalid value 0; expected x >= 1"),
-    (["--curriculum", "{c0: 0}"], "curriculum.c0: invalid value 0; expected 0 < x <= 1"),
-    (["--pcgrad", "yes please"], "pcgrad: invalid value 'yes please'; expected bool"),
-    (["--phases", "[{name: p2, overrides: {training: {max_steps: x}}}]"],
-     "phases[p2].overrides.training.max_steps: invalid value 'x'; expected int"),
-    (["--phases", "[{name: p2, overrides: {reward: {name: cpr, params: {answer_weight: heavy}}}}]"],
-     "phases[p2].overrides.reward.params.answer_weight: invalid value 'heavy'; expected float"),
-    (["--pcgrad", "true", "--training.use_liger_kernel", "true"],
-     "training.use_liger_kernel: pcgrad: true cannot be combined with use_liger_kernel"),
-    (["--pcgrad", "true", "--training.multi_objective_aggregation", "normalize_then_sum"],
-     "training.multi_objective_aggregation: 'normalize_then_sum' cannot be combined with pcgrad: true"),
-    (["--training.seed", "{a: 1"], "override --training.seed:1:6: invalid YAML"),
-    (["--training.max_steps", "0"], "training.max_steps: invalid value 0; expected -1 (train num_train_epochs) or "
-                                    "an integer >= 1"),  # transformers trains one step
-    (["--reward.params.step_weight", "-0.35"], "reward.params.step_weight: invalid value -0.35; a reward weight "
-                                               "must be >= 0 (set reward.params.negative_weights: true"),
-    (["--training.reward_weights", "[1, -1]"], "training.reward_weights: invalid value [1, -1]; a reward weight"),
-    (["--data.long_prompts", "truncate"], "data.long_prompts: invalid value 'truncate'; expected one of 'skip'"),
-    (["--dynamic_sampling.mode", "drop"], "dynamic_sampling.mode: invalid value 'drop'; expected one of 'none', "
-                                          "'mask', 'refill'"),
-    (["--dynamic_sampling.mode", "off"], "dynamic_sampling.mode: invalid value False; expected one of 'none'"),
-    (["--dynamic_sampling.max_num_gen_batches", "0"], "dynamic_sampling.max_num_gen_batches: invalid value 0; "
-                                                      "expected x >= 1"),
-    (["--dynamic_sampling.min_std", "-0.1"], "dynamic_sampling.min_std: invalid value -0.1; expected x >= 0"),
-    (["--dynamic_sampling", "{mode: mask, metric: objectives}"],
-     "dynamic_sampling.metric: 'objectives' filters each of PCGrad's two losses on its own objective and needs "
-     "pcgrad: true"),
-    (["--dynamic_sampling.mode", "refill", "--training.scale_rewards", "batch"],
-     "training.scale_rewards: 'batch' cannot be combined with dynamic_sampling.mode: refill"),
-    (["--dynamic_sampling.mode", "mask", "--training.multi_objective_aggregation", "normalize_then_sum"],
-     "training.multi_objective_aggregation: 'normalize_then_sum' cannot be combined with dynamic_sampling.mode: mask"),
-    (["--phases", "[{name: warm, trainer: sft, overrides: {dynamic_sampling: {mode: mask}}}]"],
-     "phases[warm].overrides.dynamic_sampling.mode: set for an SFT phase"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["--training.learning_rate", "fast"], "training.learning_rate: invalid value 'fast'; expected float"),
+        (["--training.max_steps", "two"], "training.max_steps: invalid value 'two'; expected int"),
+        (["--training.num_generations", "3.5"], "training.num_generations: invalid value 3.5; expected int or null"),
+        (["--training.bf16", "1"], "training.bf16: invalid value 1; expected bool or null"),
+        (["--training.temperature", ".nan"], "training.temperature: invalid value nan; expected float (a finite"),
+        (["--training.report_to", "{a: 1}"], "training.report_to: invalid value {'a': 1}; expected null or str or"),
+        (["--training.lr_scheduler_type", "3"], "training.lr_scheduler_type: invalid value 3; expected SchedulerType"),
+        (["--training.num_generations", "1"], "training.num_generations: invalid value 1; expected x >= 2"),
+        (["--training.learning_rate", "-1e-5"], "training.learning_rate: invalid value -1e-05; expected x >= 0"),
+        (["--reward.params.step_weight", "0.4e"], "reward.params.step_weight: invalid value '0.4e'; expected float"),
+        (["--reward.params.threshold", "1.5"], "reward.params.threshold: invalid value 1.5; expected -1 <= x <= 1"),
+        (["--reward.params.guard_window", "0"], "reward.params.guard_window: invalid value 0; expected x >= 1"),
+        (["--reward.params.verbosity_guard", "maybe"], "reward.params.verbosity_guard: invalid value 'maybe'"),
+        (["--reward.params.device", "0"], "reward.params.device: invalid value 0; expected str or null"),
+        (
+            ["--reward.params.matcher", "hungarian"],
+            "reward.params.matcher: invalid value 'hungarian'; expected one of",
+        ),
+        (["--validation.eval_steps", "-1"], "validation.eval_steps: invalid value -1; expected x >= 0"),
+        (["--validation.max_new_tokens", "0"], "validation.max_new_tokens: invalid value 0; expected x >= 1"),
+        (["--data.validation_fraction", "1.0"], "data.validation_fraction: invalid value 1.0; expected 0 <= x < 1"),
+        (["--stability.max_consecutive_nonfinite", "0"], "stability.max_consecutive_nonfinite: invalid value 0"),
+        (["--model.lora", "{r: 0}"], "model.lora.r: invalid value 0; expected x >= 1"),
+        (["--curriculum", "{c0: 0}"], "curriculum.c0: invalid value 0; expected 0 < x <= 1"),
+        (["--pcgrad", "yes please"], "pcgrad: invalid value 'yes please'; expected bool"),
+        (
+            ["--phases", "[{name: p2, overrides: {training: {max_steps: x}}}]"],
+            "phases[p2].overrides.training.max_steps: invalid value 'x'; expected int",
+        ),
+        (
+            ["--phases", "[{name: p2, overrides: {reward: {name: cpr, params: {answer_weight: heavy}}}}]"],
+            "phases[p2].overrides.reward.params.answer_weight: invalid value 'heavy'; expected float",
+        ),
+        (
+            ["--pcgrad", "true", "--training.use_liger_kernel", "true"],
+            "training.use_liger_kernel: pcgrad: true cannot be combined with use_liger_kernel",
+        ),
+        (
+            ["--pcgrad", "true", "--training.multi_objective_aggregation", "normalize_then_sum"],
+            "training.multi_objective_aggregation: 'normalize_then_sum' cannot be combined with pcgrad: true",
+        ),
+        (["--training.seed", "{a: 1"], "override --training.seed:1:6: invalid YAML"),
+        (
+            ["--training.max_steps", "0"],
+            "training.max_steps: invalid value 0; expected -1 (train num_train_epochs) or an integer >= 1",
+        ),  # transformers trains one step
+        (
+            ["--reward.params.step_weight", "-0.35"],
+            "reward.params.step_weight: invalid value -0.35; a reward weight "
+            "must be >= 0 (set reward.params.negative_weights: true",
+        ),
+        (["--training.reward_weights", "[1, -1]"], "training.reward_weights: invalid value [1, -1]; a reward weight"),
+        (["--data.long_prompts", "truncate"], "data.long_prompts: invalid value 'truncate'; expected one of 'skip'"),
+        (
+            ["--dynamic_sampling.mode", "drop"],
+            "dynamic_sampling.mode: invalid value 'drop'; expected one of 'none', 'mask', 'refill'",
+        ),
+        (["--dynamic_sampling.mode", "off"], "dynamic_sampling.mode: invalid value False; expected one of 'none'"),
+        (
+            ["--dynamic_sampling.max_num_gen_batches", "0"],
+            "dynamic_sampling.max_num_gen_batches: invalid value 0; expected x >= 1",
+        ),
+        (["--dynamic_sampling.min_std", "-0.1"], "dynamic_sampling.min_std: invalid value -0.1; expected x >= 0"),
+        (
+            ["--dynamic_sampling", "{mode: mask, metric: objectives}"],
+            "dynamic_sampling.metric: 'objectives' filters each of PCGrad's two losses on its own objective and needs "
+            "pcgrad: true",
+        ),
+        (
+            ["--dynamic_sampling.mode", "refill", "--training.scale_rewards", "batch"],
+            "training.scale_rewards: 'batch' cannot be combined with dynamic_sampling.mode: refill",
+        ),
+        (
+            ["--dynamic_sampling.mode", "mask", "--training.multi_objective_aggregation", "normalize_then_sum"],
+            "training.multi_objective_aggregation: 'normalize_then_sum' cannot be combined with "
+            "dynamic_sampling.mode: mask",
+        ),
+        (
+            ["--phases", "[{name: warm, trainer: sft, overrides: {dynamic_sampling: {mode: mask}}}]"],
+            "phases[warm].overrides.dynamic_sampling.mode: set for an SFT phase",
+        ),
+    ],
+)
 def test_bad_values_stop_with_one_line_naming_key_value_and_type(override, message, capsys):
     assert grpo.main(["--config", "tiny.yaml", *override]) == 2
     err = capsys.readouterr().err.strip()
@@ -110,8 +144,9 @@ def _installed_vllm(folder, version: str) -> None:
 
 
 @pytest.mark.parametrize("version, refused", [("0.33.0", True), ("0.21.0", True), ("0.31.0", False)])
-def test_use_vllm_with_a_vllm_release_trl_does_not_support_is_refused_at_check(version, refused, tmp_path,
-                                                                                monkeypatch, capsys):
+def test_use_vllm_with_a_vllm_release_trl_does_not_support_is_refused_at_check(
+    version, refused, tmp_path, monkeypatch, capsys
+):
     """vLLM 0.33 (what an unbounded pip install takes) or 0.21 against TRL 1.16's vllm extra
     (>=0.22.0,<=0.31.0, read from TRL's metadata): one line pointing at make setup-vllm."""
     from crystal_grpo.train.config import trl_vllm_range, vllm_problem
@@ -123,23 +158,47 @@ def test_use_vllm_with_a_vllm_release_trl_does_not_support_is_refused_at_check(v
     err = capsys.readouterr().err.strip()
     if refused:
         assert code == 2 and "\n" not in err
-        assert (f"training.use_vllm: true, but vLLM {version} is installed and TRL 1.16.0 supports "
-                "vllm<=0.31.0,>=0.22.0; on a CUDA GPU machine, make setup-vllm") in err
+        assert (
+            f"training.use_vllm: true, but vLLM {version} is installed and TRL 1.16.0 supports "
+            "vllm<=0.31.0,>=0.22.0; on a CUDA GPU machine, make setup-vllm"
+        ) in err
     else:
         assert vllm_problem() is None and "use_vllm" not in err
 
 
 def test_negative_weights_pass_when_the_config_says_they_are_meant():
-    cfg, _ = load_config("tiny.yaml", ["--reward.params.step_weight", "-0.35", "--reward.params.negative_weights",
-                                       "true", "--training.reward_weights", "[1, -1]"])
+    cfg, _ = load_config(
+        "tiny.yaml",
+        [
+            "--reward.params.step_weight",
+            "-0.35",
+            "--reward.params.negative_weights",
+            "true",
+            "--training.reward_weights",
+            "[1, -1]",
+        ],
+    )
     assert cfg.reward.params["step_weight"] == -0.35
 
 
 def test_values_of_any_grpo_config_type_pass():
-    cfg, _ = load_config("tiny", ["--training.report_to", "[wandb, tensorboard]", "--training.lr_scheduler_type",
-                                  "cosine", "--training.lr_scheduler_kwargs", "{num_cycles: 2}",
-                                  "--training.reward_weights", "[1, 0.5]", "--training.save_total_limit", "null",
-                                  "--training.gradient_checkpointing_kwargs", "{use_reentrant: false}"])
+    cfg, _ = load_config(
+        "tiny",
+        [
+            "--training.report_to",
+            "[wandb, tensorboard]",
+            "--training.lr_scheduler_type",
+            "cosine",
+            "--training.lr_scheduler_kwargs",
+            "{num_cycles: 2}",
+            "--training.reward_weights",
+            "[1, 0.5]",
+            "--training.save_total_limit",
+            "null",
+            "--training.gradient_checkpointing_kwargs",
+            "{use_reentrant: false}",
+        ],
+    )
     assert cfg.training["reward_weights"] == [1, 0.5] and cfg.training["lr_scheduler_kwargs"] == {"num_cycles": 2}
 
 
@@ -166,34 +225,61 @@ def test_unsafe_tags_are_refused_and_never_run(tmp_path, capsys):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("text, line, key", [
-    ("model: {name_or_path: a}\ndata: {train: t}\nmodel: {name_or_path: b}\n", 3, "'model' (first given on line 1)"),
-    ("training:\n  learning_rate: 1e-5\n  max_steps: 3\n  learning_rate: 2e-5\n", 4,
-     "'learning_rate' (first given on line 2)"),
-    ("training: {max_steps: 3, max_steps: 4}\n", 1, "'max_steps' (first given on line 1)"),
-])
+@pytest.mark.parametrize(
+    "text, line, key",
+    [
+        (
+            "model: {name_or_path: a}\ndata: {train: t}\nmodel: {name_or_path: b}\n",
+            3,
+            "'model' (first given on line 1)",
+        ),
+        (
+            "training:\n  learning_rate: 1e-5\n  max_steps: 3\n  learning_rate: 2e-5\n",
+            4,
+            "'learning_rate' (first given on line 2)",
+        ),
+        ("training: {max_steps: 3, max_steps: 4}\n", 1, "'max_steps' (first given on line 1)"),
+    ],
+)
 def test_duplicate_keys_are_an_error(tmp_path, text, line, key):
     path = _write(tmp_path, text)
-    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:{line}:\d+: invalid YAML: duplicate key "
-                                          rf"{re.escape(key)}$"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{re.escape(str(path))}:{line}:\d+: invalid YAML: duplicate key "
+        rf"{re.escape(key)}$",
+    ):
         load_config(str(path))
 
 
-@pytest.mark.parametrize("override, first", [
-    (["--training.max_steps", "3", "--training.max_steps", "4"], "--training.max_steps 3"),
-    (["--training", "{max_steps: 3}", "--training.max_steps=4"], "--training {max_steps: 3}"),
-    (["--training.max_steps", "3", "--training", "{max_steps: 4}"], "--training.max_steps 3"),
-])
+@pytest.mark.parametrize(
+    "override, first",
+    [
+        (["--training.max_steps", "3", "--training.max_steps", "4"], "--training.max_steps 3"),
+        (["--training", "{max_steps: 3}", "--training.max_steps=4"], "--training {max_steps: 3}"),
+        (["--training.max_steps", "3", "--training", "{max_steps: 4}"], "--training.max_steps 3"),
+    ],
+)
 def test_an_override_given_twice_is_an_error_as_a_key_given_twice_in_yaml(override, first, capsys):
     """The last one won without a word (issue 43 item 12)."""
     assert grpo.main(["--config", "tiny.yaml", *override]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"config error: override --training.max_steps is given twice on the command line ({first}, "
-                          "then --training") and err.endswith("give it once") and "\n" not in err
+    assert (
+        err.startswith(
+            f"config error: override --training.max_steps is given twice on the command line ({first}, then --training"
+        )
+        and err.endswith("give it once")
+        and "\n" not in err
+    )
 
 
-@pytest.mark.parametrize("args, key", [(["--output_dir", ""], "--output_dir"), (["--output_dir", " "], "--output_dir"),
-                                       (["--training.output_dir", "''"], "training.output_dir")])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--output_dir", ""], "--output_dir"),
+        (["--output_dir", " "], "--output_dir"),
+        (["--training.output_dir", "''"], "training.output_dir"),
+    ],
+)
 def test_an_empty_output_dir_is_an_error_not_the_default_folder(args, key, capsys):
     assert grpo.main(["--config", "tiny.yaml", *args, "--check"]) == 2
     err = capsys.readouterr().err.strip()
@@ -211,16 +297,21 @@ def test_config_file_must_be_a_mapping(tmp_path):
         load_config(str(_write(tmp_path, "- a\n- b\n")))
 
 
-@pytest.mark.parametrize("override, message", [
-    (["--reward.nme", "cpr"], "unknown key 'reward.nme' (did you mean 'name'?); allowed keys: name, params"),
-    (["--reward.name", "prm"], "reward.name: invalid value 'prm'; expected one of 'format', 'answer_only'"),
-    (["--training.learning_rat", "1"], "training: unknown key 'learning_rat'"),
-    (["--reward.params.answer_wieght", "1"], "unknown key(s) 'answer_wieght' for reward 'cpr'"),
-    (["--validation.batch_size", "eight"], "validation.batch_size: invalid value 'eight'; expected int"),
-    (["--training.num_generations", "3"], "training.num_generations: 3 completions of a prompt do not fit whole"),
-    (["--training.generation_batch_size", "8", "--training.per_device_train_batch_size", "3"],
-     "training: generation_batch_size (8) must be divisible by the global batch size (3)"),  # TRL's own check
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["--reward.nme", "cpr"], "unknown key 'reward.nme' (did you mean 'name'?); allowed keys: name, params"),
+        (["--reward.name", "prm"], "reward.name: invalid value 'prm'; expected one of 'format', 'answer_only'"),
+        (["--training.learning_rat", "1"], "training: unknown key 'learning_rat'"),
+        (["--reward.params.answer_wieght", "1"], "unknown key(s) 'answer_wieght' for reward 'cpr'"),
+        (["--validation.batch_size", "eight"], "validation.batch_size: invalid value 'eight'; expected int"),
+        (["--training.num_generations", "3"], "training.num_generations: 3 completions of a prompt do not fit whole"),
+        (
+            ["--training.generation_batch_size", "8", "--training.per_device_train_batch_size", "3"],
+            "training: generation_batch_size (8) must be divisible by the global batch size (3)",
+        ),  # TRL's own check
+    ],
+)
 def test_config_errors_name_key_and_allowed_values(override, message, capsys, tiny_lm_path):
     # the model folder exists, so what is reported is the bad value (TRL's own checks run before loading)
     assert grpo.main(["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), *override]) == 2
@@ -251,8 +342,15 @@ def test_check_validates_and_finds_everything_then_stops(tmp_path, tiny_lm_path,
 def test_check_refuses_pcgrad_under_zero1_and_zero2(tmp_path, tiny_lm_path, repo_root, capsys, monkeypatch):
     """pcgrad: true with a ZeRO-1/2 DeepSpeed config is one line at ``--check`` (why, and what
     to use instead), whether the config comes from training.deepspeed or from accelerate launch."""
-    base = ["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), "--output_dir", str(tmp_path / "r"),
-            "--check"]
+    base = [
+        "--config",
+        "tiny.yaml",
+        "--model.name_or_path",
+        str(tiny_lm_path),
+        "--output_dir",
+        str(tmp_path / "r"),
+        "--check",
+    ]
     zero = {stage: str(repo_root / "configs" / "accelerate" / f"zero{stage}.json") for stage in (2, 3)}
     assert grpo.main([*base, "--pcgrad", "true", "--training.deepspeed", zero[2]]) == 2
     err = capsys.readouterr().err
@@ -281,18 +379,32 @@ def test_help_shows_the_papers_recipe_and_training_uses_it(capsys, tmp_path):
     cfg.training = {k: v for k, v in cfg.training.items() if k not in ("beta", "temperature", "seed")}
     args = grpo.training_args(cfg, tmp_path, {"use_cpu": True})
     assert (args.beta, args.temperature, args.top_k, args.loss_type, args.seed) == (
-        PaperRecipe.beta, PaperRecipe.temperature, PaperRecipe.top_k, PaperRecipe.loss_type, PaperRecipe.seed)
+        PaperRecipe.beta,
+        PaperRecipe.temperature,
+        PaperRecipe.top_k,
+        PaperRecipe.loss_type,
+        PaperRecipe.seed,
+    )
 
 
 def test_each_section_is_typed_once_and_the_code_gets_that_object(repo_root):
     """reward.params become the reward's typed config once, at load; each phase's config is
     made once by validation; training, preflight and the reward module use those objects."""
-    from crystal_grpo.rewards import CPRConfig, CompositeConfig
+    from crystal_grpo.rewards import CompositeConfig, CPRConfig
     from crystal_grpo.train.config import phase_configs
     from crystal_grpo.typed import to_dict
 
-    cfg, _ = load_config("cpr_curriculum", ["--reward.params.step_weight", "4e-1", "--reward.params.device", "cpu",
-                                            "--reward.params.encoder", "packaged:all-MiniLM-L6-v2"])
+    cfg, _ = load_config(
+        "cpr_curriculum",
+        [
+            "--reward.params.step_weight",
+            "4e-1",
+            "--reward.params.device",
+            "cpu",
+            "--reward.params.encoder",
+            "packaged:all-MiniLM-L6-v2",
+        ],
+    )
     p1, p2 = phase_configs(cfg)
     assert (p1, p2) == (cfg.phases[0].config, cfg.phases[1].config) and phase_configs(cfg)[1] is p2
     assert type(p2.reward.config) is CPRConfig and p2.reward.config.step_weight == 0.4
@@ -316,12 +428,15 @@ def test_loading_and_checking_a_config_imports_neither_torch_nor_trl(repo_root, 
     heavy = ("torch", "trl", "transformers", "datasets", "peft", "sentence_transformers", "accelerate")
     upgraded = "trl_fields.installed_versions = lambda: {'trl': '1.16.0', 'transformers': '5.0.0'}; "
     for config, setup in (("demo", ""), ("tiny", ""), ("composite", ""), ("tiny", upgraded)):
-        code = (f"import sys; from crystal_grpo.train import grpo, trl_fields; {setup}code = grpo.main(sys.argv[1:]); "
-                f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))")
+        code = (
+            f"import sys; from crystal_grpo.train import grpo, trl_fields; {setup}code = grpo.main(sys.argv[1:]); "
+            f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))"
+        )
         args = ["--config", config, "--output_dir", str(tmp_path / "r"), "--check"]
         args += ["--model.dtype", "float32"] if gpu_device_nodes() else []  # then torch is asked about the GPU
-        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=repo_root,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=repo_root, timeout=120
+        )
         assert done.stdout.splitlines()[-1].split(" ", 1)[1] == "[]", (config, setup, done.stdout)
         stale = [line for line in done.stderr.splitlines() if "TRL's field table" in line]
         assert len(stale) == (1 if setup else 0), done.stderr
@@ -356,8 +471,9 @@ def test_precision_check_asks_torch_only_where_a_gpu_may_be(tmp_path, monkeypatc
 
     from crystal_grpo.train import preflight
 
-    cfg, _ = load_config("tiny", ["--model.dtype", "bfloat16", "--training.bf16", "true", "--training.use_cpu",
-                                  "false"])
+    cfg, _ = load_config(
+        "tiny", ["--model.dtype", "bfloat16", "--training.bf16", "true", "--training.use_cpu", "false"]
+    )
     monkeypatch.setattr(preflight, "GPU_DEVICE_NODES", (str(tmp_path / "nvidia0"),))
     fast = preflight.precision_problem(cfg)
     assert fast.startswith("training.bf16: true needs a CUDA GPU and this machine has none")
@@ -371,18 +487,31 @@ def test_precision_check_asks_torch_only_where_a_gpu_may_be(tmp_path, monkeypatc
 
 def _laughs(levels: int) -> str:
     """The "billion laughs": each level a list of nine aliases of the one before."""
-    lines = ["model:", "  name_or_path: data/organism/warm_start", "  init_kwargs:",
-             "    l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines = [
+        "model:",
+        "  name_or_path: data/organism/warm_start",
+        "  init_kwargs:",
+        "    l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]",
+    ]
     lines += [f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
     return "\n".join(lines) + "\n"
 
 
-@pytest.mark.parametrize("text, said", [
-    (_laughs(9), "the YAML expands to 490,329,058 values through its aliases (*name), more than 100,000: a config "
-                 "holds a few hundred"),
-    ("model:\n  init_kwargs: &k {self: *k}\n", "a YAML alias (*name) refers to a value that holds it: a config "
-                                                "cannot hold itself"),
-], ids=["billion_laughs", "holds_itself"])
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (
+            _laughs(9),
+            "the YAML expands to 490,329,058 values through its aliases (*name), more than 100,000: a config "
+            "holds a few hundred",
+        ),
+        (
+            "model:\n  init_kwargs: &k {self: *k}\n",
+            "a YAML alias (*name) refers to a value that holds it: a config cannot hold itself",
+        ),
+    ],
+    ids=["billion_laughs", "holds_itself"],
+)
 def test_yaml_aliases_that_explode_or_loop_are_one_line(tmp_path, text, said):
     """9 levels of 9 aliases passed --check, then the run hung writing run.json (490 million
     values); an alias inside its own value ended in RecursionError (second hostile set)."""

@@ -34,17 +34,18 @@ def _structure(seq: list[int], chunk_len: int) -> list[list[int]]:
     out = []
     for s in range(0, len(seq), chunk_len):
         labels: dict[int, int] = {}
-        out.append([labels.setdefault(i, len(labels)) for i in seq[s:s + chunk_len]])
+        out.append([labels.setdefault(i, len(labels)) for i in seq[s : s + chunk_len]])
     return out
 
 
 def _chunks(seq: list[int], s: CurriculumSampler) -> list[list[int]]:
     """Unique indices of each chunk, read off the yielded sequence."""
     step = s.batch_size * s.mini_repeat_count * s.repeat_count
-    return [seq[k:k + s.batch_size * s.mini_repeat_count:s.mini_repeat_count] for k in range(0, len(seq), step)]
+    return [seq[k : k + s.batch_size * s.mini_repeat_count : s.mini_repeat_count] for k in range(0, len(seq), step)]
 
 
 # -- layout ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", ["competence", "sorted", "buckets"])
 @pytest.mark.parametrize("n,mini,bs,rep", [(7, 2, 3, 4), (24, 3, 4, 2), (10, 1, 1, 1), (9, 5, 9, 3)])
@@ -67,6 +68,7 @@ def test_chunk_indices_is_what_iter_yields():
 
 
 # -- determinism and resume -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", ["competence", "sorted", "buckets"])
 def test_two_ranks_yield_the_same_order(mode):
@@ -95,9 +97,9 @@ def test_resume_continues_the_identical_sequence(mode, k):
     seq = list(full) + list(full) + list(full)  # epochs 0, 1, 2 (iteration moves the epoch on)
     resumed = CurriculumSampler(d, 2, 4, 3, start_chunk=k, **kw)
     per_chunk = 4 * 2 * 3
-    tail = seq[k * per_chunk:]
-    assert list(resumed) == tail[:len(resumed)]
-    assert list(resumed) == tail[len(resumed):2 * len(resumed)]
+    tail = seq[k * per_chunk :]
+    assert list(resumed) == tail[: len(resumed)]
+    assert list(resumed) == tail[len(resumed) : 2 * len(resumed)]
 
 
 def test_set_epoch_selects_global_chunks_and_iteration_advances():
@@ -113,6 +115,7 @@ def test_set_epoch_selects_global_chunks_and_iteration_advances():
 
 # -- pacing -----------------------------------------------------------------------------
 
+
 def _rank(d: list[int]) -> dict[int, int]:
     return {i: r for r, i in enumerate(sorted(range(len(d)), key=lambda i: (d[i], i)))}
 
@@ -125,7 +128,7 @@ def test_competence_pool_grows_and_bounds_every_chunk(pacing):
     s = CurriculumSampler(d, 2, bs, total_steps=horizon, c0=c0, pacing=pacing)
     sizes = [s.pool_size(t) for t in range(60)]
     assert sizes == sorted(sizes) and sizes[0] == math.ceil(c0 * n) and sizes[horizon] == n
-    assert set(s.chunk_indices(0)) <= set(sorted(range(n), key=lambda i: (d[i], i))[:int(c0 * n)])
+    assert set(s.chunk_indices(0)) <= set(sorted(range(n), key=lambda i: (d[i], i))[: int(c0 * n)])
     for t in range(60):
         assert all(rank[i] < sizes[t] for i in s.chunk_indices(t))
         assert len(s.available(t)) == sizes[t]
@@ -137,7 +140,7 @@ def test_mean_step_count_rises_over_the_run():
     d = _difficulty(300)
     s = CurriculumSampler(d, 4, 10, 2, total_steps=60, c0=0.2)
     means = [sum(d[i] for i in s.chunk_indices(t)) / 10 for t in range(60)]
-    thirds = [sum(means[a:a + 20]) / 20 for a in (0, 20, 40)]
+    thirds = [sum(means[a : a + 20]) / 20 for a in (0, 20, 40)]
     assert thirds[0] < thirds[1] < thirds[2]
     stats = [curriculum_stats(s.chunk_indices(t), d)["mean_ref_steps"] for t in (0, 59)]
     assert stats == [means[0], means[59]]
@@ -167,7 +170,7 @@ def test_sorted_mode_is_easiest_first_then_cycles():
     first_pass = [i for c in _chunks(list(s), s) for i in c]
     assert len(first_pass) == (n // bs) * bs
     assert [d[i] for i in first_pass] == sorted(d[i] for i in first_pass)
-    assert first_pass == sorted(range(n), key=lambda i: (d[i], i))[:len(first_pass)]
+    assert first_pass == sorted(range(n), key=lambda i: (d[i], i))[: len(first_pass)]
     seen = [i for t in range(n) for i in s.chunk_indices(t)]  # n chunks = bs full cycles
     assert all(seen.count(i) == bs for i in range(n))
 
@@ -184,8 +187,9 @@ def test_buckets_never_open_early():
             assert t >= opens[labels[i]], (t, labels[i])
             seen_at.setdefault(labels[i], t)
     assert seen_at["medium"] < 14 and seen_at["hard"] < 24  # and they do show up
-    ints = CurriculumSampler([0] * 12, 1, 2, mode="buckets", buckets=[2, 0, 1] * 4,
-                             bucket_order=[0, 1, 2], total_steps=3)
+    ints = CurriculumSampler(
+        [0] * 12, 1, 2, mode="buckets", buckets=[2, 0, 1] * 4, bucket_order=[0, 1, 2], total_steps=3
+    )
     assert ints.competence(0) == pytest.approx(1 / 3) and ints.competence(2) == 1.0
 
 
@@ -200,8 +204,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         CurriculumSampler([1, 2, 3], 1, 1)  # competence needs a horizon
     with pytest.raises(ValueError):
-        CurriculumSampler([1, 2, 3], 1, 1, mode="buckets", buckets=["a", "b", "c"],
-                          bucket_order=["a", "b"], total_steps=2)
+        CurriculumSampler(
+            [1, 2, 3], 1, 1, mode="buckets", buckets=["a", "b", "c"], bucket_order=["a", "b"], total_steps=2
+        )
 
 
 def test_curriculum_stats():
@@ -210,9 +215,13 @@ def test_curriculum_stats():
 
 
 def test_factory_as_the_trainer_calls_it():
-    data = [{"prompt": [{"role": "user", "content": f"Is {k} big?"}], "answer": "yes",
-             "reference_steps": ["s"] * k} for k in range(2, 42)]
-    factory = make_sampler_factory(CurriculumSection(mode="competence", difficulty="steps", options={"c0": 0.25}), data, max_steps=20)
+    data = [
+        {"prompt": [{"role": "user", "content": f"Is {k} big?"}], "answer": "yes", "reference_steps": ["s"] * k}
+        for k in range(2, 42)
+    ]
+    factory = make_sampler_factory(
+        CurriculumSection(mode="competence", difficulty="steps", options={"c0": 0.25}), data, max_steps=20
+    )
     s = factory(data, mini_repeat_count=2, batch_size=4, repeat_count=2, seed=42, steps_per_chunk=2.0)
     assert s.total_steps == 10 and s.pool_size(0) == 10  # 20 optimizer steps = 10 chunks
     assert max(factory.step_counts[i] for i in s.chunk_indices(0)) <= 11
@@ -222,6 +231,7 @@ def test_factory_as_the_trainer_calls_it():
 
 
 # -- complexity tiers (hand-computed; step cap 30, 300 chars, 50 words) -------------------
+
 
 def _steps(k: int) -> list[str]:
     return [f"step {j}" for j in range(k)]
@@ -246,19 +256,27 @@ def test_medium_counting_example():
 
 
 def test_medium_choice_example_just_above_the_easy_border():
-    ex = {"question": "Which animal is larger?", "answer": "B", "choices": ["cat", "dog"],
-          "reference_steps": _steps(12)}
+    ex = {
+        "question": "Which animal is larger?",
+        "answer": "B",
+        "choices": ["cat", "dog"],
+        "reference_steps": _steps(12),
+    }
     # 23 chars, 4 words; "larger" is a comparison (1 of 4 families); letter 0.3
     assert complexity_score(ex) == pytest.approx(0.16 + 0.2 * (0.5 * 23 / 300 + 0.04) + 0.05 + 0.06)  # 0.2857
     assert complexity_tier(ex) == "medium"
 
 
 def test_hard_why_example():
-    ex = {"question": "Why is it not warmer if it is closer because of the sun?",
-          "answer": "the sun heats the air", "reference_steps": _steps(24)}
+    ex = {
+        "question": "Why is it not warmer if it is closer because of the sun?",
+        "answer": "the sun heats the air",
+        "reference_steps": _steps(24),
+    }
     # 56 chars, 13 words; all four marker families; free text 0.5 + 0.2 for "why"
     assert complexity_components(ex) == pytest.approx(
-        {"steps": 0.8, "length": 0.5 * 56 / 300 + 0.5 * 13 / 50, "ling": 1.0, "type": 0.7})
+        {"steps": 0.8, "length": 0.5 * 56 / 300 + 0.5 * 13 / 50, "ling": 1.0, "type": 0.7}
+    )
     assert complexity_score(ex) == pytest.approx(0.7046667, abs=1e-6)
     assert complexity_tier(ex) == "hard"
 
@@ -271,8 +289,14 @@ def test_caps_keep_subscores_in_unit_interval():
 
 
 def test_tier_thresholds():
-    assert [tier_of(x) for x in (0.0, 0.2699, 0.27, 0.4199, 0.42, 1.0)] == \
-        ["easy", "easy", "medium", "medium", "hard", "hard"]
+    assert [tier_of(x) for x in (0.0, 0.2699, 0.27, 0.4199, 0.42, 1.0)] == [
+        "easy",
+        "easy",
+        "medium",
+        "medium",
+        "hard",
+        "hard",
+    ]
 
 
 def test_step_count_uses_mean_over_reference_sets():
@@ -283,13 +307,25 @@ def test_step_count_uses_mean_over_reference_sets():
 
 
 def test_question_and_answer_types():
-    conv = {"prompt": [{"role": "system", "content": "sys"},
-                       {"role": "user", "content": "Which is red?\nOptions: (A) x (B) y"}]}
+    conv = {
+        "prompt": [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "Which is red?\nOptions: (A) x (B) y"},
+        ]
+    }
     assert question_text(conv) == "Which is red?"
     parts = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]}
     assert question_text(parts) == "What is it?"
-    kinds = {"Yes.": "yes_no", "false": "yes_no", "(B)": "letter", "C": "letter", "12 sheep": "number",
-             "$12": "number", "3.5": "number", "red bus": "text"}
+    kinds = {
+        "Yes.": "yes_no",
+        "false": "yes_no",
+        "(B)": "letter",
+        "C": "letter",
+        "12 sheep": "number",
+        "$12": "number",
+        "3.5": "number",
+        "red bus": "text",
+    }
     assert {a: answer_type({"answer": a}) for a in kinds} == kinds
     assert answer_type({"answer": "the dog", "choices": ["the cat", "the dog"]}) == "letter"
 
@@ -302,8 +338,16 @@ def test_factory_reads_a_datasets_table_without_running_its_transform():
             raise AssertionError("the curriculum must not load images")
         return batch
 
-    recs = [{"prompt": [{"role": "user", "content": "Which one?\nOptions: (A) a (B) b"}], "answer": "B",
-             "choices": ["a", "b"], "reference_steps": ["s"] * k, "images": ["x.png"]} for k in range(1, 13)]
+    recs = [
+        {
+            "prompt": [{"role": "user", "content": "Which one?\nOptions: (A) a (B) b"}],
+            "answer": "B",
+            "choices": ["a", "b"],
+            "reference_steps": ["s"] * k,
+            "images": ["x.png"],
+        }
+        for k in range(1, 13)
+    ]
     ds = Dataset.from_list(recs).with_transform(no_images).train_test_split(test_size=0.25, seed=0)["train"]
     factory = make_sampler_factory(CurriculumSection(mode="buckets"), ds, max_steps=6)
     s = factory(ds, mini_repeat_count=2, batch_size=3)

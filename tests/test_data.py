@@ -68,9 +68,12 @@ def test_every_format_gives_the_same_rows(tmp_path, monkeypatch):
     assert [r[0] for r in _seen(load_split("someone/word-problems", split="test"))] == [r["id"] for r in ROWS[4:]]
     with pytest.raises(DataError, match=r"dict: no split 'validation'; it has train, test"):
         load_split(tmp_path / "dict", split="validation")
-    with pytest.raises(DataError, match=r"someone/absent: no such file or folder, and no dataset repository of that "
-                                        r"name in the local Hugging Face cache .*huggingface-cli download "
-                                        r"--repo-type dataset someone/absent"):
+    with pytest.raises(
+        DataError,
+        match=r"someone/absent: no such file or folder, and no dataset repository of that "
+        r"name in the local Hugging Face cache .*huggingface-cli download "
+        r"--repo-type dataset someone/absent",
+    ):
         load_split("someone/absent")
 
 
@@ -115,8 +118,10 @@ def test_a_key_given_twice_in_a_row_is_a_bad_row_and_a_byte_order_mark_is_read_p
     twice.write_text("\r\n".join(lines) + "\r\n")
     with pytest.raises(DataError) as err:
         load_split(twice)
-    assert str(err.value) == (f"1 invalid row(s) in {twice} (set data.skip_invalid: true to drop them):\n  {twice}:2: "
-                              "key 'answer' given twice in one object (which value is meant?)")
+    assert str(err.value) == (
+        f"1 invalid row(s) in {twice} (set data.skip_invalid: true to drop them):\n  {twice}:2: "
+        "key 'answer' given twice in one object (which value is meant?)"
+    )
     array = tmp_path / "twice.json"
     array.write_text("[" + ",\n".join(lines) + "]")
     with pytest.raises(DataError, match="key 'answer' given twice in one object"):
@@ -132,12 +137,21 @@ def test_images_stored_in_the_data_load_like_image_files(tmp_path):
     from crystal_grpo.train.data import image_store
 
     shapes = [json.loads(x) for x in Path("data/shapes/shapes.jsonl").read_text().splitlines()[:3]]
-    rows = [{**{k: v for k, v in r.items() if k not in ("image", "images")},
-             # .copy(): an image without a file name, so datasets stores its bytes in the table
-             "picture": [PILImage.open(Path("data/shapes") / (r.get("images") or [r["image"]])[0]).copy()]}
-            for r in shapes]
-    feats = Features({**{k: Value("string") for k in ("id", "question", "answer")},
-                      "reference_steps": Sequence(Value("string")), "picture": Sequence(Image())})
+    rows = [
+        {
+            **{k: v for k, v in r.items() if k not in ("image", "images")},
+            # .copy(): an image without a file name, so datasets stores its bytes in the table
+            "picture": [PILImage.open(Path("data/shapes") / (r.get("images") or [r["image"]])[0]).copy()],
+        }
+        for r in shapes
+    ]
+    feats = Features(
+        {
+            **{k: Value("string") for k in ("id", "question", "answer")},
+            "reference_steps": Sequence(Value("string")),
+            "picture": Sequence(Image()),
+        }
+    )
     rows = [{k: r[k] for k in feats} for r in rows]
     path = tmp_path / "shapes.parquet"
     Dataset.from_list(rows, features=feats).to_parquet(str(path))
@@ -154,33 +168,56 @@ def test_a_column_mapping_naming_a_column_the_file_lacks_is_an_error(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     with pytest.raises(DataError) as err:
         load_split(path, columns={"answer": "solution"})
-    assert str(err.value) == (f"{path}: data.columns maps answer to 'solution', a column no row of it has (its "
-                              f"columns: {', '.join(sorted({k for r in ROWS for k in r}))})")
+    assert str(err.value) == (
+        f"{path}: data.columns maps answer to 'solution', a column no row of it has (its "
+        f"columns: {', '.join(sorted({k for r in ROWS for k in r}))})"
+    )
 
 
-def test_training_data_smaller_than_one_batch_is_refused_before_the_model_loads(tmp_path, tiny_lm_path, capsys,
-                                                                                 monkeypatch):
+def test_training_data_smaller_than_one_batch_is_refused_before_the_model_loads(
+    tmp_path, tiny_lm_path, capsys, monkeypatch
+):
     """3 prompts, a batch of 4 (16 completions of 4 generations): "steps 0", exit 0, final/ = the
     starting weights (issue 43 item 9)."""
+
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr("crystal_grpo.train.models.load_policy", loaded)
     run = tmp_path / "run"
-    assert grpo.main(["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), "--output_dir", str(run),
-                      "--data.max_train_samples", "3", "--training.per_device_train_batch_size", "16"]) == 2
+    assert (
+        grpo.main(
+            [
+                "--config",
+                "tiny.yaml",
+                "--model.name_or_path",
+                str(tiny_lm_path),
+                "--output_dir",
+                str(run),
+                "--data.max_train_samples",
+                "3",
+                "--training.per_device_train_batch_size",
+                "16",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("DataError: ") and err[-1].endswith(
         ": 3 training prompt(s), fewer than one generation batch takes (4 = generation_batch_size 16 / "
         "num_generations 4; per_device_train_batch_size x processes x steps_per_generation completions): the run "
         "would train 0 steps; give more rows (data.max_train_samples) or a smaller "
-        "training.per_device_train_batch_size"), err[-3:]
+        "training.per_device_train_batch_size"
+    ), err[-3:]
     assert not run.exists()
 
 
 def test_columns_config_names_the_bad_field(tmp_path):
-    with pytest.raises(ConfigError, match=r"data.columns: invalid value \{'questoin': 'problem'\}; expected a mapping "
-                                          r"from one of 'id', 'question'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.columns: invalid value \{'questoin': 'problem'\}; expected a mapping "
+        r"from one of 'id', 'question'",
+    ):
         load_config("tiny.yaml", ["--data.columns", "{questoin: problem}"])
 
 
@@ -191,10 +228,26 @@ def test_training_from_a_hub_dataset_with_its_own_column_names(tmp_path, tiny_lm
     _hub_snapshot(cache, "someone/word-problems", _theirs(ROWS))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     out = tmp_path / "run"
-    argv = ["--config", "tiny.yaml", "--output_dir", str(out), "--model.name_or_path", str(tiny_lm_path),
-            "--data.train", "someone/word-problems", "--data.validation", "someone/word-problems",
-            "--data.validation_split", "test", "--data.columns", json.dumps(THEIRS),
-            "--training.max_steps", "1", "--validation.max_samples", "2"]
+    argv = [
+        "--config",
+        "tiny.yaml",
+        "--output_dir",
+        str(out),
+        "--model.name_or_path",
+        str(tiny_lm_path),
+        "--data.train",
+        "someone/word-problems",
+        "--data.validation",
+        "someone/word-problems",
+        "--data.validation_split",
+        "test",
+        "--data.columns",
+        json.dumps(THEIRS),
+        "--training.max_steps",
+        "1",
+        "--validation.max_samples",
+        "2",
+    ]
     assert grpo.main(argv) == 0
     assert json.loads((out / "validation.jsonl").read_text().splitlines()[-1])["step"] == 1
     samples = [json.loads(x) for x in (out / "validation_samples_step1.jsonl").read_text().splitlines()]
@@ -212,15 +265,26 @@ def _image_of(data: Path, line: int) -> Path:
     return data.parent / (row.get("images") or [row["image"]])[0]
 
 
-def test_missing_and_broken_images_stop_a_vlm_run_before_training_with_file_and_line(tmp_path, tiny_vlm_path,
-                                                                                       capsys):
+def test_missing_and_broken_images_stop_a_vlm_run_before_training_with_file_and_line(tmp_path, tiny_vlm_path, capsys):
     data = _shapes(tmp_path)
     _image_of(data, 3).unlink()
     broken = _image_of(data, 7)
     broken.write_bytes(broken.read_bytes()[:200])  # a truncated PNG
     run = tmp_path / "run"
-    argv = ["--config", "tiny.yaml", "--output_dir", str(run), "--model.name_or_path", str(tiny_vlm_path),
-            "--data.train", str(data), "--data.validation", "null", "--data.max_train_samples", "null"]
+    argv = [
+        "--config",
+        "tiny.yaml",
+        "--output_dir",
+        str(run),
+        "--model.name_or_path",
+        str(tiny_vlm_path),
+        "--data.train",
+        str(data),
+        "--data.validation",
+        "null",
+        "--data.max_train_samples",
+        "null",
+    ]
     assert grpo.main(argv) == 2
     err = capsys.readouterr().err
     assert f"DataError: 2 invalid row(s) in {data} (set data.skip_invalid: true to drop them):" in err
@@ -245,7 +309,7 @@ def test_an_image_lost_mid_run_is_replaced_from_the_same_split(tmp_path, caplog)
         rows = [val.dataset[k] for k in range(len(val.dataset))]
     got = [r["id"] for r in rows]
     assert ids[i] not in got and set(got) <= val_ids
-    assert [r.getMessage()[:len(f"{data}:{i + 1}: ")] for r in caplog.records] == [f"{data}:{i + 1}: "]
+    assert [r.getMessage()[: len(f"{data}:{i + 1}: ")] for r in caplog.records] == [f"{data}:{i + 1}: "]
     assert "image is unreadable now (FileNotFoundError" in caplog.text
     assert len(train.dataset[0]["images"]) == 1  # the other split still reads its own
 
@@ -279,7 +343,9 @@ def test_a_prompt_too_long_by_its_size_alone_is_skipped_without_tokenising_it(tm
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     split, line = limit_prompt_lengths(load_split(data), tok, room, "skip", "the completion")
-    assert line == (f"1 of 4 prompt(s) of {data} leave no room for the completion: longer than {room} tokens (e.g. "
-                    f"{rows[1]['id']}); skipped (data.long_prompts: skip)")
+    assert line == (
+        f"1 of 4 prompt(s) of {data} leave no room for the completion: longer than {room} tokens (e.g. "
+        f"{rows[1]['id']}); skipped (data.long_prompts: skip)"
+    )
     assert list(split.dataset["id"]) == [rows[i]["id"] for i in (0, 2, 3)]
     assert 0 < tok.chars < len(rows[1]["question"])  # the three short prompts only

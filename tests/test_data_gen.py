@@ -116,8 +116,11 @@ def test_easy_rows_are_small_and_their_answers_follow_from_the_steps():
     for r in rows:
         assert easy_row_problems(r) == [], r["id"]
     # the checker catches what it should
-    good = {"question": "Tom has 3 apples and buys 4 more. How many apples does he have now?", "answer": "7",
-            "reference_steps": ["Tom has 3 apples and buys 4 more, so he has 3 + 4 = 7 apples.", "The answer is 7."]}
+    good = {
+        "question": "Tom has 3 apples and buys 4 more. How many apples does he have now?",
+        "answer": "7",
+        "reference_steps": ["Tom has 3 apples and buys 4 more, so he has 3 + 4 = 7 apples.", "The answer is 7."],
+    }
     assert easy_row_problems(good) == []
     assert easy_row_problems({**good, "answer": "8"})
     assert easy_row_problems({**good, "reference_steps": ["So he has 3 + 4 = 8 apples."]})
@@ -132,7 +135,9 @@ def test_easy_targets_are_short_in_smollm2_tokens():
 
     tok = AutoTokenizer.from_pretrained(str(SMOLLM2))
     rows = _rows(DEMO / "train.jsonl") + _rows(DEMO / "val.jsonl")
-    lengths = {d: [len(tok(wordproblems.target_text(r))["input_ids"]) for r in rows if r["difficulty"] == d]
-               for d in ("easy", "hard")}
+    lengths = {
+        d: [len(tok(wordproblems.target_text(r))["input_ids"]) for r in rows if r["difficulty"] == d]
+        for d in ("easy", "hard")
+    }
     assert 35 <= statistics.mean(lengths["easy"]) <= 50 and max(lengths["easy"]) <= 64
     assert statistics.mean(lengths["hard"]) > 2 * statistics.mean(lengths["easy"])

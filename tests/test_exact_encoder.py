@@ -22,23 +22,29 @@ def exact() -> MatchF1Scorer:
     return MatchF1Scorer(EXACT, device="cpu")
 
 
-@pytest.mark.parametrize("a, b", [
-    ("b is 9 plus 3, which is 2.", "B is 9 plus 3 , which  is 2"),
-    ("9+3=2", "9 + 3 = 2"),
-    ("x = (a + b) / 2;", "x=(a+b)/2"),
-    ("ﬁve is 5", "five is 5"),  # NFKC
-    ("  c is 4.\n", "c is 4"),
-])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("b is 9 plus 3, which is 2.", "B is 9 plus 3 , which  is 2"),
+        ("9+3=2", "9 + 3 = 2"),
+        ("x = (a + b) / 2;", "x=(a+b)/2"),
+        ("ﬁve is 5", "five is 5"),  # NFKC
+        ("  c is 4.\n", "c is 4"),
+    ],
+)
 def test_normalisation_joins_spellings_of_one_step(a, b):
     assert normalize_step(a) == normalize_step(b)
 
 
-@pytest.mark.parametrize("a, b", [
-    ("b is 9 plus 3, which is 2.", "b is 9 plus 3, which is 5."),  # the wrong result MiniLM scores ~0.95
-    ("9+3=2", "9+3=12"),
-    ("x is 2.5", "x is 25"),
-    ("a b", "ab"),
-])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("b is 9 plus 3, which is 2.", "b is 9 plus 3, which is 5."),  # the wrong result MiniLM scores ~0.95
+        ("9+3=2", "9+3=12"),
+        ("x is 2.5", "x is 25"),
+        ("a b", "ab"),
+    ],
+)
 def test_normalisation_keeps_different_steps_apart(a, b):
     assert normalize_step(a) != normalize_step(b)
 
@@ -66,8 +72,9 @@ def plain_exact(pred: list[str], refs: list[list[str]], alpha: float = ALPHA) ->
     """(F1, Ordered F1) of one example, the best chain, with the similarity spelled out as a matrix."""
     best = (-1.0, -1.0)
     for ref in refs:
-        sim = torch.tensor([[float(normalize_step(p) == normalize_step(r)) for r in ref] for p in pred],
-                           dtype=torch.float64).reshape(1, len(pred), len(ref))
+        sim = torch.tensor(
+            [[float(normalize_step(p) == normalize_step(r)) for r in ref] for p in pred], dtype=torch.float64
+        ).reshape(1, len(pred), len(ref))
         m = match_similarities(sim, torch.tensor([len(pred)]), torch.tensor([len(ref)]), 0.35, alpha)
         best = max(best, (m.f1.item(), m.ordered_f1.item()))
     return best
@@ -79,8 +86,10 @@ def test_matches_a_plain_implementation_on_random_batches(exact):
     pool += [s.upper() for s in pool[:4]] + [s.rstrip(".") for s in pool[4:8]] + ["", "   "]
     for _ in range(20):
         preds = [[rng.choice(pool) for _ in range(rng.randrange(0, 6))] for _ in range(12)]
-        refs = [[[rng.choice(pool) for _ in range(rng.randrange(1, 5))] for _ in range(rng.randrange(1, 3))]
-                for _ in range(12)]
+        refs = [
+            [[rng.choice(pool) for _ in range(rng.randrange(1, 5))] for _ in range(rng.randrange(1, 3))]
+            for _ in range(12)
+        ]
         s = exact.score(preds, refs)
         for i in range(12):
             f1, of1 = plain_exact(preds[i], refs[i])
@@ -103,10 +112,12 @@ def test_rewards_score_steps_with_it():
     ref = ["b is 9 plus 3, which is 2.", "c is 2 plus 1, which is 3."]
     row = {"answer": "3", "reference_steps": ref}
     right = json.dumps({"reasoning_steps": ref, "answer": "3"})
-    slipped = json.dumps({"reasoning_steps": ["b is 9 plus 3, which is 5.", "c is 5 plus 1, which is 6."],
-                          "answer": "6"})
-    lucky = json.dumps({"reasoning_steps": ["b is 9 plus 3, which is 1.", "c is 2 plus 1, which is 3."],
-                        "answer": "3"})
+    slipped = json.dumps(
+        {"reasoning_steps": ["b is 9 plus 3, which is 5.", "c is 5 plus 1, which is 6."], "answer": "6"}
+    )
+    lucky = json.dumps(
+        {"reasoning_steps": ["b is 9 plus 3, which is 1.", "c is 2 plus 1, which is 3."], "answer": "3"}
+    )
     cpr = build_reward("cpr", encoder="exact", device="cpu")
     batch = cpr.score([right, slipped, lucky], [row] * 3).batch
     assert batch.f1.tolist() == pytest.approx([1.0, 0.0, 0.5])
@@ -133,8 +144,23 @@ def test_score_cli_with_exact(tmp_path):
     data.write_text(json.dumps({"id": "1", "question": "q", "answer": "3", "reference_steps": ["x = 1+2 = 3"]}) + "\n")
     preds.write_text(json.dumps({"id": "1", "reasoning_steps": ["x=1 + 2=3"], "answer": "3"}) + "\n")
     out = tmp_path / "report.json"
-    assert score_cli.main(["--predictions", str(preds), "--data", str(data), "--out", str(out),
-                           "--encoder", "exact", "--device", "cpu"]) == 0
+    assert (
+        score_cli.main(
+            [
+                "--predictions",
+                str(preds),
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--encoder",
+                "exact",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["overall"]["f1"] == pytest.approx(1.0)
 
 

@@ -25,21 +25,45 @@ from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.train import grpo
 from crystal_grpo.train.tools.export import MANIFEST, export, main
 
-PHASES = ("[{name: grpo, init_from: none, overrides: {training: {max_steps: 2, max_completion_length: 32}}}, "
-          "{name: lora, trainer: sft, init_from: last, overrides: {model: {lora: {r: 4, alpha: 8, dropout: 0.0}}, "
-          "validation: {at_start: false}, training: {max_steps: 2, learning_rate: 0.05, "
-          "per_device_train_batch_size: 2}}}]")
+PHASES = (
+    "[{name: grpo, init_from: none, overrides: {training: {max_steps: 2, max_completion_length: 32}}}, "
+    "{name: lora, trainer: sft, init_from: last, overrides: {model: {lora: {r: 4, alpha: 8, dropout: 0.0}}, "
+    "validation: {at_start: false}, training: {max_steps: 2, learning_rate: 0.05, "
+    "per_device_train_batch_size: 2}}}]"
+)
 #: Validation at the start and the end only (steps 0 and 2), of 2 rows.
-SMALL = ["--validation.eval_steps", "0", "--validation.max_samples", "2", "--validation.max_new_tokens", "16",
-         "--data.max_train_samples", "8"]
+SMALL = [
+    "--validation.eval_steps",
+    "0",
+    "--validation.max_samples",
+    "2",
+    "--validation.max_new_tokens",
+    "16",
+    "--data.max_train_samples",
+    "8",
+]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_lm_path) -> Path:
     """phase1-grpo: full weights, saved every step; phase2-lora: a LoRA adapter."""
     out = tmp_path_factory.mktemp("export") / "run"
-    assert grpo.main(["--config", "tiny.yaml", "--output_dir", str(out), "--model.name_or_path", str(tiny_lm_path),
-                      "--phases", PHASES, *SMALL]) == 0
+    assert (
+        grpo.main(
+            [
+                "--config",
+                "tiny.yaml",
+                "--output_dir",
+                str(out),
+                "--model.name_or_path",
+                str(tiny_lm_path),
+                "--phases",
+                PHASES,
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -56,8 +80,9 @@ def full_export(run, tmp_path_factory) -> tuple[Path, list[str]]:
 
 
 def logits(model, tok) -> torch.Tensor:
-    text = tok.apply_chat_template([{"role": "user", "content": "Tom has 3 apples and buys 4 more."}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Tom has 3 apples and buys 4 more."}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok(text, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         return model(**ids).logits
@@ -116,7 +141,7 @@ def test_card_names_base_model_reward_step_and_validation(run, full_export, tiny
     card = (full_export[0] / "README.md").read_text()
     val = [r for r in read_jsonl(run / "phase1-grpo" / "validation.jsonl") if r["step"] == 2][-1]
     assert f"- Base model: `{tiny_lm_path}`" in card
-    assert "- Reward: `cpr`, parameters `{\"device\": \"cpu\", \"encoder\": \"packaged:all-MiniLM-L6-v2\"}`" in card
+    assert '- Reward: `cpr`, parameters `{"device": "cpu", "encoder": "packaged:all-MiniLM-L6-v2"}`' in card
     assert "- Step: 2 of phase `grpo` (step 2 of the run)" in card
     assert "| grpo (this checkpoint) | grpo | cpr | 2 |" in card and "| lora | sft | cpr | 2 |" in card
     assert "## Validation at step 2" in card
@@ -164,8 +189,10 @@ def test_zero3_shards_are_consolidated_on_one_cpu_process(zero3_run, tmp_path):
     assert len(list((ckpt / "global_step2").glob("*optim_states.pt"))) == 2
     lines: list[str] = []
     export(ckpt, tmp_path / "z3", say=lines.append)
-    assert any("fp32 master weights of the ZeRO shards, consolidated by DeepSpeed" in line and "from 2 ranks" in line
-               for line in lines)
+    assert any(
+        "fp32 master weights of the ZeRO shards, consolidated by DeepSpeed" in line and "from 2 ranks" in line
+        for line in lines
+    )
     tok = tokenizer(tmp_path / "z3")
     exported = logits(causal_lm(tmp_path / "z3"), tok)
     # The trainer's gathered save (fp32 training, so a full-precision copy) is the independent reference.
@@ -177,8 +204,11 @@ def test_zero3_shards_are_consolidated_on_one_cpu_process(zero3_run, tmp_path):
 
     copy = tmp_path / "copied" / "checkpoint-2"  # copied out of its run: no run records either
     shutil.copytree(ckpt, copy)
-    save_file({k: v + 0.5 for k, v in load_file(copy / "model.safetensors").items()}, copy / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: v + 0.5 for k, v in load_file(copy / "model.safetensors").items()},
+        copy / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     assert (logits(causal_lm(copy), tok) - exported).abs().max() > 1e-2
     export(copy, tmp_path / "z3-copy", say=lambda _: None)
     assert_same(logits(causal_lm(tmp_path / "z3-copy"), tok), exported, atol=1e-6)
@@ -218,8 +248,10 @@ def test_failed_export_leaves_no_folder_and_keeps_the_good_one(run, full_export,
     err = capsys.readouterr().err
     assert err.startswith("error: broken checkpoint:") and "model.safetensors" in err and err.count("\n") == 1
     # --overwrite with a good checkpoint swaps the new folder in (here in bfloat16).
-    assert main([str(run / "phase1-grpo" / "checkpoint-2"), "--out", str(good), "--overwrite",
-                 "--dtype", "bfloat16"]) == 0
+    assert (
+        main([str(run / "phase1-grpo" / "checkpoint-2"), "--out", str(good), "--overwrite", "--dtype", "bfloat16"])
+        == 0
+    )
     assert os.listdir(exports) == ["good"] and json.loads((good / "config.json").read_text())["dtype"] == "bfloat16"
     weights = causal_lm(good).state_dict()
     for name, tensor in causal_lm(run / "phase1-grpo" / "checkpoint-2").state_dict().items():
@@ -234,9 +266,11 @@ def test_overwrite_replaces_only_an_export(run, full_export, tmp_path, capsys):
     mine.mkdir()
     (mine / "mine.txt").write_text("not an export")
     assert main([ckpt, "--out", str(mine), "--overwrite"]) == 2
-    assert capsys.readouterr().err == (f"error: --out {mine} holds mine.txt but is no export ({MANIFEST}, the list "
-                                       "every export writes, is missing or unreadable); --overwrite replaces only an "
-                                       "export: choose another --out\n")
+    assert capsys.readouterr().err == (
+        f"error: --out {mine} holds mine.txt but is no export ({MANIFEST}, the list "
+        "every export writes, is missing or unreadable); --overwrite replaces only an "
+        "export: choose another --out\n"
+    )
     assert os.listdir(mine) == ["mine.txt"] and (mine / "mine.txt").read_text() == "not an export"
     listed = json.loads((full_export[0] / MANIFEST).read_text())["files"]
     assert sorted(listed) == sorted(p.name for p in full_export[0].iterdir() if p.name != MANIFEST)
@@ -257,16 +291,23 @@ def test_a_marker_naming_a_file_outside_its_folder_is_no_export_s(tmp_path):
     (forged / "model.safetensors").write_bytes(b"12345")
     (tmp_path / "victim.txt").write_text("outside the export")
     (forged / MANIFEST).write_text(json.dumps({"files": {"model.safetensors": 5, "../victim.txt": 18}}))
-    assert overwrite_problem(forged) == (f"--out {forged} holds {MANIFEST}, model.safetensors but is no export "
-                                         f"({MANIFEST}, the list every export writes, is missing or unreadable); "
-                                         "--overwrite replaces only an export: choose another --out")
+    assert overwrite_problem(forged) == (
+        f"--out {forged} holds {MANIFEST}, model.safetensors but is no export "
+        f"({MANIFEST}, the list every export writes, is missing or unreadable); "
+        "--overwrite replaces only an export: choose another --out"
+    )
     (forged / MANIFEST).write_text(json.dumps({"files": {"model.safetensors": 5}}))
     assert overwrite_problem(forged) is None  # the same export, its marker its own
 
 
 def test_not_a_checkpoint_is_one_line_and_exit_2(run, repo_root, tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/export.py", str(run / "phase1-grpo"), "--out", str(tmp_path / "x")],
-                          cwd=repo_root, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "scripts/export.py", str(run / "phase1-grpo"), "--out", str(tmp_path / "x")],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(f"error: {run / 'phase1-grpo'}: not a checkpoint; expected")
     assert "model.safetensors + config.json" in proc.stderr and not (tmp_path / "x").exists()
@@ -281,7 +322,7 @@ def test_vision_language_model_keeps_its_processor(tiny_vlm_path, tmp_path):
     assert json.loads((out / "processor_config.json").read_text())["processor_class"].endswith("Qwen2_5_VLProcessor")
     assert any("reloaded with Qwen2_5_VLForConditionalGeneration" in line for line in lines)
     tok = tokenizer(out)
-    load = lambda p: Qwen2_5_VLForConditionalGeneration.from_pretrained(p).eval()  # noqa: E731
+    load = lambda p: Qwen2_5_VLForConditionalGeneration.from_pretrained(p).eval()
     assert_same(logits(load(out), tok), logits(load(tiny_vlm_path), tok), atol=1e-6)
     assert "how it was trained is unknown" in (out / "README.md").read_text()
 

@@ -32,15 +32,19 @@ FAST = settings(deadline=None, derandomize=True, suppress_health_check=[HealthCh
 
 # .map(str) keeps hypothesis from merging the character strategies into one, which
 # silently drops category Cs again (a plain union never yields a surrogate).
-any_char = st.one_of(st.characters(exclude_categories=()),
-                     st.characters(categories=["Cs"]).map(str),  # lone surrogates, often
-                     st.sampled_from(list('{}[]",:`\\ \t\n$-+.%()*_\x00\u2212\uff11')))
+any_char = st.one_of(
+    st.characters(exclude_categories=()),
+    st.characters(categories=["Cs"]).map(str),  # lone surrogates, often
+    st.sampled_from(list('{}[]",:`\\ \t\n$-+.%()*_\x00\u2212\uff11')),
+)
 any_text = st.text(alphabet=any_char, max_size=120)
-numbers = (st.integers() | st.integers(min_value=10**300, max_value=10**400)
-           | st.floats(allow_nan=True, allow_infinity=True))
+numbers = (
+    st.integers() | st.integers(min_value=10**300, max_value=10**400) | st.floats(allow_nan=True, allow_infinity=True)
+)
 json_leaves = st.none() | st.booleans() | numbers | any_text
-json_values = st.recursive(json_leaves, lambda c: st.lists(c, max_size=4) | st.dictionaries(any_text, c, max_size=4),
-                           max_leaves=12)
+json_values = st.recursive(
+    json_leaves, lambda c: st.lists(c, max_size=4) | st.dictionaries(any_text, c, max_size=4), max_leaves=12
+)
 
 
 @st.composite
@@ -51,10 +55,11 @@ def near_json(draw) -> str:
         obj = {"reasoning_steps": draw(st.lists(any_text, max_size=6)), "answer": draw(any_text | numbers)}
     else:
         steps = draw(st.lists(any_text | numbers | json_values, max_size=6))
-        obj = {"reasoning_steps": steps if draw(st.booleans()) else draw(json_values),
-               "answer": draw(json_values)}
+        obj = {"reasoning_steps": steps if draw(st.booleans()) else draw(json_values), "answer": draw(json_values)}
     text = json.dumps(obj, ensure_ascii=draw(st.booleans()))  # escapes or raw surrogates
-    text = draw(st.sampled_from(["{}", "```json\n{}\n```", "```{}```", "Sure: {} done", "  {}\n", "[{}]"])).format(text)
+    text = draw(st.sampled_from(["{}", "```json\n{}\n```", "```{}```", "Sure: {} done", "  {}\n", "[{}]"])).format(
+        text
+    )
     if draw(st.booleans()):
         text = text[: draw(st.integers(0, len(text)))]
     return text
@@ -63,13 +68,16 @@ def near_json(draw) -> str:
 completions = st.one_of(
     near_json(),
     any_text,
-    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["assistant", "user"]), "content": near_json() | json_values}),
-             max_size=2),
+    st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["assistant", "user"]), "content": near_json() | json_values}),
+        max_size=2,
+    ),
     json_values,
 )
 
 
 # --- parsing and answers -------------------------------------------------------------
+
 
 @settings(FAST, max_examples=400)
 @given(completions)
@@ -89,20 +97,31 @@ def test_answers_match_is_total(predicted, truth, choices):
 
 # --- every reward module -------------------------------------------------------------
 
-MODULES = {name: build_reward(name, encoder="packaged:all-MiniLM-L6-v2", device="cpu")
-           for name in ("format", "answer_only", "composite", "cpr", "authors_code")}
+MODULES = {
+    name: build_reward(name, encoder="packaged:all-MiniLM-L6-v2", device="cpu")
+    for name in ("format", "answer_only", "composite", "cpr", "authors_code")
+}
 reference_chains = st.none() | st.lists(any_text, max_size=3) | st.just(["Tom has 12 pencils.", "So 12."])
 
 
 @settings(FAST, max_examples=100)
-@given(st.lists(completions, min_size=1, max_size=4), json_values, reference_chains,
-       st.none() | st.lists(json_leaves, max_size=4))
+@given(
+    st.lists(completions, min_size=1, max_size=4),
+    json_values,
+    reference_chains,
+    st.none() | st.lists(json_leaves, max_size=4),
+)
 def test_every_reward_returns_one_finite_float_or_none_per_completion(comps, truth, refs, choices):
     n = len(comps)
     for module in MODULES.values():
         for f in module.reward_funcs():
-            out = f(prompts=[""] * n, completions=comps, answer=[truth] * n, reference_steps=[refs] * n,
-                    choices=[choices] * n)
+            out = f(
+                prompts=[""] * n,
+                completions=comps,
+                answer=[truth] * n,
+                reference_steps=[refs] * n,
+                choices=[choices] * n,
+            )
             assert isinstance(out, list) and len(out) == n
             assert all(v is None or (isinstance(v, float) and math.isfinite(v)) for v in out), out
 
@@ -124,6 +143,7 @@ def test_row_problems_never_raises(row):
 
 
 # --- the fuzz module behind scripts/fuzz_rewards.py ----------------------------------
+
 
 def test_hostile_batches_cover_every_shape_and_count():
     batches = list(hostile_batches(2_000, seed=0, batch=8))

@@ -44,9 +44,14 @@ def prompts(lm) -> list:
 SMALL_PAGED_CACHE = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
 
 
-@pytest.mark.parametrize("engine", [Engine(cache_implementation="static"),
-                                    Engine(continuous_batching=True, continuous_batching_config=SMALL_PAGED_CACHE)],
-                         ids=["static-cache", "continuous-batching"])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        Engine(cache_implementation="static"),
+        Engine(continuous_batching=True, continuous_batching_config=SMALL_PAGED_CACHE),
+    ],
+    ids=["static-cache", "continuous-batching"],
+)
 def test_greedy_completions_equal_plain_generate(lm, prompts, engine):
     model, tok = lm
     greedy = Sampling(max_new_tokens=TOKENS)
@@ -66,12 +71,19 @@ def test_continuous_batching_refuses_images(lm):
 
 
 def test_engine_follows_the_grpo_config():
-    args = GRPOConfig(output_dir="unused", cache_implementation="static", use_transformers_continuous_batching=True,
-                      use_cpu=True, report_to=[])
+    args = GRPOConfig(
+        output_dir="unused",
+        cache_implementation="static",
+        use_transformers_continuous_batching=True,
+        use_cpu=True,
+        report_to=[],
+    )
     engine = Engine.from_trainer(SimpleNamespace(args=args, continuous_batching_config="cfg"))
     assert engine == Engine("static", True, "cfg")
-    assert Engine.from_trainer(SimpleNamespace(args=GRPOConfig(output_dir="unused", use_cpu=True,
-                                                               report_to=[]))) == Engine()
+    assert (
+        Engine.from_trainer(SimpleNamespace(args=GRPOConfig(output_dir="unused", use_cpu=True, report_to=[])))
+        == Engine()
+    )
 
 
 def test_validation_generates_with_the_training_cache(tmp_path, tiny_lm_path, monkeypatch):
@@ -84,8 +96,19 @@ def test_validation_generates_with_the_training_cache(tmp_path, tiny_lm_path, mo
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(GenerationMixin, "generate", recording)
-    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(tiny_lm_path), "--training.max_steps", "1",
-                                       "--training.cache_implementation", "static", "--validation.eval_steps", "1"])
+    cfg, _ = load_config(
+        "tiny.yaml",
+        [
+            "--model.name_or_path",
+            str(tiny_lm_path),
+            "--training.max_steps",
+            "1",
+            "--training.cache_implementation",
+            "static",
+            "--validation.eval_steps",
+            "1",
+        ],
+    )
     grpo.run(cfg, tmp_path / "run")
     assert seen and set(seen) == {"static"}
     assert (tmp_path / "run" / "validation.jsonl").read_text().count("\n") >= 2  # start and step 1

@@ -17,9 +17,9 @@ import sys
 import threading
 
 import pytest
+from runs import REPO, torchrun_script
 
 from crystal_grpo.train import grpo
-from runs import REPO, torchrun_script
 
 #: tiny.yaml on the committed organism policy: everything the run needs is there.
 READY = ["--config", "tiny.yaml", "--model.name_or_path", str(REPO / "data/organism/warm_start")]
@@ -34,34 +34,56 @@ def refused(capsys, *argv: str) -> list[str]:
 
 
 # --- item 13: an --output_dir that cannot be made -------------------------------------------------
-@pytest.mark.parametrize("where, reason", [
-    ("a_file/run", "{tmp}/a_file is not a folder"),
-    ("x" * 300, "the name xxxxxxxxxxxxxxxxxxxxxxxx... is 300 bytes long, the file system takes 255"),
-    ("/proc/crystal-grpo-run", "/proc takes no new folder (No such file or directory)"),
-], ids=["under_a_file", "name_too_long", "proc"])
+@pytest.mark.parametrize(
+    "where, reason",
+    [
+        ("a_file/run", "{tmp}/a_file is not a folder"),
+        ("x" * 300, "the name xxxxxxxxxxxxxxxxxxxxxxxx... is 300 bytes long, the file system takes 255"),
+        ("/proc/crystal-grpo-run", "/proc takes no new folder (No such file or directory)"),
+    ],
+    ids=["under_a_file", "name_too_long", "proc"],
+)
 @pytest.mark.parametrize("check", [False, True], ids=["run", "check"])
 def test_an_output_dir_that_cannot_be_made_is_one_line_before_anything_loads(tmp_path, capsys, where, reason, check):
     (tmp_path / "a_file").write_text("mine")
     out = tmp_path / where
     err = refused(capsys, "--output_dir", str(out), *(["--check"] if check else []))
-    assert err == [f"RunFolderError: --output_dir {out} cannot be made: {reason.format(tmp=tmp_path)}; choose another "
-                   "--output_dir"]
+    assert err == [
+        f"RunFolderError: --output_dir {out} cannot be made: {reason.format(tmp=tmp_path)}; choose another "
+        "--output_dir"
+    ]
     assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the probe left nothing
 
 
 # --- item 13: a launcher's variables without a launcher ---------------------------------------------
-@pytest.mark.parametrize("variables, said", [
-    ({"LOCAL_RANK": "0"}, "LOCAL_RANK=0 set, as a launcher sets them for each process, but not RANK, WORLD_SIZE, "
-                          "MASTER_ADDR, MASTER_PORT: start several processes with torchrun or accelerate launch, or "
-                          "unset LOCAL_RANK for one"),
-    ({"RANK": "1", "WORLD_SIZE": "2"},
-     "RANK=1, WORLD_SIZE=2 set, as a launcher sets them for each process, but not LOCAL_RANK, MASTER_ADDR, "
-     "MASTER_PORT: start several processes with torchrun or accelerate launch, or unset RANK, WORLD_SIZE for one"),
-    ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0': a launcher sets it to a whole number >= 1; unset it for one process, or "
-                          "start several with torchrun or accelerate launch"),
-    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two': a launcher sets it to a whole number >= 1; unset it for one process, "
-                            "or start several with torchrun or accelerate launch"),
-], ids=["local_rank", "rank_and_world_size", "world_size_0", "world_size_two"])
+@pytest.mark.parametrize(
+    "variables, said",
+    [
+        (
+            {"LOCAL_RANK": "0"},
+            "LOCAL_RANK=0 set, as a launcher sets them for each process, but not RANK, WORLD_SIZE, "
+            "MASTER_ADDR, MASTER_PORT: start several processes with torchrun or accelerate launch, or "
+            "unset LOCAL_RANK for one",
+        ),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2"},
+            "RANK=1, WORLD_SIZE=2 set, as a launcher sets them for each process, but not LOCAL_RANK, MASTER_ADDR, "
+            "MASTER_PORT: start several processes with torchrun or accelerate launch, or unset RANK, "
+            "WORLD_SIZE for one",
+        ),
+        (
+            {"WORLD_SIZE": "0"},
+            "WORLD_SIZE='0': a launcher sets it to a whole number >= 1; unset it for one process, or "
+            "start several with torchrun or accelerate launch",
+        ),
+        (
+            {"WORLD_SIZE": "two"},
+            "WORLD_SIZE='two': a launcher sets it to a whole number >= 1; unset it for one process, "
+            "or start several with torchrun or accelerate launch",
+        ),
+    ],
+    ids=["local_rank", "rank_and_world_size", "world_size_0", "world_size_two"],
+)
 def test_launcher_variables_without_a_launcher_are_one_line(tmp_path, capsys, monkeypatch, variables, said):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -111,43 +133,86 @@ def test_two_processes_report_missing_pieces_once_however_late_the_main_process(
 
     script = tmp_path / "slow_main.py"
     script.write_text(grpo_with(SLOW_MAIN_PROCESS))
-    proc = torchrun_script(script, "--config", "tiny.yaml", "--cpu_backend", "gloo", "--output_dir",
-                           str(tmp_path / "r"), "--model.name_or_path", str(tmp_path / "no-model"), "--data.train",
-                           str(tmp_path / "no.jsonl"))
+    proc = torchrun_script(
+        script,
+        "--config",
+        "tiny.yaml",
+        "--cpu_backend",
+        "gloo",
+        "--output_dir",
+        str(tmp_path / "r"),
+        "--model.name_or_path",
+        str(tmp_path / "no-model"),
+        "--data.train",
+        str(tmp_path / "no.jsonl"),
+    )
     assert proc.returncode != 0
     assert proc.stderr.count("cannot start: 2 problem(s)") == 1, proc.stderr[-3000:]
     assert proc.stderr.count(f"model.name_or_path: no such folder '{tmp_path / 'no-model'}'") == 1
     assert not (tmp_path / "r").exists()
 
 
-
 # --- item 14: what --check could have caught ---------------------------------------------------------
-@pytest.mark.parametrize("argv, problem", [
-    (["--training.num_generations", "3"], "training.num_generations: 3 completions of a prompt do not fit whole into "
-     "the generation batch of 4 (per_device_train_batch_size 4 x 1 process(es) x gradient_accumulation_steps 1); make "
-     "that a multiple of 3"),
-    (["--training.num_generations", "8", "--check", "--gpus", "3"], "training.num_generations: 8 completions of a "
-     "prompt do not fit whole into the generation batch of 12 (per_device_train_batch_size 4 x 3 process(es) x "
-     "gradient_accumulation_steps 1); make that a multiple of 8"),
-    (["--training.num_generations", "8", "--training.steps_per_generation", "3"], "training.num_generations: 8 "
-     "completions of a prompt do not fit whole into the generation batch of 12 (per_device_train_batch_size 4 x 1 "
-     "process(es) x steps_per_generation 3); make that a multiple of 8"),
-], ids=["one_process", "three_gpus", "steps_per_generation"])
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (
+            ["--training.num_generations", "3"],
+            "training.num_generations: 3 completions of a prompt do not fit whole into "
+            "the generation batch of 4 (per_device_train_batch_size 4 x 1 process(es) x "
+            "gradient_accumulation_steps 1); make "
+            "that a multiple of 3",
+        ),
+        (
+            ["--training.num_generations", "8", "--check", "--gpus", "3"],
+            "training.num_generations: 8 completions of a "
+            "prompt do not fit whole into the generation batch of 12 (per_device_train_batch_size 4 x 3 process(es) x "
+            "gradient_accumulation_steps 1); make that a multiple of 8",
+        ),
+        (
+            ["--training.num_generations", "8", "--training.steps_per_generation", "3"],
+            "training.num_generations: 8 "
+            "completions of a prompt do not fit whole into the generation batch of 12 "
+            "(per_device_train_batch_size 4 x 1 "
+            "process(es) x steps_per_generation 3); make that a multiple of 8",
+        ),
+    ],
+    ids=["one_process", "three_gpus", "steps_per_generation"],
+)
 def test_num_generations_that_split_a_group_is_one_line_before_anything_loads(tmp_path, capsys, argv, problem):
-    assert refused(capsys, "--output_dir", str(tmp_path / "run"), *argv) == ["cannot start: 1 problem(s)",
-                                                                            f"  {problem}"]
-    assert grpo.main([*READY, "--output_dir", str(tmp_path / "run"), "--training.num_generations", "8", "--check",
-                      "--gpus", "2"]) == 0  # 4 x 2 processes: whole groups
+    assert refused(capsys, "--output_dir", str(tmp_path / "run"), *argv) == [
+        "cannot start: 1 problem(s)",
+        f"  {problem}",
+    ]
+    assert (
+        grpo.main(
+            [
+                *READY,
+                "--output_dir",
+                str(tmp_path / "run"),
+                "--training.num_generations",
+                "8",
+                "--check",
+                "--gpus",
+                "2",
+            ]
+        )
+        == 0
+    )  # 4 x 2 processes: whole groups
 
 
 def _empty(path):
     path.write_text("")
 
 
-@pytest.mark.parametrize("make, kind, check", [
-    (_empty, "an empty file (0 bytes), no rows", False),
-    (os.mkfifo, "a named pipe, not a file of rows; write the rows to a file and give that", True),
-], ids=["empty", "named_pipe"])
+@pytest.mark.parametrize(
+    "make, kind, check",
+    [
+        (_empty, "an empty file (0 bytes), no rows", False),
+        (os.mkfifo, "a named pipe, not a file of rows; write the rows to a file and give that", True),
+    ],
+    ids=["empty", "named_pipe"],
+)
 def test_a_data_file_without_rows_is_one_line_before_anything_loads(tmp_path, capsys, make, kind, check):
     data = tmp_path / "train.jsonl"
     make(data)
@@ -158,7 +223,7 @@ def test_a_data_file_without_rows_is_one_line_before_anything_loads(tmp_path, ca
 class _Hub(http.server.BaseHTTPRequestHandler):
     """A hub that holds no repository: what huggingface.co answers for an unknown model id."""
 
-    def do_HEAD(self):  # noqa: N802 - http.server's name
+    def do_HEAD(self):
         self.send_response(404)
         self.send_header("X-Error-Code", "RepoNotFound")
         self.end_headers()
@@ -167,12 +232,21 @@ class _Hub(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("hub, said", [
-    ("closed", "'Qwen/Qwen2.5-0.5B' is not a local folder or in the Hugging Face cache, and the hub (http://127.0.0.1:"
-               "{port}) cannot be reached (ConnectError: "),
-    ("empty", "'Qwen/Qwen2.5-0.5B' is not a local folder, and the Hugging Face hub has no repository of that name "
-              "that this machine may read (a typo? private: log in with hf auth login)"),
-])
+@pytest.mark.parametrize(
+    "hub, said",
+    [
+        (
+            "closed",
+            "'Qwen/Qwen2.5-0.5B' is not a local folder or in the Hugging Face cache, and the hub (http://127.0.0.1:"
+            "{port}) cannot be reached (ConnectError: ",
+        ),
+        (
+            "empty",
+            "'Qwen/Qwen2.5-0.5B' is not a local folder, and the Hugging Face hub has no repository of that name "
+            "that this machine may read (a typo? private: log in with hf auth login)",
+        ),
+    ],
+)
 def test_a_hub_id_online_is_asked_of_the_hub_once_before_anything_loads(tmp_path, free_port, hub, said):
     """Online (HF_HUB_OFFLINE unset), an id the cache does not hold is one HEAD request, not a
     download that fails after retries (52 s in, after the policy's set-up)."""
@@ -183,9 +257,22 @@ def test_a_hub_id_online_is_asked_of_the_hub_once_before_anything_loads(tmp_path
     environment = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     environment.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{free_port}")
     try:
-        proc = subprocess.run([sys.executable, "train/grpo.py", "--config", "tiny.yaml", "--check",
-                               "--model.name_or_path", "Qwen/Qwen2.5-0.5B"], cwd=REPO, env=environment,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "train/grpo.py",
+                "--config",
+                "tiny.yaml",
+                "--check",
+                "--model.name_or_path",
+                "Qwen/Qwen2.5-0.5B",
+            ],
+            cwd=REPO,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         if server is not None:
             server.shutdown()
@@ -196,8 +283,16 @@ def test_a_hub_id_online_is_asked_of_the_hub_once_before_anything_loads(tmp_path
 
 # --- item 21: a shipped config's missing inputs name the command that makes them ------------------------
 #: The shipped configs whose every input is committed or made by a command of this repository.
-MADE_HERE = ("tiny.yaml", "organism.yaml", "organism_curriculum.yaml", "organism_warm_start.yaml", "demo.yaml",
-             "demo_organism.yaml", "demo_ablation.yaml", "demo_ablation_curriculum.yaml")
+MADE_HERE = (
+    "tiny.yaml",
+    "organism.yaml",
+    "organism_curriculum.yaml",
+    "organism_warm_start.yaml",
+    "demo.yaml",
+    "demo_organism.yaml",
+    "demo_ablation.yaml",
+    "demo_ablation_curriculum.yaml",
+)
 
 
 def test_a_missing_shipped_input_names_the_command_that_makes_it(tmp_path, capsys, monkeypatch):
@@ -209,15 +304,23 @@ def test_a_missing_shipped_input_names_the_command_that_makes_it(tmp_path, capsy
         assert grpo.main(["--config", config, "--check"]) == 2
         said[config] = capsys.readouterr().err.strip().splitlines()[1:]
         assert said[config] and all("; made by " in line for line in said[config]), (config, said[config])
-    assert said["tiny.yaml"] == [f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/tiny-qwen2'; "
-                                 "made by python scripts/make_tiny_models.py"]
+    assert said["tiny.yaml"] == [
+        f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/tiny-qwen2'; "
+        "made by python scripts/make_tiny_models.py"
+    ]
     assert said["organism.yaml"] == [
         f"  data.{key}: no such file or folder '{tmp_path}/.cache/organism/data/{name}.jsonl'; made by python "
-        "scripts/make_organism.py" for key, name in (("train", "train"), ("validation", "val"))]
-    assert said["demo.yaml"] == [f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/SmolLM2-135M-"
-                                 "Instruct'; made by make demo-smollm2 (scripts/prepare_smollm2.py)"]
-    assert said["organism_warm_start.yaml"][0] == (f"  model.name_or_path: no such folder '{tmp_path}/.cache/organism/"
-                                                   "model'; made by python scripts/make_organism.py")
+        "scripts/make_organism.py"
+        for key, name in (("train", "train"), ("validation", "val"))
+    ]
+    assert said["demo.yaml"] == [
+        f"  model.name_or_path: no such folder '{tmp_path}/.cache/models/SmolLM2-135M-"
+        "Instruct'; made by make demo-smollm2 (scripts/prepare_smollm2.py)"
+    ]
+    assert said["organism_warm_start.yaml"][0] == (
+        f"  model.name_or_path: no such folder '{tmp_path}/.cache/organism/"
+        "model'; made by python scripts/make_organism.py"
+    )
 
 
 def test_the_made_by_table_names_where_each_command_writes():
@@ -227,9 +330,11 @@ def test_the_made_by_table_names_where_each_command_writes():
     from crystal_grpo.train.tools import organism_model, tiny_models
 
     smollm2 = runpy.run_path(str(REPO / "scripts/prepare_smollm2.py"))["DEFAULT_OUT"].relative_to(REPO)
-    written = {(tiny_models.DEFAULT_OUT / tiny_models.LM_NAME).as_posix(): "scripts/make_tiny_models.py",
-               (tiny_models.DEFAULT_OUT / tiny_models.VLM_NAME).as_posix(): "scripts/make_tiny_models.py",
-               smollm2.as_posix(): "scripts/prepare_smollm2.py",
-               organism_model.DEFAULT_DIR.as_posix(): "scripts/make_organism.py"}
+    written = {
+        (tiny_models.DEFAULT_OUT / tiny_models.LM_NAME).as_posix(): "scripts/make_tiny_models.py",
+        (tiny_models.DEFAULT_OUT / tiny_models.VLM_NAME).as_posix(): "scripts/make_tiny_models.py",
+        smollm2.as_posix(): "scripts/prepare_smollm2.py",
+        organism_model.DEFAULT_DIR.as_posix(): "scripts/make_organism.py",
+    }
     assert set(MADE_BY) == set(written)
     assert all(script in MADE_BY[path] for path, script in written.items())

@@ -63,13 +63,34 @@ def hinted_data(tmp_path_factory) -> Path:
     return out
 
 
-def validations(tmp_path: Path, data: Path, *overrides: str, steps: int = STEPS, config: str = "organism.yaml",
-                warm_start: Path = WARM_START, validation: str = "val.jsonl") -> tuple[dict, dict, Path]:
+def validations(
+    tmp_path: Path,
+    data: Path,
+    *overrides: str,
+    steps: int = STEPS,
+    config: str = "organism.yaml",
+    warm_start: Path = WARM_START,
+    validation: str = "val.jsonl",
+) -> tuple[dict, dict, Path]:
     """(held-out validation before the first step, after the last, the run folder)."""
-    cfg, _ = load_config(config, [
-        "--model.name_or_path", str(warm_start), "--data.train", str(data / "train.jsonl"),
-        "--data.validation", str(data / validation), "--training.max_steps", str(steps),
-        "--validation.eval_steps", "0", "--training.save_steps", str(steps), *overrides])
+    cfg, _ = load_config(
+        config,
+        [
+            "--model.name_or_path",
+            str(warm_start),
+            "--data.train",
+            str(data / "train.jsonl"),
+            "--data.validation",
+            str(data / validation),
+            "--training.max_steps",
+            str(steps),
+            "--validation.eval_steps",
+            "0",
+            "--training.save_steps",
+            str(steps),
+            *overrides,
+        ],
+    )
     run = tmp_path / "run"
     grpo.run(cfg, run)
     vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
@@ -94,8 +115,9 @@ def learned(before: float, after: float) -> bool:
     return after - before >= MARGIN
 
 
-@pytest.mark.parametrize("warm_start,spec", [(WARM_START, TaskSpec()), (HINTED_WARM_START, HINTED)],
-                         ids=["plain", "hinted"])
+@pytest.mark.parametrize(
+    "warm_start,spec", [(WARM_START, TaskSpec()), (HINTED_WARM_START, HINTED)], ids=["plain", "hinted"]
+)
 def test_the_warm_start_is_the_task_make_organism_writes(warm_start, spec):
     recorded = json.loads((warm_start / "organism.json").read_text())["task"]
     assert TaskSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}) == spec
@@ -126,9 +148,11 @@ def test_cpr_with_pcgrad_raises_accuracy_and_step_match_f1(tmp_path, organism_da
 
 #: Answer-only's terms on the accuracy objective and a reasoning term that pays wrong answers on half
 #: the questions (tests/organism_conflict.py): the two gradients conflict by construction.
-CONFLICT = ("[{fn: 'crystal:accuracy', weight: 1.0, objective: accuracy}, "
-            "{fn: 'crystal:format', weight: 0.1, objective: accuracy}, "
-            f"{{fn: '{Path(__file__).with_name('organism_conflict.py')}:wrong_on_odd', weight: 1.5, objective: reasoning}}]")
+CONFLICT = (
+    "[{fn: 'crystal:accuracy', weight: 1.0, objective: accuracy}, "
+    "{fn: 'crystal:format', weight: 0.1, objective: accuracy}, "
+    f"{{fn: '{Path(__file__).with_name('organism_conflict.py')}:wrong_on_odd', weight: 1.5, objective: reasoning}}]"
+)
 
 
 def test_pcgrad_projects_a_constructed_conflict_and_ends_above_the_plain_sum(tmp_path, organism_data):
@@ -139,25 +163,48 @@ def test_pcgrad_projects_a_constructed_conflict_and_ends_above_the_plain_sum(tmp
     rise of +0.08 +- 0.09 (one seed fell: PCGrad does not reliably *raise* accuracy under this
     conflict, so that is not asserted); the sum ends at 0.115-0.25 (-0.20 +- 0.06, every seed
     falls); PCGrad ends 0.16-0.35 above the sum at every seed."""
-    before, summed, _ = sampled_accuracy(tmp_path / "summed", organism_data, "--reward.name", "composed",
-                                         "--reward.components", CONFLICT)
+    before, summed, _ = sampled_accuracy(
+        tmp_path / "summed", organism_data, "--reward.name", "composed", "--reward.components", CONFLICT
+    )
     assert not learned(before, summed) and summed < before, (before, summed)
-    _, projected, run = sampled_accuracy(tmp_path / "pcgrad", organism_data, "--reward.name", "composed",
-                                         "--reward.components", CONFLICT, "--pcgrad", "true")
+    _, projected, run = sampled_accuracy(
+        tmp_path / "pcgrad",
+        organism_data,
+        "--reward.name",
+        "composed",
+        "--reward.components",
+        CONFLICT,
+        "--pcgrad",
+        "true",
+    )
     conflict = logged(run, "pcgrad/conflict")
     assert len(conflict) == STEPS and sum(conflict) / STEPS > 0.5, "the constructed reward must conflict"
     assert projected - summed >= CONFLICT_MARGIN, f"PCGrad {projected:.3f} against the plain sum {summed:.3f}"
 
 
 def test_control_the_reward_with_its_sign_flipped_fails_the_check(tmp_path, organism_data):
-    before, after, _ = sampled_accuracy(tmp_path, organism_data, "--reward.params.accuracy_weight", "-1",
-                                        "--reward.params.format_weight", "-0.1",
-                                        "--reward.params.negative_weights", "true", steps=CONTROL_STEPS)
+    before, after, _ = sampled_accuracy(
+        tmp_path,
+        organism_data,
+        "--reward.params.accuracy_weight",
+        "-1",
+        "--reward.params.format_weight",
+        "-0.1",
+        "--reward.params.negative_weights",
+        "true",
+        steps=CONTROL_STEPS,
+    )
     assert not learned(before, after) and after < before
 
 
-@pytest.mark.parametrize("broken", [["--reward.params.accuracy_weight", "0", "--reward.params.format_weight", "0"],
-                                    ["--training.learning_rate", "0"]], ids=["constant_reward", "learning_rate_0"])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        ["--reward.params.accuracy_weight", "0", "--reward.params.format_weight", "0"],
+        ["--training.learning_rate", "0"],
+    ],
+    ids=["constant_reward", "learning_rate_0"],
+)
 def test_control_no_signal_or_no_step_fails_the_check(tmp_path, organism_data, broken):
     """A constant reward (no group varies) and a zero learning rate: the weights must not move at
     all, so the check cannot pass (accuracy moves only by sampling noise: validation draws from a
@@ -176,12 +223,21 @@ REGIME_STEPS = 40
 RECALL_DROP = 0.10
 
 
-def hinted_recall(tmp_path: Path, data: Path, reward: str, *overrides: str,
-                  steps: int = REGIME_STEPS) -> tuple[float, float, Path]:
+def hinted_recall(
+    tmp_path: Path, data: Path, reward: str, *overrides: str, steps: int = REGIME_STEPS
+) -> tuple[float, float, Path]:
     """(step recall on the held-out hinted questions before the first step, after the last, the run)."""
-    first, last, run = validations(tmp_path, data, "--reward.name", reward, *overrides, steps=steps,
-                                   config="organism_hinted.yaml", warm_start=HINTED_WARM_START,
-                                   validation="val_hinted.jsonl")
+    first, last, run = validations(
+        tmp_path,
+        data,
+        "--reward.name",
+        reward,
+        *overrides,
+        steps=steps,
+        config="organism_hinted.yaml",
+        warm_start=HINTED_WARM_START,
+        validation="val_hinted.jsonl",
+    )
     return first["recall"], last["recall"], run
 
 

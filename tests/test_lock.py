@@ -65,6 +65,7 @@ def test_a_line_that_is_not_a_pin_is_named(tmp_path):
 # The resolved locks (the vLLM set): pip's resolver in dry-run against a package index. Here the
 # index is a folder of tiny wheels made by the test (file://), so nothing leaves the machine.
 
+
 def _wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> None:
     """A minimal wheel of ``name`` in a PEP 503 project folder of ``folder`` (with its index.html)."""
     import zipfile
@@ -74,11 +75,13 @@ def _wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()
     file = f"{name}-{version}-py3-none-any.whl"
     info = f"{name}-{version}.dist-info"
     metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
-        f"Requires-Dist: {r}\n" for r in requires)
+        f"Requires-Dist: {r}\n" for r in requires
+    )
     with zipfile.ZipFile(project / file, "w") as whl:
         whl.writestr(f"{info}/METADATA", metadata)
-        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                      "Tag: py3-none-any\n")
+        whl.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         whl.writestr(f"{info}/RECORD", "")
     links = "".join(f'<a href="{w.name}">{w.name}</a>\n' for w in sorted(project.glob("*.whl")))
     (project / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")

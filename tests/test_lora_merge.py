@@ -42,8 +42,9 @@ def test_merged_greedy_generation_equals_unmerged_and_restores_the_weights(tiny_
         plain = model.generate(**ids, max_new_tokens=24, do_sample=False)
         with merged_adapters(model) as merged:
             assert merged and layer.merged
-            assert not torch.equal(layer.base_layer.weight, before["base_model.model.model.layers.0.self_attn."
-                                                                    "q_proj.base_layer.weight"]), "really merged"
+            assert not torch.equal(
+                layer.base_layer.weight, before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+            ), "really merged"
             merged_logits = model(**ids).logits
             merged_ids = model.generate(**ids, max_new_tokens=24, do_sample=False)
         with model.disable_adapter():
@@ -88,10 +89,29 @@ class Recorder(TrainerCallback):
 def _lora_run(tmp_path: Path, model: Path, merge: bool) -> tuple[Path, Recorder]:
     out = tmp_path / ("merged" if merge else "unmerged")
     lora = LORA.replace("}", f", merge_for_generation: {str(merge).lower()}}}")
-    cfg, _ = load_config("tiny.yaml", [
-        "--model.name_or_path", str(model), "--model.lora", lora, "--reward.name", "answer_only",
-        "--reward.params", "{}", "--training.max_steps", "3", "--training.learning_rate", "1e-2",
-        "--training.save_steps", "3", "--validation.eval_steps", "3", "--validation.at_start", "false"])
+    cfg, _ = load_config(
+        "tiny.yaml",
+        [
+            "--model.name_or_path",
+            str(model),
+            "--model.lora",
+            lora,
+            "--reward.name",
+            "answer_only",
+            "--reward.params",
+            "{}",
+            "--training.max_steps",
+            "3",
+            "--training.learning_rate",
+            "1e-2",
+            "--training.save_steps",
+            "3",
+            "--validation.eval_steps",
+            "3",
+            "--validation.at_start",
+            "false",
+        ],
+    )
     rec = Recorder()
     grpo.run(cfg, out, callbacks=[rec])
     return out, rec
@@ -105,8 +125,11 @@ def lora_runs(tiny_lm_path, tmp_path_factory):
 
 def _rows(run: Path) -> list[dict]:
     keep = ("loss", "grad_norm", "reward", "completions/mean_length", "kl")
-    return [{k: r.get(k) for k in keep} for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r]
+    return [
+        {k: r.get(k) for k in keep}
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    ]
 
 
 def test_training_with_merged_generation_is_bit_identical(lora_runs):
@@ -132,7 +155,10 @@ def test_saved_adapter_is_the_live_unmerged_one_and_the_base_is_untouched(lora_r
     live = {k.replace(".default", ""): v for k, v in rec.live.items() if "lora_" in k}
     assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in saved)
     original = load_file(tiny_lm_path / "model.safetensors")
-    base = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v
-            for k, v in rec.live.items() if "lora_" not in k}
+    base = {
+        k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+        for k, v in rec.live.items()
+        if "lora_" not in k
+    }
     assert set(original) <= set(base) | {"lm_head.weight"}
     assert all(torch.equal(original[k], base[k]) for k in original if k in base)

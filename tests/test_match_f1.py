@@ -68,8 +68,13 @@ def plain_metrics(acc: list[tuple[int, int]], n: int, m: int, alpha: float) -> d
                 best[a] = max(best[a], best[b] + 1)
     lis = max(best, default=0)
     ratio = 1.0 if tp < 2 else lis / tp
-    return {"precision": p, "recall": r, "f1": f1, "lis_ratio": ratio,
-            "ordered_f1": f1 * ((1 - alpha) + alpha * ratio)}
+    return {
+        "precision": p,
+        "recall": r,
+        "f1": f1,
+        "lis_ratio": ratio,
+        "ordered_f1": f1 * ((1 - alpha) + alpha * ratio),
+    }
 
 
 # --- hand-computed rules ------------------------------------------------------------
@@ -137,7 +142,7 @@ def test_lis_ratio_and_ordered_f1():
     assert score([[0.9, 0], [0, 0.9]]).lis_ratio.item() == 1.0
     assert score([[0.9, 0], [0, 0.1]]).lis_ratio.item() == 1.0
     # 4 matches, order (1,0,2,3) -> LIS 3 of 4; strictly increasing only.
-    S = [[0, .9, 0, 0], [.9, 0, 0, 0], [0, 0, .9, 0], [0, 0, 0, .9]]
+    S = [[0, 0.9, 0, 0], [0.9, 0, 0, 0], [0, 0, 0.9, 0], [0, 0, 0, 0.9]]
     assert score(S).lis_ratio.item() == pytest.approx(0.75)
 
 
@@ -171,8 +176,7 @@ def random_matrix(rng: random.Random) -> list[list[float]]:
         if rows and rng.random() < 0.2:
             rows.append(list(rows[-1]))  # duplicate prediction row
             continue
-        rows.append([rng.choice(palette) if rng.random() < 0.4 else round(rng.uniform(-0.3, 1), 2)
-                     for _ in range(m)])
+        rows.append([rng.choice(palette) if rng.random() < 0.4 else round(rng.uniform(-0.3, 1), 2) for _ in range(m)])
     return rows if n else []
 
 
@@ -210,7 +214,8 @@ def test_dp_matcher_is_optimal_and_monotone_on_random_matrices():
     mats = [x for x in mats if x and x[0]]
     sim, n, m = sims(*mats)
     valid = (torch.arange(sim.shape[1]).view(1, -1, 1) < n.view(-1, 1, 1)) & (
-        torch.arange(sim.shape[2]).view(1, 1, -1) < m.view(-1, 1, 1))
+        torch.arange(sim.shape[2]).view(1, 1, -1) < m.view(-1, 1, 1)
+    )
     matched = dp_match(sim, valid, TAU)
     for b, S in enumerate(mats):
         pr = sorted(map(tuple, matched[b].nonzero().tolist()))
@@ -226,12 +231,16 @@ def scorer():
 
 
 def test_encoder_end_to_end(scorer):
-    refs = ["Tom has 3 boxes of 4 apples, so he has 3 * 4 = 12 apples.",
-            "He eats 2 apples, leaving 12 - 2 = 10 apples.",
-            "The weather in Paris is rainy today."]
-    preds = ["Tom has 3 * 4 = 12 apples in his boxes.",
-             "After eating 2 he has 12 - 2 = 10 apples left.",
-             "Quantum chromodynamics describes the strong force."]
+    refs = [
+        "Tom has 3 boxes of 4 apples, so he has 3 * 4 = 12 apples.",
+        "He eats 2 apples, leaving 12 - 2 = 10 apples.",
+        "The weather in Paris is rainy today.",
+    ]
+    preds = [
+        "Tom has 3 * 4 = 12 apples in his boxes.",
+        "After eating 2 he has 12 - 2 = 10 apples left.",
+        "Quantum chromodynamics describes the strong force.",
+    ]
     s = scorer.score([preds, preds[:2], []], [refs[:2], refs[:2], refs[:2]])
     assert pairs(s, 0) == [(0, 0), (1, 1)]
     assert s.precision[0].item() == pytest.approx(2 / 3) and s.recall[0].item() == 1.0
@@ -274,7 +283,7 @@ def test_score_embeddings_equals_score(scorer):
     preds = [["one plus one is two", "so the answer is two"], ["apples are red"]]
     refs = [["1 + 1 = 2", "answer: 2"], ["red apples", "green pears"]]
     a = scorer.score(preds, refs)
-    emb = lambda xs: scorer.model.encode(xs, convert_to_tensor=True) * 3.0  # not normalised  # noqa: E731
+    emb = lambda xs: scorer.model.encode(xs, convert_to_tensor=True) * 3.0  # not normalised
     b = scorer.score_embeddings([emb(p) for p in preds], [emb(r) for r in refs])
     assert torch.allclose(a.f1, b.f1) and torch.allclose(a.ordered_f1, b.ordered_f1)
     assert [pairs(a, i) for i in range(2)] == [pairs(b, i) for i in range(2)]
@@ -320,8 +329,13 @@ dist.destroy_process_group()
 @pytest.mark.slow
 def test_loads_while_deepspeed_zero3_config_is_active(repo_root, free_port):
     """Under an active ZeRO-3 config a plain load is partitioned and breaks; ours is not."""
-    out = subprocess.run([sys.executable, "-c", ZERO3_SCRIPT, str(free_port)], cwd=repo_root,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", ZERO3_SCRIPT, str(free_port)],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "RAW-LOAD-FAILED 'weight' must be 2-D" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "ZERO3-STILL-ON True" in out.stdout
     assert "F1 1.0" in out.stdout
@@ -353,8 +367,10 @@ EMPTY_SIDE_CASES = {
     "no reference steps": ([["a cat sat"]], [[]]),
     "both empty": ([[]], [[]]),
     "all examples empty": ([[], [], []], [[], [], []]),
-    "mixed": ([["a cat sat", "it purred"], [], ["dogs bark"], [], ["a cat sat"]],
-              [["a cat sat", "the cat purred"], ["a dog ran"], [], [], ["the cat sat down"]]),
+    "mixed": (
+        [["a cat sat", "it purred"], [], ["dogs bark"], [], ["a cat sat"]],
+        [["a cat sat", "the cat purred"], ["a dog ran"], [], [], ["the cat sat down"]],
+    ),
 }
 
 
@@ -362,7 +378,7 @@ EMPTY_SIDE_CASES = {
 def test_score_embeddings_empty_sides_equal_score(scorer, name):
     preds, refs = EMPTY_SIDE_CASES[name]
     d = scorer.embed(["x"]).shape[1]
-    emb = lambda xs: scorer.model.encode(xs, convert_to_tensor=True) if xs else torch.zeros(0, d)  # noqa: E731
+    emb = lambda xs: scorer.model.encode(xs, convert_to_tensor=True) if xs else torch.zeros(0, d)
     want = scorer.score(preds, refs)
     got = scorer.score_embeddings([emb(p) for p in preds], [emb(r) for r in refs])
     for key in ("precision", "recall", "f1", "lis_ratio", "ordered_f1", "n_pred", "n_ref", "n_matched"):
@@ -388,8 +404,9 @@ def test_lone_surrogates_are_embedded_as_replacement_characters(scorer):
     texts = ["\ud800", "a cat \udfff sat", "\ud83d", "smile \ud83d\ude00"]
     emb = scorer.embed(texts)
     assert emb.shape[0] == 4 and torch.isfinite(emb).all()
-    same = scorer.model.encode(["\ufffd", "a cat \ufffd sat", "\ufffd", "smile \U0001F600"], convert_to_tensor=True,
-                               normalize_embeddings=True)
+    same = scorer.model.encode(
+        ["\ufffd", "a cat \ufffd sat", "\ufffd", "smile \U0001f600"], convert_to_tensor=True, normalize_embeddings=True
+    )
     assert torch.allclose(emb, same, atol=1e-5)
     s = scorer.score([["a cat \ud800 sat", "\udfff"]], [["a cat sat", "\ud83d"]])
     assert s.n_pred.item() == 2 and s.n_ref.item() == 2 and s.f1.item() == 1.0

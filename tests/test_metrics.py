@@ -23,16 +23,21 @@ def test_names_are_unique_and_sources_known():
     assert METRICS == metrics.names("reward")
 
 
-@pytest.mark.parametrize("where, used", [
-    ("validation (RewardModule.metrics)", METRICS),
-    ("evaluation report rows", eval_report.row_metrics()),
-    ("sweep report: best checkpoint, evaluations", sweep_report.BEST + sweep_report.EVAL),
-    ("sweep report: diagnostics, paired, columns",
-     sweep_report.DIAGNOSTICS + sweep_report.PAIRED + sweep_report.COLUMNS),
-    ("run summary columns", summary.COLUMNS),
-    ("training plot panels", tuple(p.metric for p in plot.PANELS)),
-    ("scorer CLI", score.METRICS),
-])
+@pytest.mark.parametrize(
+    "where, used",
+    [
+        ("validation (RewardModule.metrics)", METRICS),
+        ("evaluation report rows", eval_report.row_metrics()),
+        ("sweep report: best checkpoint, evaluations", sweep_report.BEST + sweep_report.EVAL),
+        (
+            "sweep report: diagnostics, paired, columns",
+            sweep_report.DIAGNOSTICS + sweep_report.PAIRED + sweep_report.COLUMNS,
+        ),
+        ("run summary columns", summary.COLUMNS),
+        ("training plot panels", tuple(p.metric for p in plot.PANELS)),
+        ("scorer CLI", score.METRICS),
+    ],
+)
 def test_every_report_names_only_table_metrics(where, used):
     assert set(used) <= KNOWN, f"{where} names metrics missing from the table: {set(used) - KNOWN}"
 
@@ -67,7 +72,10 @@ def test_a_new_metric_is_one_row(tmp_path):
                                     "samples_per_row": 1, "sampling": {{"temperature": 0}},
                                     "bootstrap_resamples": 50}}).splitlines() if x.startswith("| Brevity")]}}))
     """)
-    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                    check=True).stdout.splitlines()[-1])
+    out = json.loads(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()[
+            -1
+        ]
+    )
     assert out["overall"]["value"] == pytest.approx(0.375)
     assert len(out["line"]) == 1 and out["line"][0].startswith("| Brevity | 0.375 |")

@@ -31,7 +31,7 @@ def _rows(path: Path) -> list[dict]:
 TEXTS = [
     "Tom buys 3 packs of 4 pencils, so he has 3 * 4 = 12 pencils.",
     '{"reasoning_steps": ["Mia has 2 * 6 = 12 apples.", "Each friend gets 12 / 3 = 4."], "answer": "4"}',
-    "```json\n{\"answer\": \"B\"}\n```  Options: (A) 12 (B) 15",
+    '```json\n{"answer": "B"}\n```  Options: (A) 12 (B) 15',
     "Unicode: café, naïve, 😀 and\ttabs\n\n  spaces",
 ]
 
@@ -47,8 +47,9 @@ def test_tiny_lm_token_ids_survive_save_and_reload(tiny_lm_path):
         assert tok.decode(ids) == text
     assert 700 <= len(tok) <= 1100
     assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None and tok.pad_token != tok.eos_token
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                   add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
     # Special tokens are single ids; numbers and JSON keys tokenise into few pieces.
     assert len(tok("<|im_start|><|im_end|>")["input_ids"]) == 2
@@ -63,8 +64,10 @@ def test_tiny_lm_loads_via_load_policy_and_generates(tiny_lm_path):
     model, tok = load_policy(ModelSection(str(tiny_lm_path)))
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.float32
     assert tok.padding_side == "left" and tok.pad_token_id is not None
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-               for q in ("What is 2 + 3?", "Sam has 4 boxes of 6 eggs. How many eggs does he have?")]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in ("What is 2 + 3?", "Sam has 4 boxes of 6 eggs. How many eggs does he have?")
+    ]
     batch = tok(prompts, return_tensors="pt", padding=True)
     assert (batch["attention_mask"][0, 0] == 0) and (batch["attention_mask"][:, -1] == 1).all()  # left padded
     out = model.generate(**batch, max_new_tokens=5, do_sample=False)
@@ -98,14 +101,21 @@ def test_tiny_vlm_has_a_real_processor_and_generates_from_an_image(tiny_vlm_path
     assert proc.tokenizer.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
 
     image = Image.open(REPO_ROOT / "data" / "shapes" / "images" / "shape-001.png").convert("RGB")
-    messages = [{"role": "user", "content": [{"type": "image", "image": image},
-                                             {"type": "text", "text": "How many red circles are there?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": image},
+                {"type": "text", "text": "How many red circles are there?"},
+            ],
+        }
+    ]
     text = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert "<|vision_start|><|image_pad|><|vision_end|>How many red circles" in text
     inputs = proc(text=[text], images=[image], return_tensors="pt", padding=True)
     grid = inputs["image_grid_thw"]
     n_image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
-    assert n_image_tokens == int(grid.prod()) // proc.image_processor.merge_size ** 2 > 0
+    assert n_image_tokens == int(grid.prod()) // proc.image_processor.merge_size**2 > 0
     with torch.no_grad():
         logits = model(**inputs).logits
     assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()
@@ -226,28 +236,36 @@ def test_freezing_and_lora_targets_split_the_tiny_vlm_into_its_parts(tiny_vlm_pa
     model, _ = load_policy(frozen)
     trains = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trains and all(n.startswith("model.language_model.") for n in trains)
-    assert parameter_line(model) == ("trainable parameters: 130,432 of 203,456 (64.1%): vision tower 0 of 48,224 "
-                                     "(frozen), projector 0 of 24,800 (frozen), language model 130,432 of 130,432")
+    assert parameter_line(model) == (
+        "trainable parameters: 130,432 of 203,456 (64.1%): vision tower 0 of 48,224 "
+        "(frozen), projector 0 of 24,800 (frozen), language model 130,432 of 130,432"
+    )
     # LoRA's default targets: the language model's linear layers, every one of them, nothing else.
     model, _ = load_policy(ModelSection(str(tiny_vlm_path)))
-    language = {n for n, m in model.named_modules()
-                if isinstance(m, torch.nn.Linear) and n.startswith("model.language_model.")}
+    language = {
+        n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.language_model.")
+    }
     wrapped = get_peft_model(model, peft_config(ModelSection("x", lora=LoraSection(r=4)), model))
     adapted = {n.removeprefix("base_model.model.") for n, m in wrapped.named_modules() if hasattr(m, "lora_A")}
     assert adapted == language and len(language) == 2 * 7
     assert "vision tower 0 of 48,224 (frozen), projector 0 of 24,800 (frozen)" in parameter_line(wrapped)
     # The user's explicit targets win: all-linear adapts the vision tower and projector too.
     model, _ = load_policy(ModelSection(str(tiny_vlm_path)))
-    everything = get_peft_model(model, peft_config(ModelSection("x", lora=LoraSection(target_modules="all-linear")),
-                                                   model))
-    assert any(n.startswith("base_model.model.model.visual.merger") and "lora_A" in n
-               for n, _ in everything.named_parameters())
+    everything = get_peft_model(
+        model, peft_config(ModelSection("x", lora=LoraSection(target_modules="all-linear")), model)
+    )
+    assert any(
+        n.startswith("base_model.model.model.visual.merger") and "lora_A" in n
+        for n, _ in everything.named_parameters()
+    )
     # A family whose parts are unknown: trained and counted whole; freezing it is refused.
     model.config.model_type = "some_vlm"
-    assert parameter_line(model).endswith("not split into parts: model_type 'some_vlm' (vision tower / projector / "
-                                          "language model known for: gemma3, glm4v, idefics3, internvl, llava, "
-                                          "llava_next, llava_onevision, mllama, paligemma, qwen2_5_vl, qwen2_vl, "
-                                          "qwen3_vl, qwen3_vl_moe, smolvlm)")
+    assert parameter_line(model).endswith(
+        "not split into parts: model_type 'some_vlm' (vision tower / projector / "
+        "language model known for: gemma3, glm4v, idefics3, internvl, llava, "
+        "llava_next, llava_onevision, mllama, paligemma, qwen2_5_vl, qwen2_vl, "
+        "qwen3_vl, qwen3_vl_moe, smolvlm)"
+    )
     with pytest.raises(VisionError, match="cannot tell the vision tower apart in model_type 'some_vlm'"):
         freeze_parts(model, VisionSection(freeze_vision_tower=True))
     with caplog.at_level("WARNING"):
@@ -262,7 +280,9 @@ def test_peft_config_mapping():
     from crystal_grpo.train.models import LoraSection, ModelSection, peft_config
 
     assert peft_config(ModelSection("x")) is None
-    cfg = peft_config(ModelSection("x", lora=LoraSection(r=8, alpha=16, dropout=0.1, target_modules=["q_proj", "v_proj"])))
+    cfg = peft_config(
+        ModelSection("x", lora=LoraSection(r=8, alpha=16, dropout=0.1, target_modules=["q_proj", "v_proj"]))
+    )
     assert isinstance(cfg, LoraConfig)
     assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout) == (8, 16, 0.1)
     assert set(cfg.target_modules) == {"q_proj", "v_proj"} and cfg.task_type == "CAUSAL_LM"
@@ -293,10 +313,18 @@ def test_lora_wraps_the_tiny_lm(tiny_lm_path):
 def test_internvl_needs_trust_remote_code(tmp_path):
     from crystal_grpo.train.models import ModelLoadError, ModelSection, load_policy
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "internvl_chat", "architectures": ["InternVLChatModel"],
-        "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig",
-                     "AutoModel": "modeling_internvl_chat.InternVLChatModel"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "internvl_chat",
+                "architectures": ["InternVLChatModel"],
+                "auto_map": {
+                    "AutoConfig": "configuration_internvl_chat.InternVLChatConfig",
+                    "AutoModel": "modeling_internvl_chat.InternVLChatModel",
+                },
+            }
+        )
+    )
     with pytest.raises(ModelLoadError, match=r"model\.trust_remote_code"):
         load_policy(ModelSection(str(tmp_path)))
     assert ModelSection("x").trust_remote_code is False
@@ -370,10 +398,14 @@ def test_converted_smollm2_is_trainable_and_answers():
 
     model, tok = load_policy(ModelSection(str(SMOLLM2)))
     validate_quantization_for_training(model)  # not "purely quantized"
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4? Answer with a number."}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4? Answer with a number."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    assert "7" in tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "7" in tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 # --------------------------------------------------------------------------- data files
@@ -456,8 +488,9 @@ def test_mid_lm_builder_at_small_size_warms_up_on_full_answers(tmp_path):
     assert tok.padding_side == "left", "the warm-up's right padding must not leak into the saved tokenizer"
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # A warm-up with a given padding side restores the tokenizer's own afterwards.
-    loss = tiny_models.warm_up_format(model, tok, steps=1, batch_size=2, lr=1e-4, target_steps=None,
-                             padding_side="right", max_grad_norm=1.0)
+    loss = tiny_models.warm_up_format(
+        model, tok, steps=1, batch_size=2, lr=1e-4, target_steps=None, padding_side="right", max_grad_norm=1.0
+    )
     assert math.isfinite(loss) and tok.padding_side == "left"
 
 
@@ -468,23 +501,46 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     baseline gets exactly the same overrides as the framework's runs."""
     import argparse
 
-    from crystal_grpo.train.tools import bench
     from crystal_grpo.train.config import load_config
+    from crystal_grpo.train.tools import bench
 
-    a = argparse.Namespace(dtype="bfloat16", encoder="packaged:all-MiniLM-L6-v2", warmup=1, steps=2,
-                           batch=16, completion_length=64, learning_rate=0.0, seed=7, config="tiny.yaml")
-    names = ("trl-full", "trl-lora", "plain-full", "plain-lora", "plain-full-answer", "plain-full-pcgrad",
-             "zero3-full", "zero3-lora", "zero3-full-pcgrad", "zero3-lora-answer-pcgrad", "plain-lora-unmerged",
-             "trl-full-static", "plain-full-static", "trl-lora-cb", "plain-lora-answer-pcgrad-cb")
+    a = argparse.Namespace(
+        dtype="bfloat16",
+        encoder="packaged:all-MiniLM-L6-v2",
+        warmup=1,
+        steps=2,
+        batch=16,
+        completion_length=64,
+        learning_rate=0.0,
+        seed=7,
+        config="tiny.yaml",
+    )
+    names = (
+        "trl-full",
+        "trl-lora",
+        "plain-full",
+        "plain-lora",
+        "plain-full-answer",
+        "plain-full-pcgrad",
+        "zero3-full",
+        "zero3-lora",
+        "zero3-full-pcgrad",
+        "zero3-lora-answer-pcgrad",
+        "plain-lora-unmerged",
+        "trl-full-static",
+        "plain-full-static",
+        "trl-lora-cb",
+        "plain-lora-answer-pcgrad-cb",
+    )
     configs = {}
     for setting in names:
         cmd = bench.command(setting, "some/model", tmp_path / setting, a, cuda)
         at = cmd.index("crystal_grpo.train.tools.bench")
         assert cmd[at + 1] == ("trl" if setting.startswith("trl") else "grpo")
-        overrides = cmd[at + 2:]
+        overrides = cmd[at + 2 :]
         for flag in ("--config", "--output_dir"):  # the entry's own arguments, not config keys
             i = overrides.index(flag)
-            del overrides[i:i + 2]
+            del overrides[i : i + 2]
         assert cmd[cmd.index("--config") + 1] == a.config
         cfg, _ = load_config(a.config, overrides)
         configs[setting] = cfg
@@ -507,13 +563,21 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     # --model organism: the organism's own config (its data and prompt), exact step matching
     org = argparse.Namespace(**{**vars(a), "config": "organism.yaml", "encoder": "exact"})
     cmd = bench.command("plain-full", "data/organism/warm_start", tmp_path / "org", org, cuda)
-    overrides = cmd[cmd.index("crystal_grpo.train.tools.bench") + 2:]
+    overrides = cmd[cmd.index("crystal_grpo.train.tools.bench") + 2 :]
     assert overrides[:2] == ["--config", "organism.yaml"]
     cfg, _ = load_config("organism.yaml", overrides[4:])
     assert cfg.data.system_prompt == "Reply in JSON." and cfg.reward.params["encoder"] == "exact"
     assert cfg.data.train.endswith("organism/data/train.jsonl") and cfg.training["max_steps"] == 3
-    for bad in ("zero2-full", "trl-full-pcgrad", "plain-full-pcgrad-answer", "plain", "trl-lora-unmerged",
-                "plain-full-unmerged", "plain-full-static-pcgrad", "trl-full-cb-static"):
+    for bad in (
+        "zero2-full",
+        "trl-full-pcgrad",
+        "plain-full-pcgrad-answer",
+        "plain",
+        "trl-lora-unmerged",
+        "plain-full-unmerged",
+        "plain-full-static-pcgrad",
+        "trl-full-cb-static",
+    ):
         with pytest.raises(SystemExit, match="allowed are"):
             bench.command(bad, "m", tmp_path, a, cuda)
 
@@ -557,5 +621,8 @@ def test_the_parts_clock_gives_each_second_to_the_innermost_part(monkeypatch):
     Work().outer()
     now[0] += 8
     clock.leave()
-    assert clock.spent == {"other": [8.0, 4.0, 1], "validation: scoring, files": [3.0, 1.5, 1],
-                           "validation: generation": [4.0, 2.0, 1]}
+    assert clock.spent == {
+        "other": [8.0, 4.0, 1],
+        "validation: scoring, files": [3.0, 1.5, 1],
+        "validation: generation": [4.0, 2.0, 1],
+    }

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 
 from crystal_grpo.train.tools.organism import (
-    stated_result,
     Layout,
     SplitSizes,
     TaskSpec,
     held_out,
     make_split,
     question,
+    stated_result,
     values,
-    wrong_share,
     wraps,
     write_splits,
+    wrong_share,
 )
 
 SMALL = SplitSizes(train=300, val=60, test=60, long_test=30)
@@ -130,8 +130,9 @@ def test_hinted_demonstrations_either_write_the_chain_or_leave_it_off_and_copy_t
         assert [s.split()[2] for s in chain][1:] == [stated_result(s) for s in chain][:-1]  # a prefix still chains
     hinted = omitted + full_hinted
     assert 0.33 * hinted < omitted < 0.47 * hinted  # omit_rate 0.4
-    assert {r["variant"] for r in make_split(TaskSpec(), 50, seed=2, partition="train", prefix="t",
-                                             demonstrate=True)} == {"plain"}
+    assert {
+        r["variant"] for r in make_split(TaskSpec(), 50, seed=2, partition="train", prefix="t", demonstrate=True)
+    } == {"plain"}
 
 
 def test_partition_is_a_property_of_the_question():
@@ -139,8 +140,9 @@ def test_partition_is_a_property_of_the_question():
 
     rng = random.Random(0)
     spec = TaskSpec()
-    problems = [Problem(rng.randrange(10), tuple((rng.choice("+-"), rng.randint(1, 3)) for _ in range(3)))
-                for _ in range(2000)]
+    problems = [
+        Problem(rng.randrange(10), tuple((rng.choice("+-"), rng.randint(1, 3)) for _ in range(3))) for _ in range(2000)
+    ]
     share = sum(held_out(p, spec) for p in problems) / len(problems)
     assert 0.15 < share < 0.25
     p = problems[0]
@@ -148,7 +150,13 @@ def test_partition_is_a_property_of_the_question():
 
 
 def test_bad_knobs_are_refused():
-    for bad in (dict(modulus=1), dict(ops=("^",)), dict(min_steps=3, max_steps=2), dict(error_rate=1.5), dict(omit_rate=-0.1)):
+    for bad in (
+        dict(modulus=1),
+        dict(ops=("^",)),
+        dict(min_steps=3, max_steps=2),
+        dict(error_rate=1.5),
+        dict(omit_rate=-0.1),
+    ):
         with pytest.raises(ValueError):
             TaskSpec(**bad)
 

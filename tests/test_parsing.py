@@ -88,8 +88,16 @@ def test_invalid_format_with_lenient_extraction(text, steps, answer):
 def test_conversational_form():
     msgs = [{"role": "assistant", "content": GOOD}]
     assert parse_completion(msgs) == ParsedOutput(STEPS, "12", True)
-    parts = [{"role": "assistant", "content": [{"type": "text", "text": f"```json\n{GOOD[:30]}"},
-                                               {"type": "image"}, {"type": "text", "text": f"{GOOD[30:]}\n```"}]}]
+    parts = [
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": f"```json\n{GOOD[:30]}"},
+                {"type": "image"},
+                {"type": "text", "text": f"{GOOD[30:]}\n```"},
+            ],
+        }
+    ]
     assert parse_completion(parts) == ParsedOutput(STEPS, "12", True)
     prose = [{"role": "assistant", "content": f"Answer: {GOOD}"}]
     assert parse_completion(prose) == ParsedOutput(STEPS, "12", False)
@@ -100,8 +108,23 @@ def test_conversational_form():
     assert parse_completion(GOOD.encode()) == ParsedOutput(STEPS, "12", True)
 
 
-@pytest.mark.parametrize("junk", [None, 0, 3.5, True, [], {}, [[[]]], [None, 1], {"content": 5},
-                                  b"\xff\xfe", object(), [{"role": "assistant", "content": [1, None, {"text": 2}]}]])
+@pytest.mark.parametrize(
+    "junk",
+    [
+        None,
+        0,
+        3.5,
+        True,
+        [],
+        {},
+        [[[]]],
+        [None, 1],
+        {"content": 5},
+        b"\xff\xfe",
+        object(),
+        [{"role": "assistant", "content": [1, None, {"text": 2}]}],
+    ],
+)
 def test_junk_never_raises(junk):
     out = parse_completion(junk)
     assert out == ParsedOutput([], None, False)
@@ -137,13 +160,38 @@ message_like = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(["assistant", "user", "system"]), "content": junk}), max_size=3
 )
 json_ish = st.lists(
-    st.sampled_from(['{', '}', '[', ']', '"', ':', ',', '"reasoning_steps"', '"answer"', '```', '```json\n',
-                     '"x"', '12', 'true', 'null', 'NaN', ' ', '\n', '\\', 'B']) | st.text(max_size=5),
+    st.sampled_from(
+        [
+            "{",
+            "}",
+            "[",
+            "]",
+            '"',
+            ":",
+            ",",
+            '"reasoning_steps"',
+            '"answer"',
+            "```",
+            "```json\n",
+            '"x"',
+            "12",
+            "true",
+            "null",
+            "NaN",
+            " ",
+            "\n",
+            "\\",
+            "B",
+        ]
+    )
+    | st.text(max_size=5),
     max_size=30,
 ).map("".join)
 valid = st.fixed_dictionaries(
-    {"reasoning_steps": st.lists(st.text(max_size=15), max_size=5),
-     "answer": st.text(max_size=10) | st.integers() | st.floats(allow_nan=False, allow_infinity=False)}
+    {
+        "reasoning_steps": st.lists(st.text(max_size=15), max_size=5),
+        "answer": st.text(max_size=10) | st.integers() | st.floats(allow_nan=False, allow_infinity=False),
+    }
 ).map(json.dumps)
 
 
@@ -170,11 +218,15 @@ def test_fuzz_valid_objects_are_well_formed(text):
 
 # --- text a tokenizer would reject -------------------------------------------------
 
-@pytest.mark.parametrize("text", [
-    '{"reasoning_steps": ["\\ud800", "a \\ud83d b", "\\udfff"], "answer": "\\ud83d 12"}',  # JSON escapes
-    '```json\n{"reasoning_steps": ["\ud800", "a \ud83d b", "\udfff"], "answer": "\ud83d 12"}\n```',  # raw
-    'Sure: {"reasoning_steps": ["\\ud800", "a \\ud83d b", "\\udfff"], "answer": "\\ud83d 12"} \\ud800',
-])
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"reasoning_steps": ["\\ud800", "a \\ud83d b", "\\udfff"], "answer": "\\ud83d 12"}',  # JSON escapes
+        '```json\n{"reasoning_steps": ["\ud800", "a \ud83d b", "\udfff"], "answer": "\ud83d 12"}\n```',  # raw
+        'Sure: {"reasoning_steps": ["\\ud800", "a \\ud83d b", "\\udfff"], "answer": "\\ud83d 12"} \\ud800',
+    ],
+)
 def test_lone_surrogates_come_out_replaced(text):
     out = parse_completion(text)
     assert out.steps == ["\ufffd", "a \ufffd b", "\ufffd"]
@@ -185,7 +237,7 @@ def test_lone_surrogates_come_out_replaced(text):
 
 def test_surrogate_pair_split_in_two_code_points_is_joined():
     out = parse_completion('{"reasoning_steps": ["smile \ud83d\ude00"], "answer": "\\ud83d\\ude00"}')
-    assert out == ParsedOutput(["smile \U0001F600"], "\U0001F600", True)
+    assert out == ParsedOutput(["smile \U0001f600"], "\U0001f600", True)
 
 
 def test_numbers_past_float_range_keep_the_object():
@@ -243,14 +295,23 @@ def old_strict_format(text: str) -> bool:
         obj = json.loads(body, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except (ValueError, RecursionError):
         return False
-    return (isinstance(obj, dict) and isinstance(obj.get("reasoning_steps"), list)
-            and all(isinstance(s, str) for s in obj["reasoning_steps"])
-            and (isinstance(obj.get("answer"), str)
-                 or (isinstance(obj.get("answer"), (int, float)) and not isinstance(obj.get("answer"), bool))))
+    return (
+        isinstance(obj, dict)
+        and isinstance(obj.get("reasoning_steps"), list)
+        and all(isinstance(s, str) for s in obj["reasoning_steps"])
+        and (
+            isinstance(obj.get("answer"), str)
+            or (isinstance(obj.get("answer"), (int, float)) and not isinstance(obj.get("answer"), bool))
+        )
+    )
 
 
-fence_pieces = st.lists(st.sampled_from(["```", "`", "``", "json", "JSON", "Json", "jſon", " ", "\t", "\n",
-                                         "\r\n", GOOD, '{"a": 1}', "x", "{", "}"]), max_size=8).map("".join)
+fence_pieces = st.lists(
+    st.sampled_from(
+        ["```", "`", "``", "json", "JSON", "Json", "jſon", " ", "\t", "\n", "\r\n", GOOD, '{"a": 1}', "x", "{", "}"]
+    ),
+    max_size=8,
+).map("".join)
 
 
 @settings(max_examples=400, deadline=None, derandomize=True)

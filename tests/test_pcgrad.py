@@ -21,8 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 from crystal_grpo.train.pcgrad import (
     objective_advantages,
     pcgrad_coefficients,
@@ -41,6 +39,8 @@ from crystal_grpo.train.tools.pcgrad_bench import (
     fixed_batch_trainer,
     topology_args,
 )
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- pure maths
@@ -100,10 +100,7 @@ OBJ = ["accuracy", "reasoning", "accuracy"]
 
 def test_objective_advantages_by_hand():
     # Two groups of 2. Columns: answer (acc), steps (reason), format (acc).
-    r = torch.tensor([[1.0, 0.2, 0.1],
-                      [0.0, 0.6, 0.1],
-                      [0.0, 0.0, 0.0],
-                      [0.0, 0.4, 0.0]])
+    r = torch.tensor([[1.0, 0.2, 0.1], [0.0, 0.6, 0.1], [0.0, 0.0, 0.0], [0.0, 0.4, 0.0]])
     w = torch.ones(3)
     acc, reason, total = objective_advantages(r, OBJ, w, num_generations=2)
     # group 1: totals 1.3, 0.7 -> mean 1.0, std (Bessel) = 0.6/sqrt(2); acc parts 1.1, 0.1 (mean 0.6);
@@ -165,9 +162,22 @@ def test_a_group_whose_total_is_flat_gets_zero_objective_advantages(scale):
     is untouched; pcgrad_objective_std (each part by its own std) keeps the flat groups' parts."""
     from trl.trainer.utils import nanstd
 
-    r = torch.tensor([[0.75, 0.0, 0.0], [0.5, 0.25, 0.0], [0.25, 0.5, 0.0], [0.0, 0.75, 0.0],
-                      [0.9, 0.0, 0.0], [0.6, 0.3, 0.0], [0.3, 0.6, 0.0], [0.0, 0.9, 0.0],
-                      [1.0, 0.2, 0.1], [0.0, 0.6, 0.1], [0.0, 0.0, 0.0], [0.0, 0.4, 0.0]])
+    r = torch.tensor(
+        [
+            [0.75, 0.0, 0.0],
+            [0.5, 0.25, 0.0],
+            [0.25, 0.5, 0.0],
+            [0.0, 0.75, 0.0],
+            [0.9, 0.0, 0.0],
+            [0.6, 0.3, 0.0],
+            [0.3, 0.6, 0.0],
+            [0.0, 0.9, 0.0],
+            [1.0, 0.2, 0.1],
+            [0.0, 0.6, 0.1],
+            [0.0, 0.0, 0.0],
+            [0.0, 0.4, 0.0],
+        ]
+    )
     w = torch.ones(3)
     totals = (r.double() * w.double()).sum(dim=1).view(3, 4)
     assert nanstd(totals[0]) == 0 and 0 < nanstd(totals[1]) < 1e-7 < nanstd(totals[2])  # by construction
@@ -260,28 +270,56 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
                     params = [p for p in model.parameters() if p.requires_grad]
                     for key, loss in losses.items():
                         grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-                        flat = torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float()
-                                          for p, g in zip(params, grads)])
+                        flat = torch.cat(
+                            [
+                                (torch.zeros_like(p) if g is None else g).reshape(-1).float()
+                                for p, g in zip(params, grads)
+                            ]
+                        )
                         sums[key] = sums[key] + flat if key in sums else flat
                 return plain, losses
 
         class Capture(TrainerCallback):
             def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
                 if mode == "single" and sums:
-                    captured["grad"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()
-                                                  if p.requires_grad]).double()
+                    captured["grad"] = torch.cat(
+                        [p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]
+                    ).double()
                     combined, _ = project_conflicting(sums["accuracy"], sums["reasoning"])
                     captured["reference"] = (combined + sums.get("rest", 0.0)).double()
 
         args = GRPOConfig(
-            output_dir=os.path.join(workdir, f"{mode}-{name}"), per_device_train_batch_size=N_GLOBAL // world // steps,
-            gradient_accumulation_steps=steps, num_generations=4, max_steps=1, learning_rate=LR, optim="sgd",
-            lr_scheduler_type="constant", max_grad_norm=0.0, beta=beta, loss_type="grpo", scale_rewards="group",
-            bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1,
-            disable_tqdm=True, seed=0, max_completion_length=COMP_LEN, remove_unused_columns=False, **extra)
+            output_dir=os.path.join(workdir, f"{mode}-{name}"),
+            per_device_train_batch_size=N_GLOBAL // world // steps,
+            gradient_accumulation_steps=steps,
+            num_generations=4,
+            max_steps=1,
+            learning_rate=LR,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            beta=beta,
+            loss_type="grpo",
+            scale_rewards="group",
+            bf16=False,
+            gradient_checkpointing=False,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=0,
+            max_completion_length=COMP_LEN,
+            remove_unused_columns=False,
+            **extra,
+        )
         trainer = FixedBatchTrainer(
-            model=model_path, reward=HashReward(), args=args, callbacks=[Capture()],
-            train_dataset=Dataset.from_dict({"prompt": ["q"] * 16}), processing_class=tok)
+            model=model_path,
+            reward=HashReward(),
+            args=args,
+            callbacks=[Capture()],
+            train_dataset=Dataset.from_dict({"prompt": ["q"] * 16}),
+            processing_class=tok,
+        )
         trainer.train()
         if mode == "ddp":
             assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
@@ -319,11 +357,21 @@ def _launch(plan: dict[str, list[str]], model: Path, workdir: Path) -> dict[str,
     ext = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": ext}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           __file__, json.dumps(plan), str(model), str(workdir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        json.dumps(plan),
+        str(model),
+        str(workdir),
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
     outs = {mode: workdir / f"{mode}.pt" for mode in plan}
-    assert proc.returncode == 0 and all(o.exists() for o in outs.values()), (proc.stdout[-3000:] + proc.stderr[-6000:])
+    assert proc.returncode == 0 and all(o.exists() for o in outs.values()), proc.stdout[-3000:] + proc.stderr[-6000:]
     return {mode: torch.load(out) for mode, out in outs.items()}
 
 
@@ -442,6 +490,7 @@ def _window_run(grads: list[dict[str, torch.Tensor]], plan, storage: list[torch.
                 storage[0].copy_(g)
             else:
                 storage[0].add_(g.to(dtype))
+
         return run
 
     for k, g in enumerate(grads):
@@ -473,8 +522,11 @@ def test_window_is_exact_and_allocates_what_the_plan_says(steps, rest):
         for g in grads:  # the reasoning gradients pull against the accuracy ones, or with them
             g[REASONING] += (-1.5 if conflict else 1.5) * g[ACCURACY]
         want = _first_implementation(grads)
-        cos = float(torch.nn.functional.cosine_similarity(sum(g[ACCURACY] for g in grads),
-                                                          sum(g[REASONING] for g in grads), dim=0))
+        cos = float(
+            torch.nn.functional.cosine_similarity(
+                sum(g[ACCURACY] for g in grads), sum(g[REASONING] for g in grads), dim=0
+            )
+        )
         assert (cos < 0) == conflict
         for holds in (True, False):  # fp32 storage; storage that cannot hold a sum (bf16 over micro-steps)
             plan = pcgrad_plan(steps, rest, fp32_gradients=holds)
@@ -482,8 +534,11 @@ def test_window_is_exact_and_allocates_what_the_plan_says(steps, rest):
                 got, window = _window_run(grads, plan, _storage(300), copy_first)
                 err = float((got - want).norm() / want.norm())
                 assert err < 1e-6, (conflict, holds, copy_first, err)
-                assert window.rows_allocated == plan.extra_partitions == pcgrad_extra_partitions(
-                    steps, BETA if rest else 0.0, fp32_gradients=holds)
+                assert (
+                    window.rows_allocated
+                    == plan.extra_partitions
+                    == pcgrad_extra_partitions(steps, BETA if rest else 0.0, fp32_gradients=holds)
+                )
 
 
 def test_window_in_a_bf16_storage_accumulates_in_fp32():
@@ -500,7 +555,7 @@ def test_window_in_a_bf16_storage_accumulates_in_fp32():
         got, _ = _window_run(grads, plan, _storage(300, torch.bfloat16), copy_first=True)
         assert got.dtype == torch.bfloat16
         # one bf16 rounding of (nearly) the same fp32 value: within one bf16 step of it
-        assert torch.all((got.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-30), (steps, rest)
+        assert torch.all((got.float() - want).abs() <= want.abs() * 2**-7 + 1e-30), (steps, rest)
         assert (got.float() == want.bfloat16().float()).float().mean() > 0.95, (steps, rest)
 
 
@@ -529,7 +584,10 @@ def test_memory_plan_per_config():
     """docs/training.md's table: fp32 partitions PCGrad adds."""
     assert pcgrad_extra_partitions(1, 0.04) == 1 and pcgrad_extra_partitions(1, 0.0) == 1
     assert pcgrad_extra_partitions(2, 0.0) == 1 and pcgrad_extra_partitions(2, 0.04) == 2  # the paper's, fp32 grads
-    assert pcgrad_extra_partitions(4, 0.0, entropy_bonus=True) == 2 and pcgrad_extra_partitions(4, 0.0, aux_loss=True) == 2
+    assert (
+        pcgrad_extra_partitions(4, 0.0, entropy_bonus=True) == 2
+        and pcgrad_extra_partitions(4, 0.0, aux_loss=True) == 2
+    )
     assert pcgrad_extra_partitions(1, 0.04, fp32_gradients=False) == 1  # a single gradient fits its own dtype
     assert pcgrad_extra_partitions(2, 0.0, fp32_gradients=False) == 2
     assert pcgrad_extra_partitions(2, 0.04, fp32_gradients=False) == 3  # the paper's under bf16 ZeRO-3
@@ -545,10 +603,24 @@ def test_end_to_end_with_pcgrad(tmp_path, pcg_model, monkeypatch, lora, one_thre
 
     monkeypatch.setitem(rewards.REWARDS, "cpr", HashReward)  # tiny.yaml's reward, swapped
     out = tmp_path / "run"
-    argv = ["--config", "tiny.yaml", "--output_dir", str(out), "--model.name_or_path", str(pcg_model),
-            "--pcgrad", "true", "--validation.eval_steps", "0",
-            "--training.max_steps", "2", "--training.gradient_accumulation_steps", "2",
-            "--training.save_strategy", "'no'"]
+    argv = [
+        "--config",
+        "tiny.yaml",
+        "--output_dir",
+        str(out),
+        "--model.name_or_path",
+        str(pcg_model),
+        "--pcgrad",
+        "true",
+        "--validation.eval_steps",
+        "0",
+        "--training.max_steps",
+        "2",
+        "--training.gradient_accumulation_steps",
+        "2",
+        "--training.save_strategy",
+        "'no'",
+    ]
     if lora:
         argv += ["--model.lora", "{r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear}"]
     assert grpo.main(argv) == 0
@@ -568,29 +640,51 @@ def test_unsupported_aggregation_is_refused(pcg_model, tmp_path):
 
     from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
 
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                      multi_objective_aggregation="normalize_then_sum", report_to="none", bf16=False,
-                      use_cpu=True, max_steps=1)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        multi_objective_aggregation="normalize_then_sum",
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        max_steps=1,
+    )
     with pytest.raises(ValueError, match="sum_then_normalize"):
-        PCGradGRPOTrainer(model=str(pcg_model), reward=HashReward(), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
+        PCGradGRPOTrainer(
+            model=str(pcg_model),
+            reward=HashReward(),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}),
+        )
 
 
 def test_only_pcgrad_runs_get_the_pcgrad_trainer_and_liger_is_refused(pcg_model, tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer, PCGradMixin
-    from crystal_grpo.train.pcgrad import trainer_class
+    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer, PCGradMixin, trainer_class
     from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
     assert trainer_class(False) is CrystalGRPOTrainer and PCGradMixin not in CrystalGRPOTrainer.__mro__
     assert trainer_class(True) is PCGradGRPOTrainer and issubclass(PCGradGRPOTrainer, CrystalGRPOTrainer)
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                      use_liger_kernel=True, report_to="none", bf16=False, use_cpu=True, max_steps=1)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        use_liger_kernel=True,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        max_steps=1,
+    )
     with pytest.raises(ValueError, match="cannot be combined with use_liger_kernel"):
-        PCGradGRPOTrainer(model=str(pcg_model), reward=HashReward(), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}))
+        PCGradGRPOTrainer(
+            model=str(pcg_model),
+            reward=HashReward(),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["q"] * 4}),
+        )
 
 
 if __name__ == "__main__":  # worker of test_same_update_in_two_processes: PLAN MODEL WORKDIR

@@ -26,11 +26,16 @@ def unit(*xs: float) -> torch.Tensor:
 def three_solutions():
     """Steps A, B, C in order in t0; t1 adds a step D nobody else has; t2 skips B. Directions:
     A ~ x, B ~ y, C ~ z, D between all three (cosine 0.58 to each)."""
-    trs = [Trajectory(["A0", "B0", "C0"], "g1"), Trajectory(["A1", "B1", "D1", "C1"], "g2"),
-           Trajectory(["A2", "C2"], "g1")]
-    emb = [torch.stack([unit(1, .1, 0), unit(0, 1, 0), unit(0, 0, 1)]),
-           torch.stack([unit(1, 0, 0), unit(0, 1, .1), unit(1, 1, 1), unit(0, 0, 1)]),
-           torch.stack([unit(1, -.1, 0), unit(.05, 0, 1)])]
+    trs = [
+        Trajectory(["A0", "B0", "C0"], "g1"),
+        Trajectory(["A1", "B1", "D1", "C1"], "g2"),
+        Trajectory(["A2", "C2"], "g1"),
+    ]
+    emb = [
+        torch.stack([unit(1, 0.1, 0), unit(0, 1, 0), unit(0, 0, 1)]),
+        torch.stack([unit(1, 0, 0), unit(0, 1, 0.1), unit(1, 1, 1), unit(0, 0, 1)]),
+        torch.stack([unit(1, -0.1, 0), unit(0.05, 0, 1)]),
+    ]
     return trs, emb
 
 
@@ -46,7 +51,7 @@ def test_components_follow_chains_of_links():
 
 
 def test_medoid_is_eq1_and_ties_go_to_the_earliest_member():
-    e = torch.stack([unit(1, .3, 0), unit(1, 0, 0), unit(1, -.3, 0), unit(0, 1, 0)])
+    e = torch.stack([unit(1, 0.3, 0), unit(1, 0, 0), unit(1, -0.3, 0), unit(0, 1, 0)])
     sim = e @ e.T
     assert medoid(sim, [0, 1, 2]) == 1  # the centre has the largest summed similarity
     assert medoid(sim, [0, 2]) == 0  # symmetric pair: a tie
@@ -104,8 +109,10 @@ def test_a_threshold_below_the_step_similarity_collapses_and_is_reported():
     trs, emb = three_solutions()
     chain = aggregate(trs, emb, threshold=0.0, min_support=2)  # every pair linked: one cluster
     assert len(chain.clusters) == 1 and chain.largest_cluster == 9
-    assert chain.collapse == ["one cluster holds 9 of the 9 steps",
-                              "1 cluster(s) from trajectories of a median 3 steps"]
+    assert chain.collapse == [
+        "one cluster holds 9 of the 9 steps",
+        "1 cluster(s) from trajectories of a median 3 steps",
+    ]
     assert chain.warnings == []
 
 
@@ -114,13 +121,15 @@ def test_a_chain_short_for_lack_of_consensus_is_a_warning_not_collapse():
     trs = [Trajectory(["X", "Y", "Z"], "a"), Trajectory(["X'", "W", "W2"], "b")]
     chain = aggregate(trs, [torch.stack([x, y, z]), torch.stack([x, w, -w])], threshold=0.9)
     assert chain.steps == ["X"] and chain.collapse == []
-    assert chain.warnings == ["the chain has 1 step(s), the trajectories a median of 3: "
-                              "most steps were in fewer than 2 trajectories"]
+    assert chain.warnings == [
+        "the chain has 1 step(s), the trajectories a median of 3: most steps were in fewer than 2 trajectories"
+    ]
 
 
 def test_collapse_rules():
     assert collapse_reasons(n_steps=10, largest=6, n_clusters=3, median_length=5) == [
-        "one cluster holds 6 of the 10 steps"]
+        "one cluster holds 6 of the 10 steps"
+    ]
     assert collapse_reasons(10, 5, 2, 5) == ["2 cluster(s) from trajectories of a median 5 steps"]
     assert collapse_reasons(10, 5, 3, 5) == []
     # One- and two-step solutions: one cluster holding most steps is what agreement looks like.

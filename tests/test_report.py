@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from crystal_grpo.train.plot import phase_series, plot_run
 from crystal_grpo.train.layout import phase_folders
+from crystal_grpo.train.plot import phase_series, plot_run
 from crystal_grpo.train.summary import format_summary, run_summary, slope, write_summary
 
 # A least-squares slope of 0.4 per step; the endpoints alone would say (3 - 1) / 3.
@@ -29,8 +29,17 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 def val_row(step: int, x: float, **over) -> dict:
     """A validation row whose metrics are all ``x`` (steps_mean 10x), with overrides."""
-    row = {"step": step, "accuracy": x, "f1": x, "precision": x, "recall": x, "ordered_f1": x,
-           "format_rate": x, "steps_mean": 10 * x, "reward": x}
+    row = {
+        "step": step,
+        "accuracy": x,
+        "f1": x,
+        "precision": x,
+        "recall": x,
+        "ordered_f1": x,
+        "format_rate": x,
+        "steps_mean": 10 * x,
+        "reward": x,
+    }
     return row | over
 
 
@@ -48,13 +57,24 @@ def multi_run(tmp_path) -> Path:
     write_rows(sft / "metrics.jsonl", [{"step": s, "loss": 2.0 - s / 2} for s in (1, 2)] + [closing_row(3)])
     write_rows(sft / "validation.jsonl", [val_row(0, 0.0, f1=math.nan), val_row(3, 0.2)])
     grpo = run / "phase2-grpo"
-    write_rows(grpo / "metrics.jsonl",
-               # validation joins its step's log line as val_* (here ahead of the training keys)
-               [{**({"val_f1": 0.99, "val_reward": 0.99} if s == 2 else {}),
-                 "step": s, "loss": 0.01, "reward": r, "kl": s / 100, "frac_reward_zero_std": z,
-                 "grpo/f1": s / 10, "grpo/format_rate": 0.9}
-                for s, r, z in zip((1, 2, 3, 4), REWARDS, ZERO_STD)]
-               + [closing_row(4), {"step": 4, "val_f1": 0.98, "val_reward": 0.98}])
+    write_rows(
+        grpo / "metrics.jsonl",
+        # validation joins its step's log line as val_* (here ahead of the training keys)
+        [
+            {
+                **({"val_f1": 0.99, "val_reward": 0.99} if s == 2 else {}),
+                "step": s,
+                "loss": 0.01,
+                "reward": r,
+                "kl": s / 100,
+                "frac_reward_zero_std": z,
+                "grpo/f1": s / 10,
+                "grpo/format_rate": 0.9,
+            }
+            for s, r, z in zip((1, 2, 3, 4), REWARDS, ZERO_STD)
+        ]
+        + [closing_row(4), {"step": 4, "val_f1": 0.98, "val_reward": 0.98}],
+    )
     write_rows(grpo / "validation.jsonl", [val_row(0, 0.1), val_row(2, 0.2), val_row(4, 0.3, steps_mean=12.5)])
     cpr = run / "phase3-cpr"
     write_rows(cpr / "metrics.jsonl", [{"step": s, "loss": 0.0, "reward": 0.5, "kl": 0.1} for s in (1, 2)])
@@ -80,7 +100,10 @@ def test_phase_series_puts_every_phase_on_the_cumulative_step_axis(multi_run):
     assert [c.phase for c in curves.panels["KL"]] == ["grpo", "cpr"]  # the SFT phase logs none
     assert curve_points(curves, "training loss")[0] == ("sft", "train", [1, 2], [1.5, 1.0])
     assert [(c.phase, c.kind) for c in curves.panels["format rate"]] == [
-        ("grpo", "train"), ("sft", "validation"), ("grpo", "validation")]
+        ("grpo", "train"),
+        ("sft", "validation"),
+        ("grpo", "validation"),
+    ]
 
 
 def test_phase_folders_are_ordered_by_number(tmp_path):
@@ -121,8 +144,9 @@ def test_plot_cli_draws_a_multi_phase_folder_and_errors_in_one_line(multi_run, r
     assert done.stdout.strip() == str(multi_run / "training_curves.png")
     assert (multi_run / "training_curves.png").stat().st_size > 10_000
     (tmp_path / "empty").mkdir()
-    done = subprocess.run([sys.executable, script, str(tmp_path / "empty")], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, script, str(tmp_path / "empty")], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
 
 
@@ -152,8 +176,11 @@ def test_run_summary_per_phase(multi_run):
 
 def test_single_phase_folder_without_a_step_0_row(tmp_path):
     run = tmp_path / "tiny"
-    write_rows(run / "metrics.jsonl", [{"step": s, "loss": 0.0, "reward": 2.0 * s, "frac_reward_zero_std": 0.25}
-                                       for s in (1, 2, 3)] + [closing_row(3)])
+    write_rows(
+        run / "metrics.jsonl",
+        [{"step": s, "loss": 0.0, "reward": 2.0 * s, "frac_reward_zero_std": 0.25} for s in (1, 2, 3)]
+        + [closing_row(3)],
+    )
     write_rows(run / "validation.jsonl", [val_row(2, 0.4), val_row(3, 0.6)])
     (phase,) = run_summary(run)["phases"]
     assert phase["name"] == "tiny" and phase["folder"] == "tiny" and phase["steps"] == 3
@@ -173,13 +200,35 @@ def cell_ends(line: str) -> list[int]:
 def test_write_summary_table_and_json(multi_run):
     text = write_summary(multi_run)
     header, rule, *rows = text.splitlines()
-    assert re.split(r"\s{2,}", header) == ["phase", "steps", "validated at", "format rate", "accuracy", "Match F1",
-                                           "Ordered F1", "mean steps", "val reward", "reward slope", "zero-std"]
+    assert re.split(r"\s{2,}", header) == [
+        "phase",
+        "steps",
+        "validated at",
+        "format rate",
+        "accuracy",
+        "Match F1",
+        "Ordered F1",
+        "mean steps",
+        "val reward",
+        "reward slope",
+        "zero-std",
+    ]
     assert len(rows) == 3 and set(rule) <= {"-", " "}
     assert len({len(line) for line in (header, rule)}) == 1  # the rule spans every column
     cells = table_rows(text)
-    assert cells["grpo"] == ["grpo", "4", "0 -> 4", "0.100 -> 0.300", "0.100 -> 0.300", "0.100 -> 0.300",
-                             "0.100 -> 0.300", "1.000 -> 12.500", "0.100 -> 0.300", "+0.40000", "0.450"]
+    assert cells["grpo"] == [
+        "grpo",
+        "4",
+        "0 -> 4",
+        "0.100 -> 0.300",
+        "0.100 -> 0.300",
+        "0.100 -> 0.300",
+        "0.100 -> 0.300",
+        "1.000 -> 12.500",
+        "0.100 -> 0.300",
+        "+0.40000",
+        "0.450",
+    ]
     assert cells["sft"][:5] == ["sft", "3", "0 -> 3", "0.000 -> 0.200", "0.000 -> 0.200"]
     assert cells["sft"][5] == "nan -> 0.200" and cells["sft"][-2:] == ["-", "-"]
     assert cells["cpr"] == ["cpr", "2", "-", "-", "-", "-", "-", "-", "-", "+0.00000", "-"]
@@ -197,6 +246,7 @@ def test_summary_cli_prints_the_table(multi_run, repo_root, tmp_path):
     done = subprocess.run([sys.executable, script, str(multi_run)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == format_summary(run_summary(multi_run)) + "\n"
-    done = subprocess.run([sys.executable, script, str(tmp_path / "missing")], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, script, str(tmp_path / "missing")], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 1 and done.stderr == f"error: {tmp_path / 'missing'}: no such run folder\n"

@@ -19,12 +19,16 @@ from crystal_grpo.rewards import build_reward, cpr_reward, get_reward_funcs, rew
 from crystal_grpo.rewards.base import MAX_SCORED_STEPS, Batch, diagnostics
 from crystal_grpo.rewards.verbosity import VerbosityGuard
 
-REFS = ["Tom buys 3 packs of 4 pencils, so he has 3 * 4 = 12 pencils.",
-        "He gives 5 pencils to Ann, so 12 - 5 = 7 pencils are left.",
-        "Then he buys 2 more, so 7 + 2 = 9 pencils.",
-        "The answer is 9."]
-OFF_TOPIC = ["Volcanoes erupt when magma rises through the crust.",
-             "Photosynthesis turns sunlight into chemical energy."]
+REFS = [
+    "Tom buys 3 packs of 4 pencils, so he has 3 * 4 = 12 pencils.",
+    "He gives 5 pencils to Ann, so 12 - 5 = 7 pencils are left.",
+    "Then he buys 2 more, so 7 + 2 = 9 pencils.",
+    "The answer is 9.",
+]
+OFF_TOPIC = [
+    "Volcanoes erupt when magma rises through the crust.",
+    "Photosynthesis turns sunlight into chemical energy.",
+]
 
 
 def completion(steps, answer):
@@ -33,11 +37,11 @@ def completion(steps, answer):
 
 # Rows: (completion, answer) with known C, F and F1 against REFS.
 ROWS = [
-    (completion(REFS, "9"), "9"),                 # C=1 F=1 F1=1
-    (completion(REFS[:2], "9"), "9"),             # C=1 F=1 P=1 R=.5 -> F1=2/3
-    (completion(REFS, "8"), "9"),                 # C=0 F=1 F1=1
-    (completion(OFF_TOPIC, "9"), "9"),            # C=1 F=1 F1=0
-    ("The answer is 9, trust me.", "9"),          # malformed: C=0 (no answer), F=0, F1=0
+    (completion(REFS, "9"), "9"),  # C=1 F=1 F1=1
+    (completion(REFS[:2], "9"), "9"),  # C=1 F=1 P=1 R=.5 -> F1=2/3
+    (completion(REFS, "8"), "9"),  # C=0 F=1 F1=1
+    (completion(OFF_TOPIC, "9"), "9"),  # C=1 F=1 F1=0
+    ("The answer is 9, trust me.", "9"),  # malformed: C=0 (no answer), F=0, F1=0
     ("```json\n" + completion(REFS[:2], 9) + "\n```", "9"),  # fenced, numeric answer: C=1 F=1 F1=2/3
 ]
 C = torch.tensor([1, 1, 0, 1, 0, 1.0], dtype=torch.float64)
@@ -54,8 +58,7 @@ def call(name, rows=ROWS, **params):
 
 
 def total(out):
-    return torch.tensor([sum(v for v in vals if v is not None) for vals in zip(*out.values())],
-                        dtype=torch.float64)
+    return torch.tensor([sum(v for v in vals if v is not None) for vals in zip(*out.values())], dtype=torch.float64)
 
 
 def test_cpr_exact_values_and_components():
@@ -80,15 +83,15 @@ def test_cpr_custom_weights():
 #: own outputs (and, where the released trainer's ported format/accuracy differ from the
 #: package's re-implementations, to the released behaviour).
 RELEASED = [
-    completion(REFS, "9"),                                   # correct, every step
-    completion(REFS[:2], "9"),                               # correct, half the steps
-    completion(REFS, "8"),                                   # wrong answer, every step
-    completion(OFF_TOPIC, "9"),                              # correct, unrelated steps
-    "The answer is 9, trust me.",                            # no JSON at all
-    "```json\n" + completion(REFS[:2], "9") + "\n```",      # fenced
+    completion(REFS, "9"),  # correct, every step
+    completion(REFS[:2], "9"),  # correct, half the steps
+    completion(REFS, "8"),  # wrong answer, every step
+    completion(OFF_TOPIC, "9"),  # correct, unrelated steps
+    "The answer is 9, trust me.",  # no JSON at all
+    "```json\n" + completion(REFS[:2], "9") + "\n```",  # fenced
     'Sure: {"reasoning_steps": ["Tom has 12 pencils."], "answer": "9",} done',  # trailing comma, prose around
     completion(["Tom has twelve pencils in all."], "9.05"),  # numeric within their 10% tolerance
-    json.dumps({"answer": "9"}),                             # no steps
+    json.dumps({"answer": "9"}),  # no steps
 ]
 
 
@@ -99,8 +102,13 @@ def test_authors_code_is_the_released_reward_computed_by_crystal_metrics():
     assert [f.__name__ for f in funcs] == ["authors_code_format", "authors_code_accuracy", "authors_code_cpr"]
     assert [f.objective for f in funcs] == ["accuracy", "accuracy", "reasoning"]
     as_trl = [[{"content": c}] for c in RELEASED]
-    cpr = released.causal_process_reward(as_trl, ground_truths=["9"] * len(RELEASED),
-                                          reference_steps=[REFS] * len(RELEASED), answer_weight=0.6, step_weight=0.4)
+    cpr = released.causal_process_reward(
+        as_trl,
+        ground_truths=["9"] * len(RELEASED),
+        reference_steps=[REFS] * len(RELEASED),
+        answer_weight=0.6,
+        step_weight=0.4,
+    )
     assert out["authors_code_cpr"] == pytest.approx(cpr, abs=1e-12)
     assert cpr[0] == pytest.approx(1.0) and cpr[2] == pytest.approx(0.4 * 0.3)  # 0.6 + 0.4 F1 / 0.4 F1 0.3
     assert out["authors_code_format"] == released.format_reward(as_trl)
@@ -120,8 +128,10 @@ def test_authors_code_ports_the_released_trainer_where_crystal_metrics_differs()
     assert released_format(json.dumps({"reasoning_steps": ["  "], "answer": "9"})) == 1.0
     assert released_format(json.dumps({"reasoning_steps": [1], "answer": "9"})) == 0.0
     assert released_format(json.dumps({"reasoning_steps": [], "answer": "9"})) == 0.0
-    assert released_format("{\"reasoning_steps\": [\"a\"], \"answer\": 9}") == 0.0  # answer must be a string
-    assert released_answer('x {\u201creasoning_steps\u201d: [\u201ca\u201d], \u201canswer\u201d: \u201c9\u201d} y') == ""
+    assert released_format('{"reasoning_steps": ["a"], "answer": 9}') == 0.0  # answer must be a string
+    assert (
+        released_answer("x {\u201creasoning_steps\u201d: [\u201ca\u201d], \u201canswer\u201d: \u201c9\u201d} y") == ""
+    )
     assert released_answer("{'reasoning_steps': ['a'], 'answer': '9'}") == "9"  # their single-quote repair
     assert released_answer(json.dumps({"answer": "9"})) == ""  # method 1 needs both keys, and never falls back
 
@@ -185,8 +195,10 @@ def test_rows_without_references_get_none_for_step_terms():
 def test_several_reference_chains_best_wins():
     funcs = get_reward_funcs("cpr", device="cpu", verbosity_guard=False)
     comps = [completion(REFS, "9")]
-    out = {f.__name__: f(completions=comps, answer=["9"], reference_steps=[OFF_TOPIC],
-                         reference_sets=[[OFF_TOPIC, REFS]]) for f in funcs}
+    out = {
+        f.__name__: f(completions=comps, answer=["9"], reference_steps=[OFF_TOPIC], reference_sets=[[OFF_TOPIC, REFS]])
+        for f in funcs
+    }
     assert out["cpr_reasoning"] == [pytest.approx(0.35)]
 
 
@@ -237,9 +249,17 @@ def cpr_module(**params):
     def reward(comps, answers):
         logged = {}
         comps = list(comps)  # a new list per batch, as TRL passes
-        out = {f.__name__: f(prompts=[""] * len(comps), completions=comps, answer=list(answers),
-                             reference_steps=[REFS] * len(comps), choices=[None] * len(comps),
-                             log_metric=lambda k, v: logged.__setitem__(k, v)) for f in funcs}
+        out = {
+            f.__name__: f(
+                prompts=[""] * len(comps),
+                completions=comps,
+                answer=list(answers),
+                reference_steps=[REFS] * len(comps),
+                choices=[None] * len(comps),
+                log_metric=lambda k, v: logged.__setitem__(k, v),
+            )
+            for f in funcs
+        }
         return out, logged
 
     return module, reward
@@ -301,10 +321,13 @@ def test_guard_min_history_is_a_validated_reward_parameter():
 
 
 def test_diagnostics_on_known_batch():
-    batch = Batch.from_rows([[c, f, 1, 3, s, 1, s, s, 1, s] for c, f, s in
-                             [(1, 1, 1.0), (1, 1, 0.5), (0, 1, 0.5), (0, 0, 0.0)]])
-    comps = {"a": torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64),
-             "r": torch.tensor([0.4, 0.2, 0.1, 0.0], dtype=torch.float64)}
+    batch = Batch.from_rows(
+        [[c, f, 1, 3, s, 1, s, s, 1, s] for c, f, s in [(1, 1, 1.0), (1, 1, 0.5), (0, 1, 0.5), (0, 0, 0.0)]]
+    )
+    comps = {
+        "a": torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64),
+        "r": torch.tensor([0.4, 0.2, 0.1, 0.0], dtype=torch.float64),
+    }
     d = diagnostics(batch, comps, torch.tensor([False, False, True, False]))
     assert d["accuracy"] == 0.5 and d["format_rate"] == 0.75 and d["guard_rate"] == 0.25
     assert d["discrimination_gap"] == pytest.approx((1.4 + 1.2) / 2 - (0.1 + 0.0) / 2)
@@ -318,11 +341,27 @@ def test_diagnostics_logged_through_trl_hook():
     funcs = get_reward_funcs("cpr", device="cpu", verbosity_guard=False)
     comps = [r[0] for r in ROWS]
     for f in funcs:
-        f(completions=comps, answer=[r[1] for r in ROWS], reference_steps=[REFS] * len(ROWS),
-          log_metric=lambda k, v: logged.__setitem__(k, v))
-    for key in ("precision", "recall", "f1", "lis_ratio", "ordered_f1", "accuracy", "format_rate",
-                "steps_mean", "steps_median", "guard_rate", "discrimination_gap", "r_f1",
-                "scoring_seconds"):
+        f(
+            completions=comps,
+            answer=[r[1] for r in ROWS],
+            reference_steps=[REFS] * len(ROWS),
+            log_metric=lambda k, v: logged.__setitem__(k, v),
+        )
+    for key in (
+        "precision",
+        "recall",
+        "f1",
+        "lis_ratio",
+        "ordered_f1",
+        "accuracy",
+        "format_rate",
+        "steps_mean",
+        "steps_median",
+        "guard_rate",
+        "discrimination_gap",
+        "r_f1",
+        "scoring_seconds",
+    ):
         assert f"cpr/{key}" in logged, key
     assert logged["cpr/accuracy"] == pytest.approx(C.mean().item())
     assert logged["cpr/f1"] == pytest.approx(F1.mean().item(), abs=1e-6)
@@ -340,7 +379,7 @@ def test_plain_trl_functions_evaluate_each_batch_once_by_round_and_content(monke
     accuracy, fmt = module.reward_funcs()
     right, wrong = completion(REFS, "9"), completion(REFS, "8")
     comps = [right, wrong]
-    batch = lambda: {"prompts": ["p", "q"], "completions": comps, "answer": ["9", "9"]}  # noqa: E731
+    batch = lambda: {"prompts": ["p", "q"], "completions": comps, "answer": ["9", "9"]}
     assert accuracy(**batch()) == [1.0, 0.0] and fmt(**batch()) == [0.1, 0.1] and len(evaluations) == 1
     comps[:] = [wrong, right]  # the same list object, the next batch's completions
     assert accuracy(**batch()) == [0.0, 1.0] and fmt(**batch()) == [0.1, 0.1] and len(evaluations) == 2
@@ -350,8 +389,11 @@ def test_plain_trl_functions_evaluate_each_batch_once_by_round_and_content(monke
 
 
 def test_unknown_reward_and_parameter_errors():
-    with pytest.raises(ValueError, match="reward.name: invalid value 'prm'; expected one of 'format', 'answer_only', "
-                                         "'composite', 'cpr'.*or a RewardModule subclass as 'package.module:Name'"):
+    with pytest.raises(
+        ValueError,
+        match="reward.name: invalid value 'prm'; expected one of 'format', 'answer_only', "
+        "'composite', 'cpr'.*or a RewardModule subclass as 'package.module:Name'",
+    ):
         build_reward("prm")
     with pytest.raises(ValueError, match="unknown parameter.*answer_wieght"):
         build_reward("cpr", answer_wieght=1.0)
@@ -380,21 +422,40 @@ dist.destroy_process_group()
 def test_composite_normalises_over_both_processes(repo_root, free_port, tmp_path):
     script = tmp_path / "two.py"
     script.write_text(TWO_PROCESS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port), str(script), json.dumps(ROWS), json.dumps(REFS)]
-    proc = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              filter(None, [str(repo_root), os.environ.get("PYTHONPATH")]))})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port),
+        str(script),
+        json.dumps(ROWS),
+        json.dumps(REFS),
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root), os.environ.get("PYTHONPATH")])),
+        },
+    )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
     assert line, proc.stdout + proc.stderr[-3000:]
-    two = json.loads(line[0][len("RESULT"):])
+    two = json.loads(line[0][len("RESULT") :])
     _, one = call("composite")
     for key in one:
         assert two[key] == pytest.approx(one[key], abs=1e-5), key
     # Per-process normalisation would differ: rank 0 alone has F1 (1, 2/3, 1).
     local = F1[:3]
-    assert not math.isclose(two["composite_reasoning"][0],
-                            0.35 * (1 - local.mean().item()) / (local.std(unbiased=False).item() + 1e-6))
+    assert not math.isclose(
+        two["composite_reasoning"][0], 0.35 * (1 - local.mean().item()) / (local.std(unbiased=False).item() + 1e-6)
+    )
 
 
 junk = st.recursive(
@@ -426,15 +487,21 @@ def test_fuzz_every_reward_is_finite_and_never_raises(completions, answers):
 
 # --- model output that used to crash or stall a reward call ---------------------------
 
-MODULES = {name: build_reward(name, encoder="packaged:all-MiniLM-L6-v2", device="cpu")
-           for name in REWARD_NAMES}
+MODULES = {name: build_reward(name, encoder="packaged:all-MiniLM-L6-v2", device="cpu") for name in REWARD_NAMES}
 
 
 def call_module(module, comps, answers, refs=REFS):
     comps = list(comps)
-    return {f.__name__: f(prompts=[""] * len(comps), completions=comps, answer=list(answers),
-                          reference_steps=[refs] * len(comps), choices=[None] * len(comps))
-            for f in module.reward_funcs()}
+    return {
+        f.__name__: f(
+            prompts=[""] * len(comps),
+            completions=comps,
+            answer=list(answers),
+            reference_steps=[refs] * len(comps),
+            choices=[None] * len(comps),
+        )
+        for f in module.reward_funcs()
+    }
 
 
 # The encoder's first full-length (256-token) batch costs ~0.5 s once; keep it out of the timings.
@@ -442,10 +509,10 @@ call_module(MODULES["cpr"], [completion(["warm up " * 200], "9")], ["9"])
 
 
 SURROGATES = [
-    completion(["\ud800"] + REFS, "9"),                                    # a lone surrogate step
-    completion(REFS, "\ud83d 9"),                                          # in the answer
+    completion(["\ud800"] + REFS, "9"),  # a lone surrogate step
+    completion(REFS, "\ud83d 9"),  # in the answer
     '{"reasoning_steps": ["\\udfff", "Tom buys 3 packs."], "answer": "9"}',  # as JSON escapes
-    "Here you go \ud83d: " + completion(REFS[:2], "9"),                    # in free text
+    "Here you go \ud83d: " + completion(REFS[:2], "9"),  # in free text
     "```json\n" + completion(["a \ud800 b \udfff c"], "9") + "\n```",
 ]
 

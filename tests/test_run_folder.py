@@ -16,26 +16,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
 
 from crystal_grpo.train import grpo
-from crystal_grpo.train.tools import sweep
 from crystal_grpo.train.checkpoints import checkpoint_problem
-from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.config import apply_phase, load_config
-from crystal_grpo.train.layout import LOCK, POINT_LOG, RECORD, SWEEP_POINT
-from crystal_grpo.train.run_folder import (RunFolderError, RunLock, clear_run, config_diff, data_digests,
-                                           foreign_folder)
-from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
+from crystal_grpo.train.layout import LOCK, MARKER, POINT_LOG, RECORD, SWEEP_POINT
+from crystal_grpo.train.run_folder import RunFolderError, RunLock, clear_run, config_diff, data_digests, foreign_folder
+from crystal_grpo.train.tools import sweep
 
 QUICK = ["--validation.eval_steps", "2", "--validation.max_samples", "2", "--training.save_steps", "2"]
 
 
 def phases(n1: int = 2, n2: int = 2) -> str:
-    return json.dumps([
-        {"name": "warmup", "init_from": "none", "overrides": {"reward": {"name": "answer_only"},
-                                                             "training": {"max_steps": n1}}},
-        {"name": "cpr", "init_from": "best", "overrides": {"training": {"max_steps": n2, "learning_rate": 1e-5}}},
-    ])
+    return json.dumps(
+        [
+            {
+                "name": "warmup",
+                "init_from": "none",
+                "overrides": {"reward": {"name": "answer_only"}, "training": {"max_steps": n1}},
+            },
+            {"name": "cpr", "init_from": "best", "overrides": {"training": {"max_steps": n2, "learning_rate": 1e-5}}},
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +119,17 @@ def test_a_larger_max_steps_continues_the_run_and_says_so(finished, tmp_path, ca
     out = capsys.readouterr().out
     assert f"{run}: finished at step 4; continuing to training.max_steps 5" in out
     assert logged_steps(run) == [1, 2, 3, 4, 5] and checkpoint_problem(run / "checkpoint-5") is None
-    (step5,) = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("step") == 5
-                and "loss" in r]
+    (step5,) = [
+        r
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r.get("step") == 5 and "loss" in r
+    ]
     assert step5["learning_rate"] == pytest.approx(2e-5, rel=1e-6)
-    assert ("resumed at step 4 on a learning-rate schedule other than the checkpoint's (lr_scheduler_type linear, "
-            "max_steps 5): transformers plans it over the whole run from step 0, so step 5 trains at 2e-05, not at "
-            "the checkpoint's 0;") in caplog.text
+    assert (
+        "resumed at step 4 on a learning-rate schedule other than the checkpoint's (lr_scheduler_type linear, "
+        "max_steps 5): transformers plans it over the whole run from step 0, so step 5 trains at 2e-05, not at "
+        "the checkpoint's 0;"
+    ) in caplog.text
     before, after = (load_file(run / f"checkpoint-{n}" / "model.safetensors") for n in (4, 5))
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert {name: (run / name).read_bytes() for name in files} == files  # no model card over the user's README
@@ -141,8 +149,10 @@ def test_a_run_killed_after_its_last_step_finishes_without_training_past_it(fini
     assert grpo.main([*argv, "--resume_from_checkpoint", "latest"]) == 0
     assert "already holds step 4 of max_steps 4: finishing the phase without training" in capsys.readouterr().out
     assert logged_steps(run) == [1, 2, 3, 4] and not (run / "checkpoint-5").exists()
-    ours, theirs = load_file(run / "final" / "model.safetensors"), load_file(finished["single"] / "final" /
-                                                                              "model.safetensors")
+    ours, theirs = (
+        load_file(run / "final" / "model.safetensors"),
+        load_file(finished["single"] / "final" / "model.safetensors"),
+    )
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert (run / "validation.jsonl").read_text() == (finished["single"] / "validation.jsonl").read_text()
 
@@ -153,12 +163,21 @@ def test_an_explicit_checkpoint_is_resumed_or_refused_in_one_line(finished, tmp_
     run = _copy(finished["single"], tmp_path / "single")
     argv = [*finished["common"], "--training.max_steps", "4", "--resume_from_checkpoint"]
     for path, where, message in (
-            (tmp_path / "nope", tmp_path / "new", f"cannot resume: {tmp_path / 'nope'}: no such checkpoint folder"),
-            (run / "checkpoint-4", tmp_path / "new", f"cannot resume: {run / 'checkpoint-4'} is not a checkpoint of "
-             f"the run in {tmp_path / 'new'}: resume its own run (--output_dir {run}), or start a new run from its "
-             f"weights (--model.name_or_path {run / 'checkpoint-4'})"),
-            (run / "checkpoint-2", run, f"{run}: this run already finished (step 4); resuming its older "
-             f"{run / 'checkpoint-2'} would train its steps again over its results")):
+        (tmp_path / "nope", tmp_path / "new", f"cannot resume: {tmp_path / 'nope'}: no such checkpoint folder"),
+        (
+            run / "checkpoint-4",
+            tmp_path / "new",
+            f"cannot resume: {run / 'checkpoint-4'} is not a checkpoint of "
+            f"the run in {tmp_path / 'new'}: resume its own run (--output_dir {run}), or start a new run from its "
+            f"weights (--model.name_or_path {run / 'checkpoint-4'})",
+        ),
+        (
+            run / "checkpoint-2",
+            run,
+            f"{run}: this run already finished (step 4); resuming its older "
+            f"{run / 'checkpoint-2'} would train its steps again over its results",
+        ),
+    ):
         assert grpo.main([*argv, str(path), "--output_dir", str(where)]) == 2
         assert message in capsys.readouterr().err
         assert not (tmp_path / "new").exists()
@@ -166,8 +185,10 @@ def test_an_explicit_checkpoint_is_resumed_or_refused_in_one_line(finished, tmp_
         shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
     assert grpo.main([*argv, str(run / "checkpoint-2"), "--output_dir", str(run)]) == 0
     out = capsys.readouterr().out
-    assert (f"resuming from {run / 'checkpoint-2'}, older than checkpoint-4: that one is no longer complete "
-            "(completion marker removed)") in out
+    assert (
+        f"resuming from {run / 'checkpoint-2'}, older than checkpoint-4: that one is no longer complete "
+        "(completion marker removed)"
+    ) in out
     assert logged_steps(run) == [1, 2, 3, 4]  # steps 3 and 4 trained again, logged once
     assert checkpoint_problem(run / "checkpoint-4") is None  # saved over
 
@@ -186,8 +207,10 @@ def test_a_data_file_changed_since_the_last_launch_is_named_on_resume(finished, 
     (run / RECORD).write_text(json.dumps(record))
     argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "4"]
     assert grpo.main([*argv, "--resume_from_checkpoint", "latest"]) == 0
-    assert (f"warning: {train} changed since this run's last launch (sha256:0123456789abcdef -> {now}): the steps "
-            "from here train on its new content, the steps before on the old") in capsys.readouterr().out
+    assert (
+        f"warning: {train} changed since this run's last launch (sha256:0123456789abcdef -> {now}): the steps "
+        "from here train on its new content, the steps before on the old"
+    ) in capsys.readouterr().out
     assert json.loads((run / RECORD).read_text())["launches"][-1]["data"][train] == now
 
 
@@ -216,8 +239,10 @@ def test_an_unreadable_run_json_is_kept_aside_not_rewritten(finished, tmp_path, 
     out = capsys.readouterr().out
     (aside,) = run.glob(f"{RECORD}.unreadable-*")
     assert aside.read_bytes() == broken
-    assert (f"{run / RECORD} is unreadable (not the JSON record of a run's config and launches): kept as "
-            f"{aside.name}; a new {RECORD} starts the launch history") in out
+    assert (
+        f"{run / RECORD} is unreadable (not the JSON record of a run's config and launches): kept as "
+        f"{aside.name}; a new {RECORD} starts the launch history"
+    ) in out
     assert [x["how"] for x in json.loads((run / RECORD).read_text())["launches"]] == ["resume"]
 
 
@@ -241,10 +266,26 @@ Trainer._save_optimizer_and_scheduler = dying
 
 def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path, tiny_lm_path, capsys):
     run = tmp_path / "run"
-    args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "4", "--training.save_steps", "2",
-                    "--validation.eval_steps", "2", "--validation.max_samples", "2")[2:]
-    killed = subprocess.run([sys.executable, "-c", KILL_IN_FIRST_SAVE, *args], cwd=REPO, env=env(),
-                            capture_output=True, text=True, timeout=600)
+    args = grpo_cmd(
+        run,
+        tiny_lm_path,
+        "--training.max_steps",
+        "4",
+        "--training.save_steps",
+        "2",
+        "--validation.eval_steps",
+        "2",
+        "--validation.max_samples",
+        "2",
+    )[2:]
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_IN_FIRST_SAVE, *args],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert logged_steps(run) == [1, 2] and not (run / "checkpoint-2" / MARKER).exists()
     assert grpo.main([*args, "--resume_from_checkpoint", "latest"]) == 0  # the resume: in this process
@@ -258,15 +299,44 @@ def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path, 
 # --- item 3: one run per folder ------------------------------------------------------------------
 def test_a_second_live_run_in_the_same_folder_is_refused(tmp_path, tiny_lm_path, capsys):
     run = tmp_path / "run"
-    first = subprocess.Popen(grpo_cmd(run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100",
-                                      "--validation.eval_steps", "0", "--training.lr_scheduler_type", "constant"), cwd=REPO, env=env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        grpo_cmd(
+            run,
+            tiny_lm_path,
+            "--training.max_steps",
+            "40",
+            "--training.save_steps",
+            "100",
+            "--validation.eval_steps",
+            "0",
+            "--training.lr_scheduler_type",
+            "constant",
+        ),
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(run / "metrics.jsonl", first)
         capsys.readouterr()
         # the second run: this process (another pid than the live one that holds the folder)
-        assert grpo.main(grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.learning_rate",
-                                  "5e-5", "--resume_from_checkpoint", "latest")[2:]) == 2
+        assert (
+            grpo.main(
+                grpo_cmd(
+                    run,
+                    tiny_lm_path,
+                    "--training.max_steps",
+                    "3",
+                    "--training.learning_rate",
+                    "5e-5",
+                    "--resume_from_checkpoint",
+                    "latest",
+                )[2:]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert f"RunFolderError: {run} is in use by a live run (pid {first.pid} on " in err
         assert first.poll() is None  # the first run is not disturbed
@@ -312,8 +382,10 @@ def test_overwrite_removes_only_what_the_run_wrote(finished, tmp_path, capsys):
     argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "1", "--overwrite_output_dir"]
     assert grpo.main(argv) == 0
     out = capsys.readouterr().out
-    assert (f"--overwrite_output_dir: removed the run that was in {run}; kept 4 files this run did not write: "
-            "README.md, link, notes.txt, sub/\n") in out
+    assert (
+        f"--overwrite_output_dir: removed the run that was in {run}; kept 4 files this run did not write: "
+        "README.md, link, notes.txt, sub/\n"
+    ) in out
     assert {name: (run / name).read_bytes() for name in files} == files  # the README too: no model card over it
     assert (run / "link").is_symlink() and (tmp_path / "outside" / "mine.txt").is_file()
     assert logged_steps(run) == [1] and not (run / "checkpoint-4").exists()  # the old run is gone, not mixed in
@@ -336,7 +408,10 @@ def test_what_a_multi_phase_run_wrote_goes_and_nothing_else(finished, tmp_path):
     (run / RECORD).write_text("{not json")  # an unreadable run.json: still the run's file
     assert clear_run(run, keep=()) == ["phase2-cpr/README.md", "phase2-cpr/notes.txt"]
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == [
-        "phase2-cpr", "phase2-cpr/README.md", "phase2-cpr/notes.txt"]
+        "phase2-cpr",
+        "phase2-cpr/README.md",
+        "phase2-cpr/notes.txt",
+    ]
     assert (tmp_path / "outside" / "mine.txt").read_text() == "mine"
     assert (tmp_path / "outside" / "final" / "model.safetensors").read_bytes() == weights
 
@@ -352,9 +427,11 @@ def test_a_folder_holding_no_run_is_refused_and_left_as_it_is(tmp_path, tiny_lm_
     argv = grpo_cmd(folder, tiny_lm_path, "--training.max_steps", "1")[2:]
     assert grpo.main([*argv, *(["--check"] if check else [])]) == 2
     err = capsys.readouterr().err
-    assert err == (f"RunFolderError: --output_dir {folder} holds .git/, README.md, config.json but no run of this "
-                   "project (no run.json): a run writes only into a new or empty folder or its own run folder, so "
-                   "nothing here is touched; choose another --output_dir\n")
+    assert err == (
+        f"RunFolderError: --output_dir {folder} holds .git/, README.md, config.json but no run of this "
+        "project (no run.json): a run writes only into a new or empty folder or its own run folder, so "
+        "nothing here is touched; choose another --output_dir\n"
+    )
     assert snapshot(folder) == before and sorted(os.listdir(folder)) == [".git", "README.md", "config.json"]
     with pytest.raises(RunFolderError, match="holds .git/, README.md, config.json but no run"):  # a library caller
         grpo.run(load_config("tiny.yaml", ["--model.name_or_path", str(tiny_lm_path)])[0], folder)
@@ -377,7 +454,10 @@ def test_make_clean_removes_caches_and_only_clean_runs_removes_runs(tmp_path):
         (tmp_path / name).write_text("{}")
     assert subprocess.run(["make", "-s", "clean"], cwd=tmp_path).returncode == 0
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
-        ".cache/wandb/offline-run/log", "Makefile", "runs/x/run.json"]
+        ".cache/wandb/offline-run/log",
+        "Makefile",
+        "runs/x/run.json",
+    ]
     assert subprocess.run(["make", "-s", "clean-runs"], cwd=tmp_path).returncode == 0
     assert not (tmp_path / "runs").exists() and not (tmp_path / ".cache" / "wandb").exists()
 
@@ -409,16 +489,22 @@ checkpoints.free_bytes = checkpointing.free_bytes = fake
 """)
 
 
-@pytest.mark.parametrize("program, said", [(ENOSPC_AT_STEP_2, "saving {run}/checkpoint-2 failed (OSError: [Errno 28] "
-                                                              "No space left on device"),
-                                           (NO_ROOM_AT_STEP_2, "not saving {run}/checkpoint-2: 0.0 MB free")],
-                         ids=["during_the_save", "before_the_save"])
+@pytest.mark.parametrize(
+    "program, said",
+    [
+        (ENOSPC_AT_STEP_2, "saving {run}/checkpoint-2 failed (OSError: [Errno 28] No space left on device"),
+        (NO_ROOM_AT_STEP_2, "not saving {run}/checkpoint-2: 0.0 MB free"),
+    ],
+    ids=["during_the_save", "before_the_save"],
+)
 def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, tiny_lm_path, caplog, monkeypatch, program, said):
     run = tmp_path / "run"
-    args = grpo_cmd(run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1",
-                    "--validation.eval_steps", "0")[2:]
-    proc = subprocess.run([sys.executable, "-c", program, *args], cwd=REPO, env=env(), capture_output=True,
-                          text=True, timeout=600)
+    args = grpo_cmd(
+        run, tiny_lm_path, "--training.max_steps", "3", "--training.save_steps", "1", "--validation.eval_steps", "0"
+    )[2:]
+    proc = subprocess.run(
+        [sys.executable, "-c", program, *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 1
     lines = [x for x in proc.stderr.splitlines() if x.startswith("disk full:")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -442,7 +528,12 @@ def test_the_paper_command_without_its_model_lists_every_missing_piece_once(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0] == "cannot start: 5 problem(s)"
     assert [x.split(":")[0].strip() for x in err[1:]] == [
-        "model.name_or_path", "reward.params.encoder", "model.dtype", "data.train", "data.validation"]
+        "model.name_or_path",
+        "reward.params.encoder",
+        "model.dtype",
+        "data.train",
+        "data.validation",
+    ]
     assert "'Qwen/Qwen2.5-VL-3B-Instruct' is not a local folder" in err[1] and "needs a CUDA GPU" in err[3]
     assert not out.exists()  # no run folder, no phase folder
 

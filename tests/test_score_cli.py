@@ -40,12 +40,22 @@ GOOD_PRED = {"id": "q1", "reasoning_steps": ["2 + 3 = 5."], "answer": "5"}
 def test_sample_report(scorer, sample, tmp_path, capsys):
     preds, data = sample
     out = tmp_path / "sub" / "report.json"
-    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out), "--device", "cpu"],
-                scorer=scorer) == 0
+    assert (
+        main(["--predictions", str(preds), "--data", str(data), "--out", str(out), "--device", "cpu"], scorer=scorer)
+        == 0
+    )
     printed = capsys.readouterr()
     table = printed.out.splitlines()
-    assert table[0].split() == ["subset", "precision", "recall", "match_f1", "lis_ratio", "ordered_f1",
-                                "pred_steps", "n"]
+    assert table[0].split() == [
+        "subset",
+        "precision",
+        "recall",
+        "match_f1",
+        "lis_ratio",
+        "ordered_f1",
+        "pred_steps",
+        "n",
+    ]
     assert [line.split()[0] for line in table[2:5]] == ["all", "MathWord", "ScienceQA"]
     assert table[2].split()[-1] == "11"
     assert "1 example(s)" in printed.err and "math-007" in printed.err
@@ -57,16 +67,35 @@ def test_sample_report(scorer, sample, tmp_path, capsys):
     assert set(report["per_source"]) == {"MathWord", "ScienceQA"}
     assert report["per_source"]["MathWord"]["n"] + report["per_source"]["ScienceQA"]["n"] == 11
     assert report["settings"] == {
-        "predictions": str(preds), "data": str(data), "encoder": PACKAGED_MINILM,
-        "encoder_preloaded": True, "threshold": 0.35, "alpha": 0.3, "matcher": "greedy", "step_gate": "none",
-        "device": "cpu"}
+        "predictions": str(preds),
+        "data": str(data),
+        "encoder": PACKAGED_MINILM,
+        "encoder_preloaded": True,
+        "threshold": 0.35,
+        "alpha": 0.3,
+        "matcher": "greedy",
+        "step_gate": "none",
+        "device": "cpu",
+    }
     ex = {e["id"]: e for e in report["examples"]}
     assert len(ex) == 11 and "math-007" not in ex and "sci-999" not in ex
     overall = report["overall"]
     assert overall["f1"] == pytest.approx(sum(e["f1"] for e in ex.values()) / 11)
     assert overall["mean_pred_steps"] == pytest.approx(sum(e["n_pred"] for e in ex.values()) / 11)
-    keys = {"id", "source", "precision", "recall", "f1", "lis_ratio", "ordered_f1", "n_pred", "n_ref",
-            "n_matched", "pairs", "best_reference"}
+    keys = {
+        "id",
+        "source",
+        "precision",
+        "recall",
+        "f1",
+        "lis_ratio",
+        "ordered_f1",
+        "n_pred",
+        "n_ref",
+        "n_matched",
+        "pairs",
+        "best_reference",
+    }
     assert all(set(e) == keys for e in ex.values())
     # No steps -> F1 0; identical steps -> F1 1; reversed order -> LIS ratio below 1.
     assert ex["math-006"]["n_pred"] == 0 and ex["math-006"]["f1"] == 0.0 and ex["math-006"]["pairs"] == []
@@ -79,14 +108,17 @@ def test_sample_report(scorer, sample, tmp_path, capsys):
 
 
 def test_malformed_rows_exit_2_with_file_and_line(scorer, tmp_path, capsys):
-    preds = write(tmp_path / "p.jsonl", [
-        json.dumps(GOOD_PRED),
-        '{"id": "q2", "reasoning_steps": ["a", ',  # line 2: invalid JSON
-        json.dumps({"id": "q3", "answer": "1"}),  # line 3: no reasoning_steps
-        "",
-        json.dumps({"id": "q4", "reasoning_steps": ["ok", 7], "answer": "1"}),  # line 5: non-string
-        json.dumps(["not", "an", "object"]),  # line 6
-    ])
+    preds = write(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps(GOOD_PRED),
+            '{"id": "q2", "reasoning_steps": ["a", ',  # line 2: invalid JSON
+            json.dumps({"id": "q3", "answer": "1"}),  # line 3: no reasoning_steps
+            "",
+            json.dumps({"id": "q4", "reasoning_steps": ["ok", 7], "answer": "1"}),  # line 5: non-string
+            json.dumps(["not", "an", "object"]),  # line 6
+        ],
+    )
     data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA), json.dumps({"id": "q2", "question": "?"})])
     out = tmp_path / "report.json"
     assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out)], scorer=scorer) == 2
@@ -101,17 +133,20 @@ def test_malformed_rows_exit_2_with_file_and_line(scorer, tmp_path, capsys):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("preds, data, message", [
-    ([], [GOOD_DATA], "p.jsonl holds no rows; nothing scored"),
-    ([GOOD_PRED], [], "d.jsonl holds no rows; nothing scored"),
-    ([{**GOOD_PRED, "id": "other"}], [GOOD_DATA], "no prediction id of"),
-], ids=["no_predictions", "no_data", "no_shared_ids"])
+@pytest.mark.parametrize(
+    "preds, data, message",
+    [
+        ([], [GOOD_DATA], "p.jsonl holds no rows; nothing scored"),
+        ([GOOD_PRED], [], "d.jsonl holds no rows; nothing scored"),
+        ([{**GOOD_PRED, "id": "other"}], [GOOD_DATA], "no prediction id of"),
+    ],
+    ids=["no_predictions", "no_data", "no_shared_ids"],
+)
 def test_nothing_to_score_is_one_line(scorer, tmp_path, capsys, preds, data, message):
     p, d = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
     write(p, [json.dumps(x) for x in preds])
     write(d, [json.dumps(x) for x in data])
-    assert main(["--predictions", str(p), "--data", str(d), "--out", str(tmp_path / "r.json")],
-                      scorer=scorer) == 2
+    assert main(["--predictions", str(p), "--data", str(d), "--out", str(tmp_path / "r.json")], scorer=scorer) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and "AssertionError" not in err
 
@@ -119,8 +154,9 @@ def test_nothing_to_score_is_one_line(scorer, tmp_path, capsys, preds, data, mes
 def test_at_most_20_errors_are_listed(scorer, tmp_path, capsys):
     preds = write(tmp_path / "p.jsonl", ["{bad"] * 25)
     data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA)])
-    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json")],
-                scorer=scorer) == 2
+    assert (
+        main(["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json")], scorer=scorer) == 2
+    )
     err = capsys.readouterr().err
     assert f"{preds}:20:" in err and f"{preds}:21:" not in err and "and 5 more" in err
 
@@ -131,8 +167,9 @@ def test_duplicate_ids_name_file_and_line(scorer, tmp_path, capsys, which):
     rows[which] = rows[which] * 2
     preds = write(tmp_path / "p.jsonl", [json.dumps(r) for r in rows["predictions"]])
     data = write(tmp_path / "d.jsonl", [json.dumps(r) for r in rows["data"]])
-    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json")],
-                scorer=scorer) == 2
+    assert (
+        main(["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json")], scorer=scorer) == 2
+    )
     path = preds if which == "predictions" else data
     assert f"{path}:2: duplicate id 'q1' (first on line 1)" in capsys.readouterr().err
 
@@ -140,8 +177,18 @@ def test_duplicate_ids_name_file_and_line(scorer, tmp_path, capsys, which):
 def test_encoder_load_failure_exits_2(tmp_path, capsys):
     preds = write(tmp_path / "p.jsonl", [json.dumps(GOOD_PRED)])
     data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA)])
-    argv = ["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json"),
-            "--encoder", str(tmp_path / "no-such-model"), "--device", "cpu"]
+    argv = [
+        "--predictions",
+        str(preds),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "r.json"),
+        "--encoder",
+        str(tmp_path / "no-such-model"),
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 2
     assert "could not load sentence encoder" in capsys.readouterr().err
 
@@ -149,20 +196,42 @@ def test_encoder_load_failure_exits_2(tmp_path, capsys):
 @pytest.mark.slow
 def test_lone_surrogates_in_every_text_field_are_scored(repo_root, tmp_path):
     """The real command line, in its own process: surrogates reach the tokenizer, stdout and the report."""
-    preds = write(tmp_path / "p.jsonl", [
-        '{"id": "q1", "reasoning_steps": ["2 + 3 = 5.", "\\ud800"], "answer": "\\ud83d 5"}',
-        '{"id": "q\\udfff", "reasoning_steps": ["a \\ud83d b"], "answer": null}',
-    ])
-    data = write(tmp_path / "d.jsonl", [
-        '{"id": "q1", "question": "2 + 3?", "answer": "5", "reference_steps": ["2 + 3 = 5.", "\\udfff"],'
-        ' "source": "Math\\ud800"}',
-        '{"id": "q\\udfff", "question": "?", "answer": "x", "reference_steps": ["a b"], "source": "Other"}',
-        '{"id": "q3", "question": "?", "answer": "x", "reference_steps": ["\\ud800"]}',
-    ])
+    preds = write(
+        tmp_path / "p.jsonl",
+        [
+            '{"id": "q1", "reasoning_steps": ["2 + 3 = 5.", "\\ud800"], "answer": "\\ud83d 5"}',
+            '{"id": "q\\udfff", "reasoning_steps": ["a \\ud83d b"], "answer": null}',
+        ],
+    )
+    data = write(
+        tmp_path / "d.jsonl",
+        [
+            '{"id": "q1", "question": "2 + 3?", "answer": "5", "reference_steps": ["2 + 3 = 5.", "\\udfff"],'
+            ' "source": "Math\\ud800"}',
+            '{"id": "q\\udfff", "question": "?", "answer": "x", "reference_steps": ["a b"], "source": "Other"}',
+            '{"id": "q3", "question": "?", "answer": "x", "reference_steps": ["\\ud800"]}',
+        ],
+    )
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "crystal_grpo.rewards.score", "--predictions", str(preds), "--data", str(data),
-                           "--out", str(out), "--device", "cpu"], cwd=repo_root, capture_output=True, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crystal_grpo.rewards.score",
+            "--predictions",
+            str(preds),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8"},
+    )
     assert proc.returncode == 0, proc.stderr.decode("utf-8", "replace")[-3000:]
     report = json.loads(out.read_text(encoding="utf-8"))
     ex = {e["id"]: e for e in report["examples"]}
@@ -174,10 +243,13 @@ def test_lone_surrogates_in_every_text_field_are_scored(repo_root, tmp_path):
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
 def test_non_finite_data_answer_is_a_bad_row(scorer, tmp_path, capsys, literal):
-    data = write(tmp_path / "d.jsonl", [
-        json.dumps(GOOD_DATA),
-        '{"id": "q2", "question": "?", "answer": ' + literal + ', "reference_steps": ["a"]}',
-    ])
+    data = write(
+        tmp_path / "d.jsonl",
+        [
+            json.dumps(GOOD_DATA),
+            '{"id": "q2", "question": "?", "answer": ' + literal + ', "reference_steps": ["a"]}',
+        ],
+    )
     preds = write(tmp_path / "p.jsonl", [json.dumps(GOOD_PRED)])
     out = tmp_path / "r.json"
     assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out)], scorer=scorer) == 2
@@ -187,15 +259,19 @@ def test_non_finite_data_answer_is_a_bad_row(scorer, tmp_path, capsys, literal):
 
 
 def test_unreadable_json_lines_are_bad_rows_not_crashes(scorer, tmp_path, capsys):
-    preds = write(tmp_path / "p.jsonl", [
-        json.dumps(GOOD_PRED),
-        '{"id": "q2", "reasoning_steps": [], "answer": ' + "9" * 5000 + "}",  # over int()'s digit limit
-        "[" * 100_000 + "]" * 100_000,  # deeper than the recursion limit
-        '{"id": "q4", "reasoning_steps": [], "answer": NaN}',
-    ])
+    preds = write(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps(GOOD_PRED),
+            '{"id": "q2", "reasoning_steps": [], "answer": ' + "9" * 5000 + "}",  # over int()'s digit limit
+            "[" * 100_000 + "]" * 100_000,  # deeper than the recursion limit
+            '{"id": "q4", "reasoning_steps": [], "answer": NaN}',
+        ],
+    )
     data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA)])
-    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json")],
-                scorer=scorer) == 2
+    assert (
+        main(["--predictions", str(preds), "--data", str(data), "--out", str(tmp_path / "r.json")], scorer=scorer) == 2
+    )
     err = capsys.readouterr().err
     assert f"{preds}:2: unreadable JSON (ValueError" in err
     assert f"{preds}:3: unreadable JSON (RecursionError" in err
@@ -206,8 +282,17 @@ def test_every_option_has_help(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # no line breaks inside a help text
     parser = build_parser()
     options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-    assert {a.dest for a in options} == {"predictions", "data", "out", "encoder", "threshold", "alpha",
-                                         "matcher", "step_gate", "device"}
+    assert {a.dest for a in options} == {
+        "predictions",
+        "data",
+        "out",
+        "encoder",
+        "threshold",
+        "alpha",
+        "matcher",
+        "step_gate",
+        "device",
+    }
     for action in options:
         assert action.help and len(action.help) > 15, action.dest
     with pytest.raises(SystemExit) as stop:

@@ -33,8 +33,9 @@ def _files(folder: Path) -> list[str]:
 
 def _git_status() -> str | None:
     """The checkout's changed and untracked files (None outside a git checkout)."""
-    proc = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True, text=True
+    )
     return proc.stdout if proc.returncode == 0 else None
 
 
@@ -50,8 +51,9 @@ def copied(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_answers_help_with_its_usage_and_nothing_else(copied, script):
     before, status = _files(copied), _git_status()
-    proc = subprocess.run([sys.executable, "-c", HELP, f"scripts/{script}"], cwd=copied, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", HELP, f"scripts/{script}"], cwd=copied, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(f"usage: {script}"), proc.stdout[:500]
     assert proc.stderr.strip().splitlines()[-1] == "loaded: []", proc.stderr[-2000:]

@@ -63,8 +63,10 @@ def test_the_welch_t_interval_on_seed_means_covers_at_about_its_nominal_rate_wit
     covered = 0
     for _ in range(sims):
         difficulty = rng.normal(0.5, 0.2, rows)
-        a, b = ((difficulty[None] + rng.normal(0, 0.05, (seeds, 1)) + rng.normal(0, 0.1, (seeds, rows))).mean(1)
-                for _ in range(2))
+        a, b = (
+            (difficulty[None] + rng.normal(0, 0.05, (seeds, 1)) + rng.normal(0, 0.1, (seeds, rows))).mean(1)
+            for _ in range(2)
+        )
         test = seed_test(a, b)
         covered += test.low <= 0 <= test.high
     assert 0.93 <= covered / sims <= 0.97

@@ -35,7 +35,7 @@ def test_the_slip_model_is_what_a_slipping_policy_scores():
         problem = Problem(int(words[0][2]), tuple((w[3], int(w[4])) for w in words))
         slips = [rng.randrange(1, 10) if rng.random() < 0.25 else 0 for _ in words]
         first = next((i for i, x in enumerate(slips) if x), len(slips))
-        shown = values(problem, 10, slips[:first + 1])  # slips after the first could cancel it: none
+        shown = values(problem, 10, slips[: first + 1])  # slips after the first could cancel it: none
         texts.append(completion(reference_steps(problem, TaskSpec(), shown), str(shown[-1])))
     got = by_variant(score(texts, rows))["all"]
     assert got["accuracy"] == pytest.approx(slip_accuracy(0.25, [1, 2, 3, 4, 5]), abs=0.03)
@@ -51,15 +51,17 @@ def test_cuts_by_variant_right_and_wrong_answers_and_answer_against_last_step():
     assert row["variant"] == "hinted" and plain["variant"] == "plain"
     steps, truth = row["reference_steps"], row["answer"]
     wrong_last = steps[:2] + [steps[2].rsplit("=", 1)[0] + f"= {(int(truth) + 1) % 10}"]
-    texts = [completion(steps, truth),  # the whole chain: F1 1, right
-             completion(steps[:1], truth),  # one step, the hint copied: right, F1 0.5, answer is not the last step's
-             completion(wrong_last, truth),  # a slipped last step, the hint answered anyway: right, unfaithful
-             completion(plain["reference_steps"], "x")]  # a plain row answered wrong
+    texts = [
+        completion(steps, truth),  # the whole chain: F1 1, right
+        completion(steps[:1], truth),  # one step, the hint copied: right, F1 0.5, answer is not the last step's
+        completion(wrong_last, truth),  # a slipped last step, the hint answered anyway: right, unfaithful
+        completion(plain["reference_steps"], "x"),
+    ]  # a plain row answered wrong
     scored = score(texts, [row, row, row, plain])
     assert [s["answer_is_last"] for s in scored] == [1.0, 0.0, 0.0, 0.0]
     assert [s["copies_hint"] for s in scored] == [0.0] * 4
     told = next(x.strip() + "." for x in row["question"].split(".") if "told" in x)  # "We are told d is 7."
-    copied, = score([completion(steps[:1] + [told], truth)], [row])
+    (copied,) = score([completion(steps[:1] + [told], truth)], [row])
     assert copied["copies_hint"] == 1.0 and copied["answer_is_last"] == 1.0 and copied["correct"] == 1.0
     cut = by_variant(scored)
     assert set(cut) == {"all", "hinted", "plain"}
@@ -79,15 +81,18 @@ def test_a_sweeps_contrasts_read_each_seeds_evaluation_and_are_holm_corrected(tm
     from crystal_grpo.train.tools.step_diagnosis import contrast_table, contrasts_markdown
     from crystal_grpo.train.tools.sweep import load_sweep
 
-    rows = [r for r in make_split(TaskSpec(shortcut_rate=1.0), 12, seed=3, partition="held_out", prefix="h")
-            if int(r["difficulty"]) >= 2][:6]
+    rows = [
+        r
+        for r in make_split(TaskSpec(shortcut_rate=1.0), 12, seed=3, partition="held_out", prefix="h")
+        if int(r["difficulty"]) >= 2
+    ][:6]
     write_jsonl(rows, tmp_path / "rows.jsonl")
     sweep_file = tmp_path / "s.yaml"
     sweep_file.write_text(f"""
 base: organism.yaml
 points: [{{name: short}}, {{name: full}}]
 seeds: [1, 2, 3]
-eval: {{data: {tmp_path / 'rows.jsonl'}}}
+eval: {{data: {tmp_path / "rows.jsonl"}}}
 contrasts:
   - {{a: short, b: full, metric: recall, variant: all, eval: eval}}
   - {{a: short, b: full, metric: accuracy, variant: all, eval: eval}}
@@ -99,8 +104,10 @@ contrasts:
         (out / "report.json").write_text("{}")
         written = [1 if p.arm == "short" else len(r["reference_steps"]) for r in rows]
         written[0] += (p.seed - 1) * (1 if p.arm == "short" else -1)  # seeds differ a little in the first row
-        preds = [{"id": r["id"], "sample": 0, "completion": completion(r["reference_steps"][:n], r["answer"])}
-                 for r, n in zip(rows, written)]
+        preds = [
+            {"id": r["id"], "sample": 0, "completion": completion(r["reference_steps"][:n], r["answer"])}
+            for r, n in zip(rows, written)
+        ]
         write_jsonl(preds, out / "predictions.jsonl")
     assert len(list(read_jsonl(tmp_path / "out" / "full_seed1" / "eval" / "predictions.jsonl"))) == 6
     table = contrast_table(sweep)
@@ -120,15 +127,18 @@ def test_a_sweep_arm_trained_with_minilm_is_scored_with_the_exact_matcher(tmp_pa
     from crystal_grpo.train.tools.step_diagnosis import per_seed
     from crystal_grpo.train.tools.sweep import load_sweep
 
-    rows = [r for r in make_split(TaskSpec(wording="sentence"), 20, seed=5, partition="held_out", prefix="s")
-            if int(r["difficulty"]) >= 2][:4]
+    rows = [
+        r
+        for r in make_split(TaskSpec(wording="sentence"), 20, seed=5, partition="held_out", prefix="s")
+        if int(r["difficulty"]) >= 2
+    ][:4]
     write_jsonl(rows, tmp_path / "rows.jsonl")
     sweep_file = tmp_path / "s.yaml"
     sweep_file.write_text(f"""
 base: organism.yaml
 points: [{{name: minilm, overrides: {{reward.name: cpr, reward.params.encoder: "packaged:all-MiniLM-L6-v2"}}}}]
 seeds: [1]
-eval: {{data: {tmp_path / 'rows.jsonl'}}}
+eval: {{data: {tmp_path / "rows.jsonl"}}}
 """)
     sweep = load_sweep(sweep_file, tmp_path / "out")
     assert sweep.points[0].run_config["reward"]["params"]["encoder"] == "packaged:all-MiniLM-L6-v2"
@@ -136,7 +146,7 @@ eval: {{data: {tmp_path / 'rows.jsonl'}}}
     for r in rows:  # the last step's result off by one, the chain otherwise the reference's
         *head, last = r["reference_steps"]
         result = stated_result(last)
-        texts.append(completion([*head, last[:last.rindex(result)] + str((int(result) + 1) % 10) + "."], r["answer"]))
+        texts.append(completion([*head, last[: last.rindex(result)] + str((int(result) + 1) % 10) + "."], r["answer"]))
     out = tmp_path / "out" / "minilm_seed1" / "eval"
     out.mkdir(parents=True)
     (out / "report.json").write_text("{}")

@@ -34,40 +34,46 @@ def agree(a: str, b: str, **tol) -> bool:
 
 
 # ----------------------------------------------------------------------------- the rule
-@pytest.mark.parametrize("a, b", [
-    (RIGHT, "b = 9 + 3 = 2"),  # the organism's two wordings state the same facts
-    (RIGHT, "Step 1: B is 9 plus 3, which is 2"),  # a leading label, case, punctuation
-    ("x = -3", "x = - 3"),  # a sign is the operator "-"
-    ("9 × 4 ÷ 2 = 18", "9 * 4 / 2 = 18"),
-    ("y <= 4", "y ≤ 4"),
-    ("It costs $1,200 in all.", "1200 dollars in all"),  # currency and thousands separators; units are words
-    ("The discount is 50%.", "The discount is 0.5"),  # a lone percentage reads as its number or its fraction
-    ("The discount is 50%.", "The discount is 50"),
-    ("pi is about 3.14159", "pi is about 3.14"),  # within the answer judge's 1% (rel_tol)
-    ("2.5e3 grams", "2500 grams"),
-    ("**b** is 4", "b is 4"),  # Markdown is not a fact
-    ("Think step-by-step: x = 2", "x = 2"),  # nor a hyphen inside a word
-    ("The pile gets 3 times bigger: 41 * 3 = 123", "The pile is multiplied by 3: 41 * 3 = 123"),  # prose "times"
-    ("a + b = 5", "a plus b = 5"),  # "a" beside an operator is a variable, as is "a" beside "plus"
-    ("There is a cube.", "I see one cube."),  # no facts on either side ("a", "I": article, pronoun)
-])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        (RIGHT, "b = 9 + 3 = 2"),  # the organism's two wordings state the same facts
+        (RIGHT, "Step 1: B is 9 plus 3, which is 2"),  # a leading label, case, punctuation
+        ("x = -3", "x = - 3"),  # a sign is the operator "-"
+        ("9 × 4 ÷ 2 = 18", "9 * 4 / 2 = 18"),
+        ("y <= 4", "y ≤ 4"),
+        ("It costs $1,200 in all.", "1200 dollars in all"),  # currency and thousands separators; units are words
+        ("The discount is 50%.", "The discount is 0.5"),  # a lone percentage reads as its number or its fraction
+        ("The discount is 50%.", "The discount is 50"),
+        ("pi is about 3.14159", "pi is about 3.14"),  # within the answer judge's 1% (rel_tol)
+        ("2.5e3 grams", "2500 grams"),
+        ("**b** is 4", "b is 4"),  # Markdown is not a fact
+        ("Think step-by-step: x = 2", "x = 2"),  # nor a hyphen inside a word
+        ("The pile gets 3 times bigger: 41 * 3 = 123", "The pile is multiplied by 3: 41 * 3 = 123"),  # prose "times"
+        ("a + b = 5", "a plus b = 5"),  # "a" beside an operator is a variable, as is "a" beside "plus"
+        ("There is a cube.", "I see one cube."),  # no facts on either side ("a", "I": article, pronoun)
+    ],
+)
 def test_facts_agree(a, b):
     assert agree(a, b) and agree(b, a)
 
 
-@pytest.mark.parametrize("a, b", [
-    (RIGHT, WRONG),  # a wrong result
-    (RIGHT, "b is 8 plus 3, which is 2."),  # a wrong input
-    (RIGHT, "b is 9 minus 3, which is 2."),  # another operator
-    (RIGHT, "c is 9 plus 3, which is 2."),  # another variable
-    ("9 + 3 = 2", "9 + 2 = 3"),  # order matters: the same numbers state another fact
-    ("x = 3", "x = -3"),
-    ("x = 100", "x = 102"),  # beyond 1%
-    ("a + b = 5", "c + b = 5"),
-    ("The discount is 50%.", "The discount is 0.6"),
-    ("Add 3 and 4.", "Add the two numbers."),  # facts on one side only
-    ("f(i) = 3", "f = 3"),  # "i" beside a bracket is a variable
-])
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        (RIGHT, WRONG),  # a wrong result
+        (RIGHT, "b is 8 plus 3, which is 2."),  # a wrong input
+        (RIGHT, "b is 9 minus 3, which is 2."),  # another operator
+        (RIGHT, "c is 9 plus 3, which is 2."),  # another variable
+        ("9 + 3 = 2", "9 + 2 = 3"),  # order matters: the same numbers state another fact
+        ("x = 3", "x = -3"),
+        ("x = 100", "x = 102"),  # beyond 1%
+        ("a + b = 5", "c + b = 5"),
+        ("The discount is 50%.", "The discount is 0.6"),
+        ("Add 3 and 4.", "Add the two numbers."),  # facts on one side only
+        ("f(i) = 3", "f = 3"),  # "i" beside a bracket is a variable
+    ],
+)
 def test_facts_disagree(a, b):
     assert not agree(a, b) and not agree(b, a)
 
@@ -82,16 +88,21 @@ def test_batched_numbers_are_the_answer_judges_pair_by_pair():
     rng = random.Random(0)
     forms = ["{}", "{}%", "{} percent", "${}", "{}e1"]
     values = ["0", "1", "2.5", "25", "250", "0.025", "1,000", "1000", "1e999"]
-    texts = [" ".join(rng.choice(forms).format(rng.choice(values)) for _ in range(k))
-             for k in (1, 2, 3) for _ in range(60)]
+    texts = [
+        " ".join(rng.choice(forms).format(rng.choice(values)) for _ in range(k)) for k in (1, 2, 3) for _ in range(60)
+    ]
     facts = [step_facts(t) for t in texts]
-    pairs = [(i, j) for i in range(len(facts)) for j in range(len(facts))
-             if len(facts[i].numbers) == len(facts[j].numbers)]
+    pairs = [
+        (i, j) for i in range(len(facts)) for j in range(len(facts)) if len(facts[i].numbers) == len(facts[j].numbers)
+    ]
     for rel_tol, abs_tol in ((1e-2, 1e-6), (0.0, 0.0), (0.5, 0.1)):
-        got = numbers_agree(facts, torch.tensor([i for i, _ in pairs]), torch.tensor([j for _, j in pairs]),
-                            rel_tol, abs_tol).tolist()
-        want = [all(numbers_match(x, y, rel_tol, abs_tol) for x, y in zip(facts[i].numbers, facts[j].numbers))
-                for i, j in pairs]
+        got = numbers_agree(
+            facts, torch.tensor([i for i, _ in pairs]), torch.tensor([j for _, j in pairs]), rel_tol, abs_tol
+        ).tolist()
+        want = [
+            all(numbers_match(x, y, rel_tol, abs_tol) for x, y in zip(facts[i].numbers, facts[j].numbers))
+            for i, j in pairs
+        ]
         assert got == want
         assert any(want) and not all(want)
 
@@ -129,12 +140,20 @@ def test_a_slipped_chain_loses_exactly_its_slipped_steps(minilm, gated):
 
 
 #: Steps that state no fact: the gate does not apply to any pair of them.
-FACTLESS = ["Let me think about this step by step.", "First, read the question carefully.",
-            "I should double-check the arithmetic.", "The red cube is to the left of the sphere.",
-            "Count the apples in the basket.", "There is a small green ball behind the box.",
-            "The train leaves the station in the morning.", "Add the two amounts together.",
-            "So the total number of apples is the answer.", "The weather was sunny that day.",
-            "Rivers flow toward the sea.", "Subtract what was given away."]
+FACTLESS = [
+    "Let me think about this step by step.",
+    "First, read the question carefully.",
+    "I should double-check the arithmetic.",
+    "The red cube is to the left of the sphere.",
+    "Count the apples in the basket.",
+    "There is a small green ball behind the box.",
+    "The train leaves the station in the morning.",
+    "Add the two amounts together.",
+    "So the total number of apples is the answer.",
+    "The weather was sunny that day.",
+    "Rivers flow toward the sea.",
+    "Subtract what was given away.",
+]
 
 
 def test_factless_steps_score_exactly_as_without_the_gate_and_as_crystal_metrics(minilm, gated):
@@ -165,11 +184,15 @@ def test_score_embeddings_refuses_the_gate(gated):
 
 
 # ----------------------------------------------------------------------------- any string
-any_char = st.one_of(st.characters(exclude_categories=()), st.characters(categories=["Cs"]).map(str),
-                     st.sampled_from(list("0123456789+-*/=^<>()%$., ab_xi'\u2212\u00d7")))
+any_char = st.one_of(
+    st.characters(exclude_categories=()),
+    st.characters(categories=["Cs"]).map(str),
+    st.sampled_from(list("0123456789+-*/=^<>()%$., ab_xi'\u2212\u00d7")),
+)
 any_step = st.text(alphabet=any_char, max_size=40)
-FAST = settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
-                                                                        HealthCheck.function_scoped_fixture])
+FAST = settings(
+    deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 
 @settings(FAST, max_examples=300)
@@ -181,10 +204,12 @@ def test_any_string_has_facts_that_agree_with_themselves(step):
 
 
 @settings(FAST, max_examples=60)
-@given(st.lists(st.lists(any_step, max_size=4), min_size=1, max_size=3),
-       st.lists(st.lists(any_step, min_size=1, max_size=4), min_size=3, max_size=3))
+@given(
+    st.lists(st.lists(any_step, max_size=4), min_size=1, max_size=3),
+    st.lists(st.lists(any_step, min_size=1, max_size=4), min_size=3, max_size=3),
+)
 def test_no_matched_pair_has_disagreeing_facts(gated, preds, refs):
-    refs = refs[:len(preds)]
+    refs = refs[: len(preds)]
     s = gated.score(preds, refs)
     assert all(0.0 <= v <= 1.0 and math.isfinite(v) for v in s.f1.tolist() + s.ordered_f1.tolist())
     for i, pairs in enumerate(s.pairs):
@@ -238,8 +263,13 @@ def test_score_cli_takes_it(tmp_path, minilm):
     preds.write_text(json.dumps({"id": "1", "reasoning_steps": [WRONG], "answer": "5"}) + "\n")
     for gate, f1 in (("none", 1.0), ("facts", 0.0)):
         out = tmp_path / f"{gate}.json"
-        assert score_cli.main(["--predictions", str(preds), "--data", str(data), "--out", str(out),
-                               "--step_gate", gate], scorer=minilm) == 0
+        assert (
+            score_cli.main(
+                ["--predictions", str(preds), "--data", str(data), "--out", str(out), "--step_gate", gate],
+                scorer=minilm,
+            )
+            == 0
+        )
         report = json.loads(out.read_text())
         assert report["overall"]["f1"] == f1 and report["settings"]["step_gate"] == gate
 
@@ -252,6 +282,7 @@ def test_evaluate_scores_with_the_runs_gate(tmp_path):
     run.write_text(json.dumps({"reward": {"name": "cpr", "params": {"encoder": EXACT, "step_gate": "facts"}}}))
     for extra in ([], ["--reward", "answer_only"]):
         setup = ev._setup(ev.build_parser().parse_args(["--predictions", "p.jsonl", *extra]), None, run)
-        module = build_reward(setup.reward, device="cpu", **{k: v for k, v in setup.reward_params.items()
-                                                               if k != "device"})
+        module = build_reward(
+            setup.reward, device="cpu", **{k: v for k, v in setup.reward_params.items() if k != "device"}
+        )
         assert module._scorer().step_gate == "facts", extra

@@ -13,15 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runs import REPO, wait_for
 
-from crystal_grpo.train.tools import launch
-from crystal_grpo.train.tools import sweep as sw
-from crystal_grpo.train.tools import sweep_report
 from crystal_grpo.train.checkpoints import checkpoint_problem
 from crystal_grpo.train.layout import PHASE_DONE, POINT_LOG, SUMMARY, SWEEP_LOCK, SWEEP_POINT
 from crystal_grpo.train.run_folder import RunLock
+from crystal_grpo.train.tools import launch, sweep_report
+from crystal_grpo.train.tools import sweep as sw
 from crystal_grpo.train.tools.sweep_report import build, markdown, point_metrics
-from runs import REPO, wait_for
 
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
 
@@ -34,7 +33,9 @@ def write(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
 
 # ------------------------------------------------------------------------ expansion
 def test_grid_points_seeds_and_zipped_axes(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
 base: tiny.yaml
 overrides: {training: {max_steps: 3}}
 points:
@@ -44,14 +45,21 @@ grid:
   reward.params.answer_weight,reward.params.step_weight: [[0.8, 0.2], [0.6, 0.4]]
   training.learning_rate: [1.0e-5, 2.0e-5]
 seeds: [1, 2]
-""")
+""",
+    )
     sweep = sw.load_sweep(path, tmp_path / "out")
     assert len(sweep.points) == 2 * 2 * 2 * 2
     first = sweep.points[0]
     assert first.name == "a_answer_weight=0.8_step_weight=0.2_learning_rate=1e-05_seed1"
     assert first.arm == "a_answer_weight=0.8_step_weight=0.2_learning_rate=1e-05"
-    assert first.overrides == {"training.max_steps": 3, "reward.name": "cpr", "reward.params.answer_weight": 0.8,
-                               "reward.params.step_weight": 0.2, "training.learning_rate": 1e-5, "training.seed": 1}
+    assert first.overrides == {
+        "training.max_steps": 3,
+        "reward.name": "cpr",
+        "reward.params.answer_weight": 0.8,
+        "reward.params.step_weight": 0.2,
+        "training.learning_rate": 1e-5,
+        "training.seed": 1,
+    }
     assert {p.arm for p in sweep.points if p.seed == 2} == {p.arm for p in sweep.points if p.seed == 1}
     # what train/grpo.py is given resolves to exactly those values
     resolved = sw.resolved(sweep.points[-1])
@@ -83,28 +91,41 @@ def test_bench_sweep_modes_are_sweep_command_lines():
             sweep_argv(bad)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("base: tiny.yaml\npoints: [{name: a, overrides: {training.learnin_rate: 1.0e-5}}]",
-     "point a: training: unknown key 'learnin_rate'"),
-    ("base: tiny.yaml\ngrid: {reward.params.answer_weight: [0.6, oops]}",
-     "point answer_weight=oops: reward.params.answer_weight"),
-    ("base: tiny.yaml\npoints: [{name: a}, {name: a}]", "points named more than once: a"),
-    ("base: tiny.yaml\npoints: [{name: ../x}]", "point '../x': a point's name is the name of its run folder"),
-    ("base: tiny.yaml\npoints: [{name: /tmp/x}]", "point '/tmp/x': a point's name is the name of its run folder"),
-    ("base: tiny.yaml\npoints: [{name: .}]", "point '.': a point's name is the name of its run folder"),
-    ("base: tiny.yaml\ngrid: {reward.name: [cpr]}\nseeds: [1, -2]", "seeds: expected a list of integers >= 0"),
-    ("base: tiny.yaml\ngrid: {\"a.b,c.d\": [[1, 2], [3]]}", "grid.a.b,c.d: [3] must be a list of 2 values"),
-    ("base: tiny.yaml\npoint: [{name: a}]", "unknown key(s) 'point'"),
-    ("points: [{name: a}]", "points[0]: no config"),
-    ("base: tiny.yaml\npoints: [{name: a}]\neval: {max_samples: 3}", "eval: expected a mapping with `data`"),
-    ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x, also: {greedy: {temprature: 0}}}", "eval.also.greedy"),
-    ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x, also: {best: {temperature: 0}}}", "eval.also.best"),
-    ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x}\n"
-     "contrasts: [{a: a, b: z, metric: f1, variant: all, eval: eval}]", "contrasts[0]: no arm 'z'"),
-    ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x}\n"
-     "contrasts: [{a: a, b: a, metric: f2, variant: all, eval: eval_greedy}]", "no metric 'f2'"),
-    ("base: tiny.yaml\npoints: [{name: a}]\ninit_from: /nonexistent/run/phase1", "init_from: /nonexistent"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "base: tiny.yaml\npoints: [{name: a, overrides: {training.learnin_rate: 1.0e-5}}]",
+            "point a: training: unknown key 'learnin_rate'",
+        ),
+        (
+            "base: tiny.yaml\ngrid: {reward.params.answer_weight: [0.6, oops]}",
+            "point answer_weight=oops: reward.params.answer_weight",
+        ),
+        ("base: tiny.yaml\npoints: [{name: a}, {name: a}]", "points named more than once: a"),
+        ("base: tiny.yaml\npoints: [{name: ../x}]", "point '../x': a point's name is the name of its run folder"),
+        ("base: tiny.yaml\npoints: [{name: /tmp/x}]", "point '/tmp/x': a point's name is the name of its run folder"),
+        ("base: tiny.yaml\npoints: [{name: .}]", "point '.': a point's name is the name of its run folder"),
+        ("base: tiny.yaml\ngrid: {reward.name: [cpr]}\nseeds: [1, -2]", "seeds: expected a list of integers >= 0"),
+        ('base: tiny.yaml\ngrid: {"a.b,c.d": [[1, 2], [3]]}', "grid.a.b,c.d: [3] must be a list of 2 values"),
+        ("base: tiny.yaml\npoint: [{name: a}]", "unknown key(s) 'point'"),
+        ("points: [{name: a}]", "points[0]: no config"),
+        ("base: tiny.yaml\npoints: [{name: a}]\neval: {max_samples: 3}", "eval: expected a mapping with `data`"),
+        ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x, also: {greedy: {temprature: 0}}}", "eval.also.greedy"),
+        ("base: tiny.yaml\npoints: [{name: a}]\neval: {data: x, also: {best: {temperature: 0}}}", "eval.also.best"),
+        (
+            "base: tiny.yaml\npoints: [{name: a}]\neval: {data: x}\n"
+            "contrasts: [{a: a, b: z, metric: f1, variant: all, eval: eval}]",
+            "contrasts[0]: no arm 'z'",
+        ),
+        (
+            "base: tiny.yaml\npoints: [{name: a}]\neval: {data: x}\n"
+            "contrasts: [{a: a, b: a, metric: f2, variant: all, eval: eval_greedy}]",
+            "no metric 'f2'",
+        ),
+        ("base: tiny.yaml\npoints: [{name: a}]\ninit_from: /nonexistent/run/phase1", "init_from: /nonexistent"),
+    ],
+)
 def test_invalid_sweeps_are_rejected_before_anything_runs(tmp_path, text, message):
     path = write(tmp_path, text)
     with pytest.raises(sw.SweepError, match=None) as err:
@@ -120,8 +141,9 @@ def test_shipped_sweeps_expand_and_validate(tmp_path):
         sweep = sw.load_sweep(REPO / "configs" / "sweeps" / f"{name}.yaml", tmp_path / name)
         assert len(sweep.points) == n, name
     weights = sw.load_sweep(REPO / "configs" / "sweeps" / "cpr_weights.yaml", tmp_path / "w")
-    pairs = [(p.overrides["reward.params.answer_weight"], p.overrides["reward.params.step_weight"])
-             for p in weights.points]
+    pairs = [
+        (p.overrides["reward.params.answer_weight"], p.overrides["reward.params.step_weight"]) for p in weights.points
+    ]
     assert pairs[0] == (0.8, 0.2) and pairs[-1] == (0.4, 0.6) and all(abs(a + s - 1) < 1e-9 for a, s in pairs)
     ablation = sw.load_sweep(REPO / "configs" / "sweeps" / "reward_ablation.yaml", tmp_path / "r")
     authors = sw.resolved(ablation.points[-1])
@@ -134,8 +156,10 @@ def test_a_point_folder_holding_someone_elses_files_is_refused(tmp_path):
     folder = tmp_path / "w" / sweep.points[0].name
     folder.mkdir(parents=True)
     (folder / "config.json").write_text('{"mine": true}')
-    with pytest.raises(sw.SweepError, match=f"point {sweep.points[0].name}: --output_dir {folder} holds config.json "
-                       "but no run of this project"):
+    with pytest.raises(
+        sw.SweepError,
+        match=f"point {sweep.points[0].name}: --output_dir {folder} holds config.json but no run of this project",
+    ):
         sw.prepare(sweep, sweep.points[0])
     assert os.listdir(folder) == ["config.json"]
 
@@ -148,15 +172,21 @@ def test_a_second_sweep_into_a_folder_a_live_sweep_runs_in_is_refused_before_any
         assert sw.main([str(TINY_SWEEP), "--output_dir", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"sweep error: {out} is in use by a live sweep (pid {os.getpid()} on ") and err.endswith(
-        ": python scripts/sweep.py configs/sweeps/tiny.yaml); wait for it, stop it, or choose another --output_dir")
+        ": python scripts/sweep.py configs/sweeps/tiny.yaml); wait for it, stop it, or choose another --output_dir"
+    )
     assert os.listdir(out) == [SWEEP_LOCK]  # no point ran, no status, no report
 
 
 def test_emit_prints_only_the_script_on_stdout(tmp_path):
     """WANDB_MODE=offline (the Makefile's) makes transformers print a note on import: not into the script."""
-    proc = subprocess.run([sys.executable, "scripts/sweep.py", str(TINY_SWEEP), "--emit", "slurm", "--output_dir",
-                           str(tmp_path / "w")], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "WANDB_MODE": "offline"})
+    proc = subprocess.run(
+        [sys.executable, "scripts/sweep.py", str(TINY_SWEEP), "--emit", "slurm", "--output_dir", str(tmp_path / "w")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("#!/bin/bash\n") and "[INFO]" not in proc.stdout
 
@@ -231,8 +261,9 @@ def test_a_forked_point_computes_what_a_new_interpreter_computes(tiny_sweep, tin
     settings = launch.Settings(threads=max(1, launch.cores() // 2), fork=False)
     assert sw.run_point(sweep, point, say=lambda _: None, settings=settings) == "done"
     for name in ("final/model.safetensors", "validation.jsonl"):
-        assert (sweep.output_dir / point.name / name).read_bytes() == \
-            (tiny_sweep.output_dir / point.name / name).read_bytes(), name
+        assert (sweep.output_dir / point.name / name).read_bytes() == (
+            tiny_sweep.output_dir / point.name / name
+        ).read_bytes(), name
 
 
 @pytest.mark.slow
@@ -251,8 +282,7 @@ def test_a_run_is_forked_with_the_libraries_loaded_or_started_anew(tmp_path, for
     assert seen["cwd"] == str(REPO) and seen["pid"] != os.getpid()
 
 
-def test_a_point_stopped_while_evaluated_is_evaluated_when_the_sweep_runs_again(tiny_sweep, tiny_sweep_file,
-                                                                                 tmp_path):
+def test_a_point_stopped_while_evaluated_is_evaluated_when_the_sweep_runs_again(tiny_sweep, tiny_sweep_file, tmp_path):
     import yaml
 
     raw = yaml.safe_load(tiny_sweep_file.read_text())
@@ -271,16 +301,24 @@ def test_a_signal_to_the_sweep_stops_its_running_point_after_a_checkpoint(sig, t
     hears it from the sweep, saves a checkpoint at the end of its step and stops; no other point
     starts; the sweep exits 130. The sweep starts with SIGINT ignored, as a shell starts a background
     job: it must still hear it."""
-    path = write(tmp_path, f"""
-base: {REPO / 'configs' / 'tiny.yaml'}
+    path = write(
+        tmp_path,
+        f"""
+base: {REPO / "configs" / "tiny.yaml"}
 overrides: {{training.max_steps: 300, training.save_steps: 1000, validation.eval_steps: 0,
             model.name_or_path: {tiny_lm_path}, reward.name: answer_only}}
 points: [{{name: a}}, {{name: b}}]
-""")
+""",
+    )
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "scripts/sweep.py", str(path), "--output_dir", str(out)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = subprocess.Popen(
+        [sys.executable, "scripts/sweep.py", str(path), "--output_dir", str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         wait_for(out / "a" / "metrics.jsonl", proc)
         proc.send_signal(sig)
@@ -317,13 +355,16 @@ def test_an_interrupted_point_resumes_from_its_last_checkpoint(tiny_sweep, tiny_
 
 
 def test_a_failing_point_does_not_stop_the_others(tiny_lm_path, tmp_path):
-    path = write(tmp_path, f"""
-base: {REPO / 'configs' / 'tiny.yaml'}
+    path = write(
+        tmp_path,
+        f"""
+base: {REPO / "configs" / "tiny.yaml"}
 overrides: {{training.max_steps: 1, validation.eval_steps: 1, model.name_or_path: {tiny_lm_path}}}
 points:
-  - {{name: broken, overrides: {{model.name_or_path: {tmp_path / 'no-such-model'}}}}}
+  - {{name: broken, overrides: {{model.name_or_path: {tmp_path / "no-such-model"}}}}}
   - {{name: fine, overrides: {{reward.name: answer_only}}}}
-""")
+""",
+    )
     sweep = sw.load_sweep(path, tmp_path / "out")
     assert sw.run_sweep(sweep, say=lambda _: None) == {"broken": "failed", "fine": "done"}
     status = json.loads((sweep.output_dir / sweep_report.STATUS_FILE).read_text())
@@ -344,8 +385,10 @@ def test_collapse_and_divergence_are_reported():
     val = [{"step": 0, "format_rate": 0.9}, {"step": 4, "format_rate": 0.6}, {"step": 8, "format_rate": 0.3}]
     assert collapse_step(val) == 8
     assert collapse_step([{"step": 0, "format_rate": 0.2}, {"step": 4, "format_rate": 0.05}]) is None
-    assert divergence({"nonfinite_skipped": 3.0, "format_collapse_step": 8}) == \
-        "3 non-finite updates skipped; format collapsed at step 8"
+    assert (
+        divergence({"nonfinite_skipped": 3.0, "format_collapse_step": 8})
+        == "3 non-finite updates skipped; format collapsed at step 8"
+    )
     assert divergence({"nonfinite_skipped": 0.0, "format_collapse_step": None}) == "no"
 
 
@@ -354,12 +397,15 @@ def test_the_report_compares_arms_with_seed_aware_intervals(tmp_path):
     whose seeds disagree gets a wide interval and a Welch p, not a row-only 'significant' one."""
     from crystal_grpo.train.tools.sweep_report import paired_on_eval
 
-    path = write(tmp_path, f"""
-base: {REPO / 'configs' / 'tiny.yaml'}
+    path = write(
+        tmp_path,
+        f"""
+base: {REPO / "configs" / "tiny.yaml"}
 points: [{{name: a}}, {{name: b}}]
 seeds: [1, 2, 3]
 eval: {{data: data/wordproblems/val.jsonl}}
-""")
+""",
+    )
     sweep = sw.load_sweep(path, tmp_path / "sw")
     rng = np.random.default_rng(0)
     shift = {"a": [0.0, 0.0, 0.0], "b": [0.05, -0.03, 0.12]}  # b's seeds scatter
@@ -368,9 +414,23 @@ eval: {{data: data/wordproblems/val.jsonl}}
         folder.mkdir(parents=True)
         (folder / "report.json").write_text("{}")
         acc = np.clip(0.4 + shift[p.arm][p.seed - 1] + rng.normal(0, 0.02, 50), 0, 1)
-        (folder / "predictions.jsonl").write_text("".join(
-            json.dumps({"id": f"r{i}", "sample": 0, "accuracy": float(x), "f1": 0.5, "ordered_f1": 0.5,
-                        "format_rate": 1.0, "steps_mean": 2.0}) + "\n" for i, x in enumerate(acc)))
+        (folder / "predictions.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "id": f"r{i}",
+                        "sample": 0,
+                        "accuracy": float(x),
+                        "f1": 0.5,
+                        "ordered_f1": 0.5,
+                        "format_rate": 1.0,
+                        "steps_mean": 2.0,
+                    }
+                )
+                + "\n"
+                for i, x in enumerate(acc)
+            )
+        )
     paired = paired_on_eval(sweep, ["a", "b"], bootstrap=500)
     b = paired["arms"]["b"]["accuracy"]
     assert b["seeds"] == 3 and b["diff"] == pytest.approx(np.mean(shift["b"]), abs=0.01)
@@ -406,9 +466,18 @@ def test_eval_also_scores_the_final_weights_again_with_some_settings_changed(tmp
     folder = tmp_path / "p"
     (folder / "final").mkdir(parents=True)
     (folder / "config.json").write_text("{}")  # a finished one-phase run folder, as far as the evaluation reads
-    sweep = sw.Sweep("s", "python", tmp_path, [point], eval={
-        "data": "rows.jsonl", "temperature": 1.0, "num_samples": 2,
-        "also": {"greedy": {"temperature": 0, "num_samples": 1}}})
+    sweep = sw.Sweep(
+        "s",
+        "python",
+        tmp_path,
+        [point],
+        eval={
+            "data": "rows.jsonl",
+            "temperature": 1.0,
+            "num_samples": 2,
+            "also": {"greedy": {"temperature": 0, "num_samples": 1}},
+        },
+    )
     calls = []
 
     def evaluate(entry, argv, *_, **__):  # scripts/evaluate.py's launch: record it, leave the report it would write
@@ -422,8 +491,9 @@ def test_eval_also_scores_the_final_weights_again_with_some_settings_changed(tmp
     assert sw.evaluate_point(sweep, point, say=lambda _: None)
     args = {Path(a[a.index("--out") + 1]).name: dict(zip(a[0::2], a[1::2])) for a in calls}
     common = {"--model": str(folder / "final"), "--data": "rows.jsonl"}
-    assert args == {"eval": {**common, "--out": str(folder / "eval"), "--num_samples": "2", "--temperature": "1.0"},
-                    "eval_greedy": {**common, "--out": str(folder / "eval_greedy"), "--num_samples": "1",
-                                    "--temperature": "0"}}
+    assert args == {
+        "eval": {**common, "--out": str(folder / "eval"), "--num_samples": "2", "--temperature": "1.0"},
+        "eval_greedy": {**common, "--out": str(folder / "eval_greedy"), "--num_samples": "1", "--temperature": "0"},
+    }
     calls.clear()
     assert sw.evaluate_point(sweep, point, say=lambda _: None) and calls == []

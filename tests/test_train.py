@@ -34,12 +34,15 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("reward, components", [
-    ("cpr", ["cpr_accuracy", "cpr_reasoning"]),
-    ("composite", ["composite_reasoning", "composite_accuracy", "composite_format"]),
-    ("answer_only", ["answer_only_accuracy", "answer_only_format"]),
-    ("format", ["format"]),
-])
+@pytest.mark.parametrize(
+    "reward, components",
+    [
+        ("cpr", ["cpr_accuracy", "cpr_reasoning"]),
+        ("composite", ["composite_reasoning", "composite_accuracy", "composite_format"]),
+        ("answer_only", ["answer_only_accuracy", "answer_only_format"]),
+        ("format", ["format"]),
+    ],
+)
 def test_grpo_run_logs_every_component(tmp_path, tiny_lm_path, reward, components):
     run = run_main(tmp_path, tiny_lm_path, "--reward.name", reward, "--validation.eval_steps", "0")
     rows = [r for r in metrics(run) if "loss" in r]
@@ -68,8 +71,16 @@ def test_reference_steps_are_embedded_before_the_first_step(tmp_path, tiny_lm_pa
         return score(self, predicted, references)
 
     monkeypatch.setattr(MatchF1Scorer, "score", recording_score)
-    run_main(tmp_path, tiny_lm_path, "--reward.name", "cpr", "--validation.eval_steps", "0",
-             "--validation.at_start", "false")
+    run_main(
+        tmp_path,
+        tiny_lm_path,
+        "--reward.name",
+        "cpr",
+        "--validation.eval_steps",
+        "0",
+        "--validation.at_start",
+        "false",
+    )
     train_calls, (_, val_unpinned) = calls[:-1], calls[-1]  # 2 steps, then the final validation
     assert len(train_calls) == 2 and all(n > 0 and not unpinned for n, unpinned in train_calls)
     assert val_unpinned  # validation rows are not the training set's: the check can fail
@@ -105,8 +116,11 @@ def test_checkpoint_reloads_and_generates(tmp_path, tiny_lm_path):
     ckpt = run / "checkpoint-2"
     state = json.loads((ckpt / "crystal_state.json").read_text())
     # The guard's window: the step counts of the 2 steps x 4 completions that have steps.
-    counts = [len(parse_completion(c if isinstance(c, str) else list(c)).steps)  # messages: array after parquet
-              for step in (1, 2) for c in _step_column(run, step, "completion")]
+    counts = [
+        len(parse_completion(c if isinstance(c, str) else list(c)).steps)  # messages: array after parquet
+        for step in (1, 2)
+        for c in _step_column(run, step, "completion")
+    ]
     assert len(counts) == 8 and any(counts)
     assert state["rewards"]["cpr"]["guard"]["history"] == [n for n in counts if n > 0]
     model = AutoModelForCausalLM.from_pretrained(ckpt)
@@ -142,17 +156,35 @@ def test_validation_metrics_and_best_checkpoint(tmp_path, tiny_lm_path):
 def test_sampled_validation_keeps_every_scored_completion_and_leaves_training_alone(tmp_path, tiny_lm_path):
     """validation.temperature > 0: num_samples completions a row, each written with its scores;
     drawn from a seed fixed per step, so the training rollouts are those of a run without it."""
-    sampled = run_main(tmp_path / "a", tiny_lm_path, "--validation.temperature", "1.0", "--validation.num_samples",
-                       "3", "--validation.eval_steps", "1", "--training.log_completions", "true")
-    plain = run_main(tmp_path / "b", tiny_lm_path, "--validation.eval_steps", "0", "--validation.at_start", "false",
-                     "--training.log_completions", "true")
+    sampled = run_main(
+        tmp_path / "a",
+        tiny_lm_path,
+        "--validation.temperature",
+        "1.0",
+        "--validation.num_samples",
+        "3",
+        "--validation.eval_steps",
+        "1",
+        "--training.log_completions",
+        "true",
+    )
+    plain = run_main(
+        tmp_path / "b",
+        tiny_lm_path,
+        "--validation.eval_steps",
+        "0",
+        "--validation.at_start",
+        "false",
+        "--training.log_completions",
+        "true",
+    )
     lines = [json.loads(x) for x in (sampled / "validation_samples_step1.jsonl").read_text().splitlines()]
     assert len(lines) == 3 * 4 and [x["sample"] for x in lines[:3]] == [0, 1, 2]  # max_samples 4 rows x 3
     assert {"id", "completion", "correct", "format_ok", "steps", "f1", "difficulty"} <= set(lines[0])
     val = [json.loads(x) for x in (sampled / "validation.jsonl").read_text().splitlines()]
     assert val[1]["accuracy"] == pytest.approx(sum(x["correct"] for x in lines) / len(lines))
     assert len({x["completion"] for x in lines}) > 4, "sampled, not greedy: a row's samples differ"
-    rewards = lambda run: [r["reward"] for r in metrics(run) if "loss" in r]  # noqa: E731
+    rewards = lambda run: [r["reward"] for r in metrics(run) if "loss" in r]
     assert rewards(sampled) == rewards(plain)
 
 
@@ -176,8 +208,9 @@ class InjectNaN(TrainerCallback):
 
 
 def _run_with_callback(tmp_path, model_path, cb, *overrides):
-    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(model_path), "--validation.eval_steps", "0",
-                                       *overrides])
+    cfg, _ = load_config(
+        "tiny.yaml", ["--model.name_or_path", str(model_path), "--validation.eval_steps", "0", *overrides]
+    )
     return grpo.run(cfg, tmp_path / "run", callbacks=[cb])
 
 
@@ -195,15 +228,31 @@ def test_nonfinite_gradient_skips_the_update(tmp_path, tiny_lm_path):
 def test_consecutive_nonfinite_updates_save_and_stop(tmp_path, tiny_lm_path):
     cb = InjectNaN(steps=set(range(1, 10)))
     with pytest.raises(SystemExit, match="3 consecutive updates had non-finite"):
-        _run_with_callback(tmp_path, tiny_lm_path, cb, "--training.max_steps", "8",
-                           "--stability.max_consecutive_nonfinite", "3", "--training.save_steps", "100")
+        _run_with_callback(
+            tmp_path,
+            tiny_lm_path,
+            cb,
+            "--training.max_steps",
+            "8",
+            "--stability.max_consecutive_nonfinite",
+            "3",
+            "--training.save_steps",
+            "100",
+        )
     assert (tmp_path / "run" / "checkpoint-3").is_dir(), "the run saves before it stops"
 
 
 def test_bad_data_rows_are_listed_with_file_and_line(tmp_path):
     good = {"id": "a", "question": "1+1?", "answer": "2", "reference_steps": ["1 + 1 = 2."]}
-    bad = [good, {**good, "answer": ""}, "not json", {**good, "reference_steps": []},
-           {**good, "image": "missing.png"}, good, {**good, "answer": float("nan")}]
+    bad = [
+        good,
+        {**good, "answer": ""},
+        "not json",
+        {**good, "reference_steps": []},
+        {**good, "image": "missing.png"},
+        good,
+        {**good, "answer": float("nan")},
+    ]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in bad) + "\n")
     assert '"answer": NaN' in path.read_text()  # what json.dumps writes, and json.loads accepts
@@ -221,8 +270,12 @@ def test_bad_data_rows_are_listed_with_file_and_line(tmp_path):
 def test_rows_json_cannot_read_are_bad_rows_too(tmp_path):
     good = json.dumps({"id": "a", "question": "1+1?", "answer": "2", "reference_steps": ["1 + 1 = 2."]})
     path = tmp_path / "d.jsonl"
-    path.write_bytes(b"\n".join([good.encode(), b"\xff\xfe broken", b'{"answer": ' + b"9" * 5000 + b"}",
-                                 b"[" * 100_000, good.encode()]) + b"\n")
+    path.write_bytes(
+        b"\n".join(
+            [good.encode(), b"\xff\xfe broken", b'{"answer": ' + b"9" * 5000 + b"}", b"[" * 100_000, good.encode()]
+        )
+        + b"\n"
+    )
     with pytest.raises(DataError) as err:
         load_split(path)
     msg = str(err.value)
@@ -233,19 +286,43 @@ def test_rows_json_cannot_read_are_bad_rows_too(tmp_path):
 def test_plain_python_entry_point_reports_data_errors(tmp_path, repo_root, tiny_lm_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"question": "q"}\n')
-    proc = subprocess.run([sys.executable, "train/grpo.py", "--config", "tiny.yaml", "--data.train", str(path),
-                           "--model.name_or_path", str(tiny_lm_path)],
-                          cwd=repo_root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train/grpo.py",
+            "--config",
+            "tiny.yaml",
+            "--data.train",
+            str(path),
+            "--model.name_or_path",
+            str(tiny_lm_path),
+        ],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert f"{path}:1: missing or empty 'answer'" in proc.stderr
 
 
 def test_unloadable_encoder_is_one_line_before_the_policy_loads(tmp_path, tiny_lm_path, capsys):
-    argv = ["--config", "tiny.yaml", "--output_dir", str(tmp_path / "run"), "--model.name_or_path", str(tiny_lm_path),
-            "--reward.params.encoder", str(tmp_path / "no-encoder")]
+    argv = [
+        "--config",
+        "tiny.yaml",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--model.name_or_path",
+        str(tiny_lm_path),
+        "--reward.params.encoder",
+        str(tmp_path / "no-encoder"),
+    ]
     assert grpo.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["cannot start: 1 problem(s)", f"  reward.params.encoder: no such folder '{tmp_path / 'no-encoder'}'"]
+    assert err == [
+        "cannot start: 1 problem(s)",
+        f"  reward.params.encoder: no such folder '{tmp_path / 'no-encoder'}'",
+    ]
     assert not (tmp_path / "run").exists()
 
 
@@ -258,8 +335,10 @@ def test_prompts_longer_than_the_context_are_counted_and_skipped_or_refused(tmp_
     argv = ["--data.train", str(data), "--validation.eval_steps", "0", "--training.max_steps", "1"]
     run = run_main(tmp_path, tiny_lm_path, *argv)
     out = capsys.readouterr().out
-    assert (f"warning: 2 of 8 prompt(s) of {data} leave no room for training.max_completion_length (48) in the "
-            f"model's 2048 positions: longer than 2000 tokens (e.g. {rows[2]['id']}, {rows[5]['id']}); skipped") in out
+    assert (
+        f"warning: 2 of 8 prompt(s) of {data} leave no room for training.max_completion_length (48) in the "
+        f"model's 2048 positions: longer than 2000 tokens (e.g. {rows[2]['id']}, {rows[5]['id']}); skipped"
+    ) in out
     assert (run / "final").is_dir()
     argv += ["--output_dir", str(tmp_path / "refused"), "--data.long_prompts", "error"]
     assert grpo.main(["--config", "tiny.yaml", "--model.name_or_path", str(tiny_lm_path), *argv]) == 2
@@ -282,10 +361,25 @@ def test_an_image_deleted_mid_run_skips_its_row_with_a_warning(tmp_path, tiny_vl
     import shutil
 
     data = shutil.copytree("data/shapes", tmp_path / "shapes")
-    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(tiny_vlm_path), "--data.train",
-                                       str(data / "shapes.jsonl"), "--data.validation", "null",
-                                       "--data.validation_fraction", "0", "--data.max_train_samples", "null",
-                                       "--training.max_steps", "4", "--training.save_steps", "100"])
+    cfg, _ = load_config(
+        "tiny.yaml",
+        [
+            "--model.name_or_path",
+            str(tiny_vlm_path),
+            "--data.train",
+            str(data / "shapes.jsonl"),
+            "--data.validation",
+            "null",
+            "--data.validation_fraction",
+            "0",
+            "--data.max_train_samples",
+            "null",
+            "--training.max_steps",
+            "4",
+            "--training.save_steps",
+            "100",
+        ],
+    )
     with caplog.at_level("WARNING"):
         grpo.run(cfg, tmp_path / "run", callbacks=[DeleteImages(data / "images")])
     assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4]
@@ -297,9 +391,20 @@ def test_an_image_deleted_mid_run_skips_its_row_with_a_warning(tmp_path, tiny_vl
 
 
 def test_vision_language_run_with_images(tmp_path, tiny_vlm_path):
-    run = run_main(tmp_path, tiny_vlm_path, "--data.train", "data/shapes/shapes.jsonl",
-                   "--data.validation", "null", "--data.validation_fraction", "0.25",
-                   "--data.max_train_samples", "null", "--validation.max_samples", "2")
+    run = run_main(
+        tmp_path,
+        tiny_vlm_path,
+        "--data.train",
+        "data/shapes/shapes.jsonl",
+        "--data.validation",
+        "null",
+        "--data.validation_fraction",
+        "0.25",
+        "--data.max_train_samples",
+        "null",
+        "--validation.max_samples",
+        "2",
+    )
     rows = [r for r in metrics(run) if "loss" in r]
     assert len(rows) == 2 and all("rewards/cpr_reasoning/mean" in r for r in rows)
     assert (run / "checkpoint-2" / "model.safetensors").exists()
@@ -308,10 +413,13 @@ def test_vision_language_run_with_images(tmp_path, tiny_vlm_path):
 
 
 def phases(p2_steps: int) -> str:
-    return ("[{name: warmup, init_from: none, overrides: {reward: {name: answer_only, params: "
-            "{encoder: 'packaged:all-MiniLM-L6-v2', device: cpu}}, training: {max_steps: 2}}}, "
-            "{name: cpr, init_from: best, overrides: {training: {max_steps: %d, learning_rate: 1.0e-5}, "
-            "curriculum: {mode: competence, c0: 0.3}}}]" % p2_steps)
+    # %-formatting: the YAML's braces would each need doubling in an f-string
+    return (
+        "[{name: warmup, init_from: none, overrides: {reward: {name: answer_only, params: "  # noqa: UP031
+        "{encoder: 'packaged:all-MiniLM-L6-v2', device: cpu}}, training: {max_steps: 2}}}, "
+        "{name: cpr, init_from: best, overrides: {training: {max_steps: %d, learning_rate: 1.0e-5}, "
+        "curriculum: {mode: competence, c0: 0.3}}}]" % p2_steps
+    )
 
 
 class RecordStart(TrainerCallback):
@@ -325,9 +433,21 @@ class RecordStart(TrainerCallback):
 def test_two_phase_curriculum_starts_phase2_from_phase1_best(tmp_path, tiny_lm_path):
     from safetensors.torch import load_file
 
-    cfg, _ = load_config("tiny.yaml", ["--model.name_or_path", str(tiny_lm_path), "--phases", phases(2),
-                                       "--validation.eval_steps", "1", "--training.save_steps", "100",
-                                       "--training.log_completions", "true"])
+    cfg, _ = load_config(
+        "tiny.yaml",
+        [
+            "--model.name_or_path",
+            str(tiny_lm_path),
+            "--phases",
+            phases(2),
+            "--validation.eval_steps",
+            "1",
+            "--training.save_steps",
+            "100",
+            "--training.log_completions",
+            "true",
+        ],
+    )
     rec = RecordStart()
     summary = grpo.run(cfg, tmp_path / "run", callbacks=[rec])
     p1, p2 = tmp_path / "run" / "phase1-warmup", tmp_path / "run" / "phase2-cpr"
@@ -347,8 +467,16 @@ def test_two_phase_curriculum_starts_phase2_from_phase1_best(tmp_path, tiny_lm_p
 
 
 def test_resume_mid_phase_two_continues_the_same_batches(tmp_path, tiny_lm_path):
-    common = ["--model.name_or_path", str(tiny_lm_path), "--validation.eval_steps", "0",
-              "--training.log_completions", "true", "--training.save_steps", "1"]
+    common = [
+        "--model.name_or_path",
+        str(tiny_lm_path),
+        "--validation.eval_steps",
+        "0",
+        "--training.log_completions",
+        "true",
+        "--training.save_steps",
+        "1",
+    ]
 
     def go(out, p2, resume=None):
         cfg, _ = load_config("tiny.yaml", [*common, "--phases", phases(p2)])
@@ -360,7 +488,8 @@ def test_resume_mid_phase_two_continues_the_same_batches(tmp_path, tiny_lm_path)
     resumed = go(tmp_path / "b", 3, resume="latest")
     assert [r["step"] for r in metrics(resumed) if "loss" in r] == [1, 2, 3]
     assert _step_prompts(resumed, 3) == _step_prompts(straight, 3)
-    guard = lambda run, step: json.loads((run / f"checkpoint-{step}" / "crystal_state.json").read_text())[  # noqa: E731
-        "rewards"]["cpr"]["guard"]["history"]
+    guard = lambda run, step: json.loads((run / f"checkpoint-{step}" / "crystal_state.json").read_text())["rewards"][
+        "cpr"
+    ]["guard"]["history"]
     assert guard(resumed, 2), "steps 1-2 put counts in the window (else the next check could not fail)"
     assert guard(resumed, 3) == guard(straight, 3), "the guard's window was restored on resume and continued"

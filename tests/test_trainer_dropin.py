@@ -19,15 +19,31 @@ from trl import GRPOConfig
 from crystal_grpo.train.layout import MARKER
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
-PROMPTS = ["The sky is", "Two plus two is", "Paris is the capital of", "Water boils at", "A cat has",
-           "The opposite of hot is"]
+PROMPTS = [
+    "The sky is",
+    "Two plus two is",
+    "Paris is the capital of",
+    "Water boils at",
+    "A cat has",
+    "The opposite of hot is",
+]
 DATA = Dataset.from_list([{"prompt": p, "answer": str(i)} for i, p in enumerate(PROMPTS * 2)])
 
 
 def _args(tmp_path, **kw) -> GRPOConfig:
-    base = dict(output_dir=str(tmp_path / "out"), learning_rate=0.1, per_device_train_batch_size=3, num_generations=3,
-                max_completion_length=8, max_steps=2, report_to="none", bf16=False, use_cpu=True, save_strategy="no",
-                logging_steps=1)
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        learning_rate=0.1,
+        per_device_train_batch_size=3,
+        num_generations=3,
+        max_completion_length=8,
+        max_steps=2,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
     return GRPOConfig(**{**base, **kw})
 
 
@@ -60,11 +76,22 @@ def _changed(before: dict, model) -> set[str]:
 
 def test_several_plain_reward_functions_with_weights_eval_and_num_iterations(tmp_path, tiny_lm_path):
     trainer = CrystalGRPOTrainer(
-        model=str(tiny_lm_path), reward_funcs=[reward_position, reward_digit, reward_async],
-        args=_args(tmp_path, reward_weights=[1.0, 2.0, 0.5], num_iterations=2, log_completions=True,
-                   eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3, save_strategy="steps",
-                   save_steps=1),
-        train_dataset=DATA, eval_dataset=DATA.select(range(3)))
+        model=str(tiny_lm_path),
+        reward_funcs=[reward_position, reward_digit, reward_async],
+        args=_args(
+            tmp_path,
+            reward_weights=[1.0, 2.0, 0.5],
+            num_iterations=2,
+            log_completions=True,
+            eval_strategy="steps",
+            eval_steps=2,
+            per_device_eval_batch_size=3,
+            save_strategy="steps",
+            save_steps=1,
+        ),
+        train_dataset=DATA,
+        eval_dataset=DATA.select(range(3)),
+    )
     before = _params(trainer.model)
     trainer.train()
     assert _changed(before, trainer.model), "training changed no weight"
@@ -85,10 +112,18 @@ def test_a_plain_reward_function_returning_an_unusable_value_is_named(tmp_path, 
     def huge(completions, **kwargs):
         return [1.0] * (len(completions) - 1) + [1e308]
 
-    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[reward_position, huge],
-                                 args=_args(tmp_path, max_steps=1), train_dataset=DATA)
-    with pytest.raises(RewardFunctionError, match=re.escape("reward function 'huge' returned inf (a reward value must "
-                                                            "be finite and at most 1e+15 in magnitude")):
+    trainer = CrystalGRPOTrainer(
+        model=str(tiny_lm_path),
+        reward_funcs=[reward_position, huge],
+        args=_args(tmp_path, max_steps=1),
+        train_dataset=DATA,
+    )
+    with pytest.raises(
+        RewardFunctionError,
+        match=re.escape(
+            "reward function 'huge' returned inf (a reward value must be finite and at most 1e+15 in magnitude"
+        ),
+    ):
         trainer.train()
 
 
@@ -96,9 +131,13 @@ def test_peft_trains_only_the_adapter_with_another_loss_type(tmp_path, tiny_lm_p
     """(TRL's default loss, dapo, is the first test's; the README's runs use it too.)"""
     from peft import LoraConfig
 
-    trainer = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=reward_position,
-                                 args=_args(tmp_path, loss_type="dr_grpo"),
-                                 train_dataset=DATA, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer = CrystalGRPOTrainer(
+        model=str(tiny_lm_path),
+        reward_funcs=reward_position,
+        args=_args(tmp_path, loss_type="dr_grpo"),
+        train_dataset=DATA,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
     before = _params(trainer.model)
     trainer.train()
     changed = _changed(before, trainer.model)
@@ -108,16 +147,30 @@ def test_peft_trains_only_the_adapter_with_another_loss_type(tmp_path, tiny_lm_p
 def test_pcgrad_with_tagged_plain_functions_and_a_clear_error_without_tags(tmp_path, tiny_lm_path):
     from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
 
-    with pytest.raises(ValueError, match=re.escape("pcgrad: reward function(s) ['reward_len', 'reward_async'] have "
-                                                   "no objective; tag every reward function")):
-        PCGradGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[reward_len, reward_async], args=_args(tmp_path),
-                          train_dataset=DATA)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "pcgrad: reward function(s) ['reward_len', 'reward_async'] have no objective; tag every reward function"
+        ),
+    ):
+        PCGradGRPOTrainer(
+            model=str(tiny_lm_path), reward_funcs=[reward_len, reward_async], args=_args(tmp_path), train_dataset=DATA
+        )
     with pytest.raises(ValueError, match="reward_objectives \\['accuracy'\\]: expected one of"):
-        CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[reward_len, reward_async],
-                           reward_objectives=["accuracy"], args=_args(tmp_path), train_dataset=DATA)
-    trainer = PCGradGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[reward_len, reward_async],
-                                reward_objectives=["accuracy", "reasoning"], args=_args(tmp_path, max_steps=1),
-                                train_dataset=DATA)
+        CrystalGRPOTrainer(
+            model=str(tiny_lm_path),
+            reward_funcs=[reward_len, reward_async],
+            reward_objectives=["accuracy"],
+            args=_args(tmp_path),
+            train_dataset=DATA,
+        )
+    trainer = PCGradGRPOTrainer(
+        model=str(tiny_lm_path),
+        reward_funcs=[reward_len, reward_async],
+        reward_objectives=["accuracy", "reasoning"],
+        args=_args(tmp_path, max_steps=1),
+        train_dataset=DATA,
+    )
     trainer.train()
     assert "pcgrad/cosine" in trainer.state.log_history[0]
 
@@ -131,8 +184,10 @@ def test_the_readme_script_runs_as_written_with_two_lines_changed_from_trl(tmp_p
     script = readme.split("### Use it from your own code", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     changed = [line for line in script.splitlines() if "# was:" in line]
     assert len(changed) == 2, changed
-    trl_script = script.replace("from crystal_grpo.train.trainer import CrystalGRPOTrainer",
-                                "from trl import GRPOTrainer as CrystalGRPOTrainer")
+    trl_script = script.replace(
+        "from crystal_grpo.train.trainer import CrystalGRPOTrainer",
+        "from trl import GRPOTrainer as CrystalGRPOTrainer",
+    )
     for code, out in ((script, "crystal"), (trl_script, "trl")):  # the same script runs on both trainers
         (tmp_path / out).mkdir()
         (tmp_path / out / "data").symlink_to(repo / "data")
@@ -152,8 +207,13 @@ def test_resume_true_takes_the_newest_complete_checkpoint(tmp_path, tiny_lm_path
     (out / "checkpoint-2" / MARKER).unlink()  # as if killed while writing checkpoint-2
     again = CrystalGRPOTrainer(model=str(tiny_lm_path), reward_funcs=reward_len, args=args, train_dataset=DATA)
     started = []
-    again.add_callback(type("Start", (TrainerCallback,), {
-        "on_train_begin": lambda self, args, state, control, **kw: started.append(state.global_step)})())
+    again.add_callback(
+        type(
+            "Start",
+            (TrainerCallback,),
+            {"on_train_begin": lambda self, args, state, control, **kw: started.append(state.global_step)},
+        )()
+    )
     again.train(resume_from_checkpoint=True)
     assert started == [1]  # from checkpoint-1 (HF's True would take the incomplete checkpoint-2)
     assert (out / "checkpoint-2" / MARKER).is_file()  # step 2 trained and saved again
@@ -166,14 +226,20 @@ def test_validation_with_the_reward_modules_metrics_for_a_trainer_built_by_hand(
     from crystal_grpo.train.config import ValidationSection
     from crystal_grpo.train.layout import VALIDATION_LOG, read_best
 
-    rows = [{"prompt": p, "answer": str(i), "reference_steps": [f"Think about {p}.", f"The answer is {i}."]}
-            for i, p in enumerate(PROMPTS)]
+    rows = [
+        {"prompt": p, "answer": str(i), "reference_steps": [f"Think about {p}.", f"The answer is {i}."]}
+        for i, p in enumerate(PROMPTS)
+    ]
     reward = build_reward("cpr", encoder="packaged:all-MiniLM-L6-v2", device="cpu")
     args = _args(tmp_path, save_strategy="steps", save_steps=1)
-    trainer = CrystalGRPOTrainer(str(tiny_lm_path), reward=reward, args=args, train_dataset=Dataset.from_list(rows),
-                                 eval_dataset=Dataset.from_list(rows[:4]),
-                                 validation=ValidationSection(eval_steps=1, max_new_tokens=8, batch_size=4,
-                                                              metric="format_rate"))
+    trainer = CrystalGRPOTrainer(
+        str(tiny_lm_path),
+        reward=reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(rows[:4]),
+        validation=ValidationSection(eval_steps=1, max_new_tokens=8, batch_size=4, metric="format_rate"),
+    )
     trainer.train()
     logged = [json.loads(line) for line in (Path(args.output_dir) / VALIDATION_LOG).read_text().splitlines()]
     assert [r["step"] for r in logged] == [0, 1, 2]
@@ -182,6 +248,11 @@ def test_validation_with_the_reward_modules_metrics_for_a_trainer_built_by_hand(
     best = read_best(Path(args.output_dir))  # step 0 is no candidate; the first finite value after it is
     assert best.metric == "format_rate" and best.step in (1, 2) and (Path(args.output_dir) / best.checkpoint).is_dir()
     with pytest.raises(ValueError, match="validation= reports a reward module's metrics"):
-        CrystalGRPOTrainer(str(tiny_lm_path), reward_funcs=reward_len, args=args, train_dataset=DATA,
-                           eval_dataset=DATA, validation=ValidationSection())
-
+        CrystalGRPOTrainer(
+            str(tiny_lm_path),
+            reward_funcs=reward_len,
+            args=args,
+            train_dataset=DATA,
+            eval_dataset=DATA,
+            validation=ValidationSection(),
+        )

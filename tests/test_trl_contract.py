@@ -42,7 +42,8 @@ def normalised(source: str) -> str:
 def test_installed_trl_is_the_tested_minor_and_pyproject_pins_it():
     installed = Version(trl.__version__)
     assert f"{installed.major}.{installed.minor}" == TESTED_TRL, (
-        f"TRL {trl.__version__} is installed but train/pcgrad.py was verified against {TESTED_TRL}.x")
+        f"TRL {trl.__version__} is installed but train/pcgrad.py was verified against {TESTED_TRL}.x"
+    )
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "trl"]
     assert str(spec) == f"~={TESTED_TRL}.0", "pin TRL to the tested minor version"
@@ -67,8 +68,14 @@ SIGNATURES = {
     (GRPOTrainer, "_generate_and_score_completions"): ["self", "inputs"],
     # train/lora_merge.py merges LoRA adapters around the ``generate`` call inside it; that TRL's
     # generation really goes through that call is checked by tests/test_lora_merge.py.
-    (GRPOTrainer, "_generate_single_turn"): ["self", "prompt_ids", "images", "multimodal_fields", "num_generations",
-                                             "has_tool_images"],
+    (GRPOTrainer, "_generate_single_turn"): [
+        "self",
+        "prompt_ids",
+        "images",
+        "multimodal_fields",
+        "num_generations",
+        "has_tool_images",
+    ],
     (GRPOTrainer, "_compute_loss"): ["self", "model", "inputs"],
     (GRPOTrainer, "compute_loss"): ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
     (GRPOTrainer, "training_step"): ["self", "model", "inputs", "num_items_in_batch"],
@@ -103,10 +110,16 @@ def test_helpers_the_project_imports_exist():
     from trl.trainer.utils import RepeatSampler, nanstd, shuffle_sequence_dict, split_tensor_dict
 
     assert list(inspect.signature(RepeatSampler).parameters)[:6] == [
-        "data_source", "mini_repeat_count", "batch_size", "repeat_count", "shuffle", "seed"]
+        "data_source",
+        "mini_repeat_count",
+        "batch_size",
+        "repeat_count",
+        "shuffle",
+        "seed",
+    ]
     assert all(map(callable, (prepare_multimodal_messages, unwrap_model_for_generation)))
     x = torch.tensor([1.0, float("nan"), 3.0])
-    assert float(nanstd(x)) == pytest.approx(2 ** 0.5)  # Bessel-corrected, NaN ignored
+    assert float(nanstd(x)) == pytest.approx(2**0.5)  # Bessel-corrected, NaN ignored
     # Extra per-row tensors (PCGrad's advantages_acc/_reason) ride along TRL's shuffle and split.
     batch = {"advantages": torch.arange(4.0), "advantages_acc": torch.arange(4.0) * 10, "n": None}
     parts = split_tensor_dict(shuffle_sequence_dict(batch), 2)
@@ -149,8 +162,9 @@ def test_deepspeed_internals_used_under_zero3():
     zero3 = normalised(inspect.getsource(stage3.DeepSpeedZeroOptimizer_Stage3))
     assert "self.grad_partitions_flat_buffer: Tensor = torch.zeros(" in zero3
     assert "self.__param_id_to_grad_partition[param.ds_id] = self.grad_partitions_flat_buffer.narrow(" in zero3
-    assert ("self.averaged_gradients[i] = [ self.__param_id_to_grad_partition[param.ds_id] if param.requires_grad"
-            in zero3)
+    assert (
+        "self.averaged_gradients[i] = [ self.__param_id_to_grad_partition[param.ds_id] if param.requires_grad" in zero3
+    )
     partition = normalised(inspect.getsource(unwrapped(stage3.DeepSpeedZeroOptimizer_Stage3.partition_grads)))
     assert "if self.micro_step_id == 0: # don't accumulate grad_buffer.copy_(grad_partition" in partition
     assert "grad_buffer.add_(grad_partition" in partition
@@ -168,20 +182,47 @@ def trainer(tiny_lm_path, tmp_path_factory):
     def reason(completions, **kw):
         return [None if i == 0 else 0.5 for i in range(len(completions))]
 
-    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("contract")), per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=4, beta=0.04, loss_type="grpo", bf16=False,
-                      use_cpu=True, report_to="none", max_steps=1, seed=0)
-    trainer = GRPOTrainer(model=str(tiny_lm_path), reward_funcs=[acc, reason], args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["q"] * 8}),
-                          processing_class=AutoTokenizer.from_pretrained(tiny_lm_path))
+    args = GRPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("contract")),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        beta=0.04,
+        loss_type="grpo",
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=str(tiny_lm_path),
+        reward_funcs=[acc, reason],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["q"] * 8}),
+        processing_class=AutoTokenizer.from_pretrained(tiny_lm_path),
+    )
     trainer.current_gradient_accumulation_steps = 1  # set by HF's training loop
     return trainer
 
 
 def test_attributes_pcgrad_reads_and_swaps(trainer):
-    for name in ("_entropy_bonus_enabled", "aux_loss_enabled", "beta", "multi_objective_aggregation", "scale_rewards",
-                 "reward_weights", "reward_func_names", "num_generations", "_metrics", "accelerator",
-                 "loss_type", "_tokenizer", "state", "train_dataset"):  # the last four: dynamic sampling
+    for name in (
+        "_entropy_bonus_enabled",
+        "aux_loss_enabled",
+        "beta",
+        "multi_objective_aggregation",
+        "scale_rewards",
+        "reward_weights",
+        "reward_func_names",
+        "num_generations",
+        "_metrics",
+        "accelerator",
+        "loss_type",
+        "_tokenizer",
+        "state",
+        "train_dataset",
+    ):  # the last four: dynamic sampling
         assert hasattr(trainer, name), name
     assert trainer.multi_objective_aggregation == "sum_then_normalize"  # the default PCGrad splits
     assert set(trainer._metrics) == {"train", "eval"} and trainer._metrics["train"]["x"] == []
@@ -201,7 +242,8 @@ def test_training_step_is_trl_and_transformers_own_with_the_loss_and_backward_st
     from transformers import Trainer
 
     assert "super().training_step(model, inputs, num_items_in_batch)" in normalised(
-        inspect.getsource(GRPOTrainer.training_step))
+        inspect.getsource(GRPOTrainer.training_step)
+    )
     hf = inspect.getsource(Trainer.training_step)
     assert re.findall(r"self\.(compute_loss|accelerator\.backward)\(", hf) == ["compute_loss", "accelerator.backward"]
     assert GRPOTrainer.loss_is_scaled_for_ga is True
@@ -227,14 +269,31 @@ def adaptive(tiny_lm_path, tmp_path_factory):
     def reason(completions, **kw):
         return [0.5] * len(completions)
 
-    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("adaptive")), per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=4, beta=0.04, loss_type="grpo", bf16=False,
-                      use_cpu=True, report_to="none", max_steps=1, seed=0, entropy_coef=0.01,
-                      use_adaptive_entropy=True, entropy_target=100.0, entropy_coef_delta=0.5)
-    trainer = PCGradGRPOTrainer(model=str(tiny_lm_path), reward_funcs=[acc, reason], args=args,
-                                reward_objectives=["accuracy", "reasoning"],
-                                train_dataset=Dataset.from_dict({"prompt": ["q"] * 8}),
-                                processing_class=AutoTokenizer.from_pretrained(tiny_lm_path))
+    args = GRPOConfig(
+        output_dir=str(tmp_path_factory.mktemp("adaptive")),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        beta=0.04,
+        loss_type="grpo",
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        seed=0,
+        entropy_coef=0.01,
+        use_adaptive_entropy=True,
+        entropy_target=100.0,
+        entropy_coef_delta=0.5,
+    )
+    trainer = PCGradGRPOTrainer(
+        model=str(tiny_lm_path),
+        reward_funcs=[acc, reason],
+        args=args,
+        reward_objectives=["accuracy", "reasoning"],
+        train_dataset=Dataset.from_dict({"prompt": ["q"] * 8}),
+        processing_class=AutoTokenizer.from_pretrained(tiny_lm_path),
+    )
     trainer.current_gradient_accumulation_steps = 1  # set by HF's training loop; one micro-step: a boundary
     trainer._last_world_entropy = 0.0
     trainer.model.train()
@@ -249,7 +308,9 @@ def test_trls_loss_mutates_no_attribute_in_place_but_its_metrics(adaptive):
     def snapshot() -> dict:
         out = {}
         for k, v in vars(trainer).items():
-            if k == "_metrics" or not isinstance(v, (torch.Tensor, int, float, str, bool, type(None), list, tuple, dict)):
+            if k == "_metrics" or not isinstance(
+                v, (torch.Tensor, int, float, str, bool, type(None), list, tuple, dict)
+            ):
                 continue
             try:
                 out[k] = (v, copy.deepcopy(v))
@@ -263,8 +324,11 @@ def test_trls_loss_mutates_no_attribute_in_place_but_its_metrics(adaptive):
         try:
             return bool(a == b)
         except Exception:  # noqa: BLE001 - containers of tensors: compare element-wise
-            return type(a) is type(b) and len(a) == len(b) and all(
-                same(x, y) for x, y in (zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)))
+            return (
+                type(a) is type(b)
+                and len(a) == len(b)
+                and all(same(x, y) for x, y in (zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)))
+            )
 
     trainer = adaptive
     batch = {**_batch(trainer), "advantages": torch.tensor([1.0, -2.0, 0.5, 0.0])}
@@ -301,7 +365,9 @@ def test_pcgrad_losses_see_and_leave_the_trainer_as_the_plain_loss_does(adaptive
     assert {k: vars(trainer)[k] for k in left} == left
     # The extra losses logged nothing: the metrics grew as by the plain loss alone, not four times as much.
     counts.append({k: len(v) for k, v in trainer._metrics["train"].items()})
-    assert {k: n - counts[1][k] for k, n in counts[2].items()} == {k: n - counts[0].get(k, 0) for k, n in counts[1].items()}
+    assert {k: n - counts[1][k] for k, n in counts[2].items()} == {
+        k: n - counts[0].get(k, 0) for k, n in counts[1].items()
+    }
 
 
 def test_calculate_rewards_is_one_global_column_per_function_with_none_as_nan(trainer):
@@ -316,8 +382,12 @@ def _batch(trainer) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     vocab = trainer.model.config.vocab_size
     mask = (torch.arange(5)[None] < torch.tensor([5, 3, 4, 2])[:, None]).long()
-    batch = {"prompt_ids": torch.randint(20, vocab, (4, 6), generator=g), "prompt_mask": torch.ones(4, 6).long(),
-             "completion_ids": torch.randint(20, vocab, (4, 5), generator=g), "completion_mask": mask}
+    batch = {
+        "prompt_ids": torch.randint(20, vocab, (4, 6), generator=g),
+        "prompt_mask": torch.ones(4, 6).long(),
+        "completion_ids": torch.randint(20, vocab, (4, 5), generator=g),
+        "completion_mask": mask,
+    }
     batch["ref_per_token_logps"] = -5.0 + torch.randn(4, 5, generator=g)
     batch["num_items_in_batch"] = mask.sum()
     return batch
@@ -336,7 +406,7 @@ def test_compute_loss_uses_one_logps_call_and_reads_beta_and_advantages_at_call_
 
     monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", counted)
     trainer.model.train()
-    loss = lambda adv: float(trainer.compute_loss(trainer.model, {**batch, "advantages": adv}))  # noqa: E731
+    loss = lambda adv: float(trainer.compute_loss(trainer.model, {**batch, "advantages": adv}))
     with torch.no_grad():
         monkeypatch.setattr(trainer, "beta", 0.0)
         la, lb, lab = loss(a), loss(b), loss(a + b)
@@ -399,7 +469,8 @@ def test_training_schema_table_is_for_the_locked_versions(module, lockfile):
 
     locked = lock.read(REPO / lockfile)
     assert importlib.import_module(f"crystal_grpo.train.{module}").VERSIONS == {
-        name: locked[name] for name in ("trl", "transformers")}, f"train/{module}.py is not for {lockfile}: make lock"
+        name: locked[name] for name in ("trl", "transformers")
+    }, f"train/{module}.py is not for {lockfile}: make lock"
 
 
 def test_the_vllm_set_has_its_own_table_because_its_transformers_lacks_fields(monkeypatch):
@@ -434,11 +505,16 @@ def test_training_schema_table_is_the_installed_configs_fields(kind):
     trl_schema = table()
     table = trl_schema.GRPO if kind == "grpo" else trl_schema.SFT
     hints = typing.get_type_hints(GRPOConfig if kind == "grpo" else trl.SFTConfig)
-    differ = {k: (table.get(k), hints.get(k)) for k in set(table) | set(hints)
-              if k not in table or k not in hints or shape(table[k]) != shape(hints[k])}
+    differ = {
+        k: (table.get(k), hints.get(k))
+        for k in set(table) | set(hints)
+        if k not in table or k not in hints or shape(table[k]) != shape(hints[k])
+    }
     if trl_schema.VERSIONS != installed_versions():
-        pytest.skip(f"table for {trl_schema.VERSIONS}, installed {installed_versions()}; fields that differ: "
-                    f"{sorted(set(differ) - {'parallelism_config'})}")
+        pytest.skip(
+            f"table for {trl_schema.VERSIONS}, installed {installed_versions()}; fields that differ: "
+            f"{sorted(set(differ) - {'parallelism_config'})}"
+        )
     assert differ == {"parallelism_config": (dict | None, hints["parallelism_config"])}  # a mapping in YAML
     assert training_field_types(kind) is table
     assert table["lr_scheduler_type"] != hints["lr_scheduler_type"]  # the stand-in enum, same name and members
@@ -447,6 +523,7 @@ def test_training_schema_table_is_the_installed_configs_fields(kind):
 # TRL's vLLM mode (training.use_vllm: true) through this trainer. vLLM cannot run here (no GPU):
 # these read TRL's code, or run TRL's own code with no vLLM engine behind it (docs/training.md,
 # "Generation in vLLM", says which claim rests on what).
+
 
 def _block(source: str, start: str, end: str) -> str:
     """The normalised source from ``start`` to ``end`` (both must be there, in that order)."""
@@ -462,8 +539,10 @@ def test_vllm_mode_syncs_the_weights_at_the_first_generation_after_an_optimizer_
     refill rounds within a step generate from the same, already pushed weights. Nothing of this
     project moves ``global_step`` or ``_last_loaded_step``, and its one override of
     ``_generate_single_turn`` (LoRA merging, inert here: vLLM never calls ``generate``) defers to TRL's."""
-    sync = ("if self.state.global_step != self._last_loaded_step: with profiling_context(self, \"sync_weights\"): "
-            "self.vllm_generation.sync_weights() self._last_loaded_step = self.state.global_step")
+    sync = (
+        'if self.state.global_step != self._last_loaded_step: with profiling_context(self, "sync_weights"): '
+        "self.vllm_generation.sync_weights() self._last_loaded_step = self.state.global_step"
+    )
     single = _block(inspect.getsource(GRPOTrainer._generate_single_turn), "if self.use_vllm:", "elif self.")
     assert single.index(sync) < single.index("self.vllm_generation.generate(")
     assert "self._last_loaded_step = -1" in normalised(inspect.getsource(GRPOTrainer.__init__))
@@ -488,8 +567,10 @@ def test_vllm_weight_sync_pushes_the_merged_lora_weights_under_the_base_models_n
     from trl.distributed import DistributedBackend
     from trl.generation.vllm_generation import VLLMGeneration
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_lm_path),
-                           LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_lm_path),
+        LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]),
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -523,10 +604,13 @@ def test_vllm_generation_columns_survive_dynamic_samplings_refill():
     assert GRPOConfig.__dataclass_fields__["vllm_importance_sampling_mode"].default == "sequence_mask"
 
     def batch(rows: int, width: int, ratio: float) -> dict:
-        return {"completion_ids": torch.ones(rows, width, dtype=torch.long),
-                "completion_mask": torch.ones(rows, width, dtype=torch.long),
-                "sampling_per_token_logps": torch.full((rows, width), -1.0),
-                "importance_sampling_ratio": torch.full((rows, 1), ratio), "advantages": torch.zeros(rows)}
+        return {
+            "completion_ids": torch.ones(rows, width, dtype=torch.long),
+            "completion_mask": torch.ones(rows, width, dtype=torch.long),
+            "sampling_per_token_logps": torch.full((rows, width), -1.0),
+            "importance_sampling_ratio": torch.full((rows, 1), ratio),
+            "advantages": torch.zeros(rows),
+        }
 
     out = merge_rows(batch(4, 3, 1.0), batch(4, 5, 0.5), rows=[1, 2], new_rows=[0, 3], pad_id=0)
     assert out["importance_sampling_ratio"].tolist() == [[1.0], [0.5], [0.5], [1.0]]
@@ -545,8 +629,13 @@ def test_vllm_importance_sampling_weighs_each_pcgrad_loss_as_the_plain_loss(adap
     trainer = adaptive
     trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = 0.01, 0.0, None
     a, b = torch.tensor([1.0, -2.0, 0.5, 0.0]), torch.tensor([0.3, 0.3, -1.0, 2.0])
-    batch = {**_batch(trainer), "advantages": a + b, "advantages_acc": a, "advantages_reason": b,
-             "importance_sampling_ratio": torch.tensor([[0.5], [2.0], [1.0], [0.25]])}
+    batch = {
+        **_batch(trainer),
+        "advantages": a + b,
+        "advantages_acc": a,
+        "advantages_reason": b,
+        "importance_sampling_ratio": torch.tensor([[0.5], [2.0], [1.0], [0.25]]),
+    }
     start = dict(vars(trainer))
     assert not trainer.use_vllm and trainer.vllm_importance_sampling_correction  # TRL's default, off without vLLM
     with torch.no_grad():

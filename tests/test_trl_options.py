@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 VAL = REPO / "data" / "wordproblems" / "val.jsonl"
 
 
-def ANSWER_ONLY():  # noqa: N802 - reads as the reward it builds
+def ANSWER_ONLY():  # reads as the reward it builds
     return build_reward("answer_only", encoder="packaged:all-MiniLM-L6-v2", device="cpu")
 
 
@@ -43,8 +43,12 @@ def test_remove_unused_columns_is_refused_where_it_would_blind_the_reward(tiny_l
     load_config("tiny", ["--phases", phases])  # SFT builds its own columns: TRL's meaning there
     args = GRPOConfig(output_dir=str(tmp_path), remove_unused_columns=True, report_to="none", use_cpu=True)
     with pytest.raises(ValueError, match="remove_unused_columns=True would drop the columns the reward reads"):
-        CrystalGRPOTrainer(str(tiny_lm_path), reward=ANSWER_ONLY(), args=args,
-                           train_dataset=Dataset.from_list([{"prompt": "q", "answer": "1"}]))
+        CrystalGRPOTrainer(
+            str(tiny_lm_path),
+            reward=ANSWER_ONLY(),
+            args=args,
+            train_dataset=Dataset.from_list([{"prompt": "q", "answer": "1"}]),
+        )
 
 
 def test_scale_rewards_takes_the_booleans_trl_documents():
@@ -62,14 +66,24 @@ def test_scale_rewards_takes_the_booleans_trl_documents():
 
 def test_eval_strategy_needs_a_validation_split():
     with pytest.raises(ConfigError, match=r"training.eval_strategy: 'steps' evaluates on the validation split"):
-        load_config("tiny", ["--training.eval_strategy", "steps", "--data.validation", "null",
-                             "--data.validation_fraction", "0"])
+        load_config(
+            "tiny",
+            ["--training.eval_strategy", "steps", "--data.validation", "null", "--data.validation_fraction", "0"],
+        )
 
 
 def test_resume_from_checkpoint_in_the_config_resumes_like_the_flag(tmp_path, tiny_lm_path):
     out = tmp_path / "run"
-    base = ["--config", "tiny", "--output_dir", str(out), "--model.name_or_path", str(tiny_lm_path),
-            "--validation.eval_steps", "0"]
+    base = [
+        "--config",
+        "tiny",
+        "--output_dir",
+        str(out),
+        "--model.name_or_path",
+        str(tiny_lm_path),
+        "--validation.eval_steps",
+        "0",
+    ]
     assert grpo.main([*base, "--training.max_steps", "1"]) == 0
     assert grpo.main([*base, "--training.max_steps", "2"]) == 2  # another run's settings: refused, not resumed
     assert grpo.main([*base, "--training.max_steps", "2", "--training.resume_from_checkpoint", "latest"]) == 0
@@ -79,8 +93,9 @@ def test_resume_from_checkpoint_in_the_config_resumes_like_the_flag(tmp_path, ti
 
 
 def test_model_init_kwargs_contradicting_the_model_section_is_one_line():
-    with pytest.raises(ConfigError, match="training.model_init_kwargs.dtype: 'float16' contradicts model.dtype: "
-                                          "'bfloat16'"):
+    with pytest.raises(
+        ConfigError, match="training.model_init_kwargs.dtype: 'float16' contradicts model.dtype: 'bfloat16'"
+    ):
         load_config("tiny", ["--model.dtype", "bfloat16", "--training.model_init_kwargs", "{dtype: float16}"])
 
 
@@ -101,15 +116,39 @@ def test_trl_options_reach_every_phase_and_every_load(tmp_path, tiny_lm_path, mo
 
     monkeypatch.setattr(PreTrainedTokenizerBase, "apply_chat_template", recording)
     val = _small_val(tmp_path)
-    phases = ("[{name: warm, trainer: sft, init_from: none, overrides: {training: {max_steps: 1}}}, "
-              "{name: grpo, overrides: {training: {max_steps: 1}}}]")
-    cfg, _ = load_config("tiny", [
-        "--model.name_or_path", str(tiny_lm_path), "--data.validation", str(val), "--phases", phases,
-        "--validation.eval_steps", "1", "--validation.max_samples", "2", "--pcgrad", "true",
-        "--training.loss_type", "dapo", "--training.scale_rewards", "false",
-        "--training.eval_strategy", "steps", "--training.eval_steps", "1",
-        "--training.chat_template_kwargs", "{marker: Z}",
-        "--training.model_init_kwargs", "{output_hidden_states: true, attn_implementation: eager}"])
+    phases = (
+        "[{name: warm, trainer: sft, init_from: none, overrides: {training: {max_steps: 1}}}, "
+        "{name: grpo, overrides: {training: {max_steps: 1}}}]"
+    )
+    cfg, _ = load_config(
+        "tiny",
+        [
+            "--model.name_or_path",
+            str(tiny_lm_path),
+            "--data.validation",
+            str(val),
+            "--phases",
+            phases,
+            "--validation.eval_steps",
+            "1",
+            "--validation.max_samples",
+            "2",
+            "--pcgrad",
+            "true",
+            "--training.loss_type",
+            "dapo",
+            "--training.scale_rewards",
+            "false",
+            "--training.eval_strategy",
+            "steps",
+            "--training.eval_steps",
+            "1",
+            "--training.chat_template_kwargs",
+            "{marker: Z}",
+            "--training.model_init_kwargs",
+            "{output_hidden_states: true, attn_implementation: eager}",
+        ],
+    )
     warm, second = (p.config for p in cfg.phases)
     assert cfg.phases[0].left_out == ["loss_type", "max_completion_length", "num_generations", "scale_rewards"]
     assert "loss_type" not in warm.training and second.training["loss_type"] == "dapo"
@@ -142,20 +181,30 @@ def test_trl_reference_model_is_built_with_model_init_kwargs(tmp_path, tiny_lm_p
     """TRL builds the reference model (beta > 0) from model_init_kwargs: the run passes the model section's."""
     from crystal_grpo.train.models import load_policy
 
-    cfg, _ = load_config("tiny", ["--model.name_or_path", str(tiny_lm_path), "--training.model_init_kwargs",
-                                  "{output_hidden_states: true}"])
+    cfg, _ = load_config(
+        "tiny",
+        ["--model.name_or_path", str(tiny_lm_path), "--training.model_init_kwargs", "{output_hidden_states: true}"],
+    )
     args = grpo.training_args(cfg, tmp_path, {})
     assert args.model_init_kwargs == {"output_hidden_states": True} and args.beta > 0
     model, tok = load_policy(cfg.model)
-    trainer = grpo.make_trainer(cfg, args, model, tok, cfg.reward.build(),
-                                Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}], "answer": "1",
-                                                    "reference_steps": ["a"]}] * 4))
+    trainer = grpo.make_trainer(
+        cfg,
+        args,
+        model,
+        tok,
+        cfg.reward.build(),
+        Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": "q"}], "answer": "1", "reference_steps": ["a"]}] * 4
+        ),
+    )
     assert model.config.output_hidden_states and trainer.ref_model.config.output_hidden_states
 
 
 def test_no_reward_source_is_trls_error(tmp_path, tiny_lm_path):
-    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=2,
-                      num_generations=2)
+    args = GRPOConfig(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=2, num_generations=2
+    )
     with pytest.raises(ValueError, match="No reward source provided"):
         CrystalGRPOTrainer(str(tiny_lm_path), args=args, train_dataset=Dataset.from_list([{"prompt": "q"}] * 2))
 
@@ -181,9 +230,21 @@ def test_a_reward_module_beside_an_environment_reward_is_one_error(tmp_path, tin
 
     tok = AutoTokenizer.from_pretrained(tiny_lm_path)
     tok.chat_template = qwen2_5_chat_template  # a template TRL knows how to parse tool calls of
-    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=2,
-                      num_generations=2, max_completion_length=8)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+    )
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": "q"}], "answer": "1"}] * 2)
     with pytest.raises(ValueError, match=r"the environment_factory's get_reward \(Env\) would be a second reward"):
-        CrystalGRPOTrainer(str(tiny_lm_path), processing_class=tok, reward=ANSWER_ONLY(), args=args,
-                           train_dataset=data, environment_factory=Env)
+        CrystalGRPOTrainer(
+            str(tiny_lm_path),
+            processing_class=tok,
+            reward=ANSWER_ONLY(),
+            args=args,
+            train_dataset=data,
+            environment_factory=Env,
+        )

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from transformers import TrainerCallback
 
@@ -27,8 +28,12 @@ logger = logging.getLogger(__name__)
 def _metric(logs: dict[str, Any], suffix: str) -> float | None:
     """``<reward>/<suffix>`` (the reward module's diagnostics) or ``suffix`` itself, when finite."""
     for key, value in logs.items():
-        if (key == suffix or key.endswith("/" + suffix)) and not key.startswith(("val_", "eval_")) \
-                and isinstance(value, (int, float)) and math.isfinite(value):
+        if (
+            (key == suffix or key.endswith("/" + suffix))
+            and not key.startswith(("val_", "eval_"))
+            and isinstance(value, (int, float))
+            and math.isfinite(value)
+        ):
             return float(value)
     return None
 
@@ -52,21 +57,29 @@ class AlarmCallback(TrainerCallback):
                 self.recent[name].append(value)
         mean = {k: sum(v) / len(v) for k, v in self.recent.items() if len(v) == self.cfg.window}
         if c.max_truncated is not None and mean.get("truncated", 0.0) > c.max_truncated:
-            out["truncated"] = (f"{mean['truncated']:.0%} of completions were cut off at max_completion_length over "
-                                f"the last {c.window} steps (bound {c.max_truncated:.0%}): raise it, or the reward "
-                                "judges unfinished answers")
+            out["truncated"] = (
+                f"{mean['truncated']:.0%} of completions were cut off at max_completion_length over "
+                f"the last {c.window} steps (bound {c.max_truncated:.0%}): raise it, or the reward "
+                "judges unfinished answers"
+            )
         if c.min_steps is not None and mean.get("steps", math.inf) < c.min_steps:
-            out["steps"] = (f"{mean['steps']:.2f} reasoning steps written on average over the last {c.window} steps "
-                            f"(floor {c.min_steps}): the reasoning may be collapsing")
+            out["steps"] = (
+                f"{mean['steps']:.2f} reasoning steps written on average over the last {c.window} steps "
+                f"(floor {c.min_steps}): the reasoning may be collapsing"
+            )
         if c.min_recall is not None and mean.get("recall", math.inf) < c.min_recall:
-            out["recall"] = (f"step recall {mean['recall']:.3f} over the last {c.window} steps (floor "
-                             f"{c.min_recall}): the steps written match few reference steps")
+            out["recall"] = (
+                f"step recall {mean['recall']:.3f} over the last {c.window} steps (floor "
+                f"{c.min_recall}): the steps written match few reference steps"
+            )
         std = _metric(logs, "reward_std")
         if std is not None:
             self.zero_std_run = self.zero_std_run + 1 if std == 0.0 else 0
         if c.zero_std_steps is not None and self.zero_std_run >= c.zero_std_steps:
-            out["zero_std"] = (f"the reward's std was 0 for {self.zero_std_run} steps in a row: every advantage is "
-                               "0, nothing is learned (a constant reward, or every completion equally right/wrong)")
+            out["zero_std"] = (
+                f"the reward's std was 0 for {self.zero_std_run} steps in a row: every advantage is "
+                "0, nothing is learned (a constant reward, or every completion equally right/wrong)"
+            )
         return out
 
     def replay(self, rows: list[dict[str, Any]]) -> None:
@@ -83,8 +96,10 @@ class AlarmCallback(TrainerCallback):
         for name, why in raised.items():
             logs[f"alarm/{name}"] = 1.0
             if name not in self.active and state.is_world_process_zero:
-                self.say(f"warning: step {state.global_step}: alarm {name}: {why}"
-                         + ("; stopping (alarms.stop_on_alarm)" if self.cfg.stop_on_alarm else ""))
+                self.say(
+                    f"warning: step {state.global_step}: alarm {name}: {why}"
+                    + ("; stopping (alarms.stop_on_alarm)" if self.cfg.stop_on_alarm else "")
+                )
         self.active = set(raised)
         if raised and self.cfg.stop_on_alarm:
             control.should_save = True

@@ -91,21 +91,40 @@ class ValidationCallback(TrainerCallback):
         was_training = model.training
         k = self.cfg.num_samples
         sampling = Sampling(self.cfg.max_new_tokens, self.cfg.temperature, num_samples=k)
-        with (unwrap_model_for_generation(model, trainer.accelerator) as unwrapped,
-              merged_adapters(unwrapped, getattr(trainer, "merge_lora_for_generation", True)),
-              torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [],
-                                    enabled=self.cfg.temperature > 0)):  # training's random state untouched
+        with (
+            unwrap_model_for_generation(model, trainer.accelerator) as unwrapped,
+            merged_adapters(unwrapped, getattr(trainer, "merge_lora_for_generation", True)),
+            torch.random.fork_rng(
+                devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [],
+                enabled=self.cfg.temperature > 0,
+            ),
+        ):  # training's random state untouched
             unwrapped.eval()
             if self.cfg.temperature > 0:  # the same draws for the same weights, whenever validation runs
                 torch.manual_seed(trainer.args.seed + 1_000_003 * state.global_step + rank)
-            completions = [c for cs in generate(unwrapped, trainer.processing_class, [r["prompt"] for r in rows],
-                                                images, sampling, self.cfg.batch_size, Engine.from_trainer(trainer))
-                           for c in cs]
+            completions = [
+                c
+                for cs in generate(
+                    unwrapped,
+                    trainer.processing_class,
+                    [r["prompt"] for r in rows],
+                    images,
+                    sampling,
+                    self.cfg.batch_size,
+                    Engine.from_trainer(trainer),
+                )
+                for c in cs
+            ]
         model.train(was_training)
-        completions, _ = gather_objects(completions[:own * k])  # the padding's completions dropped
-        rows, _ = gather_objects([{k: r.get(k) for k in ("answer", "reference_steps", "choices", "id", "difficulty")}
-                                  | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
-                                  for r in rows[:own] for _ in range(k)])
+        completions, _ = gather_objects(completions[: own * k])  # the padding's completions dropped
+        rows, _ = gather_objects(
+            [
+                {k: r.get(k) for k in ("answer", "reference_steps", "choices", "id", "difficulty")}
+                | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
+                for r in rows[:own]
+                for _ in range(k)
+            ]
+        )
         batch = self.module.score(completions, rows, with_steps=True).batch
         metrics = self.module.metrics(batch)
         self.last_step = state.global_step
@@ -142,9 +161,15 @@ def write_samples(path: Path, rows: list[dict], completions: list[str], batch, n
     other cut of the rows) can be recovered from the run folder."""
     with open(path, "w") as fh:
         for i, (r, c) in enumerate(zip(rows, completions)):
-            line = {"id": r["id"], "sample": i % num_samples, "completion": c, "correct": batch.correct[i].item(),
-                    "format_ok": batch.format_ok[i].item(), "steps": batch.n_pred[i].item(),
-                    "f1": _number(batch.f1[i].item())}
+            line = {
+                "id": r["id"],
+                "sample": i % num_samples,
+                "completion": c,
+                "correct": batch.correct[i].item(),
+                "format_ok": batch.format_ok[i].item(),
+                "steps": batch.n_pred[i].item(),
+                "f1": _number(batch.f1[i].item()),
+            }
             if r.get("difficulty") is not None:
                 line["difficulty"] = r["difficulty"]
             fh.write(json.dumps(line) + "\n")

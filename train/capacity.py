@@ -30,15 +30,16 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.train.pcgrad_memory import pcgrad_extra_partitions
 from crystal_grpo.train.vision import PUBLISHED_QWEN_PIXELS, lora_targets, resized_image_tokens
 
-GIB = 2 ** 30
+GIB = 2**30
 #: Share of a GPU's memory a run may plan for.
 USABLE = 0.9
 #: What a GPU holds when torch cannot be asked (no GPU on this machine): an A100 / H100 80 GB.
@@ -77,9 +78,19 @@ QWEN25_VL_3B_CONFIG: dict[str, Any] = {
     "use_cache": True,
     "use_sliding_window": False,
     "vision_config": {
-        "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-        "in_chans": 3, "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
-        "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+        "depth": 32,
+        "hidden_act": "silu",
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "in_chans": 3,
+        "out_hidden_size": 2048,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "spatial_patch_size": 14,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "tokens_per_second": 2,
         "temporal_patch_size": 2,
     },
     "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
@@ -98,16 +109,29 @@ PROMPT_TEXT_TOKENS = 256
 #: GRPOConfig defaults the plan reads when the config leaves them out (TRL 1.16; tests/test_capacity.py
 #: checks them against GRPOConfig and SFTConfig).
 TRL_DEFAULTS: dict[str, Any] = {
-    "per_device_train_batch_size": 8, "num_generations": 8, "max_completion_length": 512,
-    "gradient_accumulation_steps": 1, "steps_per_generation": None, "generation_batch_size": None,
-    "ds3_gather_for_generation": True, "use_vllm": False, "vllm_mode": "colocate",
-    "vllm_gpu_memory_utilization": 0.3, "entropy_coef": 0.0, "use_adaptive_entropy": False,
+    "per_device_train_batch_size": 8,
+    "num_generations": 8,
+    "max_completion_length": 512,
+    "gradient_accumulation_steps": 1,
+    "steps_per_generation": None,
+    "generation_batch_size": None,
+    "ds3_gather_for_generation": True,
+    "use_vllm": False,
+    "vllm_mode": "colocate",
+    "vllm_gpu_memory_utilization": 0.3,
+    "entropy_coef": 0.0,
+    "use_adaptive_entropy": False,
 }
 SFT_MAX_LENGTH = 1024  # SFTConfig.max_length
 #: model_type -> how its decoder layer differs from Qwen2's (q/k/v bias, o bias, MLP bias, q/k norms).
-TEXT_MODEL_TYPES = {"qwen2": {}, "qwen2_5_vl": {}, "qwen2_5_vl_text": {},
-                    "llama": {"bias_from": "attention_bias"}, "mistral": {"bias_from": None},
-                    "qwen3": {"bias_from": "attention_bias", "qk_norm": True}}
+TEXT_MODEL_TYPES = {
+    "qwen2": {},
+    "qwen2_5_vl": {},
+    "qwen2_5_vl_text": {},
+    "llama": {"bias_from": "attention_bias"},
+    "mistral": {"bias_from": None},
+    "qwen3": {"bias_from": "attention_bias", "qk_norm": True},
+}
 
 
 #: ``model.lora.target_modules`` as the config gives it: None (the default), a regex, ``all-linear``,
@@ -138,13 +162,27 @@ class TextShape:
     def linears(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear layer of one decoder layer, by module name."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
 
     def layer_modules(self) -> list[int]:
         """Parameters held directly by each module of one decoder layer."""
-        bias = {"q_proj": self.qkv_bias, "k_proj": self.qkv_bias, "v_proj": self.qkv_bias, "o_proj": self.o_bias,
-                "gate_proj": self.mlp_bias, "up_proj": self.mlp_bias, "down_proj": self.mlp_bias}
+        bias = {
+            "q_proj": self.qkv_bias,
+            "k_proj": self.qkv_bias,
+            "v_proj": self.qkv_bias,
+            "o_proj": self.o_bias,
+            "gate_proj": self.mlp_bias,
+            "up_proj": self.mlp_bias,
+            "down_proj": self.mlp_bias,
+        }
         out = [i * o + (o if bias[name] else 0) for name, (i, o) in self.linears().items()]
         return out + [self.hidden, self.hidden] + ([self.head_dim] * 2 if self.qk_norm else [])
 
@@ -170,20 +208,25 @@ class VisionShape:
     def block_linears(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear layer of one vision block, by module path within the block."""
         h, i = self.hidden, self.intermediate
-        return {"attn.qkv": (h, 3 * h), "attn.proj": (h, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i),
-                "mlp.down_proj": (i, h)}
+        return {
+            "attn.qkv": (h, 3 * h),
+            "attn.proj": (h, h),
+            "mlp.gate_proj": (h, i),
+            "mlp.up_proj": (h, i),
+            "mlp.down_proj": (i, h),
+        }
 
     def merger_modules(self) -> list[int]:
-        m = self.hidden * self.merge ** 2
+        m = self.hidden * self.merge**2
         return [self.hidden, m * m + m, m * self.out_hidden + self.out_hidden]
 
     def merger_linears(self) -> dict[str, tuple[int, int]]:
-        m = self.hidden * self.merge ** 2
+        m = self.hidden * self.merge**2
         return {"mlp.0": (m, m), "mlp.2": (m, self.out_hidden)}
 
     @property
     def patch_embed(self) -> int:
-        return self.in_channels * self.temporal_patch * self.patch ** 2 * self.hidden
+        return self.in_channels * self.temporal_patch * self.patch**2 * self.hidden
 
 
 @dataclass(frozen=True)
@@ -225,22 +268,36 @@ class ModelSizes:
 
     def counts(self) -> dict[str, int]:
         """Parameters per component, as ``train/tools/capacity.py meta_counts`` finds them on the model."""
-        return {"total": self.total, "vision": self.vision_tower, "projector": self.projector,
-                "language": self.language, "largest_layer": self.largest_layer}
+        return {
+            "total": self.total,
+            "vision": self.vision_tower,
+            "projector": self.projector,
+            "language": self.language,
+            "largest_layer": self.largest_layer,
+        }
 
     def linear_layers(self) -> dict[str, tuple[str, int, int]]:
         """Every linear layer but the output one (what PEFT's ``all-linear`` adapts): module path,
         as transformers 5 names it, -> (part, in, out); part is language, vision or projector."""
         t, v = self.text, self.vision
         prefix = "model.language_model." if v is not None else "model."
-        block = lambda name: "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"  # noqa: E731
-        out = {f"{prefix}layers.{n}.{block(name)}.{name}": ("language", i, o)
-               for n in range(t.layers) for name, (i, o) in t.linears().items()}
+        block = lambda name: "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        out = {
+            f"{prefix}layers.{n}.{block(name)}.{name}": ("language", i, o)
+            for n in range(t.layers)
+            for name, (i, o) in t.linears().items()
+        }
         if v is not None:
-            out.update({f"model.visual.blocks.{n}.{name}": ("vision", i, o)
-                        for n in range(v.depth) for name, (i, o) in v.block_linears().items()})
-            out.update({f"model.visual.merger.{name}": ("projector", i, o)
-                        for name, (i, o) in v.merger_linears().items()})
+            out.update(
+                {
+                    f"model.visual.blocks.{n}.{name}": ("vision", i, o)
+                    for n in range(v.depth)
+                    for name, (i, o) in v.block_linears().items()
+                }
+            )
+            out.update(
+                {f"model.visual.merger.{name}": ("projector", i, o) for name, (i, o) in v.merger_linears().items()}
+            )
         return out
 
     def lora_layers(self, target_modules: Targets = None) -> dict[str, tuple[str, int, int]]:
@@ -257,8 +314,11 @@ class ModelSizes:
                 return re.fullmatch(targets, path) is not None
             return any(path == t or path.endswith("." + t) for t in targets)
 
-        return {path: layer for path, layer in self.linear_layers().items()
-                if adapted(path) and (layer[0] == "language" or not language_only)}
+        return {
+            path: layer
+            for path, layer in self.linear_layers().items()
+            if adapted(path) and (layer[0] == "language" or not language_only)
+        }
 
     def lora_parts(self, r: int, target_modules: Targets = None) -> dict[str, int]:
         """LoRA's trainable parameters per part (language, vision, projector): r x (in + out) a layer."""
@@ -284,27 +344,41 @@ def sizes_from_config(config: dict[str, Any], source: str = "config.json", dtype
     text = {**config, **(config.get("text_config") or {})}
     text_type = text.get("model_type", model_type)
     if model_type not in TEXT_MODEL_TYPES or text_type not in TEXT_MODEL_TYPES:
-        raise CapacityError(f"{source}: model_type {model_type!r} is not one the memory plan knows "
-                            f"({', '.join(sorted(TEXT_MODEL_TYPES))})")
+        raise CapacityError(
+            f"{source}: model_type {model_type!r} is not one the memory plan knows "
+            f"({', '.join(sorted(TEXT_MODEL_TYPES))})"
+        )
     kind = TEXT_MODEL_TYPES[model_type]
     bias = text.get(kind["bias_from"], False) if "bias_from" in kind else None
     h, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
     shape = TextShape(
-        layers=int(text["num_hidden_layers"]), hidden=h, heads=heads,
-        kv_heads=int(text.get("num_key_value_heads") or heads), head_dim=int(text.get("head_dim") or h // heads),
-        intermediate=int(text["intermediate_size"]), vocab=int(text["vocab_size"]),
+        layers=int(text["num_hidden_layers"]),
+        hidden=h,
+        heads=heads,
+        kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=int(text.get("head_dim") or h // heads),
+        intermediate=int(text["intermediate_size"]),
+        vocab=int(text["vocab_size"]),
         tied=bool(config.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
-        qkv_bias=True if bias is None else bool(bias), o_bias=bool(bias), mlp_bias=bool(text.get("mlp_bias", False)),
-        qk_norm=bool(kind.get("qk_norm")))
+        qkv_bias=True if bias is None else bool(bias),
+        o_bias=bool(bias),
+        mlp_bias=bool(text.get("mlp_bias", False)),
+        qk_norm=bool(kind.get("qk_norm")),
+    )
     vision = None
     if "vision_config" in config:
         v = config["vision_config"]
         vision = VisionShape(
-            depth=int(v.get("depth", 32)), hidden=int(v.get("hidden_size", 3584)),
-            intermediate=int(v.get("intermediate_size", 3420)), heads=int(v.get("num_heads", 16)),
-            in_channels=int(v.get("in_channels", v.get("in_chans", 3))), patch=int(v.get("patch_size", 14)),
-            temporal_patch=int(v.get("temporal_patch_size", 2)), merge=int(v.get("spatial_merge_size", 2)),
-            out_hidden=int(v.get("out_hidden_size", 3584)))
+            depth=int(v.get("depth", 32)),
+            hidden=int(v.get("hidden_size", 3584)),
+            intermediate=int(v.get("intermediate_size", 3420)),
+            heads=int(v.get("num_heads", 16)),
+            in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+            patch=int(v.get("patch_size", 14)),
+            temporal_patch=int(v.get("temporal_patch_size", 2)),
+            merge=int(v.get("spatial_merge_size", 2)),
+            out_hidden=int(v.get("out_hidden_size", 3584)),
+        )
     if dtype == "auto":
         dtype = str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "float32")
     return ModelSizes(shape, vision, _DTYPE_BYTES.get(dtype, 4), source)
@@ -322,8 +396,10 @@ def model_sizes(name_or_path: str, gguf_file: Union[str, None] = None, dtype: st
         if cached is None and name_or_path == QWEN25_VL_3B_ID:
             return sizes_from_config(QWEN25_VL_3B_CONFIG, f"{QWEN25_VL_3B_ID}'s published config.json", dtype)
         if cached is None:
-            raise CapacityError(f"model.name_or_path {name_or_path!r}: no config.json here (not a local folder, "
-                                "not in the Hugging Face cache) to read the model's sizes from")
+            raise CapacityError(
+                f"model.name_or_path {name_or_path!r}: no config.json here (not a local folder, "
+                "not in the Hugging Face cache) to read the model's sizes from"
+            )
         path, source = Path(cached), f"{name_or_path} (Hugging Face cache)"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -354,9 +430,16 @@ def _hub_cached_config(repo_id: str) -> Union[str, None]:
 
 
 # --- DeepSpeed's estimators, copied (tests/test_capacity.py compares them with DeepSpeed's) ----
-def zero3_model_states(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                       cpu_offload: bool = True, cpu_offload_params: bool = True, zero_init: bool = True,
-                       additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:
+def zero3_model_states(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int, int]:
     """``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs`` (DeepSpeed 0.19):
     (CPU bytes, GPU bytes, largest layer's bytes) for params, gradients and Adam states."""
     total_gpus = num_nodes * num_gpus_per_node
@@ -384,8 +467,13 @@ def zero3_model_states(total_params: int, largest_layer_params: int, num_gpus_pe
     return int(cpu_mem), int(gpu_mem), largest_layer_memory
 
 
-def zero2_model_states(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
-                       additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+def zero2_model_states(
+    total_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int]:
     """``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs`` (DeepSpeed 0.19)."""
     total_gpus = num_nodes * num_gpus_per_node
     if cpu_offload:
@@ -412,11 +500,15 @@ class Launch:
     source: str = "one process: --accelerate_config FILE or --gpus N for another launch"
 
     def describe(self) -> str:
-        sharding = (f"DeepSpeed ZeRO-{self.zero_stage}" if self.zero_stage
-                    else "DDP" if self.gpus > 1 else "no DeepSpeed")
+        sharding = (
+            f"DeepSpeed ZeRO-{self.zero_stage}" if self.zero_stage else "DDP" if self.gpus > 1 else "no DeepSpeed"
+        )
         offload = [n for n, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on]
-        return (f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}, {sharding}"
-                + (f" with {' and '.join(offload)} offload" if offload else "") + f" ({self.source})")
+        return (
+            f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}, {sharding}"
+            + (f" with {' and '.join(offload)} offload" if offload else "")
+            + f" ({self.source})"
+        )
 
 
 def _resolve(path: str, *folders: Path) -> Path:
@@ -436,18 +528,23 @@ def _deepspeed_settings(ds: Union[dict, str, None], folders: tuple[Path, ...] = 
             return {}
     ds = ds or {}
     zero = ds.get("zero_optimization") or {}
-    device = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)  # noqa: E731
-    out = {"offload_optimizer": device("offload_optimizer"), "offload_params": device("offload_param"),
-           "gradient_dtype": _gradient_dtype(ds)}
+    device = lambda key: (zero.get(key) or {}).get("device", "none") not in ("none", None)
+    out = {
+        "offload_optimizer": device("offload_optimizer"),
+        "offload_params": device("offload_param"),
+        "gradient_dtype": _gradient_dtype(ds),
+    }
     if "stage" in zero:
         out["zero_stage"] = int(zero["stage"])
     return out
 
 
 #: DeepSpeed's names of a dtype (its ``DtypeEnum``), as :func:`_gradient_dtype` gives them.
-_DEEPSPEED_DTYPES = {"fp32": ("fp32", "float32", "float", "torch.float32"),
-                     "fp16": ("fp16", "float16", "half", "torch.float16"),
-                     "bf16": ("bf16", "bfloat16", "torch.bfloat16")}
+_DEEPSPEED_DTYPES = {
+    "fp32": ("fp32", "float32", "float", "torch.float32"),
+    "fp16": ("fp16", "float16", "half", "torch.float16"),
+    "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+}
 
 
 def _gradient_dtype(ds: dict) -> str:
@@ -467,8 +564,12 @@ def _gradient_dtype(ds: dict) -> str:
     return "fp32"
 
 
-def launch_from(accelerate_config: Union[str, None] = None, deepspeed: Union[dict, str, None] = None,
-                gpus: Union[int, None] = None, env: Union[dict, None] = None) -> Launch:
+def launch_from(
+    accelerate_config: Union[str, None] = None,
+    deepspeed: Union[dict, str, None] = None,
+    gpus: Union[int, None] = None,
+    env: Union[dict, None] = None,
+) -> Launch:
     """The launch a run gets: ``--gpus`` wins, then the launcher's WORLD_SIZE, then an accelerate
     config file's ``num_processes``; the ZeRO stage from ``training.deepspeed``, else the accelerate
     config's DeepSpeed config (the file or its own keys), else what ``accelerate launch`` exported."""
@@ -485,23 +586,32 @@ def launch_from(accelerate_config: Union[str, None] = None, deepspeed: Union[dic
             acc = parse_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
         except OSError as err:
             raise CapacityError(f"--accelerate_config: cannot read {path} ({err})") from None
-        count, nodes, source = int(acc.get("num_processes", 1)), int(acc.get("num_machines", 1)), str(accelerate_config)
+        count, nodes, source = (
+            int(acc.get("num_processes", 1)),
+            int(acc.get("num_machines", 1)),
+            str(accelerate_config),
+        )
         if acc.get("distributed_type") == "DEEPSPEED":
             dsc = acc.get("deepspeed_config") or {}
             if dsc.get("deepspeed_config_file"):
                 settings = _deepspeed_settings(str(dsc["deepspeed_config_file"]), (CONFIG_DIR.parent,))
             else:
-                settings = {"zero_stage": int(dsc.get("zero_stage", 0)),
-                            "offload_optimizer": dsc.get("offload_optimizer_device", "none") != "none",
-                            "offload_params": dsc.get("offload_param_device", "none") != "none"}
+                settings = {
+                    "zero_stage": int(dsc.get("zero_stage", 0)),
+                    "offload_optimizer": dsc.get("offload_optimizer_device", "none") != "none",
+                    "offload_params": dsc.get("offload_param_device", "none") != "none",
+                }
     elif int(env.get("WORLD_SIZE", "1")) > 1:
         count, source = int(env["WORLD_SIZE"]), "the launcher's WORLD_SIZE"
         nodes = max(1, count // int(env.get("LOCAL_WORLD_SIZE", count)))
     if deepspeed:
         settings = {**settings, **_deepspeed_settings(deepspeed)}
     elif not settings and str(env.get("ACCELERATE_USE_DEEPSPEED", "")).lower() == "true":
-        settings = _deepspeed_settings(env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")) if env.get(
-            "ACCELERATE_DEEPSPEED_CONFIG_FILE") else {"zero_stage": int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 0))}
+        settings = (
+            _deepspeed_settings(env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"))
+            if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+            else {"zero_stage": int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 0))}
+        )
     if gpus:
         count, source = gpus, "--gpus"
     return Launch(gpus=count, nodes=nodes, source=source, **settings)
@@ -512,24 +622,24 @@ def launch_from(accelerate_config: Union[str, None] = None, deepspeed: Union[dic
 class Workload:
     """What one phase does on each GPU."""
 
-    micro_batch: int                 # sequences per forward/backward (per_device_train_batch_size)
-    generation_batch: int = 0        # sequences generated at once (x steps_per_generation); 0: no generation
-    num_generations: int = 0         # completions per prompt (TRL: divides the global generation batch)
+    micro_batch: int  # sequences per forward/backward (per_device_train_batch_size)
+    generation_batch: int = 0  # sequences generated at once (x steps_per_generation); 0: no generation
+    num_generations: int = 0  # completions per prompt (TRL: divides the global generation batch)
     prompt_tokens: int = PROMPT_TEXT_TOKENS  # text + image tokens of one prompt
-    completion_tokens: int = 512     # generated (GRPO) or target (SFT) tokens
-    images: int = 0                  # images per sequence
-    image_tokens: int = 0            # merged tokens per image
+    completion_tokens: int = 512  # generated (GRPO) or target (SFT) tokens
+    images: int = 0  # images per sequence
+    image_tokens: int = 0  # merged tokens per image
     checkpointing: bool = True
-    lora_r: int = 0                  # 0: full fine-tuning
-    lora_targets: Targets = None     # model.lora.target_modules (None: the default, ModelSizes.lora_layers)
+    lora_r: int = 0  # 0: full fine-tuning
+    lora_targets: Targets = None  # model.lora.target_modules (None: the default, ModelSizes.lora_layers)
     lora_dropout: float = 0.0
-    lora_merged: bool = True         # LoRA generates through a merged copy (train/lora_merge.py)
-    reference: bool = False          # TRL's reference model (beta > 0, full fine-tuning)
+    lora_merged: bool = True  # LoRA generates through a merged copy (train/lora_merge.py)
+    reference: bool = False  # TRL's reference model (beta > 0, full fine-tuning)
     pcgrad: bool = False
-    pcgrad_rows: int = 0             # PCGrad's fp32 rows of the trainable partition (pcgrad_extra_partitions)
-    fp32_gradients: bool = False     # the gradient storage is fp32 (DeepSpeed: its gradient buffer)
+    pcgrad_rows: int = 0  # PCGrad's fp32 rows of the trainable partition (pcgrad_extra_partitions)
+    fp32_gradients: bool = False  # the gradient storage is fp32 (DeepSpeed: its gradient buffer)
     gather_for_generation: bool = True  # TRL's ds3_gather_for_generation
-    vllm_share: float = 0.0          # vLLM colocated: its share of the GPU
+    vllm_share: float = 0.0  # vLLM colocated: its share of the GPU
 
 
 @dataclass(frozen=True)
@@ -540,10 +650,10 @@ class Memory:
 
     model_states: int
     reference: int
-    pcgrad: int              # PCGrad's fp32 rows, while training (none while generating)
-    generation: int          # gathered or merged weights + KV cache + prefill, while generating
+    pcgrad: int  # PCGrad's fp32 rows, while training (none while generating)
+    generation: int  # gathered or merged weights + KV cache + prefill, while generating
     kv_cache: int
-    activations: int         # the training forward/backward with the configured checkpointing
+    activations: int  # the training forward/backward with the configured checkpointing
     activations_ckpt: int
     activations_full: int
     vllm: int = 0
@@ -571,8 +681,13 @@ def vision_trains(sizes: ModelSizes, work: Workload) -> bool:
     return not work.lora_r or sizes.lora_parts(work.lora_r, work.lora_targets)["vision"] > 0
 
 
-def model_states_bytes(sizes: ModelSizes, launch: Launch, work: Workload, zero3: Estimator = zero3_model_states,
-                       zero2: Estimator = zero2_model_states) -> int:
+def model_states_bytes(
+    sizes: ModelSizes,
+    launch: Launch,
+    work: Workload,
+    zero3: Estimator = zero3_model_states,
+    zero2: Estimator = zero2_model_states,
+) -> int:
     """Weights, gradients and optimizer state on one GPU. Under DeepSpeed: DeepSpeed's estimate for
     the trainable parameters (16-bit weights and gradients, fp32 master weights and Adam moments,
     18 bytes each, partitioned; a gathered layer at 4 bytes a parameter) plus, for LoRA, the frozen
@@ -586,12 +701,19 @@ def model_states_bytes(sizes: ModelSizes, launch: Launch, work: Workload, zero3:
     per_node = launch.gpus // launch.nodes
     wide = 2 * trainable if work.fp32_gradients and w == 2 else 0
     if launch.zero_stage == 3:
-        _, gpu, _ = zero3(trainable, sizes.largest_layer, num_gpus_per_node=per_node, num_nodes=launch.nodes,
-                          cpu_offload=launch.offload_optimizer, cpu_offload_params=launch.offload_params)
+        _, gpu, _ = zero3(
+            trainable,
+            sizes.largest_layer,
+            num_gpus_per_node=per_node,
+            num_nodes=launch.nodes,
+            cpu_offload=launch.offload_optimizer,
+            cpu_offload_params=launch.offload_params,
+        )
         return gpu + (0 if launch.offload_params else w * frozen // launch.gpus) + wide // launch.gpus
     if launch.zero_stage in (1, 2):
-        _, gpu = zero2(trainable, num_gpus_per_node=per_node, num_nodes=launch.nodes,
-                       cpu_offload=launch.offload_optimizer)
+        _, gpu = zero2(
+            trainable, num_gpus_per_node=per_node, num_nodes=launch.nodes, cpu_offload=launch.offload_optimizer
+        )
         return gpu + w * frozen + wide // launch.gpus
     return w * (sizes.total + trainable * (3 + (launch.gpus > 1)))
 
@@ -655,7 +777,7 @@ def activation_bytes(sizes: ModelSizes, work: Workload, checkpointing: bool) -> 
     lm = tokens * (t.layers * kept + (per_layer if checkpointing else 0) + 6 * t.hidden)
     vision = 0
     if v is not None and vision_trains(sizes, work) and work.images:
-        patches = work.micro_batch * work.images * work.image_tokens * v.merge ** 2
+        patches = work.micro_batch * work.images * work.image_tokens * v.merge**2
         block = vision_block_bytes(v) + dropout["vision"] // v.depth
         vision = patches * ((v.depth * 2 * v.hidden + block) if checkpointing else (v.depth + 1) * block)
     scored = work.micro_batch * work.completion_tokens
@@ -681,8 +803,14 @@ def generation_bytes(sizes: ModelSizes, launch: Launch, work: Workload) -> int:
     return weights + kv_cache_bytes(sizes, work) + prefill
 
 
-def plan(sizes: ModelSizes, launch: Launch, work: Workload, zero3: Estimator = zero3_model_states,
-         zero2: Estimator = zero2_model_states, gpu_bytes: float = DEFAULT_GPU_GIB * GIB) -> Memory:
+def plan(
+    sizes: ModelSizes,
+    launch: Launch,
+    work: Workload,
+    zero3: Estimator = zero3_model_states,
+    zero2: Estimator = zero2_model_states,
+    gpu_bytes: float = DEFAULT_GPU_GIB * GIB,
+) -> Memory:
     """The memory one GPU needs for ``work`` under ``launch`` (``zero3``/``zero2``: DeepSpeed's
     estimators or the copies above; ``gpu_bytes`` only sizes a colocated vLLM)."""
     ref = 0
@@ -692,12 +820,16 @@ def plan(sizes: ModelSizes, launch: Launch, work: Workload, zero3: Estimator = z
     local = -(-trainable // launch.gpus) if launch.zero_stage == 3 else trainable
     ckpt, full = activation_bytes(sizes, work, True), activation_bytes(sizes, work, False)
     return Memory(
-        model_states=model_states_bytes(sizes, launch, work, zero3, zero2), reference=ref,
+        model_states=model_states_bytes(sizes, launch, work, zero3, zero2),
+        reference=ref,
         pcgrad=4 * work.pcgrad_rows * local if work.pcgrad else 0,
         generation=generation_bytes(sizes, launch, work),
         kv_cache=kv_cache_bytes(sizes, work) if work.generation_batch else 0,
-        activations=ckpt if work.checkpointing else full, activations_ckpt=ckpt, activations_full=full,
-        vllm=int(work.vllm_share * gpu_bytes))
+        activations=ckpt if work.checkpointing else full,
+        activations_ckpt=ckpt,
+        activations_full=full,
+        vllm=int(work.vllm_share * gpu_bytes),
+    )
 
 
 def fits(memory: Memory, gpu_bytes: float) -> bool:
@@ -708,8 +840,10 @@ def fits(memory: Memory, gpu_bytes: float) -> bool:
 def pixel_bounds(vision) -> tuple[int, int]:
     """(min_pixels, max_pixels) a run's processor applies: ``model.vision``'s, the published
     processor's (:data:`PUBLISHED_QWEN_PIXELS`) where one is null."""
-    return tuple(own if own is not None else published
-                 for own, published in zip((vision.min_pixels, vision.max_pixels), PUBLISHED_QWEN_PIXELS))
+    return tuple(
+        own if own is not None else published
+        for own, published in zip((vision.min_pixels, vision.max_pixels), PUBLISHED_QWEN_PIXELS)
+    )
 
 
 def prompt_image_tokens(sizes: ModelSizes, vision) -> int:
@@ -718,8 +852,9 @@ def prompt_image_tokens(sizes: ModelSizes, vision) -> int:
     if sizes.vision is None:
         return 0
     low, high = pixel_bounds(vision)
-    return resized_image_tokens(*ASSUMED_IMAGE, min_pixels=low, max_pixels=high,
-                                factor=sizes.vision.patch * sizes.vision.merge)
+    return resized_image_tokens(
+        *ASSUMED_IMAGE, min_pixels=low, max_pixels=high, factor=sizes.vision.patch * sizes.vision.merge
+    )
 
 
 def fp32_gradient_storage(cfg, sizes: ModelSizes, launch: Launch) -> bool:
@@ -747,12 +882,18 @@ def workload(cfg, sizes: ModelSizes, launch: Launch) -> Workload:
     lora = cfg.model.lora
     image_tokens = prompt_image_tokens(sizes, cfg.model.vision)
     fp32 = fp32_gradient_storage(cfg, sizes, launch)
-    common = dict(micro_batch=per_device, images=int(sizes.vision is not None), image_tokens=image_tokens,
-                  prompt_tokens=PROMPT_TEXT_TOKENS + image_tokens,
-                  checkpointing=bool(cfg.training.get("gradient_checkpointing", cfg.model.gradient_checkpointing)),
-                  lora_r=lora.r if lora else 0, lora_dropout=lora.dropout if lora else 0.0,
-                  lora_targets=lora.target_modules if lora else None,
-                  lora_merged=bool(lora and lora.merge_for_generation), fp32_gradients=fp32)
+    common = dict(
+        micro_batch=per_device,
+        images=int(sizes.vision is not None),
+        image_tokens=image_tokens,
+        prompt_tokens=PROMPT_TEXT_TOKENS + image_tokens,
+        checkpointing=bool(cfg.training.get("gradient_checkpointing", cfg.model.gradient_checkpointing)),
+        lora_r=lora.r if lora else 0,
+        lora_dropout=lora.dropout if lora else 0.0,
+        lora_targets=lora.target_modules if lora else None,
+        lora_merged=bool(lora and lora.merge_for_generation),
+        fp32_gradients=fp32,
+    )
     if cfg.trainer == "sft":
         target = int(tr.get("max_length") or SFT_MAX_LENGTH) - common["prompt_tokens"]
         return Workload(**common, completion_tokens=max(target, 0))
@@ -763,10 +904,17 @@ def workload(cfg, sizes: ModelSizes, launch: Launch) -> Workload:
     entropy = float(tr["entropy_coef"]) != 0 or bool(tr["use_adaptive_entropy"])
     # aux_loss: the architectures the plan knows (TEXT_MODEL_TYPES) have no router
     rows = pcgrad_extra_partitions(accumulation, beta, entropy_bonus=entropy, fp32_gradients=fp32) if cfg.pcgrad else 0
-    return Workload(**common, generation_batch=gen, num_generations=int(tr["num_generations"] or 0),
-                    completion_tokens=int(tr["max_completion_length"]), reference=beta > 0,
-                    pcgrad=bool(cfg.pcgrad), pcgrad_rows=rows,
-                    gather_for_generation=bool(tr["ds3_gather_for_generation"]), vllm_share=vllm)
+    return Workload(
+        **common,
+        generation_batch=gen,
+        num_generations=int(tr["num_generations"] or 0),
+        completion_tokens=int(tr["max_completion_length"]),
+        reference=beta > 0,
+        pcgrad=bool(cfg.pcgrad),
+        pcgrad_rows=rows,
+        gather_for_generation=bool(tr["ds3_gather_for_generation"]),
+        vllm_share=vllm,
+    )
 
 
 def gpu_memory_bytes(option_gib: Union[float, None]) -> tuple[float, str]:
@@ -793,11 +941,15 @@ def describe(memory: Memory, usable: float) -> str:
     parts += [f"reference model {in_gib(memory.reference)}"] if memory.reference else []
     parts += [f"vLLM {in_gib(memory.vllm)}"] if memory.vllm else []
     peak = [f"generation {in_gib(memory.generation)}"] if memory.generation else []
-    peak += [f"activations {in_gib(memory.activations)}"
-             + (f" + PCGrad rows {in_gib(memory.pcgrad)}" if memory.pcgrad else "")]
+    peak += [
+        f"activations {in_gib(memory.activations)}"
+        + (f" + PCGrad rows {in_gib(memory.pcgrad)}" if memory.pcgrad else "")
+    ]
     verdict = "fits" if memory.total <= usable else "does NOT fit"
-    return (f"{in_gib(memory.total)} GiB = {' + '.join(parts)} + max({', '.join(peak)}); {verdict} in "
-            f"{in_gib(usable)} usable")
+    return (
+        f"{in_gib(memory.total)} GiB = {' + '.join(parts)} + max({', '.join(peak)}); {verdict} in "
+        f"{in_gib(usable)} usable"
+    )
 
 
 def remedies(sizes: ModelSizes, launch: Launch, work: Workload, gpu_bytes: float) -> list[str]:
@@ -805,7 +957,7 @@ def remedies(sizes: ModelSizes, launch: Launch, work: Workload, gpu_bytes: float
     from crystal_grpo.train.models import LoraSection
 
     out = []
-    ok = lambda ln, wk: fits(plan(sizes, ln, wk, gpu_bytes=gpu_bytes), gpu_bytes)  # noqa: E731
+    ok = lambda ln, wk: fits(plan(sizes, ln, wk, gpu_bytes=gpu_bytes), gpu_bytes)
     zero3 = replace(launch, zero_stage=3) if launch.zero_stage != 3 else launch
     for n in (2, 4, 8, 16, 32, 64):
         if n > launch.gpus and ok(replace(zero3, gpus=n, nodes=max(1, n // 8)), work):
@@ -838,8 +990,12 @@ def _group(work: Workload, gpus: int) -> Union[str, None]:
     return f" with num_generations {smaller[-1]}" if smaller else None
 
 
-def check_lines(cfg, accelerate_config: Union[str, None] = None, gpus: Union[int, None] = None,
-                gpu_memory: Union[float, None] = None) -> list[str]:
+def check_lines(
+    cfg,
+    accelerate_config: Union[str, None] = None,
+    gpus: Union[int, None] = None,
+    gpu_memory: Union[float, None] = None,
+) -> list[str]:
     """What ``--check`` prints: one line per phase with its predicted memory per GPU, and a
     ``warning:`` line for each phase that cannot fit (with what would make it fit). Nothing for
     a CPU run."""
@@ -857,11 +1013,15 @@ def check_lines(cfg, accelerate_config: Union[str, None] = None, gpus: Union[int
     image = ""
     if sizes.vision:
         low, high = pixel_bounds(cfg.model.vision)
-        image = (f" + {prompt_image_tokens(sizes, cfg.model.vision)} image tokens (a {ASSUMED_IMAGE[1]} x "
-                 f"{ASSUMED_IMAGE[0]} picture at {low:,}-{high:,} pixels)")
-    lines = [f"memory per GPU, predicted (docs/benchmarks.md, capacity plan): {sizes.total / 1e9:.2f}B parameters "
-             f"({sizes.source}); {launch.describe()}; GPU {gpu_text}; prompts of {PROMPT_TEXT_TOKENS} text"
-             f"{image or ' tokens'}, completions at full length"]
+        image = (
+            f" + {prompt_image_tokens(sizes, cfg.model.vision)} image tokens (a {ASSUMED_IMAGE[1]} x "
+            f"{ASSUMED_IMAGE[0]} picture at {low:,}-{high:,} pixels)"
+        )
+    lines = [
+        f"memory per GPU, predicted (docs/benchmarks.md, capacity plan): {sizes.total / 1e9:.2f}B parameters "
+        f"({sizes.source}); {launch.describe()}; GPU {gpu_text}; prompts of {PROMPT_TEXT_TOKENS} text"
+        f"{image or ' tokens'}, completions at full length"
+    ]
     warnings = []
     names = [p.name for p in cfg.phases] or ["run"]
     for name, phase in zip(names, phase_configs(cfg)):
@@ -870,7 +1030,9 @@ def check_lines(cfg, accelerate_config: Union[str, None] = None, gpus: Union[int
         lines.append(f"  {name}: {describe(memory, usable)}")
         if not fits(memory, gpu_bytes):
             fix = remedies(sizes, launch, work, gpu_bytes)
-            warnings.append(f"warning: {name}: predicted {in_gib(memory.total)} GiB per GPU does not fit in "
-                            f"{in_gib(usable)} GiB ({USABLE:.0%} of {in_gib(gpu_bytes)})"
-                            + (f"; it would with: {'; '.join(fix)}" if fix else "; no single change makes it fit"))
+            warnings.append(
+                f"warning: {name}: predicted {in_gib(memory.total)} GiB per GPU does not fit in "
+                f"{in_gib(usable)} GiB ({USABLE:.0%} of {in_gib(gpu_bytes)})"
+                + (f"; it would with: {'; '.join(fix)}" if fix else "; no single change makes it fit")
+            )
     return lines + warnings

@@ -103,8 +103,9 @@ class CheckpointMixin:
                 raise
             if self.args.should_save:  # never resumable (no marker): give its space back
                 shutil.rmtree(folder, ignore_errors=True)
-            raise DiskFull(f"saving {folder} failed ({disk_full(err, run_dir)}); the partial folder was "
-                           "removed") from None
+            raise DiskFull(
+                f"saving {folder} failed ({disk_full(err, run_dir)}); the partial folder was removed"
+            ) from None
         self.accelerator.wait_for_everyone()  # every rank's shards are on disk
         if self.args.should_save:
             write_marker(folder, self.state.global_step)
@@ -122,7 +123,13 @@ class CheckpointMixin:
                 "resumed at step %d on a learning-rate schedule other than the checkpoint's (lr_scheduler_type %s, "
                 "max_steps %s): transformers plans it over the whole run from step 0, so step %d trains at %.6g, "
                 "not at the checkpoint's %.6g; for a constant rate from here use lr_scheduler_type constant",
-                step, getattr(kind, "value", kind), self.args.max_steps, step + 1, now, saved)
+                step,
+                getattr(kind, "value", kind),
+                self.args.max_steps,
+                step + 1,
+                now,
+                saved,
+            )
 
     def finish_from(self, checkpoint: str) -> None:
         """End a phase whose ``checkpoint`` already holds its last step: load it (weights,

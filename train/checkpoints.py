@@ -129,11 +129,15 @@ def checkpoint_problem(folder: str | Path, require_marker: bool = True, checksum
         now = sha256_files([folder / rel for rel in sha256])
         for (rel, digest), found in zip(sha256.items(), now):
             if found != digest:
-                return (f"{folder / rel}: its content is not what was saved (sha256 differs from {MARKER}'s: "
-                        "corrupted or overwritten)")
+                return (
+                    f"{folder / rel}: its content is not what was saved (sha256 differs from {MARKER}'s: "
+                    "corrupted or overwritten)"
+                )
     elif require_marker:
-        return (f"{folder}: incomplete (no {MARKER}: the run was stopped while saving it, or an older "
-                "version wrote it; pass its path to --resume_from_checkpoint to try it anyway)")
+        return (
+            f"{folder}: incomplete (no {MARKER}: the run was stopped while saving it, or an older "
+            "version wrote it; pass its path to --resume_from_checkpoint to try it anyway)"
+        )
     elif not (folder / TRAINER_STATE).is_file():
         return f"{folder / TRAINER_STATE}: missing (the checkpoint is incomplete)"
     for p in sorted(folder.rglob("*.safetensors")):
@@ -192,9 +196,11 @@ def explicit_resume_problem(checkpoint: str | Path, run_dir: Path, folders: list
     if problem:
         return f"cannot resume: {problem}"
     if Path(checkpoint).resolve().parent not in {f.resolve() for f in folders}:
-        return (f"cannot resume: {checkpoint} is not a checkpoint of the run in {run_dir}: resume its own run "
-                f"(--output_dir {Path(checkpoint).parent}), or start a new run from its weights "
-                f"(--model.name_or_path {checkpoint})")
+        return (
+            f"cannot resume: {checkpoint} is not a checkpoint of the run in {run_dir}: resume its own run "
+            f"(--output_dir {Path(checkpoint).parent}), or start a new run from its weights "
+            f"(--model.name_or_path {checkpoint})"
+        )
     return None
 
 
@@ -206,9 +212,15 @@ def set_back(run_dir: Path, checkpoint: str | Path) -> str | None:
     newer = [f for f in checkpoint_folders(run_dir) if (step_of(f) or 0) > step and (f / MARKER).is_file()]
     for folder in newer:
         remove_marker(folder)
-    return (f"resuming from {checkpoint}, older than {', '.join(f.name for f in newer)}: "
+    return (
+        (
+            f"resuming from {checkpoint}, older than {', '.join(f.name for f in newer)}: "
             f"{'that one is' if len(newer) == 1 else 'those are'} no longer complete (completion marker removed), so "
-            "that latest never resumes them; the run saves over them as it reaches their steps") if newer else None
+            "that latest never resumes them; the run saves over them as it reaches their steps"
+        )
+        if newer
+        else None
+    )
 
 
 # --- resuming ----------------------------------------------------------------------------
@@ -248,16 +260,22 @@ def settings_undone(saved: dict[str, float], args: Any) -> dict[str, tuple[float
     out = {}
     for key in RESTORED_SETTINGS:
         now, then = getattr(args, key, None), saved.get(key)
-        if now is not None and then is not None and not math.isclose(float(now), float(then), rel_tol=1e-9, abs_tol=0.0):
+        if (
+            now is not None
+            and then is not None
+            and not math.isclose(float(now), float(then), rel_tol=1e-9, abs_tol=0.0)
+        ):
             out[key] = (now, then)
     return out
 
 
 def undone_line(key: str, now: float, then: float) -> str:
-    return (f"training.{key} is {now!r} but the checkpoint was trained with {then!r}: resuming restores the "
-            f"optimizer and scheduler state, so the run continues with {then!r} (and run.json records it). To "
-            "change it, start a new run from the checkpoint's weights (--model.name_or_path CHECKPOINT) instead "
-            "of resuming.")
+    return (
+        f"training.{key} is {now!r} but the checkpoint was trained with {then!r}: resuming restores the "
+        f"optimizer and scheduler state, so the run continues with {then!r} (and run.json records it). To "
+        "change it, start a new run from the checkpoint's weights (--model.name_or_path CHECKPOINT) instead "
+        "of resuming."
+    )
 
 
 # --- disk space -------------------------------------------------------------------------
@@ -292,11 +310,16 @@ def space_report(run_dir: str | Path, need: int | None = None) -> str:
     run_dir = Path(run_dir)
     folders = [run_dir, *sorted(p for p in run_dir.glob("phase*-*") if p.is_dir())] if run_dir.is_dir() else []
     newest = [c for c in (latest_complete(f)[0] for f in folders) if c is not None]
-    need = need if need is not None else next((checkpoint_bytes(f) for f in reversed(folders)
-                                               if checkpoint_bytes(f)), None)
-    return (f"{gb(free_bytes(run_dir))} free on the file system of {run_dir}"
-            + (f", a checkpoint of this run takes {gb(need)}" if need else "")
-            + f"; newest complete checkpoint: {newest[-1] if newest else 'none'}")
+    need = (
+        need
+        if need is not None
+        else next((checkpoint_bytes(f) for f in reversed(folders) if checkpoint_bytes(f)), None)
+    )
+    return (
+        f"{gb(free_bytes(run_dir))} free on the file system of {run_dir}"
+        + (f", a checkpoint of this run takes {gb(need)}" if need else "")
+        + f"; newest complete checkpoint: {newest[-1] if newest else 'none'}"
+    )
 
 
 def disk_full(err: BaseException, run_dir: str | Path) -> str | None:

@@ -38,8 +38,8 @@ from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.rewards import RewardConfig, RewardModule, reward_class
 from crystal_grpo.train.data import DataSection
 from crystal_grpo.train.models import LoraSection, ModelSection  # noqa: F401 - part of the run config
-from crystal_grpo.train.vision import VisionSection  # noqa: F401 - part of the run config
 from crystal_grpo.train.trl_fields import newer_field_type, training_field_types
+from crystal_grpo.train.vision import VisionSection  # noqa: F401 - part of the run config
 from crystal_grpo.typed import ConfigError, Range, check_value, derived, from_dict, option, to_dict
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -47,7 +47,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 LIGER_REFUSED = (
     "pcgrad: true cannot be combined with use_liger_kernel: PCGrad runs several backward passes "
     "through one retained graph, and Liger's fused Triton kernels are neither verified for that nor "
-    "testable without a GPU here. Set one of them off.")
+    "testable without a GPU here. Set one of them off."
+)
 #: Where a user gets vLLM: the tested set (requirements-vllm.lock; docs/training.md, "Generation in vLLM").
 VLLM_SETUP = "on a CUDA GPU machine, make setup-vllm installs the tested vLLM set into .venv-vllm (docs/training.md)"
 #: What trains a phase: TRL's GRPOTrainer, or its SFTTrainer for a supervised warm start.
@@ -62,16 +63,26 @@ class ValidationSection:
     max_samples: Union[int, None] = option(None, "Cap on validation rows (None: all).", ge=1)
     max_new_tokens: int = option(256, "Greedy generation length.", ge=1)
     batch_size: int = option(8, "Generation batch size per process.", ge=1)
-    temperature: float = option(0.0, "0: greedy (the paper's evaluation). Above 0: sampled at this temperature, "
-                                "num_samples completions a row, from a seed fixed per step (training's random "
-                                "state untouched): the policy's sampled accuracy, which GRPO optimises and which "
-                                "greedy decoding can hide.", ge=0)
+    temperature: float = option(
+        0.0,
+        "0: greedy (the paper's evaluation). Above 0: sampled at this temperature, "
+        "num_samples completions a row, from a seed fixed per step (training's random "
+        "state untouched): the policy's sampled accuracy, which GRPO optimises and which "
+        "greedy decoding can hide.",
+        ge=0,
+    )
     num_samples: int = option(1, "Completions a row (metrics average over all of them).", ge=1)
-    metric: str = option("accuracy", "Best checkpoint by this metric: a validation metric of the metric table "
-                         "(crystal_grpo/metrics.py: " + ", ".join(typing.get_args(Metric)) + "), or one your "
-                         "reward's module registers.")
-    at_start: bool = option(True, "Also validate before the first step (step 0), so every curve shows where it "
-                            "began; not a best-checkpoint candidate (no checkpoint holds those weights).")
+    metric: str = option(
+        "accuracy",
+        "Best checkpoint by this metric: a validation metric of the metric table "
+        "(crystal_grpo/metrics.py: " + ", ".join(typing.get_args(Metric)) + "), or one your "
+        "reward's module registers.",
+    )
+    at_start: bool = option(
+        True,
+        "Also validate before the first step (step 0), so every curve shows where it "
+        "began; not a best-checkpoint candidate (no checkpoint holds those weights).",
+    )
 
 
 @dataclass
@@ -87,19 +98,28 @@ class DynamicSamplingSection:
     config, train/dynamic_sampling.py). Off by default: every group trains, as in TRL."""
 
     mode: Literal["none", "mask", "refill"] = option(
-        "none", "none: every group trains (TRL). mask: a flat group gets zero weight: out of the loss, the KL term "
+        "none",
+        "none: every group trains (TRL). mask: a flat group gets zero weight: out of the loss, the KL term "
         "and the loss's normaliser. refill (DAPO): up to max_num_gen_batches generation batches a step, informative "
-        "groups of the later ones taking the flat groups' places; the flat groups still left are masked.")
-    min_std: float = option(0.0, "A group is flat when the std of what the metric judges is at most this (0: only "
-                            "groups whose values are all equal).", ge=0)
+        "groups of the later ones taking the flat groups' places; the flat groups still left are masked.",
+    )
+    min_std: float = option(
+        0.0,
+        "A group is flat when the std of what the metric judges is at most this (0: only "
+        "groups whose values are all equal).",
+        ge=0,
+    )
     metric: Literal["reward", "objectives", "outcome"] = option(
-        "reward", "Whose std: reward, the total reward (TRL's advantage is made of it); objectives (pcgrad: true "
+        "reward",
+        "Whose std: reward, the total reward (TRL's advantage is made of it); objectives (pcgrad: true "
         "only), each objective's part: PCGrad's accuracy loss leaves out the groups flat on accuracy, its reasoning "
         "loss those flat on reasoning, and only a group flat on both is out of the KL term and refilled; outcome, "
         "the answer's raw correctness (the reward's accuracy component before its weight): a group whose answers "
-        "are all right or all wrong is flat however its step scores vary (verl's filter_groups metric acc).")
-    max_num_gen_batches: int = option(3, "refill: generation batches a step at most, the first included (verl's "
-                                      "name); 1 is mask.", ge=1)
+        "are all right or all wrong is flat however its step scores vary (verl's filter_groups metric acc).",
+    )
+    max_num_gen_batches: int = option(
+        3, "refill: generation batches a step at most, the first included (verl's name); 1 is mask.", ge=1
+    )
 
 
 def trl_vllm_range() -> str | None:
@@ -131,30 +151,45 @@ def vllm_problem() -> str | None:
         return None
     supported = trl_vllm_range()
     if supported and not SpecifierSet(supported).contains(version, prereleases=True):
-        return (f"vLLM {version} is installed and TRL {importlib.metadata.version('trl')} supports vllm{supported}; "
-                f"{VLLM_SETUP}")
+        return (
+            f"vLLM {version} is installed and TRL {importlib.metadata.version('trl')} supports vllm{supported}; "
+            f"{VLLM_SETUP}"
+        )
     return None
 
 
-def dynamic_sampling_refused(section: DynamicSamplingSection, *, pcgrad: bool, scale_rewards: Any,
-                             aggregation: str, outcome: str | None) -> tuple[str, str] | None:
+def dynamic_sampling_refused(
+    section: DynamicSamplingSection, *, pcgrad: bool, scale_rewards: Any, aggregation: str, outcome: str | None
+) -> tuple[str, str] | None:
     """(key, why) when ``section`` cannot work with these settings, else None (the config's
     check and a trainer built by hand share it). ``outcome``: the reward's outcome component."""
     if section.mode == "none":
         return None
     if section.metric == "outcome" and outcome is None:
-        return ("dynamic_sampling.metric", "'outcome' gates on the reward's accuracy component (the answer's "
-                "correctness), and this reward has none (format, or reward.components without crystal:accuracy); "
-                "use metric: reward")
+        return (
+            "dynamic_sampling.metric",
+            "'outcome' gates on the reward's accuracy component (the answer's "
+            "correctness), and this reward has none (format, or reward.components without crystal:accuracy); "
+            "use metric: reward",
+        )
     if section.metric == "objectives" and not pcgrad:
-        return ("dynamic_sampling.metric", "'objectives' filters each of PCGrad's two losses on its own objective and "
-                "needs pcgrad: true; without PCGrad there is one loss, on the total reward (metric: reward)")
+        return (
+            "dynamic_sampling.metric",
+            "'objectives' filters each of PCGrad's two losses on its own objective and "
+            "needs pcgrad: true; without PCGrad there is one loss, on the total reward (metric: reward)",
+        )
     if scale_rewards == "batch" or aggregation == "normalize_then_sum":
-        key, value = (("training.scale_rewards", "'batch'") if scale_rewards == "batch" else
-                      ("training.multi_objective_aggregation", "'normalize_then_sum'"))
-        return (key, f"{value} cannot be combined with dynamic_sampling.mode: {section.mode}: the advantages would be "
-                "scaled by a std over the whole batch, flat groups included, so dropping or replacing those would "
-                "change every other group's advantage; use scale_rewards: group or none (sum_then_normalize)")
+        key, value = (
+            ("training.scale_rewards", "'batch'")
+            if scale_rewards == "batch"
+            else ("training.multi_objective_aggregation", "'normalize_then_sum'")
+        )
+        return (
+            key,
+            f"{value} cannot be combined with dynamic_sampling.mode: {section.mode}: the advantages would be "
+            "scaled by a std over the whole batch, flat groups included, so dropping or replacing those would "
+            "change every other group's advantage; use scale_rewards: group or none (sum_then_normalize)",
+        )
     return None
 
 
@@ -164,15 +199,23 @@ class AlarmSection:
     turns one off."""
 
     max_truncated: Union[float, None] = option(
-        0.5, "Share of completions cut off at max_completion_length above which to warn (their rewards are "
-        "mostly the malformed ones).", ge=0, le=1)
+        0.5,
+        "Share of completions cut off at max_completion_length above which to warn (their rewards are "
+        "mostly the malformed ones).",
+        ge=0,
+        le=1,
+    )
     min_steps: Union[float, None] = option(
-        3.0, "Mean reasoning steps written below which to warn (the authors' floor; only where the reward "
-        "scores steps).", ge=0)
+        3.0,
+        "Mean reasoning steps written below which to warn (the authors' floor; only where the reward scores steps).",
+        ge=0,
+    )
     min_recall: Union[float, None] = option(
-        0.25, "Step recall below which to warn (the authors' floor; only where the reward scores steps).", ge=0, le=1)
+        0.25, "Step recall below which to warn (the authors' floor; only where the reward scores steps).", ge=0, le=1
+    )
     zero_std_steps: Union[int, None] = option(
-        20, "Warn after this many consecutive steps whose rewards have zero std (no advantage anywhere).", ge=1)
+        20, "Warn after this many consecutive steps whose rewards have zero std (no advantage anywhere).", ge=1
+    )
     window: int = option(10, "Steps averaged before the steps/recall/truncation bounds are judged.", ge=1)
     stop_on_alarm: bool = option(False, "Save and stop the run when an alarm fires.")
 
@@ -181,16 +224,26 @@ class AlarmSection:
 class RewardSection:
     """The reward (``reward:``): its name and the fields of its config class as ``params``."""
 
-    name: str = option("cpr", "A reward registered in crystal_grpo.rewards.REWARDS: format, answer_only, "
-                       "composite, cpr, authors_code; or your RewardModule subclass as 'package.module:Name' "
-                       "or 'path/file.py:Name' (rewards/user.py).")
-    params: dict[str, Any] = option(default_factory=dict, help="Fields of the reward's config (RewardConfig and "
-                                    "e.g. CPRConfig: answer_weight, step_weight, wrong_answer_discount).")
+    name: str = option(
+        "cpr",
+        "A reward registered in crystal_grpo.rewards.REWARDS: format, answer_only, "
+        "composite, cpr, authors_code; or your RewardModule subclass as 'package.module:Name' "
+        "or 'path/file.py:Name' (rewards/user.py).",
+    )
+    params: dict[str, Any] = option(
+        default_factory=dict,
+        help="Fields of the reward's config (RewardConfig and "
+        "e.g. CPRConfig: answer_weight, step_weight, wrong_answer_discount).",
+    )
     components: list[dict[str, Any]] = option(
-        default_factory=list, help="Instead of a name: a weighted sum of reward functions, each {fn: "
-        "'package.module:name' or crystal:<term>, weight, objective: accuracy|reasoning} (rewards/user.py).")
-    config: Union[RewardConfig, None] = derived("The reward's typed config, made from params once when the "
-                                                "config is validated; the reward module is built from it.")
+        default_factory=list,
+        help="Instead of a name: a weighted sum of reward functions, each {fn: "
+        "'package.module:name' or crystal:<term>, weight, objective: accuracy|reasoning} (rewards/user.py).",
+    )
+    config: Union[RewardConfig, None] = derived(
+        "The reward's typed config, made from params once when the "
+        "config is validated; the reward module is built from it."
+    )
 
     def build(self) -> RewardModule:
         """The reward module this section describes (after validation)."""
@@ -204,15 +257,21 @@ class PhaseSection:
     """One phase of a multi-phase schedule: any top-level section overridden."""
 
     name: str = option("", "The phase's name (its folder: phase<i>-<name>).")
-    trainer: TrainerKind = option("grpo", "grpo, or sft: a supervised warm start on the training rows rendered "
-                                  "as the target JSON, with GRPO's prompt and the loss on the completion only.")
-    init_from: Literal["best", "last", "none"] = option("best", "Which checkpoint of the previous phase to start "
-                                                        "from.")
+    trainer: TrainerKind = option(
+        "grpo",
+        "grpo, or sft: a supervised warm start on the training rows rendered "
+        "as the target JSON, with GRPO's prompt and the loss on the completion only.",
+    )
+    init_from: Literal["best", "last", "none"] = option(
+        "best", "Which checkpoint of the previous phase to start from."
+    )
     overrides: dict[str, Any] = option(default_factory=dict, help="Sections of this config, as in the file.")
-    config: Union[RunConfig, None] = derived("The config this phase runs with (the run's, overrides merged), "
-                                             "made once when the config is validated.")
-    left_out: Union[list[str], None] = derived("The run's training keys this phase does not take: the other "
-                                               "trainer's own (split_training).")
+    config: Union[RunConfig, None] = derived(
+        "The config this phase runs with (the run's, overrides merged), made once when the config is validated."
+    )
+    left_out: Union[list[str], None] = derived(
+        "The run's training keys this phase does not take: the other trainer's own (split_training)."
+    )
 
 
 @dataclass
@@ -223,33 +282,46 @@ class RunConfig:
     model: ModelSection = option(default_factory=ModelSection, help="The policy (train/models.py).")
     data: DataSection = option(default_factory=DataSection, help="Training data (train/data.py).")
     reward: RewardSection = option(default_factory=RewardSection, help="The reward (rewards/).")
-    curriculum: Union[CurriculumSection, None] = option(None, "Step-count curriculum (curricula/sampler.py); "
-                                                        "None: TRL's random order.")
+    curriculum: Union[CurriculumSection, None] = option(
+        None, "Step-count curriculum (curricula/sampler.py); None: TRL's random order."
+    )
     pcgrad: bool = option(False, "Project conflicting accuracy/reasoning gradients (docs/method.md section 9).")
     pcgrad_objective_std: bool = option(False, "Scale each objective's advantage by its own group std.")
-    validation: ValidationSection = option(default_factory=ValidationSection, help="Greedy validation "
-                                           "(train/callbacks.py).")
-    stability: StabilitySection = option(default_factory=StabilitySection, help="Non-finite updates "
-                                         "(train/nonfinite.py).")
-    alarms: AlarmSection = option(default_factory=AlarmSection, help="Warnings when the training signal goes bad: "
-                                  "truncation, steps or recall collapsing, zero reward std (train/alarms.py).")
+    validation: ValidationSection = option(
+        default_factory=ValidationSection, help="Greedy validation (train/callbacks.py)."
+    )
+    stability: StabilitySection = option(
+        default_factory=StabilitySection, help="Non-finite updates (train/nonfinite.py)."
+    )
+    alarms: AlarmSection = option(
+        default_factory=AlarmSection,
+        help="Warnings when the training signal goes bad: "
+        "truncation, steps or recall collapsing, zero reward std (train/alarms.py).",
+    )
     dynamic_sampling: DynamicSamplingSection = option(
-        default_factory=DynamicSamplingSection, help="Groups whose rewards do not vary: masked, or replaced by "
-        "informative ones (DAPO's dynamic sampling; train/dynamic_sampling.py).")
-    training: dict[str, Any] = option(default_factory=dict, help="Any field of trl.GRPOConfig (which extends "
-                                      "transformers.TrainingArguments).")
+        default_factory=DynamicSamplingSection,
+        help="Groups whose rewards do not vary: masked, or replaced by "
+        "informative ones (DAPO's dynamic sampling; train/dynamic_sampling.py).",
+    )
+    training: dict[str, Any] = option(
+        default_factory=dict, help="Any field of trl.GRPOConfig (which extends transformers.TrainingArguments)."
+    )
     phases: list[PhaseSection] = option(default_factory=list, help="Empty: one phase.")
-    cpu_backend: Union[Literal["gloo"], None] = option(None, "Multi-process on CPU for tests and CI: gloo runs "
-                                                       "DDP/ZeRO-3 without a GPU.")
+    cpu_backend: Union[Literal["gloo"], None] = option(
+        None, "Multi-process on CPU for tests and CI: gloo runs DDP/ZeRO-3 without a GPU."
+    )
     resume_from_checkpoint: Union[str, None] = derived(
         "training.resume_from_checkpoint, taken out of training at load: the run resumes as with the "
-        "--resume_from_checkpoint flag (which wins).")
+        "--resume_from_checkpoint flag (which wins)."
+    )
 
     def precision(self) -> dict[str, Any]:
         """TRL's ``bf16`` / ``fp16`` for this run: ``training``'s keys, else the model's dtype. What
         ``train/grpo.py`` gives TRL, the precision check checks and a DeepSpeed ``"auto"`` becomes."""
-        return {"bf16": self.training.get("bf16", self.model.dtype == "bfloat16"),
-                "fp16": self.training.get("fp16", self.model.dtype == "float16")}
+        return {
+            "bf16": self.training.get("bf16", self.model.dtype == "bfloat16"),
+            "fp16": self.training.get("fp16", self.model.dtype == "float16"),
+        }
 
 
 @dataclass
@@ -272,13 +344,28 @@ class PaperRecipe:
 # --- values: types and ranges -----------------------------------------------------
 #: Ranges of ``GRPOConfig`` fields whose bad values TRL reports only deep inside a run, or never.
 TRAINING_RANGES: dict[str, Range] = {
-    "learning_rate": Range(ge=0), "weight_decay": Range(ge=0), "max_grad_norm": Range(ge=0),
-    "max_steps": Range(ge=-1), "num_train_epochs": Range(gt=0), "warmup_steps": Range(ge=0),
-    "per_device_train_batch_size": Range(ge=1), "gradient_accumulation_steps": Range(ge=1),
-    "num_generations": Range(ge=2), "num_iterations": Range(ge=1), "max_completion_length": Range(ge=1),
-    "save_steps": Range(gt=0), "logging_steps": Range(gt=0), "save_total_limit": Range(ge=1),
-    "temperature": Range(gt=0), "top_p": Range(gt=0, le=1), "top_k": Range(ge=0), "min_p": Range(ge=0, le=1),
-    "beta": Range(ge=0), "epsilon": Range(ge=0), "epsilon_high": Range(ge=0), "seed": Range(ge=0),
+    "learning_rate": Range(ge=0),
+    "weight_decay": Range(ge=0),
+    "max_grad_norm": Range(ge=0),
+    "max_steps": Range(ge=-1),
+    "num_train_epochs": Range(gt=0),
+    "warmup_steps": Range(ge=0),
+    "per_device_train_batch_size": Range(ge=1),
+    "gradient_accumulation_steps": Range(ge=1),
+    "num_generations": Range(ge=2),
+    "num_iterations": Range(ge=1),
+    "max_completion_length": Range(ge=1),
+    "save_steps": Range(gt=0),
+    "logging_steps": Range(gt=0),
+    "save_total_limit": Range(ge=1),
+    "temperature": Range(gt=0),
+    "top_p": Range(gt=0, le=1),
+    "top_k": Range(ge=0),
+    "min_p": Range(ge=0, le=1),
+    "beta": Range(ge=0),
+    "epsilon": Range(ge=0),
+    "epsilon_high": Range(ge=0),
+    "seed": Range(ge=0),
 }
 
 #: ``GRPOConfig`` fields whose documented values are wider than their type hint.
@@ -294,8 +381,13 @@ TRAINING_ALIASES: dict[str, tuple[str, str]] = {
     "chat_template_kwargs": ("data", "chat_template_kwargs"),
 }
 #: ``training.model_init_kwargs`` keys that are fields of the model section; the rest go to model.init_kwargs.
-MODEL_INIT_FIELDS = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
-                     "trust_remote_code": "trust_remote_code", "revision": "revision"}
+MODEL_INIT_FIELDS = {
+    "dtype": "dtype",
+    "torch_dtype": "dtype",
+    "attn_implementation": "attn_implementation",
+    "trust_remote_code": "trust_remote_code",
+    "revision": "revision",
+}
 
 
 # --- YAML ------------------------------------------------------------------------------
@@ -313,8 +405,8 @@ class _Loader(yaml.SafeLoader):
                     continue
                 if duplicate:
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r} (first given on line {seen[key] + 1})",
-                        key_node.start_mark)
+                        None, None, f"duplicate key {key!r} (first given on line {seen[key] + 1})", key_node.start_mark
+                    )
                 seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
 
@@ -323,7 +415,8 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+    list("-+0123456789."),
+)
 
 
 def _yaml_error(where: str, err: yaml.YAMLError) -> ConfigError:
@@ -348,12 +441,14 @@ def _expanded_size(value: Any, sizes: dict[int, int], inside: set[int], where: s
         return 1
     key = id(value)
     if key in inside:
-        raise ConfigError(f"{where}: a YAML alias (*name) refers to a value that holds it: a config cannot hold "
-                          "itself")
+        raise ConfigError(
+            f"{where}: a YAML alias (*name) refers to a value that holds it: a config cannot hold itself"
+        )
     if key not in sizes:
         inside.add(key)
-        sizes[key] = 1 + sum(_expanded_size(v, sizes, inside, where)
-                             for v in (value.values() if isinstance(value, dict) else value))
+        sizes[key] = 1 + sum(
+            _expanded_size(v, sizes, inside, where) for v in (value.values() if isinstance(value, dict) else value)
+        )
         inside.discard(key)
     return sizes[key]
 
@@ -372,8 +467,10 @@ def parse_yaml(text: str, where: str) -> Any:
     except RecursionError:
         raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
     if size > MAX_YAML_VALUES:
-        raise ConfigError(f"{where}: the YAML expands to {size:,} values through its aliases (*name), more than "
-                          f"{MAX_YAML_VALUES:,}: a config holds a few hundred")
+        raise ConfigError(
+            f"{where}: the YAML expands to {size:,} values through its aliases (*name), more than "
+            f"{MAX_YAML_VALUES:,}: a config holds a few hundred"
+        )
     return value
 
 
@@ -414,11 +511,13 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         value = parse_yaml(raw, f"override --{key}")
         path = tuple(key.split("."))
         for sub in [path + p for p, _ in _leaves(value)] if isinstance(value, dict) and value else [path]:
-            twice = next((p for p in given if p[:len(sub)] == sub or sub[:len(p)] == p), None)
+            twice = next((p for p in given if p[: len(sub)] == sub or sub[: len(p)] == p), None)
             if twice is not None:
                 what = ".".join(min(twice, sub, key=len))
-                raise ConfigError(f"override --{what} is given twice on the command line ({given[twice]}, then "
-                                  f"--{key} {raw}); give it once")
+                raise ConfigError(
+                    f"override --{what} is given twice on the command line ({given[twice]}, then "
+                    f"--{key} {raw}); give it once"
+                )
             given[sub] = f"--{key} {raw}"
         before = node.get(leaf)  # a section given in parts is merged, never replaced
         node[leaf] = deep_merge(before, value) if isinstance(value, dict) and isinstance(before, dict) else value
@@ -452,8 +551,11 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> tuple[
 
 
 def _leaves(d: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
-    return [leaf for k, v in d.items() for leaf in (_leaves(v, (*prefix, k)) if isinstance(v, dict) and v
-                                                     else [((*prefix, k), v)])]
+    return [
+        leaf
+        for k, v in d.items()
+        for leaf in (_leaves(v, (*prefix, k)) if isinstance(v, dict) and v else [((*prefix, k), v)])
+    ]
 
 
 def _cli_wins(phase: Any, cli: dict, base_reward: Any) -> Any:
@@ -493,13 +595,16 @@ def _check_training(training: dict[str, Any], where: str, kind: TrainerKind) -> 
         tp = types_.get(key) or newer_field_type(kind, key)
         if tp is None:
             near = difflib.get_close_matches(key, sorted(types_), n=3)
-            raise ConfigError(f"{where}training: unknown key {key!r}; it must be a field of {name}"
-                              + (f" (close: {', '.join(near)})" if near else ""))
+            raise ConfigError(
+                f"{where}training: unknown key {key!r}; it must be a field of {name}"
+                + (f" (close: {', '.join(near)})" if near else "")
+            )
         tp = TRAINING_TYPES.get(key, tp)
         training[key] = check_value(f"{where}training.{key}", value, tp, TRAINING_RANGES.get(key))
     if training.get("max_steps") == 0:  # transformers would train one step
-        raise ConfigError(f"{where}training.max_steps: invalid value 0; expected -1 (train num_train_epochs) or an "
-                          "integer >= 1")
+        raise ConfigError(
+            f"{where}training.max_steps: invalid value 0; expected -1 (train num_train_epochs) or an integer >= 1"
+        )
 
 
 def _check_reward_params(reward: RewardSection, where: str) -> None:
@@ -508,8 +613,9 @@ def _check_reward_params(reward: RewardSection, where: str) -> None:
     record, its ``params``)."""
     from crystal_grpo.rewards.user import ComponentSpec, component_function
 
-    specs = [from_dict(ComponentSpec, comp, f"{where}reward.components[{i}]")
-             for i, comp in enumerate(reward.components)]
+    specs = [
+        from_dict(ComponentSpec, comp, f"{where}reward.components[{i}]") for i, comp in enumerate(reward.components)
+    ]
     if specs:
         if reward.name not in ("cpr", "composed"):  # cpr: the default, i.e. no name given
             raise ConfigError(f"{where}reward: both name {reward.name!r} and components; give one of them")
@@ -537,17 +643,23 @@ def validate(cfg: RunConfig) -> None:
             c = check_dict_sections(cfg)
         else:
             if "resume_from_checkpoint" in (phase.overrides.get("training") or {}):
-                raise ConfigError(f"phases[{phase.name}].overrides.training.resume_from_checkpoint: a run resumes "
-                                  "as a whole (into the phase it stopped in): set it at the top level, or use "
-                                  "--resume_from_checkpoint")
+                raise ConfigError(
+                    f"phases[{phase.name}].overrides.training.resume_from_checkpoint: a run resumes "
+                    "as a whole (into the phase it stopped in): set it at the top level, or use "
+                    "--resume_from_checkpoint"
+                )
             c = phase.config = apply_phase(cfg, phase)
         where = "" if phase is None else f"phases[{phase.name}].overrides."
         if c.trainer == "grpo" and c.training.get("remove_unused_columns"):
-            raise ConfigError(f"{where}training.remove_unused_columns: true would drop the columns the reward reads "
-                              "(answer, reference_steps), judging every completion wrong; GRPO keeps them (false)")
+            raise ConfigError(
+                f"{where}training.remove_unused_columns: true would drop the columns the reward reads "
+                "(answer, reference_steps), judging every completion wrong; GRPO keeps them (false)"
+            )
         if c.training.get("eval_strategy", "no") != "no" and not c.data.validation and not c.data.validation_fraction:
-            raise ConfigError(f"{where}training.eval_strategy: {c.training['eval_strategy']!r} evaluates on the "
-                              "validation split: set data.validation (or data.validation_fraction > 0)")
+            raise ConfigError(
+                f"{where}training.eval_strategy: {c.training['eval_strategy']!r} evaluates on the "
+                "validation split: set data.validation (or data.validation_fraction > 0)"
+            )
         if not c.model.name_or_path:
             raise ConfigError(f"{where}model.name_or_path: required (an HF folder, hub id or GGUF folder)")
         low, high = c.model.vision.min_pixels, c.model.vision.max_pixels
@@ -556,11 +668,15 @@ def validate(cfg: RunConfig) -> None:
         if not c.data.train:
             raise ConfigError(f"{where}data.train: required (a JSONL file or a datasets folder)")
         if c.trainer == "sft":
-            for key, value in (("curriculum", c.curriculum), ("pcgrad", c.pcgrad),
-                               ("dynamic_sampling.mode", c.dynamic_sampling.mode != "none")):
+            for key, value in (
+                ("curriculum", c.curriculum),
+                ("pcgrad", c.pcgrad),
+                ("dynamic_sampling.mode", c.dynamic_sampling.mode != "none"),
+            ):
                 if value:
-                    raise ConfigError(f"{where}{key}: set for an SFT phase; the curriculum, PCGrad and dynamic "
-                                      "sampling are GRPO's")
+                    raise ConfigError(
+                        f"{where}{key}: set for an SFT phase; the curriculum, PCGrad and dynamic sampling are GRPO's"
+                    )
         check_value(f"{where}validation.metric", c.validation.metric, Literal[metric_names("reward")])  # after the
         # reward's module loaded: a row it registers is a validation metric too
         if c.pcgrad and c.training.get("use_liger_kernel"):
@@ -570,24 +686,29 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{where}training.use_vllm: true, but {problem}")
         weights = c.training.get("reward_weights") or []
         if any(w < 0 for w in weights) and not c.reward.config.negative_weights:
-            raise ConfigError(f"{where}training.reward_weights: invalid value {weights!r}; a reward weight must be >= 0 "
-                              "(set reward.params.negative_weights: true if the penalty is meant)")
+            raise ConfigError(
+                f"{where}training.reward_weights: invalid value {weights!r}; a reward weight must be >= 0 "
+                "(set reward.params.negative_weights: true if the penalty is meant)"
+            )
         untagged = [i for i, spec in enumerate(getattr(c.reward.config, "components", [])) if not spec.objective]
         if c.pcgrad and untagged:
-            raise ConfigError(f"{where}reward.components[{untagged[0]}].objective: required with pcgrad: true "
-                              "(accuracy or reasoning: PCGrad splits the reward on it)")
+            raise ConfigError(
+                f"{where}reward.components[{untagged[0]}].objective: required with pcgrad: true "
+                "(accuracy or reasoning: PCGrad splits the reward on it)"
+            )
         aggregation = c.training.get("multi_objective_aggregation", "sum_then_normalize")
         scale = {True: "group", False: "none"}.get(c.training.get("scale_rewards"), c.training.get("scale_rewards"))
         outcome = reward_class(c.reward.name).outcome_name(c.reward.config)
-        refused = c.trainer == "grpo" and dynamic_sampling_refused(c.dynamic_sampling, pcgrad=c.pcgrad,
-                                                                   scale_rewards=scale, aggregation=aggregation,
-                                                                   outcome=outcome)
+        refused = c.trainer == "grpo" and dynamic_sampling_refused(
+            c.dynamic_sampling, pcgrad=c.pcgrad, scale_rewards=scale, aggregation=aggregation, outcome=outcome
+        )
         if refused:
             raise ConfigError(f"{where}{refused[0]}: {refused[1]}")
         if c.pcgrad and aggregation != "sum_then_normalize":
             raise ConfigError(
                 f"{where}training.multi_objective_aggregation: {aggregation!r} cannot be combined with pcgrad: "
-                "true (the objective advantages are the parts of TRL's summed advantage, sum_then_normalize)")
+                "true (the objective advantages are the parts of TRL's summed advantage, sum_then_normalize)"
+            )
 
 
 def check_dict_sections(cfg: RunConfig, where: str = "") -> RunConfig:
@@ -606,8 +727,9 @@ def _move_aliases(cfg: RunConfig, where: str) -> None:
     """``training`` keys that TRL documents but this config keeps in a section (TRAINING_ALIASES,
     ``model_init_kwargs``) become that section's fields, so that every load and every prompt uses
     them, not only TRL's own. A value that contradicts one the section was given is an error."""
-    moves = [(key, *TRAINING_ALIASES[key], cfg.training.pop(key)) for key in list(cfg.training)
-             if key in TRAINING_ALIASES]
+    moves = [
+        (key, *TRAINING_ALIASES[key], cfg.training.pop(key)) for key in list(cfg.training) if key in TRAINING_ALIASES
+    ]
     init = cfg.training.pop("model_init_kwargs", None) or {}
     if isinstance(init, str):  # TRL accepts a JSON string on its command line
         import json
@@ -629,12 +751,17 @@ def _move_aliases(cfg: RunConfig, where: str) -> None:
     for key, section_name, name, value in moves:
         section = getattr(cfg, section_name)
         ftype = {f.name: f for f in dataclasses.fields(section)}[name]
-        value = check_value(f"{where}training.{key}", value, ftype.type if not isinstance(ftype.type, str)
-                            else typing.get_type_hints(type(section))[name])
+        value = check_value(
+            f"{where}training.{key}",
+            value,
+            ftype.type if not isinstance(ftype.type, str) else typing.get_type_hints(type(section))[name],
+        )
         current, default = getattr(section, name), _default(ftype)
         if current != default and current != value and name != "init_kwargs":
-            raise ConfigError(f"{where}training.{key}: {value!r} contradicts {section_name}.{name}: {current!r}; "
-                              f"give it once (as {section_name}.{name})")
+            raise ConfigError(
+                f"{where}training.{key}: {value!r} contradicts {section_name}.{name}: {current!r}; "
+                f"give it once (as {section_name}.{name})"
+            )
         setattr(section, name, value)
 
 

@@ -40,42 +40,81 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 __all__ = [  # this module's own, then the names of the modules it composes
-    "DataSection", "LoadedSplit", "load_split", "load_datasets", "context_length", "limit_prompt_lengths",
-    "DataError", "locate", "read_rows", "image_store", "ImageLoader", "image_paths", "image_problem",
-    "own_image_loader", "row_problems", "SYSTEM_PROMPT", "MAX_TRUNCATED_SHARE", "build_prompt", "encode_example",
-    "prompt_text", "render_target", "sft_dataset", "target_lengths", "truncation_warning",
+    "DataSection",
+    "LoadedSplit",
+    "load_split",
+    "load_datasets",
+    "context_length",
+    "limit_prompt_lengths",
+    "DataError",
+    "locate",
+    "read_rows",
+    "image_store",
+    "ImageLoader",
+    "image_paths",
+    "image_problem",
+    "own_image_loader",
+    "row_problems",
+    "SYSTEM_PROMPT",
+    "MAX_TRUNCATED_SHARE",
+    "build_prompt",
+    "encode_example",
+    "prompt_text",
+    "render_target",
+    "sft_dataset",
+    "target_lengths",
+    "truncation_warning",
 ]
 
 
 # The row fields of docs/method.md section 1 that data.columns may map other names onto.
-Field = Literal["id", "question", "answer", "reference_steps", "reference_sets", "choices", "images", "image",
-                "source", "difficulty"]
+Field = Literal[
+    "id",
+    "question",
+    "answer",
+    "reference_steps",
+    "reference_sets",
+    "choices",
+    "images",
+    "image",
+    "source",
+    "difficulty",
+]
 
 
 @dataclass
 class DataSection:
     """Training and validation data (``data:`` in a run config)."""
 
-    train: str = option("", "Rows of docs/method.md section 1: a JSONL, JSON (array) or Parquet file, a datasets "
-                            "folder (save_to_disk, data files, a Hub repository clone) or a Hub dataset id in the "
-                            "local cache.")
+    train: str = option(
+        "",
+        "Rows of docs/method.md section 1: a JSONL, JSON (array) or Parquet file, a datasets "
+        "folder (save_to_disk, data files, a Hub repository clone) or a Hub dataset id in the "
+        "local cache.",
+    )
     validation: Union[str, None] = option(None, "Same formats; when absent a fraction of train is held out.")
     train_split: str = option("train", "Split of a dataset folder or Hub dataset used for training.")
     validation_split: str = option("validation", "Split used for validation when validation names a dataset.")
-    columns: dict[Field, str] = option(default_factory=dict, help="Our field -> the data's column, e.g. "
-                                       "{question: problem, answer: solution, reference_steps: steps}.")
+    columns: dict[Field, str] = option(
+        default_factory=dict,
+        help="Our field -> the data's column, e.g. {question: problem, answer: solution, reference_steps: steps}.",
+    )
     validation_fraction: float = option(0.1, "Held-out share of train when validation is not given.", ge=0, lt=1)
     skip_invalid: bool = option(False, "Drop (and count) bad rows instead of stopping with their file:line.")
     max_errors_shown: int = option(20, "How many bad rows a data error lists.", ge=0)
     system_prompt: Union[str, None] = option(None, "Overrides the instruction asking for the JSON output.")
     chat_template_kwargs: dict[str, Any] = option(
-        default_factory=dict, help="Keyword arguments of the chat template wherever a prompt is rendered: rollouts, "
+        default_factory=dict,
+        help="Keyword arguments of the chat template wherever a prompt is rendered: rollouts, "
         "the SFT phase, validation, evaluation (e.g. {enable_thinking: false}); training.chat_template_kwargs, "
-        "TRL's name, lands here.")
+        "TRL's name, lands here.",
+    )
     max_train_samples: Union[int, None] = option(None, "Use only the first N training rows (smoke runs).", ge=1)
     long_prompts: Literal["skip", "error", "keep"] = option(
-        "skip", "Prompts whose tokens leave no room for the completion in the model's context "
-        "(max_position_embeddings): skip them (counted and named), stop with an error, or keep them.")
+        "skip",
+        "Prompts whose tokens leave no room for the completion in the model's context "
+        "(max_position_embeddings): skip them (counted and named), stop with an error, or keep them.",
+    )
 
 
 @dataclass
@@ -85,10 +124,19 @@ class LoadedSplit:
     source: str
 
 
-def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_shown: int = 20,
-               system_prompt: str | None = None, limit: int | None = None, split: str = "train",
-               columns: Mapping[str, str] | None = None, require_references: bool = True,
-               skip_option: str | None = "data.skip_invalid: true", unique_ids: str | None = None) -> LoadedSplit:
+def load_split(
+    source: str | Path,
+    *,
+    skip_invalid: bool = False,
+    max_errors_shown: int = 20,
+    system_prompt: str | None = None,
+    limit: int | None = None,
+    split: str = "train",
+    columns: Mapping[str, str] | None = None,
+    require_references: bool = True,
+    skip_option: str | None = "data.skip_invalid: true",
+    unique_ids: str | None = None,
+) -> LoadedSplit:
     """Rows of one source (see :func:`locate`), each checked; ``skip_option`` is how the caller's
     user asks to drop bad ones (None: the caller has no such option). ``unique_ids`` (why the
     caller needs them) makes a row whose ``id`` an earlier row has a bad row; training needs no
@@ -115,8 +163,7 @@ def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_sho
         shown = "\n  ".join(errors[:max_errors_shown])
         more = f"\n  ... and {len(errors) - max_errors_shown} more" if len(errors) > max_errors_shown else ""
         hint = f"set {skip_option} to drop them" if skip_option else "fix or remove them"
-        raise DataError(f"{bad_rows} invalid row(s) in {source} ({hint}):"
-                        f"\n  {shown}{more}")
+        raise DataError(f"{bad_rows} invalid row(s) in {source} ({hint}):\n  {shown}{more}")
     if not records:
         raise DataError(f"{source}: no valid rows")
     if limit is not None:
@@ -143,16 +190,22 @@ def load_split(source: str | Path, *, skip_invalid: bool = False, max_errors_sho
 
 def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, LoadedSplit | None]:
     """Train and validation splits from files, or validation held out from train."""
-    opts = dict(skip_invalid=data_cfg.skip_invalid, max_errors_shown=data_cfg.max_errors_shown,
-                system_prompt=data_cfg.system_prompt, columns=data_cfg.columns)
+    opts = dict(
+        skip_invalid=data_cfg.skip_invalid,
+        max_errors_shown=data_cfg.max_errors_shown,
+        system_prompt=data_cfg.system_prompt,
+        columns=data_cfg.columns,
+    )
     train = load_split(data_cfg.train, limit=data_cfg.max_train_samples, split=data_cfg.train_split, **opts)
     if data_cfg.validation:
         return train, load_split(data_cfg.validation, split=data_cfg.validation_split, **opts)
     if data_cfg.validation_fraction <= 0:
         return train, None
     split = train.dataset.train_test_split(test_size=data_cfg.validation_fraction, seed=seed)
-    return (LoadedSplit(own_image_loader(split["train"]), train.skipped, train.source),
-            LoadedSplit(own_image_loader(split["test"]), 0, train.source + " (held out)"))
+    return (
+        LoadedSplit(own_image_loader(split["train"]), train.skipped, train.source),
+        LoadedSplit(own_image_loader(split["test"]), 0, train.source + " (held out)"),
+    )
 
 
 def batch_problem(split: LoadedSplit, args: Any) -> str | None:
@@ -162,10 +215,12 @@ def batch_problem(split: LoadedSplit, args: Any) -> str | None:
     need = args.generation_batch_size // args.num_generations
     if len(split.dataset) >= need:
         return None
-    return (f"{split.source}: {len(split.dataset)} training prompt(s), fewer than one generation batch takes "
-            f"({need} = generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}; "
-            "per_device_train_batch_size x processes x steps_per_generation completions): the run would train 0 "
-            "steps; give more rows (data.max_train_samples) or a smaller training.per_device_train_batch_size")
+    return (
+        f"{split.source}: {len(split.dataset)} training prompt(s), fewer than one generation batch takes "
+        f"({need} = generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}; "
+        "per_device_train_batch_size x processes x steps_per_generation completions): the run would train 0 "
+        "steps; give more rows (data.max_train_samples) or a smaller training.per_device_train_batch_size"
+    )
 
 
 def context_length(model: Any) -> int | None:
@@ -191,8 +246,14 @@ def max_token_chars(tok: Any) -> int:
     return MAX_MERGED_CHARS * max(map(len, tok.get_vocab()), default=1)
 
 
-def limit_prompt_lengths(split: LoadedSplit, tokenizer: Any, room: int, mode: str, key: str,
-                         chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[LoadedSplit, str | None]:
+def limit_prompt_lengths(
+    split: LoadedSplit,
+    tokenizer: Any,
+    room: int,
+    mode: str,
+    key: str,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[LoadedSplit, str | None]:
     """Prompts longer than ``room`` tokens (the context minus the completion's tokens), per
     ``data.long_prompts``: dropped, an error, or kept; returns the split and a warning line.
     Image tokens are not counted (their number depends on the processor's resizing)."""
@@ -209,8 +270,10 @@ def limit_prompt_lengths(split: LoadedSplit, tokenizer: Any, room: int, mode: st
     if not long:
         return split, None
     ids = ", ".join(str(raw[i]["id"]) for i in long[:5]) + (" ..." if len(long) > 5 else "")
-    what = (f"{len(long)} of {len(prompts)} prompt(s) of {split.source} leave no room for {key}: longer than "
-            f"{room} tokens (e.g. {ids})")
+    what = (
+        f"{len(long)} of {len(prompts)} prompt(s) of {split.source} leave no room for {key}: longer than "
+        f"{room} tokens (e.g. {ids})"
+    )
     if mode == "error":
         raise DataError(f"{what}; shorten them, or set data.long_prompts: skip")
     if mode == "keep":
@@ -219,5 +282,7 @@ def limit_prompt_lengths(split: LoadedSplit, tokenizer: Any, room: int, mode: st
     keep = [i for i in range(len(prompts)) if i not in dropped]
     if not keep:
         raise DataError(f"{what}: none is left")
-    return (LoadedSplit(own_image_loader(split.dataset.select(keep)), split.skipped, split.source),
-            f"{what}; skipped (data.long_prompts: skip)")
+    return (
+        LoadedSplit(own_image_loader(split.dataset.select(keep)), split.skipped, split.source),
+        f"{what}; skipped (data.long_prompts: skip)",
+    )

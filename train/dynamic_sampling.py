@@ -74,8 +74,8 @@ import numpy as np
 import torch
 
 from crystal_grpo.rewards.base import OBJECTIVES
-from crystal_grpo.train.pcgrad_math import group_flat, weighted_reward
 from crystal_grpo.train.config import DynamicSamplingSection, dynamic_sampling_refused
+from crystal_grpo.train.pcgrad_math import group_flat, weighted_reward
 
 #: Separates the refill draws from the other random streams seeded by the run's seed.
 REFILL_STREAM = 0xD5A
@@ -88,14 +88,27 @@ WEIGHT_FIELDS = ("tool_mask", "num_items_in_batch", "loss_scale")
 #: Padding of the fields a refill merges: prompt fields on the left, completion fields on the right
 #: (as TRL pads them); None: the tokenizer's pad id.
 PROMPT_FIELDS = {"prompt_ids": None, "prompt_mask": 0}
-COMPLETION_FIELDS = {"completion_ids": None, "completion_mask": 0, "tool_mask": 1, "old_per_token_logps": 0.0,
-                     "ref_per_token_logps": 0.0, "sampling_per_token_logps": 0.0, "importance_sampling_ratio": 0.0}
+COMPLETION_FIELDS = {
+    "completion_ids": None,
+    "completion_mask": 0,
+    "tool_mask": 1,
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+    "importance_sampling_ratio": 0.0,
+}
 
 
 # --------------------------------------------------------------------------- pure functions
-def kept_groups(rewards_per_func: torch.Tensor, weights: torch.Tensor, objectives: Sequence[str | None],
-                num_generations: int, min_std: float, metric: str = "reward",
-                outcome: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def kept_groups(
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    objectives: Sequence[str | None],
+    num_generations: int,
+    min_std: float,
+    metric: str = "reward",
+    outcome: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Which groups of a *global* generation batch carry weight: ``{"": [N / G] bool}`` for the
     batch, plus one entry per objective with ``metric: objectives``, where the batch's is their union.
 
@@ -131,8 +144,8 @@ def refill_pairs(dropped: torch.Tensor, informative: torch.Tensor, groups_per_pr
     order, take its informative new groups, in order (a group stays on the process that made it)."""
     pairs = []
     for lo in range(0, len(dropped), groups_per_process):
-        places = (torch.nonzero(dropped[lo:lo + groups_per_process]).flatten() + lo).tolist()
-        new = (torch.nonzero(informative[lo:lo + groups_per_process]).flatten() + lo).tolist()
+        places = (torch.nonzero(dropped[lo : lo + groups_per_process]).flatten() + lo).tolist()
+        new = (torch.nonzero(informative[lo : lo + groups_per_process]).flatten() + lo).tolist()
         pairs += zip(places, new)
     return pairs
 
@@ -144,8 +157,9 @@ def _padded(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tens
     return torch.cat([pad, t] if left else [t, pad], dim=1)
 
 
-def merge_rows(base: dict[str, Any], new: dict[str, Any], rows: list[int], new_rows: list[int],
-               pad_id: int) -> dict[str, Any]:
+def merge_rows(
+    base: dict[str, Any], new: dict[str, Any], rows: list[int], new_rows: list[int], pad_id: int
+) -> dict[str, Any]:
     """``base`` (this process's part of one generation batch, as TRL's
     ``_generate_and_score_completions`` returns it) with its rows ``rows`` replaced by ``new``'s
     rows ``new_rows``; both re-padded to the wider one. Scalars (``num_items_in_batch``) are
@@ -158,8 +172,10 @@ def merge_rows(base: dict[str, Any], new: dict[str, Any], rows: list[int], new_r
             out[key] = a
             continue
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or (side is None and a.dim() != 1):
-            raise NotImplementedError(f"dynamic_sampling.mode: refill cannot merge the batch field {key!r} (image "
-                                      "inputs are not supported); use mode: mask")
+            raise NotImplementedError(
+                f"dynamic_sampling.mode: refill cannot merge the batch field {key!r} (image "
+                "inputs are not supported); use mode: mask"
+            )
         if side is not None:
             value = pad_id if side[key] is None else side[key]
             width = max(a.shape[1], b.shape[1])
@@ -221,27 +237,36 @@ class DynamicSamplingMixin:
         if section is None or section.mode == "none":
             self.dynamic_sampling = None
             return
-        refused = dynamic_sampling_refused(section, pcgrad=bool(getattr(self, "pcgrad", False)),
-                                           scale_rewards=self.scale_rewards,
-                                           aggregation=self.multi_objective_aggregation, outcome=self.reward_outcome)
+        refused = dynamic_sampling_refused(
+            section,
+            pcgrad=bool(getattr(self, "pcgrad", False)),
+            scale_rewards=self.scale_rewards,
+            aggregation=self.multi_objective_aggregation,
+            outcome=self.reward_outcome,
+        )
         if refused:
             raise ValueError(f"{refused[0]}: {refused[1]}")
         if self.loss_type not in ROW_MEAN | TOKEN_COUNT | MICRO_BATCH_TOKEN_MEAN:
-            raise ValueError(f"dynamic_sampling: loss_type {self.loss_type!r} is not one whose normaliser this "
-                             "project knows (train/dynamic_sampling.py); use mode: none")
+            raise ValueError(
+                f"dynamic_sampling: loss_type {self.loss_type!r} is not one whose normaliser this "
+                "project knows (train/dynamic_sampling.py); use mode: none"
+            )
         if section.mode == "refill":
             local = self.args.per_device_train_batch_size * self.args.steps_per_generation
             if local % self.num_generations:
                 raise ValueError(
                     f"dynamic_sampling.mode: refill keeps each group on the process that generated it, so each "
                     f"process's generation batch (per_device_train_batch_size x steps_per_generation = {local}) "
-                    f"must hold whole groups of num_generations={self.num_generations}; use mode: mask")
+                    f"must hold whole groups of num_generations={self.num_generations}; use mode: mask"
+                )
             columns = set(getattr(self.train_dataset, "column_names", None) or [])
             if not hasattr(self.train_dataset, "__getitem__") or not hasattr(self.train_dataset, "__len__"):
                 raise ValueError("dynamic_sampling.mode: refill draws rows by index: give a map-style train_dataset")
             if columns & {"image", "images"}:
-                raise ValueError("dynamic_sampling.mode: refill does not support image inputs (their batch fields "
-                                 "cannot be merged across generation rounds); use mode: mask")
+                raise ValueError(
+                    "dynamic_sampling.mode: refill does not support image inputs (their batch fields "
+                    "cannot be merged across generation rounds); use mode: mask"
+                )
         self.dynamic_sampling = section
 
     # -- the generation batch -------------------------------------------------------------
@@ -282,8 +307,9 @@ class DynamicSamplingMixin:
             scores, outcome = scores[:, :-1], scores[:, -1]
         else:
             outcome = None
-        return kept_groups(scores, self.reward_weights, self.reward_objectives, self.num_generations, cfg.min_std,
-                           cfg.metric, outcome)
+        return kept_groups(
+            scores, self.reward_weights, self.reward_objectives, self.num_generations, cfg.min_std, cfg.metric, outcome
+        )
 
     def _sampled(self, batch: list[dict], generate: Callable) -> dict:
         """The step's generation batch: the first round, refilled (``refill``), then weighed."""
@@ -300,8 +326,9 @@ class DynamicSamplingMixin:
                 rows = [(g * G + j, h * G + j) for g, h in pairs for j in range(G)]  # global rows
                 mine = [(a - rank * n, b - rank * n) for a, b in rows if rank * n <= a < (rank + 1) * n]
                 if mine:
-                    out = merge_rows(out, new, [a for a, _ in mine], [b for _, b in mine],
-                                     self._tokenizer.pad_token_id)
+                    out = merge_rows(
+                        out, new, [a for a, _ in mine], [b for _, b in mine], self._tokenizer.pad_token_id
+                    )
                 if rows:
                     scores = scores.clone()
                     scores[[a for a, _ in rows]] = new_scores[[b for _, b in rows]]
@@ -325,7 +352,7 @@ class DynamicSamplingMixin:
         step = self.state.global_step
         drawn = refill_draw(self.args.seed, step, round_, self._refill_pool(step), per_process * world)
         rows = []
-        for index in drawn[rank * per_process:(rank + 1) * per_process]:
+        for index in drawn[rank * per_process : (rank + 1) * per_process]:
             row = self.train_dataset[index]
             rows += [dict(row) for _ in range(G)]  # one dict a completion, as the dataloader gives them
         return rows
@@ -349,7 +376,7 @@ class DynamicSamplingMixin:
         for name, groups in kept.items():
             rows = groups.repeat_interleave(self.num_generations)
             suffix = f"_{name}" if name else ""
-            tool = base * rows[rank * n:(rank + 1) * n].to(device=base.device, dtype=base.dtype).unsqueeze(1)
+            tool = base * rows[rank * n : (rank + 1) * n].to(device=base.device, dtype=base.dtype).unsqueeze(1)
             out[f"tool_mask{suffix}"] = tool
             out[f"num_items_in_batch{suffix}"] = self.accelerator.gather((mask * tool).sum()).sum()
             if self.loss_type in ROW_MEAN:

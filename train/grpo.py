@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from crystal_grpo.distributed import is_main_process, launch_command, launcher_problem, wait_for_every_process
-from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.errors import CrystalError, traceback_if_asked
+from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.train.checkpoints import (
     CheckpointError,
     checkpoint_problem,
@@ -111,7 +111,8 @@ def check_zero_resume(checkpoint: str, world_size: int) -> None:
         raise ConfigError(
             f"checkpoint {checkpoint} holds DeepSpeed ZeRO shards written by {len(shards)} process(es), "
             f"but this run has {world_size}. Resume with {len(shards)} processes, or start a new run "
-            f"from its consolidated weights: --model.name_or_path {checkpoint}")
+            f"from its consolidated weights: --model.name_or_path {checkpoint}"
+        )
 
 
 def training_args(cfg: RunConfig, output_dir: Path, extra: dict):
@@ -163,8 +164,13 @@ def _sampler_factory(cfg: RunConfig, dataset, max_steps: int):
     return make_sampler_factory(cfg.curriculum, dataset, max_steps)
 
 
-def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callbacks: list | None = None,
-              record: Callable[[dict], None] | None = None) -> tuple[dict, int]:
+def run_phase(
+    cfg: RunConfig,
+    output_dir: Path,
+    resume: str | None = None,
+    callbacks: list | None = None,
+    record: Callable[[dict], None] | None = None,
+) -> tuple[dict, int]:
     """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics and
     the step it reached. ``record`` is given the training settings a resume keeps from its
     checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
@@ -197,8 +203,10 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
     else:
         with args.main_process_first(desc="starting the phase over"):
             if is_main_process() and output_dir.is_dir() and METRICS_LOG in clear_attempt(output_dir):
-                say(f"{output_dir}: no complete checkpoint, so the phase starts over at step 0; the logs of "
-                    "the attempt that was stopped before its first checkpoint are removed")
+                say(
+                    f"{output_dir}: no complete checkpoint, so the phase starts over at step 0; the logs of "
+                    "the attempt that was stopped before its first checkpoint are removed"
+                )
     # The sentence encoder loads outside DeepSpeed's partitioning (rewards/match_f1.py).
     module = cfg.reward.build()
     train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
@@ -215,8 +223,15 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
     for line in length_warnings(cfg, args, processing_class, train, val):
         say(f"warning: {line}")
     output_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no phase folder
-    trainer = make_trainer(cfg, args, model, processing_class, module, train.dataset,
-                           val.dataset if val is not None and args.eval_strategy != "no" else None)
+    trainer = make_trainer(
+        cfg,
+        args,
+        model,
+        processing_class,
+        module,
+        train.dataset,
+        val.dataset if val is not None and args.eval_strategy != "no" else None,
+    )
     for line in (parameter_line(trainer.model), resolution_line(processing_class)):
         if line:
             say(line)
@@ -235,8 +250,10 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
     if is_main_process():
         atomic_write_text(output_dir / CONFIG, json.dumps(to_dict(cfg), indent=2, default=str))
     if checkpoint and 0 < args.max_steps <= checkpoint_step(checkpoint):
-        say(f"{checkpoint} already holds step {checkpoint_step(checkpoint)} of max_steps {args.max_steps}: "
-            "finishing the phase without training")
+        say(
+            f"{checkpoint} already holds step {checkpoint_step(checkpoint)} of max_steps {args.max_steps}: "
+            "finishing the phase without training"
+        )
         trainer.finish_from(checkpoint)
     else:
         with trainer.interrupt.handling():
@@ -249,13 +266,16 @@ def run_phase(cfg: RunConfig, output_dir: Path, resume: str | None = None, callb
             f"stopped: {cfg.stability.max_consecutive_nonfinite} consecutive updates had non-finite "
             f"loss/gradients (step {trainer.state.global_step}). The last good state is saved in "
             f"{output_dir}; lower the learning rate or check the data, then resume with "
-            f"--resume_from_checkpoint latest.")
+            f"--resume_from_checkpoint latest."
+        )
     trainer.save_model(str(output_dir / FINAL))
     val_file = output_dir / VALIDATION_LOG
     last = (read_jsonl(val_file) or [{}])[-1]
-    say(f"\nrun folder: {output_dir}\n  checkpoints: {output_dir / CHECKPOINT_GLOB}  final model: {output_dir / FINAL}"
+    say(
+        f"\nrun folder: {output_dir}\n  checkpoints: {output_dir / CHECKPOINT_GLOB}  final model: {output_dir / FINAL}"
         f"\n  metrics: {output_dir / METRICS_LOG}  validation: {val_file}"
-        f"\n  plot: {output_dir / CURVES}")
+        f"\n  plot: {output_dir / CURVES}"
+    )
     return last, trainer.state.global_step
 
 
@@ -265,24 +285,38 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset,
     evaluation) is what TRL's own evaluation loop reads."""
     from crystal_grpo.train.models import peft_config
 
-    common = dict(model=model, args=args, processing_class=processing_class, peft_config=peft_config(cfg.model, model),
-                  max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite,
-                  merge_lora_for_generation=cfg.model.lora is not None and cfg.model.lora.merge_for_generation)
+    common = dict(
+        model=model,
+        args=args,
+        processing_class=processing_class,
+        peft_config=peft_config(cfg.model, model),
+        max_consecutive_nonfinite=cfg.stability.max_consecutive_nonfinite,
+        merge_lora_for_generation=cfg.model.lora is not None and cfg.model.lora.merge_for_generation,
+    )
     if cfg.trainer == "sft":
         from crystal_grpo.train.data import sft_dataset
         from crystal_grpo.train.sft import CrystalSFTTrainer
 
         kwargs = cfg.data.chat_template_kwargs
-        return CrystalSFTTrainer(train_dataset=sft_dataset(dataset, processing_class, kwargs), chat_template_kwargs=kwargs,
-                                 eval_dataset=None if eval_dataset is None else sft_dataset(eval_dataset, processing_class,
-                                                                                            kwargs), **common)
+        return CrystalSFTTrainer(
+            train_dataset=sft_dataset(dataset, processing_class, kwargs),
+            chat_template_kwargs=kwargs,
+            eval_dataset=None if eval_dataset is None else sft_dataset(eval_dataset, processing_class, kwargs),
+            **common,
+        )
     from crystal_grpo.train.pcgrad import trainer_class
 
     extra = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
     with _reference_kwargs_meant():
-        return trainer_class(cfg.pcgrad)(reward=module, train_dataset=dataset, eval_dataset=eval_dataset,
-                                         sampler_factory=_sampler_factory(cfg, dataset, args.max_steps),
-                                         dynamic_sampling=cfg.dynamic_sampling, **common, **extra)
+        return trainer_class(cfg.pcgrad)(
+            reward=module,
+            train_dataset=dataset,
+            eval_dataset=eval_dataset,
+            sampler_factory=_sampler_factory(cfg, dataset, args.max_steps),
+            dynamic_sampling=cfg.dynamic_sampling,
+            **common,
+            **extra,
+        )
 
 
 @contextlib.contextmanager
@@ -312,17 +346,25 @@ def limit_prompts(cfg: RunConfig, args, model, processing_class, train, val):
     if context is None:
         return train, val
     if cfg.trainer == "grpo":
-        train, line = limit_prompt_lengths(train, processing_class, context - args.max_completion_length,
-                                           cfg.data.long_prompts, f"training.max_completion_length "
-                                           f"({args.max_completion_length}) in the model's {context} positions",
-                                           cfg.data.chat_template_kwargs)
+        train, line = limit_prompt_lengths(
+            train,
+            processing_class,
+            context - args.max_completion_length,
+            cfg.data.long_prompts,
+            f"training.max_completion_length ({args.max_completion_length}) in the model's {context} positions",
+            cfg.data.chat_template_kwargs,
+        )
         if line:
             say(f"warning: {line}")
     if val is not None:
-        val, line = limit_prompt_lengths(val, processing_class, context - cfg.validation.max_new_tokens,
-                                         cfg.data.long_prompts, f"validation.max_new_tokens "
-                                         f"({cfg.validation.max_new_tokens}) in the model's {context} positions",
-                                         cfg.data.chat_template_kwargs)
+        val, line = limit_prompt_lengths(
+            val,
+            processing_class,
+            context - cfg.validation.max_new_tokens,
+            cfg.data.long_prompts,
+            f"validation.max_new_tokens ({cfg.validation.max_new_tokens}) in the model's {context} positions",
+            cfg.data.chat_template_kwargs,
+        )
         if line:
             say(f"warning: {line}")
     return train, val
@@ -340,14 +382,29 @@ def length_warnings(cfg: RunConfig, args, processing_class, train, val) -> list[
     rows, kwargs = sample(train), cfg.data.chat_template_kwargs
     checks = []
     if cfg.trainer == "grpo":
-        checks.append((target_lengths(processing_class, rows, chat_template_kwargs=kwargs),
-                       args.max_completion_length, "training.max_completion_length"))
+        checks.append(
+            (
+                target_lengths(processing_class, rows, chat_template_kwargs=kwargs),
+                args.max_completion_length,
+                "training.max_completion_length",
+            )
+        )
     else:
-        checks.append((target_lengths(processing_class, rows, with_prompt=True, chat_template_kwargs=kwargs),
-                       args.max_length, "training.max_length (prompt + target)"))
+        checks.append(
+            (
+                target_lengths(processing_class, rows, with_prompt=True, chat_template_kwargs=kwargs),
+                args.max_length,
+                "training.max_length (prompt + target)",
+            )
+        )
     if val is not None:
-        checks.append((target_lengths(processing_class, sample(val), chat_template_kwargs=kwargs),
-                       cfg.validation.max_new_tokens, "validation.max_new_tokens"))
+        checks.append(
+            (
+                target_lengths(processing_class, sample(val), chat_template_kwargs=kwargs),
+                cfg.validation.max_new_tokens,
+                "validation.max_new_tokens",
+            )
+        )
     return [w for lengths, limit, key in checks if (w := truncation_warning(lengths, limit, key))]
 
 
@@ -356,13 +413,17 @@ def explicit_phase_problem(checkpoint: str, pdir: Path, name: str, later: list[P
     unfinished one, or None: PATH must be one of its checkpoints, and no later phase (``later``:
     their folders) may have started from its end."""
     if Path(checkpoint).resolve().parent != pdir.resolve():
-        return (f"cannot resume: {checkpoint} is not a checkpoint of phase {name} ({pdir}), the phase this run "
-                f"resumes in (those before it finished): resume with latest, or start a new run from its weights "
-                f"(--model.name_or_path {checkpoint})")
+        return (
+            f"cannot resume: {checkpoint} is not a checkpoint of phase {name} ({pdir}), the phase this run "
+            f"resumes in (those before it finished): resume with latest, or start a new run from its weights "
+            f"(--model.name_or_path {checkpoint})"
+        )
     started = [d.name for d in later if d.is_dir()]
     if started:
-        return (f"cannot resume: {checkpoint}: later phases ({', '.join(started)}) started from the end of phase "
-                f"{name}; start a new run from its weights (--model.name_or_path {checkpoint})")
+        return (
+            f"cannot resume: {checkpoint}: later phases ({', '.join(started)}) started from the end of phase "
+            f"{name}; start a new run from its weights (--model.name_or_path {checkpoint})"
+        )
     return None
 
 
@@ -372,7 +433,7 @@ def phase_start(prev_dir: Path, init_from: str) -> str | None:
         return None
     record = read_best(prev_dir) if init_from == "best" else None
     if record and (prev_dir / record.checkpoint).exists():  # (a best found by the final
-        ckpt = prev_dir / record.checkpoint                   # validation lives in final/)
+        ckpt = prev_dir / record.checkpoint  # validation lives in final/)
         problem = checkpoint_problem(ckpt, checksums=True)
         if problem is None:
             return str(ckpt)
@@ -380,8 +441,9 @@ def phase_start(prev_dir: Path, init_from: str) -> str | None:
     return str(prev_dir / FINAL)
 
 
-def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: list | None = None,
-        overwrite: bool = False) -> dict:
+def run(
+    cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: list | None = None, overwrite: bool = False
+) -> dict:
     """All phases of a run (one when the config has none); returns validation per phase.
 
     The folder holds this run only (train/run_folder.py): a live run elsewhere in it is
@@ -419,8 +481,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: str | None = None, callbacks: lis
         raise
 
 
-def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: str | None,
-                callbacks: list | None) -> dict:
+def _run_phases(
+    cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: str | None, callbacks: list | None
+) -> dict:
     summary, prev = {}, None
     for i, pcfg in enumerate(phases):
         phase = cfg.phases[i] if cfg.phases else PhaseSection(name="run")
@@ -431,14 +494,17 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
             summary[phase.name], prev = (state.record or {}).get("validation", {}), pdir
             continue
         if resume not in (None, "latest"):
-            problem = explicit_phase_problem(resume, pdir, phase.name, [
-                phase_dir(run_dir, j, p.name, len(cfg.phases)) for j, p in enumerate(cfg.phases) if j > i])
+            problem = explicit_phase_problem(
+                resume,
+                pdir,
+                phase.name,
+                [phase_dir(run_dir, j, p.name, len(cfg.phases)) for j, p in enumerate(cfg.phases) if j > i],
+            )
             if problem:
                 raise CheckpointError(problem)
         started = resume is not None and latest_complete(pdir)[0] is not None
         if prev is not None:
-            start = (read_config(pdir)["model"]["name_or_path"] if started
-                     else phase_start(prev, phase.init_from))
+            start = read_config(pdir)["model"]["name_or_path"] if started else phase_start(prev, phase.init_from)
             if start:
                 pcfg.model.name_or_path, pcfg.model.gguf_file = start, None
                 say(f"phase {phase.name}: starting from {start}")
@@ -446,8 +512,13 @@ def _run_phases(cfg: RunConfig, phases: list[RunConfig], run_dir: Path, resume: 
             say(f"\n=== phase {i + 1}/{len(cfg.phases)}: {phase.name} ===")
             if phase.left_out:
                 say(left_out_line(phase))
-        validation, step = run_phase(pcfg, pdir, (resume or "latest") if started else None, callbacks,
-                                     functools.partial(record_kept, run_dir, i if cfg.phases else None))
+        validation, step = run_phase(
+            pcfg,
+            pdir,
+            (resume or "latest") if started else None,
+            callbacks,
+            functools.partial(record_kept, run_dir, i if cfg.phases else None),
+        )
         resume = resume and "latest"  # (an explicit checkpoint is this phase's; later phases had not started)
         summary[phase.name] = validation
         if is_main_process():
@@ -467,37 +538,69 @@ def say_summary(cfg: RunConfig, run_dir: Path, write: bool = True) -> None:
     """The run's table, phase by phase (``write``: into ``run_summary.json`` first)."""
     from crystal_grpo.train.summary import write_summary
 
-    say(f"\nthe run{', phase by phase' if cfg.phases else ''} (validation before -> after; "
-        f"{run_dir / RUN_SUMMARY}):\n" + write_summary(run_dir, write))
+    say(
+        f"\nthe run{', phase by phase' if cfg.phases else ''} (validation before -> after; "
+        f"{run_dir / RUN_SUMMARY}):\n" + write_summary(run_dir, write)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     from crystal_grpo.curricula.schedule import Schedule
     from crystal_grpo.typed import describe
 
-    epilog = ("config fields (any of them also as --section.key VALUE; reward.params are the fields of the "
-              "reward's config class, training any field of trl.GRPOConfig):\n" + "\n".join(describe(RunConfig))
-              + "\n\nthe paper's recipe: training defaults of a GRPO phase (a training key of the config wins):\n"
-              + "\n".join(describe(PaperRecipe, "training."))
-              + "".join(f"\n\ncurriculum.mode: {mode}: its own options\n" + "\n".join(describe(cls.Options, "curriculum."))
-                        for mode, cls in Schedule.registry.items() if dataclasses.fields(cls.Options)))
-    ap = argparse.ArgumentParser(description=__doc__, epilog=epilog,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    epilog = (
+        "config fields (any of them also as --section.key VALUE; reward.params are the fields of the "
+        "reward's config class, training any field of trl.GRPOConfig):\n"
+        + "\n".join(describe(RunConfig))
+        + "\n\nthe paper's recipe: training defaults of a GRPO phase (a training key of the config wins):\n"
+        + "\n".join(describe(PaperRecipe, "training."))
+        + "".join(
+            f"\n\ncurriculum.mode: {mode}: its own options\n" + "\n".join(describe(cls.Options, "curriculum."))
+            for mode, cls in Schedule.registry.items()
+            if dataclasses.fields(cls.Options)
+        )
+    )
+    ap = argparse.ArgumentParser(
+        description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", required=True, help="YAML file, or a name in configs/")
-    ap.add_argument("--resume_from_checkpoint", default=None,
-                    help="'latest' (the newest complete checkpoint of the run folder) or a checkpoint folder")
+    ap.add_argument(
+        "--resume_from_checkpoint",
+        default=None,
+        help="'latest' (the newest complete checkpoint of the run folder) or a checkpoint folder",
+    )
     ap.add_argument("--output_dir", default=None, help="run folder (default: training.output_dir or runs/<config>)")
-    ap.add_argument("--overwrite_output_dir", action="store_true",
-                    help="start again in a folder that holds a run: what that run wrote is removed first")
-    ap.add_argument("--check", action="store_true", help="check the config and that everything the run needs "
-                    "exists (model, encoder, data, DeepSpeed config), then stop: nothing is loaded or written; also "
-                    "prints the predicted memory per GPU of each phase and warns when one cannot fit")
-    ap.add_argument("--accelerate_config", default=None, help="with --check: the accelerate config the run will be "
-                    "launched with (a path or a name in configs/accelerate/), for its GPU count and ZeRO stage")
-    ap.add_argument("--gpus", type=int, default=None, help="with --check: GPUs (processes) the run will use (default: "
-                    "the launcher's WORLD_SIZE, else --accelerate_config's num_processes, else 1)")
-    ap.add_argument("--gpu_memory", type=float, default=None, help="with --check: GiB per GPU (default: what torch "
-                    "reports when it is loaded and sees a GPU, else 80)")
+    ap.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="start again in a folder that holds a run: what that run wrote is removed first",
+    )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config and that everything the run needs "
+        "exists (model, encoder, data, DeepSpeed config), then stop: nothing is loaded or written; also "
+        "prints the predicted memory per GPU of each phase and warns when one cannot fit",
+    )
+    ap.add_argument(
+        "--accelerate_config",
+        default=None,
+        help="with --check: the accelerate config the run will be "
+        "launched with (a path or a name in configs/accelerate/), for its GPU count and ZeRO stage",
+    )
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="with --check: GPUs (processes) the run will use (default: "
+        "the launcher's WORLD_SIZE, else --accelerate_config's num_processes, else 1)",
+    )
+    ap.add_argument(
+        "--gpu_memory",
+        type=float,
+        default=None,
+        help="with --check: GiB per GPU (default: what torch reports when it is loaded and sees a GPU, else 80)",
+    )
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg, _ = load_config(args.config, overrides)
@@ -509,8 +612,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     where = args.output_dir if args.output_dir is not None else cfg.training.get("output_dir")
     if where is not None and not str(where).strip():  # (it fell back to the default folder)
-        return refuse(f"config error: {'--output_dir' if args.output_dir is not None else 'training.output_dir'} is "
-                      f"empty ({where!r}); give the run folder, or leave it out for runs/{Path(args.config).stem}")
+        return refuse(
+            f"config error: {'--output_dir' if args.output_dir is not None else 'training.output_dir'} is "
+            f"empty ({where!r}); give the run folder, or leave it out for runs/{Path(args.config).stem}"
+        )
     from crystal_grpo.train.capacity import CapacityError, check_lines, launch_from
 
     try:
@@ -529,8 +634,10 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(f"{RunFolderError.__name__}: {refused}")
     if args.check:
         phases = ", ".join(f"{p.name} ({p.trainer})" for p in cfg.phases) or cfg.trainer
-        say(f"{args.config}: config valid and everything it names found; phases: {phases}; reward "
-            f"{'components' if cfg.reward.components else cfg.reward.name}; run folder {run_dir}")
+        say(
+            f"{args.config}: config valid and everything it names found; phases: {phases}; reward "
+            f"{'components' if cfg.reward.components else cfg.reward.name}; run folder {run_dir}"
+        )
         for phase in cfg.phases:
             if phase.left_out:
                 say(left_out_line(phase))
@@ -538,11 +645,17 @@ def main(argv: list[str] | None = None) -> int:
     from crystal_grpo.train.interrupt import Interrupted  # torch and transformers: only a run needs them
 
     try:
-        run(cfg, run_dir, args.resume_from_checkpoint or cfg.resume_from_checkpoint,
-            overwrite=args.overwrite_output_dir)
+        run(
+            cfg,
+            run_dir,
+            args.resume_from_checkpoint or cfg.resume_from_checkpoint,
+            overwrite=args.overwrite_output_dir,
+        )
     except Interrupted as stop:
-        say(f"interrupted by {signal.Signals(stop.signum).name} at step {stop.step}: saved {stop.checkpoint}; "
-            f"resume with: {resume_command(argv)}")
+        say(
+            f"interrupted by {signal.Signals(stop.signum).name} at step {stop.step}: saved {stop.checkpoint}; "
+            f"resume with: {resume_command(argv)}"
+        )
         return stop.exit_code
     except KeyboardInterrupt:
         say(f"aborted: the newest complete checkpoint is used by: {resume_command(argv)}")
@@ -593,14 +706,18 @@ def exited_line(stop: SystemExit) -> str:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = f" in {tb.tb_frame.f_code.co_name} ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})" if tb else ""
-    return (f"the run was ended by SystemExit({stop.code!r}) raised{where}: code a run calls (a reward, a callback) "
-            "must return, or raise an error, not exit the process")
+    return (
+        f"the run was ended by SystemExit({stop.code!r}) raised{where}: code a run calls (a reward, a callback) "
+        "must return, or raise an error, not exit the process"
+    )
 
 
 def left_out_line(phase: PhaseSection) -> str:
     """The run's training keys a phase does not take (train/config.py split_training)."""
-    return (f"phase {phase.name} ({phase.trainer}): the run's training keys of the other trainer left out: "
-            f"{', '.join(phase.left_out)}")
+    return (
+        f"phase {phase.name} ({phase.trainer}): the run's training keys of the other trainer left out: "
+        f"{', '.join(phase.left_out)}"
+    )
 
 
 def resume_command(argv: list[str] | None) -> str:
@@ -608,7 +725,7 @@ def resume_command(argv: list[str] | None) -> str:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--resume_from_checkpoint" in argv:
         i = argv.index("--resume_from_checkpoint")
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     argv = [a for a in argv if not a.startswith("--resume_from_checkpoint=") and a != "--overwrite_output_dir"]
     return launch_command(argv=[*argv, "--resume_from_checkpoint", "latest"])
 

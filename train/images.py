@@ -22,8 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 def image_paths(row: dict, base: Path) -> list[Path]:
-    imgs = row.get("images") if row.get("images") is not None else (
-        [row["image"]] if row.get("image") is not None else [])
+    imgs = (
+        row.get("images")
+        if row.get("images") is not None
+        else ([row["image"]] if row.get("image") is not None else [])
+    )
     if not isinstance(imgs, list):
         imgs = [imgs]
     return [_image_path(x, base) for x in imgs]
@@ -86,8 +89,14 @@ class ImageLoader:
             return
         self.skipped.add(paths)
         where = self.where.get(paths, f"row {self.position.get(paths, '?')}")
-        logger.warning("%s: the row's image is unreadable now (%s: %s); row skipped, the next readable row takes its "
-                       "place (%d row(s) skipped so far)", where, type(err).__name__, err, len(self.skipped))
+        logger.warning(
+            "%s: the row's image is unreadable now (%s: %s); row skipped, the next readable row takes its "
+            "place (%d row(s) skipped so far)",
+            where,
+            type(err).__name__,
+            err,
+            len(self.skipped),
+        )
 
     def _replacement(self, paths: tuple, err: Exception) -> tuple[dict, list]:
         self._skip(paths, err)

@@ -58,11 +58,15 @@ class GracefulStop(TrainerCallback):
             raise KeyboardInterrupt  # a second interrupt: abort now
         self.signum, self._first_at = signum, now
         if is_main_process():  # (torchrun forwards the signal to every worker)
-            print(f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint and "
-                  "stopping (press Ctrl-C again to abort at once)", file=sys.stderr, flush=True)
+            print(
+                f"\n{signal.Signals(signum).name} received: finishing this step, then saving a checkpoint and "
+                "stopping (press Ctrl-C again to abort at once)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @contextlib.contextmanager
-    def handling(self) -> Iterator["GracefulStop"]:
+    def handling(self) -> Iterator[GracefulStop]:
         """Route SIGINT/SIGTERM to this object for the duration (main thread only)."""
         if threading.current_thread() is not threading.main_thread():
             yield self

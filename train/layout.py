@@ -53,8 +53,9 @@ MODEL_CARD = "README.md"  # a phase's model card: the run's only when train/mode
 RUN_MARKERS = (RECORD, LOCK, SWEEP_POINT)
 #: The files a run writes at the top of its folder and of each phase folder (besides the samples
 #: files, the model card, and the folders of :func:`run_entry`).
-RUN_FILES = frozenset({LOCK, RECORD, SUMMARY, RUN_SUMMARY, CURVES, CONFIG, METRICS_LOG, VALIDATION_LOG, BEST,
-                       PHASE_DONE})
+RUN_FILES = frozenset(
+    {LOCK, RECORD, SUMMARY, RUN_SUMMARY, CURVES, CONFIG, METRICS_LOG, VALIDATION_LOG, BEST, PHASE_DONE}
+)
 #: What a phase leaves once it has trained at least one step (or was killed trying).
 PROGRESS = (METRICS_LOG, VALIDATION_LOG, PHASE_DONE, FINAL)
 #: What starting a phase over removes: a killed attempt's logs and records.
@@ -119,8 +120,9 @@ def phase_dir(run_dir: Path, index: int, name: str, phases: int) -> Path:
 
 def phase_folders(run_dir: Path) -> list[tuple[str, Path]]:
     """(name, folder) of each ``phase<i>-<name>`` folder, in phase order (phase10 after phase9)."""
-    found = [(int(m[1]), m[2], p) for p in Path(run_dir).iterdir()
-             if p.is_dir() and (m := _PHASE_DIR.fullmatch(p.name))]
+    found = [
+        (int(m[1]), m[2], p) for p in Path(run_dir).iterdir() if p.is_dir() and (m := _PHASE_DIR.fullmatch(p.name))
+    ]
     return [(name, p) for _, name, p in sorted(found, key=lambda t: t[0])]
 
 
@@ -153,8 +155,13 @@ class BestCheckpoint:
     metrics: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "value": self.value, "step": self.step, "checkpoint": self.checkpoint,
-                "metrics": self.metrics}
+        return {
+            "metric": self.metric,
+            "value": self.value,
+            "step": self.step,
+            "checkpoint": self.checkpoint,
+            "metrics": self.metrics,
+        }
 
 
 def read_best(folder: Path) -> BestCheckpoint | None:
@@ -178,8 +185,9 @@ def write_best(folder: Path, best: BestCheckpoint | None) -> None:
 def run_targets(run_dir: Path) -> list[tuple[str, Path, Path]]:
     """(phase name, checkpoint, its config.json) for every phase of a run folder: the best
     checkpoint, or ``final/`` when the phase has no usable best."""
-    found = ([p for _, p in phase_folders(run_dir) if (p / CONFIG).is_file()]
-             or ([run_dir] if (run_dir / CONFIG).is_file() else []))
+    found = [p for _, p in phase_folders(run_dir) if (p / CONFIG).is_file()] or (
+        [run_dir] if (run_dir / CONFIG).is_file() else []
+    )
     if not found:
         raise NotARunFolder(f"{run_dir}: not a run folder (no {CONFIG}, no phaseN-name/ folders)")
     out = []

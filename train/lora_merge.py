@@ -39,8 +39,12 @@ def _base_params(model) -> list[torch.nn.Parameter]:
     """The parameters a merge writes to: those of every adapted layer's base layer."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return [p for m in model.modules() if isinstance(m, BaseTunerLayer)
-            for p in m.get_base_layer().parameters(recurse=False)]
+    return [
+        p
+        for m in model.modules()
+        if isinstance(m, BaseTunerLayer)
+        for p in m.get_base_layer().parameters(recurse=False)
+    ]
 
 
 def _zero3_status(p: torch.nn.Parameter) -> str | None:
@@ -122,5 +126,6 @@ class MergedGenerationMixin:
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         with merged_generate(self.accelerator.unwrap_model(self.model_wrapped), self.merge_lora_for_generation):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )

@@ -56,8 +56,13 @@ def _base_model(trainer) -> str:
 
 def _is_local(base_model: str) -> bool:
     """A folder (here, or by its look: a relative path recorded where training ran), not a hub id."""
-    return (not base_model or os.path.isdir(base_model) or os.path.isabs(base_model)
-            or base_model.startswith((".", "~")) or base_model.count("/") > 1)
+    return (
+        not base_model
+        or os.path.isdir(base_model)
+        or os.path.isabs(base_model)
+        or base_model.startswith((".", "~"))
+        or base_model.count("/") > 1
+    )
 
 
 def _header(base_model: str, tags: list[str], library: str = "transformers") -> list[str]:
@@ -69,25 +74,36 @@ def _header(base_model: str, tags: list[str], library: str = "transformers") -> 
 
 
 def _origin(base_model: str) -> str:
-    return (f"the local model `{base_model}`" if _is_local(base_model) and base_model else
-            "a model of unknown origin" if not base_model else
-            f"[{base_model}](https://huggingface.co/{base_model})")
+    return (
+        f"the local model `{base_model}`"
+        if _is_local(base_model) and base_model
+        else "a model of unknown origin"
+        if not base_model
+        else f"[{base_model}](https://huggingface.co/{base_model})"
+    )
 
 
-def model_card(base_model: str, model_name: str, reward_names: list[str], versions: dict[str, str],
-               method: str = "GRPO") -> str:
+def model_card(
+    base_model: str, model_name: str, reward_names: list[str], versions: dict[str, str], method: str = "GRPO"
+) -> str:
     """Markdown with a YAML header; ``base_model`` is a hub id or a local path."""
     origin = _origin(base_model)
     lines = [
-        *_header(base_model, ["trl", method.lower(), CARD_TAG]), "",
-        f"# {model_name}", "",
+        *_header(base_model, ["trl", method.lower(), CARD_TAG]),
+        "",
+        f"# {model_name}",
+        "",
         f"Fine-tuned from {origin} with {method} (TRL) by crystal-grpo: CRYSTAL's step-level rewards "
-        "(Match F1, Causal Process Reward) and the warm start that teaches their output format.", "",
+        "(Match F1, Causal Process Reward) and the warm start that teaches their output format.",
+        "",
         f"- Reward functions: {', '.join(f'`{r}`' for r in reward_names) or '-'}",
         f"- The run folder holds the full configuration (`{CONFIG}`), the training log "
         f"(`{METRICS_LOG}`) and validation (`{VALIDATION_LOG}`, `{BEST}`).",
-        "", "## Framework versions", "",
-        *(f"- {name}: {version}" for name, version in versions.items()), "",
+        "",
+        "## Framework versions",
+        "",
+        *(f"- {name}: {version}" for name, version in versions.items()),
+        "",
     ]
     return "\n".join(lines)
 
@@ -118,21 +134,32 @@ def write_model_card(trainer, model_name: str | None = None) -> Path | None:
     ours = out.is_file() and not out.is_symlink() and is_run_card(out)
     if (out.exists() or out.is_symlink()) and not ours:
         if not getattr(trainer, "_card_kept", False):
-            logger.warning("%s: not the run's model card (no %r tag), so it is left as it is and no card is written",
-                           out, CARD_TAG)
+            logger.warning(
+                "%s: not the run's model card (no %r tag), so it is left as it is and no card is written",
+                out,
+                CARD_TAG,
+            )
             trainer._card_kept = True
         return None
-    out.write_text(model_card(_base_model(trainer), model_name or Path(trainer.args.output_dir).name,
-                              list(getattr(trainer, "reward_func_names", [])), framework_versions(),
-                              getattr(trainer, "_name", "GRPO")), encoding="utf-8")
+    out.write_text(
+        model_card(
+            _base_model(trainer),
+            model_name or Path(trainer.args.output_dir).name,
+            list(getattr(trainer, "reward_func_names", [])),
+            framework_versions(),
+            getattr(trainer, "_name", "GRPO"),
+        ),
+        encoding="utf-8",
+    )
     return out
 
 
 class ModelCardMixin:
     """The trainer's ``create_model_card``: this card (main process) instead of TRL's."""
 
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
-                          tags: str | list[str] | None = None) -> None:
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ) -> None:
         if self.is_world_process_zero():
             write_model_card(self, model_name)
 
@@ -235,8 +262,9 @@ def _value(v) -> str:
     return UNKNOWN if v is None else str(v)
 
 
-def export_card(rec: RunRecord, model_name: str, how: str, dtype: str, versions: dict[str, str],
-                adapter_base: str | None = None) -> str:
+def export_card(
+    rec: RunRecord, model_name: str, how: str, dtype: str, versions: dict[str, str], adapter_base: str | None = None
+) -> str:
     """The exported folder's ``README.md``: how it was exported and what the run recorded
     (``unknown`` where it recorded nothing). ``adapter_base``: the model a kept LoRA adapter
     loads onto (the card of an adapter folder then says ``library_name: peft``)."""
@@ -251,36 +279,58 @@ def export_card(rec: RunRecord, model_name: str, how: str, dtype: str, versions:
     if reward.get("params"):
         reward_line += f", parameters `{json.dumps(reward['params'], sort_keys=True)}`"
     lines = [
-        *_header(adapter_base or base, ["trl", method.lower(), CARD_TAG, *(["lora"] if adapter_base else [])],
-                 "peft" if adapter_base else "transformers"), "",
-        f"# {model_name}", "",
+        *_header(
+            adapter_base or base,
+            ["trl", method.lower(), CARD_TAG, *(["lora"] if adapter_base else [])],
+            "peft" if adapter_base else "transformers",
+        ),
+        "",
+        f"# {model_name}",
+        "",
         f"Exported by crystal-grpo (`scripts/export.py`) from `{rec.checkpoint}`: {how}, {dtype}. "
-        + (f"Fine-tuned from {_origin(base)} with {method} (TRL): CRYSTAL's step-level rewards (Match F1, "
-           "Causal Process Reward)." if rec.config else "No run records lie beside that checkpoint (the phase "
-           "folder's config.json, validation.jsonl), so how it was trained is unknown."),
+        + (
+            f"Fine-tuned from {_origin(base)} with {method} (TRL): CRYSTAL's step-level rewards (Match F1, "
+            "Causal Process Reward)."
+            if rec.config
+            else "No run records lie beside that checkpoint (the phase "
+            "folder's config.json, validation.jsonl), so how it was trained is unknown."
+        ),
         "",
         f"- Base model: {f'`{base}`' if base else UNKNOWN}",
         *([f"- This phase started from: `{rec.phase_start}`"] if rec.phase_start else []),
-        *([f"- LoRA adapter for `{adapter_base}`: `PeftModel.from_pretrained(base_model, this_folder)`"]
-          if adapter_base else []),
+        *(
+            [f"- LoRA adapter for `{adapter_base}`: `PeftModel.from_pretrained(base_model, this_folder)`"]
+            if adapter_base
+            else []
+        ),
         f"- Step: {step}",
         f"- Reward: {reward_line}",
     ]
     if rec.best:
-        lines.append(f"- Best checkpoint of the phase by `{rec.best.metric}`: `{rec.best.checkpoint}` "
-                     f"(step {rec.best.step}, {_value(rec.best.value)})"
-                     + (", this one" if rec.best.step == rec.step else ""))
+        lines.append(
+            f"- Best checkpoint of the phase by `{rec.best.metric}`: `{rec.best.checkpoint}` "
+            f"(step {rec.best.step}, {_value(rec.best.value)})" + (", this one" if rec.best.step == rec.step else "")
+        )
     lines += ["", "## Phases", ""]
     if rec.phases:
-        lines += ["| phase | trainer | reward | steps |", "|---|---|---|---|",
-                  *(f"| {p.name}{' (this checkpoint)' if p.name == rec.phase else ''} | {_value(p.trainer)} | "
-                    f"{_value(p.reward)} | {p.steps} |" for p in rec.phases)]
+        lines += [
+            "| phase | trainer | reward | steps |",
+            "|---|---|---|---|",
+            *(
+                f"| {p.name}{' (this checkpoint)' if p.name == rec.phase else ''} | {_value(p.trainer)} | "
+                f"{_value(p.reward)} | {p.steps} |"
+                for p in rec.phases
+            ),
+        ]
     else:
         lines.append(f"{UNKNOWN} (no run records beside the checkpoint)")
     lines += ["", f"## Validation at step {_value(rec.step)}", ""]
     if rec.validation:
-        lines += ["| metric | value |", "|---|---|",
-                  *(f"| {k} | {_value(v)} |" for k, v in rec.validation.items() if k != "step")]
+        lines += [
+            "| metric | value |",
+            "|---|---|",
+            *(f"| {k} | {_value(v)} |" for k, v in rec.validation.items() if k != "step"),
+        ]
     else:
         lines.append(f"{UNKNOWN} (no validation recorded at this step)")
     lines += ["", "## Framework versions", "", *(f"- {name}: {version}" for name, version in versions.items()), ""]

@@ -51,8 +51,8 @@ from crystal_grpo.train.vision import (
     is_vision_language,
     language_lora_target,
     lora_targets,
+    set_image_resolution,
 )
-from crystal_grpo.train.vision import set_image_resolution
 from crystal_grpo.typed import from_dict, option
 
 logger = logging.getLogger(__name__)
@@ -74,13 +74,17 @@ class LoraSection:
     alpha: int = option(32, "LoRA scaling numerator (peft's lora_alpha).", gt=0)
     dropout: float = option(0.05, "Dropout on the LoRA branch.", ge=0, lt=1)
     target_modules: Union[list[str], str, None] = option(
-        None, "Modules to adapt: names, a regex PEFT full-matches, or 'all-linear'. Unset: every linear layer of the "
+        None,
+        "Modules to adapt: names, a regex PEFT full-matches, or 'all-linear'. Unset: every linear layer of the "
         "language model: 'all-linear' for a text model; for a vision-language model its language model's linear "
-        "layers only, not the vision tower's or the projector's (which 'all-linear' would adapt too).")
+        "layers only, not the vision tower's or the projector's (which 'all-linear' would adapt too).",
+    )
     merge_for_generation: bool = option(
-        True, "Generate (training rollouts, validation) through adapters merged into a copy of the base weights: "
+        True,
+        "Generate (training rollouts, validation) through adapters merged into a copy of the base weights: "
         "as fast as the base model, at the memory of one more copy of the adapted weights while generating "
-        "(none under ZeRO-3). Off: unmerged, with LoRA dropout applied while sampling, as before.")
+        "(none under ZeRO-3). Off: unmerged, with LoRA dropout applied while sampling, as before.",
+    )
 
 
 @dataclass
@@ -94,19 +98,24 @@ class ModelSection:
     trust_remote_code: bool = option(False, "Needed for InternVL3.5; off unless asked for.")
     revision: Union[str, None] = option(None, "Hub revision (branch, tag or commit) of a hub id.")
     init_kwargs: dict[str, Any] = option(
-        default_factory=dict, help="More keyword arguments of the model's from_pretrained, for the policy, TRL's "
+        default_factory=dict,
+        help="More keyword arguments of the model's from_pretrained, for the policy, TRL's "
         "reference model, evaluation and export; training.model_init_kwargs (TRL's name) lands here, its dtype, "
-        "attn_implementation, trust_remote_code and revision in the fields above.")
+        "attn_implementation, trust_remote_code and revision in the fields above.",
+    )
     gradient_checkpointing: bool = option(False, "Also sets TRL's flag of the same name.")
     lora: Union[LoraSection, None] = option(None, "Set to train a LoRA adapter instead of all weights.")
-    vision: VisionSection = option(default_factory=VisionSection, help="Image resolution and frozen parts of a "
-                                   "vision-language model.")
+    vision: VisionSection = option(
+        default_factory=VisionSection, help="Image resolution and frozen parts of a vision-language model."
+    )
 
 
 # --------------------------------------------------------------------------- helpers
 def _offline() -> bool:
-    return any(os.environ.get(k, "").strip().lower() in {"1", "true", "yes", "on"}
-               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(k, "").strip().lower() in {"1", "true", "yes", "on"}
+        for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def torch_dtype(name: str):
@@ -121,8 +130,10 @@ def model_source(cfg: ModelSection) -> tuple[str, bool]:
     """(what to pass to from_pretrained, is it a local folder)."""
     raw = str(cfg.name_or_path or "").strip()
     if not raw:
-        raise ModelLoadError("model.name_or_path is empty: set it to a local model folder "
-                             "(e.g. .cache/models/SmolLM2-135M-Instruct) or a cached hub id")
+        raise ModelLoadError(
+            "model.name_or_path is empty: set it to a local model folder "
+            "(e.g. .cache/models/SmolLM2-135M-Instruct) or a cached hub id"
+        )
     p = Path(os.path.expanduser(raw))
     if p.exists():
         return str(p), True
@@ -132,7 +143,8 @@ def model_source(cfg: ModelSection) -> tuple[str, bool]:
             f"model.name_or_path: no such folder {str(p.resolve())!r}. Point it at a local folder with "
             f"config.json and weights (scripts/prepare_smollm2.py writes .cache/models/SmolLM2-135M-Instruct; "
             f"scripts/make_tiny_models.py writes tiny test models), or at a folder holding a GGUF file "
-            f"together with model.gguf_file.")
+            f"together with model.gguf_file."
+        )
     return raw, False
 
 
@@ -161,24 +173,34 @@ def recorded_model(model: dict) -> ModelSection:
     """The model section a run folder records (its config.json) as far as loading the run's
     checkpoints again needs it: remote code, revision, attention, ``from_pretrained`` extras and
     the image resolution (evaluation and export use what training used)."""
-    return ModelSection(name_or_path=str(model.get("name_or_path") or ""),
-                        trust_remote_code=bool(model.get("trust_remote_code", False)),
-                        revision=model.get("revision"), attn_implementation=model.get("attn_implementation"),
-                        init_kwargs=dict(model.get("init_kwargs") or {}),
-                        vision=from_dict(VisionSection, model.get("vision") or {}, "model.vision"))
+    return ModelSection(
+        name_or_path=str(model.get("name_or_path") or ""),
+        trust_remote_code=bool(model.get("trust_remote_code", False)),
+        revision=model.get("revision"),
+        attn_implementation=model.get("attn_implementation"),
+        init_kwargs=dict(model.get("init_kwargs") or {}),
+        vision=from_dict(VisionSection, model.get("vision") or {}, "model.vision"),
+    )
 
 
 def _fail(what: str, src: str, local: bool, err: BaseException) -> ModelLoadError:
     if local:
         tried = f"local folder {str(Path(src).resolve())!r}"
-        hint = "Check that it holds config.json and the weights (*.safetensors), or the GGUF file named by model.gguf_file."
+        hint = (
+            "Check that it holds config.json and the weights (*.safetensors), or the GGUF file named by "
+            "model.gguf_file."
+        )
     else:
         mode = "the local Hugging Face cache only (HF_HUB_OFFLINE=1)" if _offline() else "the Hugging Face hub"
         tried = f"hub id {src!r} from {mode}; no local folder of that name exists"
-        hint = ("Download or convert the model into a folder and set model.name_or_path to that folder "
-                "(e.g. .cache/models/SmolLM2-135M-Instruct from scripts/prepare_smollm2.py).")
-    return ModelLoadError(f"could not load the {what}: tried {tried}. {hint} "
-                          f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})")
+        hint = (
+            "Download or convert the model into a folder and set model.name_or_path to that folder "
+            "(e.g. .cache/models/SmolLM2-135M-Instruct from scripts/prepare_smollm2.py)."
+        )
+    return ModelLoadError(
+        f"could not load the {what}: tried {tried}. {hint} "
+        f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})"
+    )
 
 
 def _raw_config(src: str, local: bool, kw: dict, gguf_file: str | None) -> dict | None:
@@ -191,8 +213,12 @@ def _raw_config(src: str, local: bool, kw: dict, gguf_file: str | None) -> dict 
         else:
             from transformers.utils import cached_file
 
-            path = cached_file(src, "config.json", local_files_only=kw.get("local_files_only", False),
-                               _raise_exceptions_for_missing_entries=False)
+            path = cached_file(
+                src,
+                "config.json",
+                local_files_only=kw.get("local_files_only", False),
+                _raise_exceptions_for_missing_entries=False,
+            )
         if path and Path(path).is_file():
             return json.loads(Path(path).read_text(encoding="utf-8"))
     except Exception:  # noqa: BLE001 - only a pre-check; AutoConfig reports real problems
@@ -211,7 +237,8 @@ def check_remote_code(raw: dict | None, trust: bool, src: str) -> None:
         raise ModelLoadError(
             f"{src!r} is a {name} checkpoint whose modeling code ships with the checkpoint "
             f"(model_type {mt!r}, auto_map in config.json). Loading it runs that code: set "
-            f"model.trust_remote_code: true in the config (only for checkpoints you trust).")
+            f"model.trust_remote_code: true in the config (only for checkpoints you trust)."
+        )
 
 
 def _known_model_type(mt: str) -> bool:
@@ -239,13 +266,19 @@ def image_only_processor_class(base: type) -> type:
             raise ValueError(f"{type(self).__name__} handles images only (a video processor needs torchvision)")
         return base.__call__(self, images=images, text=text, **kwargs)
 
-    sub = type(f"ImageOnly{base.__name__}", (base,), {
-        "get_attributes": classmethod(get_attributes),
-        "__call__": __call__,
-        "__module__": __name__,
-        "__doc__": (f"{base.__name__} without the video processor (image processor + tokenizer + chat "
-                    "template): transformers 5 insists on a video processor, which needs torchvision."),
-    })
+    sub = type(
+        f"ImageOnly{base.__name__}",
+        (base,),
+        {
+            "get_attributes": classmethod(get_attributes),
+            "__call__": __call__,
+            "__module__": __name__,
+            "__doc__": (
+                f"{base.__name__} without the video processor (image processor + tokenizer + chat "
+                "template): transformers 5 insists on a video processor, which needs torchvision."
+            ),
+        },
+    )
     return sub
 
 
@@ -279,8 +312,12 @@ def _read_chat_template(src: str, local: bool, kw: dict) -> str | None:
             else:
                 from transformers.utils import cached_file
 
-                path = cached_file(src, name, local_files_only=kw.get("local_files_only", False),
-                                   _raise_exceptions_for_missing_entries=False)
+                path = cached_file(
+                    src,
+                    name,
+                    local_files_only=kw.get("local_files_only", False),
+                    _raise_exceptions_for_missing_entries=False,
+                )
             if path and Path(path).is_file():
                 text = Path(path).read_text(encoding="utf-8")
                 return json.loads(text)["chat_template"] if name.endswith(".json") else text
@@ -308,21 +345,27 @@ def load_processor(src: str, local: bool, config: Any, kw: dict):
         logger.info("AutoProcessor gave %s for %s; building the processor explicitly", type(proc).__name__, src)
     except Exception as e:  # noqa: BLE001 - torchvision missing, unknown processor class, ...
         err = e
-        logger.info("AutoProcessor failed for %s (%s: %s); building the processor explicitly",
-                    src, type(e).__name__, e)
+        logger.info(
+            "AutoProcessor failed for %s (%s: %s); building the processor explicitly", src, type(e).__name__, e
+        )
     cls = image_only_processor(mt)
     if cls is None:
         if err is not None:
             raise _fail(f"processor of {mt!r}", src, local, err) from err
-        raise ModelLoadError(f"{src!r}: AutoProcessor returned a bare tokenizer for the vision-language model "
-                             f"type {mt!r}, and TRL needs a processor to feed it images. Add the processor "
-                             f"files (preprocessor_config.json / processor_config.json) to the folder"
-                             + ("; for InternVL use the transformers-native '-HF' checkpoint "
-                                "(model_type internvl)." if mt == "internvl_chat" else "."))
+        raise ModelLoadError(
+            f"{src!r}: AutoProcessor returned a bare tokenizer for the vision-language model "
+            f"type {mt!r}, and TRL needs a processor to feed it images. Add the processor "
+            f"files (preprocessor_config.json / processor_config.json) to the folder"
+            + (
+                "; for InternVL use the transformers-native '-HF' checkpoint (model_type internvl)."
+                if mt == "internvl_chat"
+                else "."
+            )
+        )
     try:
         image_processor = AutoImageProcessor.from_pretrained(src, **kw)
         tokenizer = AutoTokenizer.from_pretrained(src, **kw)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _fail("image processor / tokenizer", src, local, e) from e
     template = _read_chat_template(src, local, kw) or getattr(tokenizer, "chat_template", None)
     _prepare_tokenizer(tokenizer)
@@ -366,8 +409,10 @@ def load_gguf_plain(folder: str, gguf_file: str, dtype="float32", **kw):
     tied = bool(getattr(config, "tie_word_embeddings", False))
     missing = [k for k in missing if not (tied and k.endswith("lm_head.weight"))]
     if missing or unexpected:
-        raise ModelLoadError(f"GGUF {gguf_file!r}: weights do not match the architecture "
-                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ModelLoadError(
+            f"GGUF {gguf_file!r}: weights do not match the architecture "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     if tied:
         model.tie_weights()
     model.generation_config = loaded.generation_config
@@ -397,10 +442,12 @@ def open_source(model_cfg: ModelSection) -> Source:
     check_remote_code(_raw_config(src, local, kw, None), trust, src)
     try:
         config = AutoConfig.from_pretrained(src, **kw)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if "trust_remote_code" in str(e) and not trust:
-            raise ModelLoadError(f"{src!r} needs custom code from the checkpoint: set model.trust_remote_code: "
-                                 f"true in the config (only for checkpoints you trust). ({e})") from e
+            raise ModelLoadError(
+                f"{src!r} needs custom code from the checkpoint: set model.trust_remote_code: "
+                f"true in the config (only for checkpoints you trust). ({e})"
+            ) from e
         raise _fail("model config", src, local, e) from e
     if getattr(config, "model_type", "") in REMOTE_CODE_MODEL_TYPES and not trust:
         raise ModelLoadError(f"{src!r} is an InternVL checkpoint with remote code: set model.trust_remote_code: true")
@@ -419,7 +466,7 @@ def load_processing(source: Source, vision: VisionSection):
         return processing
     try:
         processing = AutoTokenizer.from_pretrained(source.path, **source.kwargs)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _fail("tokenizer", source.path, source.local, e) from e
     _prepare_tokenizer(processing)
     return processing
@@ -467,8 +514,9 @@ def load_weights(source: Source, dtype: str, extra: dict[str, Any] | None = None
         model, info = cls.from_pretrained(None, config=source.config, state_dict=state_dict, **kw)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
-        raise ModelLoadError(f"{source.path}: weights missing from the checkpoint: {missing[:5]}"
-                             f"{' ...' if len(missing) > 5 else ''}")
+        raise ModelLoadError(
+            f"{source.path}: weights missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
     return model
 
 
@@ -482,15 +530,21 @@ def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
         kw, gguf_file = _load_kwargs(model_cfg, local), model_cfg.gguf_file
         if local and not (Path(src) / gguf_file).is_file():
             found = sorted(p.name for p in Path(src).glob("*.gguf"))
-            raise ModelLoadError(f"model.gguf_file: {gguf_file!r} is not in {str(Path(src).resolve())!r} "
-                                 f"(GGUF files there: {found or 'none'})")
+            raise ModelLoadError(
+                f"model.gguf_file: {gguf_file!r} is not in {str(Path(src).resolve())!r} "
+                f"(GGUF files there: {found or 'none'})"
+            )
         try:
-            model = load_gguf_plain(src, gguf_file, torch_dtype(model_cfg.dtype or "float32"),
-                                    **{**kw, **from_pretrained_kwargs(model_cfg)})
+            model = load_gguf_plain(
+                src,
+                gguf_file,
+                torch_dtype(model_cfg.dtype or "float32"),
+                **{**kw, **from_pretrained_kwargs(model_cfg)},
+            )
             tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file, **kw)
         except ModelLoadError:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _fail(f"GGUF model {gguf_file!r}", src, local, e) from e
         _prepare_tokenizer(tok)
         _finish(model, tok, model_cfg)
@@ -504,7 +558,7 @@ def load_policy(model_cfg: ModelSection) -> tuple[Any, Any]:
         model = load_weights(source, model_cfg.dtype or "float32", from_pretrained_kwargs(model_cfg))
     except ModelLoadError:
         raise
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise _fail("model weights", source.path, source.local, e) from e
     # A config-level quantization_config (e.g. a saved GGUF conversion) would block fine-tuning.
     if getattr(model, "hf_quantizer", None) is None and hasattr(model.config, "quantization_config"):
@@ -570,15 +624,22 @@ def adapter_base(folder: str | Path, override: str | None = None) -> str:
     if path.is_dir():
         return str(path.resolve())
     if override or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise ModelLoadError(f"LoRA base model {name!r} ({'given' if override else str(config)}) is not a folder seen "
-                             f"from {os.getcwd()}: run from the folder training ran in, or pass the base model folder")
+        raise ModelLoadError(
+            f"LoRA base model {name!r} ({'given' if override else str(config)}) is not a folder seen "
+            f"from {os.getcwd()}: run from the folder training ran in, or pass the base model folder"
+        )
     return name  # a hub id; offline, from the local cache
 
 
-def load_checkpoint(path: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
-                    device: Any = None, base_model: str | None = None,
-                    model_kwargs: dict[str, Any] | None = None,
-                    vision: VisionSection | None = None) -> tuple[Any, Any]:
+def load_checkpoint(
+    path: str | Path,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    device: Any = None,
+    base_model: str | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    vision: VisionSection | None = None,
+) -> tuple[Any, Any]:
     """A checkpoint the trainer wrote ready to generate: ``(model in eval mode, processing
     class)``. A LoRA adapter is loaded onto its base and merged (PEFT ``merge_and_unload``),
     so generation runs at full-model speed. ``model_kwargs``: the run's
@@ -587,21 +648,30 @@ def load_checkpoint(path: str | Path, dtype: str | None = None, trust_remote_cod
     folder = Path(path)
     adapter = (folder / "adapter_config.json").is_file()
     if not folder.is_dir() or not (adapter or (folder / "config.json").is_file()):
-        raise ModelLoadError(f"{str(path)!r} is not a model folder (expected config.json with weights, or a LoRA "
-                             "adapter_config.json, as in a run's checkpoint-N/ or final/)")
+        raise ModelLoadError(
+            f"{str(path)!r} is not a model folder (expected config.json with weights, or a LoRA "
+            "adapter_config.json, as in a run's checkpoint-N/ or final/)"
+        )
     source = adapter_base(folder, base_model) if adapter else str(folder)
     kwargs = dict(model_kwargs or {})
-    model, processing = load_policy(ModelSection(
-        name_or_path=source, dtype=dtype or "float32", trust_remote_code=trust_remote_code,
-        attn_implementation=kwargs.pop("attn_implementation", None),
-        revision=kwargs.pop("revision", None) if adapter else None,  # a revision of the base, not of the folder
-        init_kwargs=kwargs, vision=vision or VisionSection()))
+    model, processing = load_policy(
+        ModelSection(
+            name_or_path=source,
+            dtype=dtype or "float32",
+            trust_remote_code=trust_remote_code,
+            attn_implementation=kwargs.pop("attn_implementation", None),
+            revision=kwargs.pop("revision", None) if adapter else None,  # a revision of the base, not of the folder
+            init_kwargs=kwargs,
+            vision=vision or VisionSection(),
+        )
+    )
     if adapter:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
         if any((folder / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")) and not _is_processor(
-                processing):
+            processing
+        ):
             from transformers import AutoTokenizer
 
             processing = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)

@@ -63,8 +63,11 @@ class NonFiniteGuardMixin:
         self.nonfinite_skipped += 1
         self.consecutive_nonfinite += 1
         self._metrics["train"]["nonfinite_skipped"].append(1.0)
-        logger.warning("non-finite gradients at step %d: update skipped (%d in a row)",
-                       self.state.global_step, self.consecutive_nonfinite)
+        logger.warning(
+            "non-finite gradients at step %d: update skipped (%d in a row)",
+            self.state.global_step,
+            self.consecutive_nonfinite,
+        )
         if self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
             self.stopped_nonfinite = True
             self.control.should_save = True

@@ -66,8 +66,13 @@ from crystal_grpo.train.pcgrad_math import (  # noqa: F401 - public here (README
     pcgrad_stats,
     project_conflicting,
 )
-from crystal_grpo.train.pcgrad_memory import ACCURACY, REASONING, REST, zero_stage_problem
-from crystal_grpo.train.pcgrad_memory import pcgrad_extra_partitions  # noqa: F401 - public here
+from crystal_grpo.train.pcgrad_memory import (
+    ACCURACY,
+    REASONING,
+    REST,
+    pcgrad_extra_partitions,  # noqa: F401 - public here
+    zero_stage_problem,
+)
 from crystal_grpo.train.trainer import CrystalGRPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -121,9 +126,11 @@ class PCGradMixin:
         """The objective of each of TRL's reward columns (``CrystalGRPOTrainer.reward_objectives``)."""
         untagged = [n for n, o in zip(self.reward_func_names, self.reward_objectives) if o is None]
         if untagged:
-            raise ValueError(f"pcgrad: reward function(s) {untagged} have no objective; tag every reward function "
-                             "with reward_objectives=['accuracy', 'reasoning', ...] (one per function) or a "
-                             "function attribute fn.objective = 'accuracy' | 'reasoning'")
+            raise ValueError(
+                f"pcgrad: reward function(s) {untagged} have no objective; tag every reward function "
+                "with reward_objectives=['accuracy', 'reasoning', ...] (one per function) or a "
+                "function attribute fn.objective = 'accuracy' | 'reasoning'"
+            )
         return list(self.reward_objectives)
 
     def _pcgrad_check_supported(self) -> None:
@@ -131,18 +138,25 @@ class PCGradMixin:
         from accelerate.utils import DistributedType
 
         if not trl.__version__.startswith(TESTED_TRL + "."):
-            logger.warning("pcgrad: TRL %s is installed, but PCGrad's hooks into TRL internals were verified "
-                           "against TRL %s.x only (tests/test_trl_contract.py); run that test first",
-                           trl.__version__, TESTED_TRL)
+            logger.warning(
+                "pcgrad: TRL %s is installed, but PCGrad's hooks into TRL internals were verified "
+                "against TRL %s.x only (tests/test_trl_contract.py); run that test first",
+                trl.__version__,
+                TESTED_TRL,
+            )
 
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "pcgrad: true supports multi_objective_aggregation='sum_then_normalize' only (the objective "
-                f"advantages are defined as parts of that sum); got {self.multi_objective_aggregation!r}.")
+                f"advantages are defined as parts of that sum); got {self.multi_objective_aggregation!r}."
+            )
         objs = self._pcgrad_objectives()
         if len(set(objs)) < 2:
-            logger.warning("pcgrad: every reward function serves %r; the other objective's gradient is zero "
-                           "and PCGrad reduces to plain GRPO", objs[0] if objs else None)
+            logger.warning(
+                "pcgrad: every reward function serves %r; the other objective's gradient is zero "
+                "and PCGrad reduces to plain GRPO",
+                objs[0] if objs else None,
+            )
         dt = self.accelerator.distributed_type
         if dt == DistributedType.DEEPSPEED:
             problem = zero_stage_problem(self.accelerator.state.deepspeed_plugin.zero_stage)
@@ -153,7 +167,8 @@ class PCGradMixin:
                 raise NotImplementedError(
                     "pcgrad with ZeRO-3 optimizer offload: the offloaded gradient buffer is only filled at the "
                     "accumulation boundary, so per-objective gradients cannot be separated; disable "
-                    "offload_optimizer or set pcgrad: false.")
+                    "offload_optimizer or set pcgrad: false."
+                )
         elif dt in (DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA):
             raise NotImplementedError(f"pcgrad is implemented for one process, DDP and DeepSpeed ZeRO-3; not {dt}.")
 
@@ -170,8 +185,13 @@ class PCGradMixin:
             return out
         rewards, self._pcgrad_rewards = self._pcgrad_rewards, None
         acc, reason, total = objective_advantages(
-            rewards, self._pcgrad_objectives(), self.reward_weights, self.num_generations,
-            self.scale_rewards, self.pcgrad_objective_std)
+            rewards,
+            self._pcgrad_objectives(),
+            self.reward_weights,
+            self.num_generations,
+            self.scale_rewards,
+            self.pcgrad_objective_std,
+        )
         adv = out["advantages"]
         n = adv.shape[0]
         mine = slice(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
@@ -180,13 +200,16 @@ class PCGradMixin:
         scale = 1.0 + adv.abs().max().item() if n else 1.0
         err = (total - adv.double()).abs().max().item() if n else 0.0
         if err > SUM_CHECK_RTOL * scale:
-            raise RuntimeError(f"pcgrad: recomputed advantages differ from TRL's by {err:.3g}; the objective "
-                               "split would not add up to the GRPO advantage")
+            raise RuntimeError(
+                f"pcgrad: recomputed advantages differ from TRL's by {err:.3g}; the objective "
+                "split would not add up to the GRPO advantage"
+            )
         if not self.pcgrad_objective_std:
             err = (acc + reason - adv.double()).abs().max().item() if n else 0.0
             if err > SUM_CHECK_RTOL * scale:
-                raise RuntimeError(f"pcgrad: advantages_acc + advantages_reason differ from TRL's advantage by "
-                                   f"{err:.3g}")
+                raise RuntimeError(
+                    f"pcgrad: advantages_acc + advantages_reason differ from TRL's advantage by {err:.3g}"
+                )
         out["advantages_acc"] = acc.to(adv.dtype)
         out["advantages_reason"] = reason.to(adv.dtype)
         return out
@@ -231,9 +254,12 @@ class PCGradMixin:
             after = dict(vars(self))  # what the plain call moved (the adaptive-entropy state) is the step's
             quiet = {"beta": 0.0, "_entropy_bonus_enabled": False, "aux_loss_enabled": False}
             # objective_inputs: the objective's own loss mask under dynamic_sampling.metric: objectives
-            losses = {name: self._pcgrad_quiet_loss(model, {**objective_inputs(inputs, name), "advantages": inputs[key]},
-                                                    before, quiet)
-                      for name, key in OBJECTIVE_ADVANTAGES.items()}
+            losses = {
+                name: self._pcgrad_quiet_loss(
+                    model, {**objective_inputs(inputs, name), "advantages": inputs[key]}, before, quiet
+                )
+                for name, key in OBJECTIVE_ADVANTAGES.items()
+            }
             if rest:
                 zeros = torch.zeros_like(inputs["advantages"])
                 losses[REST] = self._pcgrad_quiet_loss(model, {**inputs, "advantages": zeros}, before, {})
@@ -313,8 +339,9 @@ class PCGradMixin:
             for k, v in stats.items():
                 self._metrics["train"][f"pcgrad/{k}"].append(v)
 
-    def _pcgrad_backward_passes(self, model, plain_backward: Callable[..., None], losses: list[torch.Tensor],
-                                spent: list[float]) -> list[Callable[[], None]]:
+    def _pcgrad_backward_passes(
+        self, model, plain_backward: Callable[..., None], losses: list[torch.Tensor], spent: list[float]
+    ) -> list[Callable[[], None]]:
         """One callable per loss running its backward pass (the graph retained for the next ones;
         the seconds each took appended to ``spent``)."""
         zero3 = is_deepspeed_engine(model)

@@ -79,9 +79,13 @@ class AccumulationWindow:
     partial dot products (ZeRO-3, where each rank holds a slice of every vector).
     """
 
-    def __init__(self, storage: Vector, plan: PCGradPlan,
-                 mean_over_ranks: Callable[[torch.Tensor], None] | None = None,
-                 sum_over_ranks: Callable[[torch.Tensor], None] | None = None) -> None:
+    def __init__(
+        self,
+        storage: Vector,
+        plan: PCGradPlan,
+        mean_over_ranks: Callable[[torch.Tensor], None] | None = None,
+        sum_over_ranks: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         self.storage, self.plan = storage, plan
         self.rows: dict[str, Vector] = {}
         self.resident: str | None = None  # the sum the storage holds
@@ -129,8 +133,10 @@ class AccumulationWindow:
         """Average (DDP), project and write the update into the storage; returns the logged
         statistics. ``late_backward``: the rest's backward pass of a late-rest plan."""
         if self.plan.late_rest != (late_backward is not None):
-            raise RuntimeError("pcgrad: the rest term's backward pass belongs after the projection exactly when "
-                               "the window has one micro-step")
+            raise RuntimeError(
+                "pcgrad: the rest term's backward pass belongs after the projection exactly when "
+                "the window has one micro-step"
+            )
         sums = self.sums()
         if set(sums) != set(self.plan.accumulated):
             raise RuntimeError(f"pcgrad: sums {sorted(sums)} at the optimizer step, expected {self.plan.accumulated}")
@@ -146,8 +152,9 @@ class AccumulationWindow:
         a, b = pcgrad_coefficients(dot, sq_acc, sq_reason)
         coef = {ACCURACY: a, REASONING: b, REST: 1.0}
         # Combine in the storage when it holds a sum in fp32 and nothing comes after; otherwise in a row.
-        in_storage = (self.resident is not None and late_backward is None
-                      and all(t.dtype == torch.float32 for t in self.storage))
+        in_storage = (
+            self.resident is not None and late_backward is None and all(t.dtype == torch.float32 for t in self.storage)
+        )
         target = self.resident if in_storage else next(iter(self.rows))
         out = sums[target]
         if coef[target] != 1.0:
@@ -177,8 +184,10 @@ def model_gradient_storage(model: Any) -> Vector:
     if is_deepspeed_engine(model):
         flat = getattr(model.optimizer, "grad_partitions_flat_buffer", None)
         if flat is None:
-            raise NotImplementedError("pcgrad under DeepSpeed needs ZeRO-3's grad_partitions_flat_buffer "
-                                      "(DeepSpeed 0.17-0.19); this DeepSpeed optimizer has none")
+            raise NotImplementedError(
+                "pcgrad under DeepSpeed needs ZeRO-3's grad_partitions_flat_buffer "
+                "(DeepSpeed 0.17-0.19); this DeepSpeed optimizer has none"
+            )
         return [flat]
     params = [p for p in model.parameters() if p.requires_grad]
     if any(p.grad is not None for p in params):
@@ -191,7 +200,7 @@ def model_gradient_storage(model: Any) -> Vector:
         flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
         off = 0
         for p in group:  # autograd adds each backward pass's gradient into these views in place
-            p.grad = flat[off:off + p.numel()].view_as(p)
+            p.grad = flat[off : off + p.numel()].view_as(p)
             off += p.numel()
         storage.append(flat)
     return storage
@@ -202,8 +211,9 @@ def open_window(model: Any, gradient_accumulation_steps: int, rest: bool) -> Acc
     import torch.distributed as dist
 
     storage = model_gradient_storage(model)
-    plan = pcgrad_plan(gradient_accumulation_steps, rest,
-                       fp32_gradients=all(t.dtype == torch.float32 for t in storage))
+    plan = pcgrad_plan(
+        gradient_accumulation_steps, rest, fp32_gradients=all(t.dtype == torch.float32 for t in storage)
+    )
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world == 1:
         return AccumulationWindow(storage, plan)

@@ -46,8 +46,7 @@ def pcgrad_stats(dot: float, sq_acc: float, sq_reason: float, eps: float = 1e-12
     }
 
 
-def project_conflicting(g_acc: torch.Tensor, g_reason: torch.Tensor, eps: float = 1e-12
-                        ) -> tuple[torch.Tensor, float]:
+def project_conflicting(g_acc: torch.Tensor, g_reason: torch.Tensor, eps: float = 1e-12) -> tuple[torch.Tensor, float]:
     """Combined update and cosine for two flat gradients.
 
     When they conflict (negative dot product) each is projected onto the normal plane of

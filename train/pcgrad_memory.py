@@ -37,7 +37,8 @@ ZERO12_REFUSED = (
     "pcgrad: true cannot run under DeepSpeed ZeRO-{stage}: ZeRO-1/2 expose a rank's reduced gradient partition "
     "only at the accumulation boundary (DeepSpeed's averaged_gradients), not after each of PCGrad's backward "
     "passes, so the accuracy and reasoning gradients cannot be kept apart; use ZeRO-3 "
-    "(configs/accelerate/zero3.json, on one or two GPUs too), DDP, or pcgrad: false")
+    "(configs/accelerate/zero3.json, on one or two GPUs too), DDP, or pcgrad: false"
+)
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,13 @@ def pcgrad_plan(gradient_accumulation_steps: int, rest: bool, fp32_gradients: bo
     return PCGradPlan(accumulated, late_rest=rest and single, storage_holds_one=fp32_gradients or single)
 
 
-def pcgrad_extra_partitions(gradient_accumulation_steps: int, beta: float, entropy_bonus: bool = False,
-                            aux_loss: bool = False, fp32_gradients: bool = True) -> int:
+def pcgrad_extra_partitions(
+    gradient_accumulation_steps: int,
+    beta: float,
+    entropy_bonus: bool = False,
+    aux_loss: bool = False,
+    fp32_gradients: bool = True,
+) -> int:
     """fp32 partitions (4 bytes x this rank's trainable parameters) PCGrad adds at its peak.
 
     ``entropy_bonus``: TRL's ``entropy_coef != 0`` or ``use_adaptive_entropy``; ``aux_loss``: a

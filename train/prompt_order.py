@@ -43,10 +43,16 @@ class EpochRepeatSampler(RepeatSampler):
         self.initial_seed = self.generator.initial_seed() if self.shuffle else None
 
     @classmethod
-    def like(cls, sampler: RepeatSampler) -> "EpochRepeatSampler":
+    def like(cls, sampler: RepeatSampler) -> EpochRepeatSampler:
         """The sampler TRL built (``GRPOTrainer._get_train_sampler``), with ``set_epoch``."""
-        return cls(sampler.data_source, sampler.mini_repeat_count, sampler.batch_size, sampler.repeat_count,
-                   sampler.shuffle, sampler.seed)
+        return cls(
+            sampler.data_source,
+            sampler.mini_repeat_count,
+            sampler.batch_size,
+            sampler.repeat_count,
+            sampler.shuffle,
+            sampler.seed,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -93,15 +99,18 @@ class PromptOrderMixin:
     def _get_train_sampler(self, dataset=None):
         if self.sampler_factory is None:  # TRL's order, with the epoch a resumed run is in
             return self.sampler_epoch.track(EpochRepeatSampler.like(super()._get_train_sampler(dataset)))
-        return self.sampler_epoch.track(self.sampler_factory(
-            dataset if dataset is not None else self.train_dataset,
-            mini_repeat_count=self.num_generations,
-            batch_size=self.args.generation_batch_size // self.num_generations,
-            repeat_count=self.num_iterations * self.args.steps_per_generation,
-            seed=self.args.seed,
-            steps_per_chunk=self.num_iterations * self.args.steps_per_generation
-            / self.args.gradient_accumulation_steps,
-        ))
+        return self.sampler_epoch.track(
+            self.sampler_factory(
+                dataset if dataset is not None else self.train_dataset,
+                mini_repeat_count=self.num_generations,
+                batch_size=self.args.generation_batch_size // self.num_generations,
+                repeat_count=self.num_iterations * self.args.steps_per_generation,
+                seed=self.args.seed,
+                steps_per_chunk=self.num_iterations
+                * self.args.steps_per_generation
+                / self.args.gradient_accumulation_steps,
+            )
+        )
 
     def curriculum_logs(self) -> dict[str, float]:
         """``curriculum/*``: the curriculum's record of the chunk the last step trained on

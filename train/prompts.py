@@ -32,27 +32,29 @@ def build_prompt(row: dict, system_prompt: str | None = None) -> list[dict]:
     if row.get("choices"):
         letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
         text += "\nOptions: " + " ".join(f"({letters[i]}) {c}" for i, c in enumerate(row["choices"]))
-    return [{"role": "system", "content": system_prompt or SYSTEM_PROMPT},
-            {"role": "user", "content": text}]
+    return [{"role": "system", "content": system_prompt or SYSTEM_PROMPT}, {"role": "user", "content": text}]
 
 
 def render_target(row: Mapping[str, Any]) -> str:
     """The completion a perfect policy writes for a row (docs/method.md section 2): what the SFT warm
     start trains on and what the length check measures."""
-    return json.dumps({"reasoning_steps": list(row["reference_steps"]), "answer": row["answer"]},
-                      ensure_ascii=False)
+    return json.dumps({"reasoning_steps": list(row["reference_steps"]), "answer": row["answer"]}, ensure_ascii=False)
 
 
-def prompt_text(processing_class: Any, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+def prompt_text(
+    processing_class: Any, messages: list[dict], chat_template_kwargs: Mapping[str, Any] | None = None
+) -> str:
     """A conversational prompt rendered for generation: the one rendering every path uses
     (validation, evaluation, the SFT phase, length checks), with the run's
     ``data.chat_template_kwargs`` as TRL's rollouts use them."""
-    return processing_class.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                **(chat_template_kwargs or {}))
+    return processing_class.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
+    )
 
 
-def encode_example(tokenizer: Any, row: Mapping[str, Any],
-                   chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], list[int]]:
+def encode_example(
+    tokenizer: Any, row: Mapping[str, Any], chat_template_kwargs: Mapping[str, Any] | None = None
+) -> tuple[list[int], list[int]]:
     """A row's prompt tokens exactly as GRPO generates from them, and the target completion's
     tokens up to the end of the turn, tokenized APART: joined, a byte-level BPE may merge the
     prompt's last character with the target's first, and the model would learn a context it
@@ -60,13 +62,13 @@ def encode_example(tokenizer: Any, row: Mapping[str, Any],
     tok = getattr(tokenizer, "tokenizer", tokenizer)
     prompt = prompt_text(tok, row["prompt"], chat_template_kwargs)
     target = render_target(row)
-    full = tok.apply_chat_template([*row["prompt"], {"role": "assistant", "content": target}], tokenize=False,
-                                   **(chat_template_kwargs or {}))
-    completion = full[len(prompt):] if full.startswith(prompt) else target + (tok.eos_token or "")
+    full = tok.apply_chat_template(
+        [*row["prompt"], {"role": "assistant", "content": target}], tokenize=False, **(chat_template_kwargs or {})
+    )
+    completion = full[len(prompt) :] if full.startswith(prompt) else target + (tok.eos_token or "")
     if tok.eos_token and tok.eos_token in completion:  # generation stops there
-        completion = completion[:completion.index(tok.eos_token) + len(tok.eos_token)]
-    return (tok(prompt, add_special_tokens=False)["input_ids"],
-            tok(completion, add_special_tokens=False)["input_ids"])
+        completion = completion[: completion.index(tok.eos_token) + len(tok.eos_token)]
+    return (tok(prompt, add_special_tokens=False)["input_ids"], tok(completion, add_special_tokens=False)["input_ids"])
 
 
 def sft_dataset(ds: Dataset, processing_class: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> Dataset:
@@ -76,8 +78,10 @@ def sft_dataset(ds: Dataset, processing_class: Any, chat_template_kwargs: Mappin
     raw = ds.with_format(None)  # the image paths, not the loading transform
     if "images" in raw.column_names:
         extra = {"chat_template_kwargs": dict(chat_template_kwargs)} if chat_template_kwargs else {}  # TRL's column
-        out = raw.map(lambda r: {"completion": [{"role": "assistant", "content": render_target(r)}], **extra},
-                      remove_columns=[c for c in raw.column_names if c not in ("prompt", "images")])
+        out = raw.map(
+            lambda r: {"completion": [{"role": "assistant", "content": render_target(r)}], **extra},
+            remove_columns=[c for c in raw.column_names if c not in ("prompt", "images")],
+        )
         loader = ImageLoader.of(ds)
         return own_image_loader(out, loader.where if loader else {})
 
@@ -92,8 +96,12 @@ def sft_dataset(ds: Dataset, processing_class: Any, chat_template_kwargs: Mappin
 MAX_TRUNCATED_SHARE = 0.05
 
 
-def target_lengths(tokenizer: Any, rows: Sequence[Mapping[str, Any]], with_prompt: bool = False,
-                   chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+def target_lengths(
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    with_prompt: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
     """Token lengths of the target completions (end of turn included: what generation must
     fit in), or of prompt + target (SFT's ``max_length``)."""
     pairs = [encode_example(tokenizer, r, chat_template_kwargs) for r in rows]
@@ -109,9 +117,11 @@ def truncation_warning(lengths: Sequence[int], limit: int | None, key: str) -> s
         return None
     ordered = sorted(lengths)
     p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
-    return (f"{key}={limit} cuts off {over:.0%} of the reference answers rendered as the target JSON "
-            f"(tokens: mean {sum(lengths) / len(lengths):.0f}, p95 {p95}, max {ordered[-1]}); a completion "
-            f"that long fails the format check. Raise it to at least {p95}.")
+    return (
+        f"{key}={limit} cuts off {over:.0%} of the reference answers rendered as the target JSON "
+        f"(tokens: mean {sum(lengths) / len(lengths):.0f}, p95 {p95}, max {ordered[-1]}); a completion "
+        f"that long fails the format check. Raise it to at least {p95}."
+    )
 
 
 def to_record(row: dict, base: Path, no: int, path: Path, system_prompt: str | None) -> dict:

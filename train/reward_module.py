@@ -33,32 +33,48 @@ class RewardModuleMixin:
     :class:`~crystal_grpo.train.checkpointing.CheckpointMixin` in the bases: the module's state
     joins the checkpoint state."""
 
-    def __init__(self, model: Any, reward_funcs: Any = None, *args: Any, reward: RewardModule | None = None,
-                 reward_objectives: Sequence[str | None] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        *args: Any,
+        reward: RewardModule | None = None,
+        reward_objectives: Sequence[str | None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if isinstance(reward_funcs, RewardModule):  # CrystalGRPOTrainer(model, module, ...)
             reward, reward_funcs = reward_funcs, None
         if reward is not None and reward_funcs is not None:
-            raise ValueError("CrystalGRPOTrainer: give reward= (a RewardModule) or reward_funcs (as for "
-                             "trl.GRPOTrainer), not both")
+            raise ValueError(
+                "CrystalGRPOTrainer: give reward= (a RewardModule) or reward_funcs (as for trl.GRPOTrainer), not both"
+            )
         args_ = kwargs.get("args", args[0] if args else None)
         if reward is not None and getattr(args_, "remove_unused_columns", False):
-            raise ValueError("CrystalGRPOTrainer(reward=...): remove_unused_columns=True would drop the columns the "
-                             "reward reads (answer, reference_steps); set it False (TRL's GRPO default)")
+            raise ValueError(
+                "CrystalGRPOTrainer(reward=...): remove_unused_columns=True would drop the columns the "
+                "reward reads (answer, reference_steps); set it False (TRL's GRPO default)"
+            )
         self.reward = reward
         # No reward at all: TRL's own error (or an environment_factory's get_reward as the reward).
         super().__init__(model, reward.reward_funcs() if reward is not None else reward_funcs, *args, **kwargs)
         extra = [n for n in self.reward_func_names if n not in reward.objectives] if reward is not None else []
         if extra:  # TRL appended an environment's get_reward as a reward source
-            raise ValueError(f"CrystalGRPOTrainer(reward=...): the environment_factory's get_reward ({', '.join(extra)}) "
-                             "would be a second reward beside the reward module, which scores every completion "
-                             "itself; give the environment no get_reward method, or use plain reward_funcs with it")
+            raise ValueError(
+                f"CrystalGRPOTrainer(reward=...): the environment_factory's get_reward ({', '.join(extra)}) "
+                "would be a second reward beside the reward module, which scores every completion "
+                "itself; give the environment no get_reward method, or use plain reward_funcs with it"
+            )
         self.reward_objectives = self._objectives(reward_objectives)
         #: Where the outcome comes from: the module's accuracy component, or the first reward function
         #: with a true ``outcome`` attribute (its raw values); None: none (``metric: outcome`` is refused).
-        self._outcome_column = next((i for i, f in enumerate(self.reward_funcs) if getattr(f, "outcome", False)),
-                                    None)
-        self.reward_outcome = (self.reward.outcome_component if self.reward is not None else
-                               None if self._outcome_column is None else self.reward_func_names[self._outcome_column])
+        self._outcome_column = next((i for i, f in enumerate(self.reward_funcs) if getattr(f, "outcome", False)), None)
+        self.reward_outcome = (
+            self.reward.outcome_component
+            if self.reward is not None
+            else None
+            if self._outcome_column is None
+            else self.reward_func_names[self._outcome_column]
+        )
         #: The last generation batch's outcome, ``[N]`` over all processes (None without a source).
         self.last_outcome: torch.Tensor | None = None
 
@@ -70,8 +86,10 @@ class RewardModuleMixin:
             return [getattr(f, "objective", None) for f in self.reward_funcs]
         given = list(given)
         if len(given) != len(self.reward_funcs) or any(o not in (*OBJECTIVES, None) for o in given):
-            raise ValueError(f"reward_objectives {given!r}: expected one of {OBJECTIVES} (or None) for each of the "
-                             f"{len(self.reward_funcs)} reward function(s) {self.reward_func_names}")
+            raise ValueError(
+                f"reward_objectives {given!r}: expected one of {OBJECTIVES} (or None) for each of the "
+                f"{len(self.reward_funcs)} reward function(s) {self.reward_func_names}"
+            )
         return given
 
     def pin_reward_references(self) -> None:
@@ -105,16 +123,19 @@ class RewardModuleMixin:
             bad = rewards.isinf() | (rewards.abs() > MAX_REWARD)  # (NaN: TRL's None, not applicable)
             if bool(bad.any()):
                 i, j = (int(k) for k in bad.nonzero()[0])
-                raise RewardFunctionError(f"reward function {self.reward_func_names[j]!r} returned "
-                                          f"{value_problem(float(rewards[i, j]))} for completion {i} of the batch")
+                raise RewardFunctionError(
+                    f"reward function {self.reward_func_names[j]!r} returned "
+                    f"{value_problem(float(rewards[i, j]))} for completion {i} of the batch"
+                )
             column = self._outcome_column
             self.last_outcome = None if column is None else rewards[:, column].double().cpu()
             return rewards
         start = time.perf_counter()
         device = self.accelerator.device
         local = self.reward.score(completions, inputs).batch
-        batch = Batch.from_tensor(self.accelerator.gather(local.as_tensor().to(device)).cpu(),
-                                  len(self.reward.extra_fields))
+        batch = Batch.from_tensor(
+            self.accelerator.gather(local.as_tensor().to(device)).cpu(), len(self.reward.extra_fields)
+        )
         comps, metrics = self.reward.rewards(batch, guard=self.model.training)
         self.last_outcome = self.reward.outcome(batch) if self.reward_outcome else None
         metrics.update(self._group_signal(batch, inputs))
@@ -132,8 +153,10 @@ class RewardModuleMixin:
         if len(batch) % self.num_generations == 0 and len(batch):
             groups = batch.correct.reshape(-1, self.num_generations)
             out["accuracy_varies"] = float((groups.amax(dim=1) != groups.amin(dim=1)).double().mean())
-        labels = torch.tensor([[float(bool(row.get("difficulty"))), float(row.get("difficulty") == "easy")]
-                               for row in inputs], device=self.accelerator.device).reshape(-1, 2)
+        labels = torch.tensor(
+            [[float(bool(row.get("difficulty"))), float(row.get("difficulty") == "easy")] for row in inputs],
+            device=self.accelerator.device,
+        ).reshape(-1, 2)
         labels = self.accelerator.gather(labels)  # on every rank (a collective), labelled or not
         if labels[:, 0].any():
             out["frac_easy"] = float(labels[:, 1].mean())

@@ -36,11 +36,13 @@ def row_problems(row: Any, base: Path, require_references: bool = True) -> list[
         out.append("missing or empty 'answer' (a string or number)")
     steps = row.get("reference_steps")
     if (require_references or steps not in (None, [])) and (
-            not isinstance(steps, list) or not steps or not all(_is_text(s) for s in steps)):
+        not isinstance(steps, list) or not steps or not all(_is_text(s) for s in steps)
+    ):
         out.append("'reference_steps' must be a non-empty list of non-empty strings")
     sets = row.get("reference_sets")
-    if sets is not None and not (isinstance(sets, list) and all(
-            isinstance(c, list) and c and all(_is_text(s) for s in c) for c in sets)):
+    if sets is not None and not (
+        isinstance(sets, list) and all(isinstance(c, list) and c and all(_is_text(s) for s in c) for c in sets)
+    ):
         out.append("'reference_sets' must be a list of non-empty lists of strings")
     choices = row.get("choices")
     if choices is not None and not (isinstance(choices, list) and all(_is_text(c) for c in choices)):

@@ -44,18 +44,24 @@ def locate(source: str | Path) -> Path:
 
         try:
             return Path(snapshot_download(str(source), repo_type="dataset", local_files_only=True))
-        except Exception:  # not cached (the error type differs across huggingface_hub versions)
+        except Exception:  # noqa: BLE001 - not cached (the error type differs across huggingface_hub versions)
             from huggingface_hub.constants import HF_HUB_CACHE
 
-            raise DataError(f"{source}: no such file or folder, and no dataset repository of that name in the local "
-                            f"Hugging Face cache ({HF_HUB_CACHE}); fetch it first with: "
-                            f"huggingface-cli download --repo-type dataset {source}") from None
+            raise DataError(
+                f"{source}: no such file or folder, and no dataset repository of that name in the local "
+                f"Hugging Face cache ({HF_HUB_CACHE}); fetch it first with: "
+                f"huggingface-cli download --repo-type dataset {source}"
+            ) from None
     raise DataError(f"{path}: no such file or folder")
 
 
 #: What a path that is neither a regular file nor a folder is (``stat``'s file types).
-_SPECIAL = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-            (stat.S_ISBLK, "a block device"))
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def _readable(path: Path) -> Path:
@@ -79,7 +85,7 @@ def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | Non
 
         try:
             rows = list(enumerate(pq.read_table(path).to_pylist(), 1))
-        except Exception as err:  # pyarrow raises several types for a damaged file
+        except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a damaged file
             raise DataError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
     elif path.suffix == ".json" and _first_char(path) == "[":
         rows = _json_array(path)
@@ -90,8 +96,10 @@ def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | Non
         lacking = {ours: theirs for ours, theirs in columns.items() if theirs not in have}
         if lacking and have:  # (a file without rows says so in its own words)
             ours, theirs = next(iter(lacking.items()))
-            raise DataError(f"{path}: data.columns maps {ours} to {theirs!r}, a column no row of it has (its columns: "
-                            f"{', '.join(sorted(have))})")
+            raise DataError(
+                f"{path}: data.columns maps {ours} to {theirs!r}, a column no row of it has (its columns: "
+                f"{', '.join(sorted(have))})"
+            )
     return [(no, _with_image_files(_rename(row, columns) if columns else row)) for no, row in rows]
 
 
@@ -120,12 +128,14 @@ def _dataset_rows(path: Path, split: str) -> list[tuple[int, Any]]:
     saved = any((path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
     try:
         ds = load_from_disk(str(path)) if saved else load_dataset(str(path))
-    except Exception as err:  # datasets raises many types for a folder it cannot read
+    except Exception as err:  # noqa: BLE001 - datasets raises many types for a folder it cannot read
         raise DataError(f"{path}: not a dataset folder ({type(err).__name__}: {str(err)[:300]})") from None
     if isinstance(ds, DatasetDict):
         if split not in ds:
-            raise DataError(f"{path}: no split {split!r}; it has {', '.join(ds)} (data.train_split / "
-                            "data.validation_split choose one)")
+            raise DataError(
+                f"{path}: no split {split!r}; it has {', '.join(ds)} (data.train_split / "
+                "data.validation_split choose one)"
+            )
         ds = ds[split]
     ds = _undecoded_images(ds)
     return [(i + 1, dict(r)) for i, r in enumerate(ds)]
@@ -182,7 +192,15 @@ def _with_image_files(row: Any) -> Any:
         value = row.get(key)
         items = value if isinstance(value, list) else [value]
         if any(_embedded(x) for x in items):
-            stored = [(str(_stored_image(x["bytes"], str(x.get("path") or ""))) if isinstance(x, dict)
-                       else str(_stored_image(bytes(x), ""))) if _embedded(x) else x for x in items]
+            stored = [
+                (
+                    str(_stored_image(x["bytes"], str(x.get("path") or "")))
+                    if isinstance(x, dict)
+                    else str(_stored_image(bytes(x), ""))
+                )
+                if _embedded(x)
+                else x
+                for x in items
+            ]
             row = {**row, key: stored if isinstance(value, list) else stored[0]}
     return row

@@ -45,9 +45,9 @@ from crystal_grpo.train.layout import (
     PHASE_DONE,
     PROGRESS,
     RECORD,
+    RUN_MARKERS,
     SAMPLES_GLOB,
     SUMMARY,
-    RUN_MARKERS,
     checkpoint_folders,
     is_finished,
     phase_dir,
@@ -78,12 +78,18 @@ class RunLock:
     """``with RunLock(run_dir, command, say):`` one live run in ``run_dir`` at a time (``name`` and
     ``what``: another holder's lock file, e.g. a sweep's in its sweep folder)."""
 
-    def __init__(self, run_dir: Path, command: str, say: Callable[[str], None] = logger.warning,
-                 name: str = LOCK, what: str = "run") -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        command: str,
+        say: Callable[[str], None] = logger.warning,
+        name: str = LOCK,
+        what: str = "run",
+    ) -> None:
         self.path, self.command, self.say, self.what = Path(run_dir) / name, command, say, what
         self.fd: int | None = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         import fcntl
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,14 +100,21 @@ class RunLock:
             os.close(fd)
             if err.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
-            raise RunFolderError(f"{self.path.parent} is in use by a live {self.what} "
-                                 f"({_describe(read_json(self.path))}); wait for it, stop it, or choose another "
-                                 "--output_dir") from None
+            raise RunFolderError(
+                f"{self.path.parent} is in use by a live {self.what} "
+                f"({_describe(read_json(self.path))}); wait for it, stop it, or choose another "
+                "--output_dir"
+            ) from None
         stale = _read_fd(fd)
         if stale:  # the holder died without releasing (killed): the kernel dropped its flock
             self.say(f"taking over the lock of a {self.what} that is gone ({_describe(stale)})")
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "process_start": _process_start(os.getpid()), "command": self.command}
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "process_start": _process_start(os.getpid()),
+            "command": self.command,
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
@@ -126,8 +139,10 @@ def _read_fd(fd: int) -> dict | None:
 def _describe(holder: dict | None) -> str:
     if not holder:
         return "holder unknown"
-    return (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started', '?')}: "
-            f"{holder.get('command', '?')}")
+    return (
+        f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started', '?')}: "
+        f"{holder.get('command', '?')}"
+    )
 
 
 # --- what the folder holds ---------------------------------------------------------------
@@ -141,8 +156,13 @@ def holds_run(run_dir: Path) -> bool:
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}, "p": [{"c": 2}]}`` -> ``{"a.b": 1, "p.0.c": 2}`` (an empty section has no keys)."""
-    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) and d and all(
-        isinstance(x, dict) for x in d) else None
+    items = (
+        d.items()
+        if isinstance(d, dict)
+        else enumerate(d)
+        if isinstance(d, list) and d and all(isinstance(x, dict) for x in d)
+        else None
+    )
     if items is None:
         return {prefix.rstrip("."): d}
     out: dict[str, Any] = {}
@@ -190,8 +210,10 @@ def phase_state(folder: Path, max_steps: Any) -> PhaseState:
 
 
 def mark_phase_done(folder: Path, max_steps: Any, global_step: int, validation: dict) -> None:
-    atomic_write_text(folder / PHASE_DONE, json.dumps({"max_steps": max_steps, "global_step": global_step,
-                                                       "validation": validation}, indent=2))
+    atomic_write_text(
+        folder / PHASE_DONE,
+        json.dumps({"max_steps": max_steps, "global_step": global_step, "validation": validation}, indent=2),
+    )
 
 
 def clear_attempt(folder: Path) -> list[str]:
@@ -247,9 +269,11 @@ def foreign_folder(run_dir: Path) -> str | None:
     held = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in run_dir.iterdir())
     if not held or any((run_dir / m).is_file() for m in RUN_MARKERS):
         return None
-    return (f"--output_dir {run_dir} holds {some_of(held)} but no run of this project (no {RECORD}): a run writes "
-            "only into a new or empty folder or its own run folder, so nothing here is touched; choose another "
-            "--output_dir")
+    return (
+        f"--output_dir {run_dir} holds {some_of(held)} but no run of this project (no {RECORD}): a run writes "
+        "only into a new or empty folder or its own run folder, so nothing here is touched; choose another "
+        "--output_dir"
+    )
 
 
 def _cannot_make(run_dir: Path) -> str | None:
@@ -281,8 +305,16 @@ class Launch:
     summary: dict | None = None
 
 
-def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: str | None, overwrite: bool,
-                say: Callable[[str], None], write: bool, data: dict[str, str] | None = None) -> Launch:
+def plan_launch(
+    run_dir: Path,
+    config: dict,
+    max_steps: Sequence[Any],
+    resume: str | None,
+    overwrite: bool,
+    say: Callable[[str], None],
+    write: bool,
+    data: dict[str, str] | None = None,
+) -> Launch:
     """Decide (and, with ``write``, record) what this launch does with ``run_dir``.
 
     ``config`` is the run's resolved config (what ``run.json`` keeps), ``max_steps`` each
@@ -305,30 +337,41 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
             steps = ", ".join(str(s.reached) for s in states)
             newest = latest_complete(Path(resume).parent)[0] if resume not in (None, "latest") else None
             if newest is not None and newest.resolve() != Path(resume).resolve():
-                raise RunFolderError(f"{run_dir}: this run already finished (step {steps}); resuming its older "
-                                     f"{resume} would train its steps again over its results: start a new run from "
-                                     f"its weights (--model.name_or_path {resume}), or start again with "
-                                     "--overwrite_output_dir")
-            say(f"{run_dir}: this run already finished (step {steps}); nothing to do"
+                raise RunFolderError(
+                    f"{run_dir}: this run already finished (step {steps}); resuming its older "
+                    f"{resume} would train its steps again over its results: start a new run from "
+                    f"its weights (--model.name_or_path {resume}), or start again with "
+                    "--overwrite_output_dir"
+                )
+            say(
+                f"{run_dir}: this run already finished (step {steps}); nothing to do"
                 + (f" (settings now differ: {some_of(diff, sep='; ')})" if diff else "")
                 + ". Train more with a larger training.max_steps and --resume_from_checkpoint latest, or start "
-                  "again with --overwrite_output_dir")
+                "again with --overwrite_output_dir"
+            )
             return Launch("finished", read_json(run_dir / SUMMARY))
         if not resume:
-            what = ("a run with other settings: " + some_of(diff, sep='; ') if diff else
-                    "the same run, not finished" if diff == [] else "a run (no run.json: an older version wrote it)")
-            raise RunFolderError(f"{run_dir} already holds {what}. Resume it with --resume_from_checkpoint latest, "
-                                 "start it again with --overwrite_output_dir, or choose another --output_dir")
+            what = (
+                "a run with other settings: " + some_of(diff, sep="; ")
+                if diff
+                else "the same run, not finished"
+                if diff == []
+                else "a run (no run.json: an older version wrote it)"
+            )
+            raise RunFolderError(
+                f"{run_dir} already holds {what}. Resume it with --resume_from_checkpoint latest, "
+                "start it again with --overwrite_output_dir, or choose another --output_dir"
+            )
         extending = [i for i, s in enumerate(states) if s.status == "extend"]
         if extending:
             i = extending[0]
-            later = [s for s in states[i + 1:] if s.status != "open" or _started(s.folder)]
+            later = [s for s in states[i + 1 :] if s.status != "open" or _started(s.folder)]
             if later:
                 raise RunFolderError(
                     f"{folders[i]} finished at step {states[i].reached}, and later phases started from it: more "
-                    f"steps there would need them retrained. Start a new run (--output_dir) instead")
-            say(f"{folders[i]}: finished at step {states[i].reached}; continuing to training.max_steps "
-                f"{max_steps[i]}")
+                    f"steps there would need them retrained. Start a new run (--output_dir) instead"
+                )
+            say(f"{folders[i]}: finished at step {states[i].reached}; continuing to training.max_steps {max_steps[i]}")
             if write:
                 (folders[i] / PHASE_DONE).unlink(missing_ok=True)
         if write:
@@ -339,8 +382,10 @@ def plan_launch(run_dir: Path, config: dict, max_steps: Sequence[Any], resume: s
         before = next((x["data"] for x in reversed((record or {}).get("launches", [])) if x.get("data")), {})
         for path, digest in (data or {}).items():
             if before.get(path, digest) != digest:
-                say(f"warning: {path} changed since this run's last launch ({before[path]} -> {digest}): the steps "
-                    "from here train on its new content, the steps before on the old")
+                say(
+                    f"warning: {path} changed since this run's last launch ({before[path]} -> {digest}): the steps "
+                    "from here train on its new content, the steps before on the old"
+                )
         _record(run_dir, config, record, "resume", write, data)
         return Launch("resume")
     elif resume:
@@ -359,8 +404,9 @@ def data_digests(paths: Sequence[str]) -> dict[str, str]:
         if path.is_file():
             out[name] = "sha256:" + sha256_file(path)[:16]
         elif path.is_dir():
-            listing = "".join(f"{p.relative_to(path)}\t{p.stat().st_size}\n" for p in sorted(path.rglob("*"))
-                              if p.is_file())
+            listing = "".join(
+                f"{p.relative_to(path)}\t{p.stat().st_size}\n" for p in sorted(path.rglob("*")) if p.is_file()
+            )
             out[name] = "names+sizes:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
     return out
 
@@ -373,14 +419,19 @@ def read_record(run_dir: Path, say: Callable[[str], None], write: bool) -> dict 
     if not path.is_file():
         return None
     record = read_json(path)
-    if (isinstance(record, dict) and isinstance(record.get("config"), dict)
-            and isinstance(record.get("launches"), list)):
+    if (
+        isinstance(record, dict)
+        and isinstance(record.get("config"), dict)
+        and isinstance(record.get("launches"), list)
+    ):
         return record
     aside = path.with_name(f"{RECORD}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
     if write:
         os.replace(path, aside)
-    say(f"{path} is unreadable (not the JSON record of a run's config and launches): kept as {aside.name}; a new "
-        f"{RECORD} starts the launch history")
+    say(
+        f"{path} is unreadable (not the JSON record of a run's config and launches): kept as {aside.name}; a new "
+        f"{RECORD} starts the launch history"
+    )
     return None
 
 
@@ -400,18 +451,25 @@ def _started(folder: Path) -> bool:
     return any((folder / name).exists() for name in PROGRESS) or bool(checkpoint_folders(folder))
 
 
-def _record(run_dir: Path, config: dict, record: dict | None, how: str, write: bool,
-            data: dict[str, str] | None = None) -> None:
+def _record(
+    run_dir: Path, config: dict, record: dict | None, how: str, write: bool, data: dict[str, str] | None = None
+) -> None:
     if not write:
         return
     from crystal_grpo.distributed import launch_command
 
     launches = (record or {}).get("launches", [])
-    launches.append({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(), "how": how,
-                     "command": launch_command(), **({"data": data} if data else {})})
+    launches.append(
+        {
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "host": socket.gethostname(),
+            "how": how,
+            "command": launch_command(),
+            **({"data": data} if data else {}),
+        }
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / RECORD, json.dumps({"config": config, "launches": launches}, indent=2,
-                                                   default=str))
+    atomic_write_text(run_dir / RECORD, json.dumps({"config": config, "launches": launches}, indent=2, default=str))
 
 
 def as_record(cfg: Any) -> dict:

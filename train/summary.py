@@ -22,7 +22,6 @@ from crystal_grpo.metrics import label
 from crystal_grpo.train.layout import METRICS_LOG, RUN_SUMMARY, VALIDATION_LOG, phases
 
 
-
 @dataclass
 class Phase:
     """One phase's logs; ``offset`` is the run's optimizer steps before it (0 for the first)."""
@@ -98,8 +97,11 @@ def phase_summary(phase: Phase) -> dict:
 def run_summary(run_dir: str | Path) -> dict:
     """``{"run": folder name, "steps": total optimizer steps, "phases": [phase_summary, ...]}``."""
     phases = read_phases(run_dir)
-    return {"run": Path(run_dir).name, "steps": sum(p.steps for p in phases),
-            "phases": [phase_summary(p) for p in phases]}
+    return {
+        "run": Path(run_dir).name,
+        "steps": sum(p.steps for p in phases),
+        "phases": [phase_summary(p) for p in phases],
+    }
 
 
 #: The validation metrics of the before -> after columns (headers: the metric table's labels).
@@ -126,9 +128,17 @@ def format_summary(summary: dict) -> str:
     validation metrics ``before -> after`` (3 decimals), the training reward's least-squares
     slope per step and mean ``frac_reward_zero_std`` ("-": not logged, e.g. an SFT phase)."""
     header = ["phase", "steps", "validated at", *(_header(m) for m in COLUMNS), "reward slope", "zero-std"]
-    rows = [[p["name"], str(p["steps"]), _change(p, "step", "d"), *(_change(p, k) for k in COLUMNS),
-             _num(p["reward_slope"], "+.5f"), _num(p["frac_reward_zero_std"], ".3f")]
-            for p in summary["phases"]]
+    rows = [
+        [
+            p["name"],
+            str(p["steps"]),
+            _change(p, "step", "d"),
+            *(_change(p, k) for k in COLUMNS),
+            _num(p["reward_slope"], "+.5f"),
+            _num(p["frac_reward_zero_std"], ".3f"),
+        ]
+        for p in summary["phases"]
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:

@@ -57,8 +57,9 @@ class CrystalTrainerMixin(NonFiniteGuardMixin, CheckpointMixin, GracefulStopMixi
         return self.stopped_nonfinite or self.interrupt.stopped_at is not None
 
 
-class CrystalGRPOTrainer(RewardModuleMixin, PromptOrderMixin, CrystalTrainerMixin, MergedGenerationMixin,
-                         DynamicSamplingMixin, GRPOTrainer):
+class CrystalGRPOTrainer(
+    RewardModuleMixin, PromptOrderMixin, CrystalTrainerMixin, MergedGenerationMixin, DynamicSamplingMixin, GRPOTrainer
+):
     """A drop-in ``trl.GRPOTrainer``: the same constructor, every argument meaning what it
     means in TRL, plus what this project adds (the non-finite guard, complete-checkpoint
     markers and ``latest`` resume, Ctrl-C / SIGTERM save, the curriculum sampler, the model
@@ -78,20 +79,38 @@ class CrystalGRPOTrainer(RewardModuleMixin, PromptOrderMixin, CrystalTrainerMixi
     the outcome is the function whose ``outcome`` attribute is true.
     """
 
-    def __init__(self, model: Any, reward_funcs: Any = None, *args: Any, reward: RewardModule | None = None,
-                 reward_objectives: Sequence[str | None] | None = None, sampler_factory: Callable | None = None,
-                 validation: ValidationSection | None = None,
-                 dynamic_sampling: DynamicSamplingSection | None = None, **kwargs: Any) -> None:
-        super().__init__(model, reward_funcs, *args, reward=reward, reward_objectives=reward_objectives,
-                         sampler_factory=sampler_factory, **kwargs)
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        *args: Any,
+        reward: RewardModule | None = None,
+        reward_objectives: Sequence[str | None] | None = None,
+        sampler_factory: Callable | None = None,
+        validation: ValidationSection | None = None,
+        dynamic_sampling: DynamicSamplingSection | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            model,
+            reward_funcs,
+            *args,
+            reward=reward,
+            reward_objectives=reward_objectives,
+            sampler_factory=sampler_factory,
+            **kwargs,
+        )
         self.setup_dynamic_sampling(dynamic_sampling)
         self.pin_reward_references()  # after every check: the slow part of building the trainer
         if validation is not None:  # the metrics train/grpo.py runs validate with, for a trainer built by hand
             if self.reward is None or not isinstance(self.eval_dataset, Sized):
-                raise ValueError("validation= reports a reward module's metrics: give reward= (a RewardModule) and "
-                                 "one eval_dataset whose rows hold the prompt, answer and reference_steps")
-            self.add_callback(ValidationCallback(self, self.eval_dataset, validation, self.args.output_dir,
-                                                 self.reward))
+                raise ValueError(
+                    "validation= reports a reward module's metrics: give reward= (a RewardModule) and "
+                    "one eval_dataset whose rows hold the prompt, answer and reference_steps"
+                )
+            self.add_callback(
+                ValidationCallback(self, self.eval_dataset, validation, self.args.output_dir, self.reward)
+            )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"

@@ -33,8 +33,21 @@ from crystal_grpo.typed import option
 logger = logging.getLogger(__name__)
 
 #: Known vision-language model types (others are found through the auto mapping or vision_config).
-VLM_MODEL_TYPES = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "internvl_chat",
-                   "llava", "llava_next", "idefics3", "smolvlm", "gemma3", "paligemma", "mllama"}
+VLM_MODEL_TYPES = {
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "internvl",
+    "internvl_chat",
+    "llava",
+    "llava_next",
+    "idefics3",
+    "smolvlm",
+    "gemma3",
+    "paligemma",
+    "mllama",
+}
 
 _QWEN = ("model.visual", ("model.visual.merger",), "model.language_model")
 _LLAVA = ("model.vision_tower", ("model.multi_modal_projector",), "model.language_model")
@@ -43,13 +56,20 @@ _IDEFICS = ("model.vision_model", ("model.connector",), "model.text_model")
 #: ``...ForConditionalGeneration`` model of transformers 5, read from its modeling code. A
 #: projector inside the vision tower (Qwen's merger) counts as the projector, not the tower.
 VLM_PARTS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "qwen2_vl": _QWEN, "qwen2_5_vl": _QWEN, "glm4v": _QWEN,
+    "qwen2_vl": _QWEN,
+    "qwen2_5_vl": _QWEN,
+    "glm4v": _QWEN,
     "qwen3_vl": (_QWEN[0], ("model.visual.merger", "model.visual.deepstack_merger_list"), _QWEN[2]),
     "qwen3_vl_moe": (_QWEN[0], ("model.visual.merger", "model.visual.deepstack_merger_list"), _QWEN[2]),
-    "llava": _LLAVA, "llava_next": _LLAVA, "llava_onevision": _LLAVA, "internvl": _LLAVA, "gemma3": _LLAVA,
+    "llava": _LLAVA,
+    "llava_next": _LLAVA,
+    "llava_onevision": _LLAVA,
+    "internvl": _LLAVA,
+    "gemma3": _LLAVA,
     "paligemma": _LLAVA,
     "mllama": ("model.vision_model", ("model.multi_modal_projector",), "model.language_model"),
-    "idefics3": _IDEFICS, "smolvlm": _IDEFICS,
+    "idefics3": _IDEFICS,
+    "smolvlm": _IDEFICS,
 }
 PART_NAMES = ("vision tower", "projector", "language model")
 #: (min_pixels, max_pixels) of Qwen2.5-VL's published processor (its preprocessor_config.json):
@@ -68,16 +88,24 @@ class VisionSection:
     and which parts of the model train."""
 
     max_pixels: Union[int, None] = option(
-        602112, "Largest image area in pixels (Qwen2-VL-family processors): a larger image is resized down to it, "
+        602112,
+        "Largest image area in pixels (Qwen2-VL-family processors): a larger image is resized down to it, "
         "its aspect ratio kept. One image token per 28 x 28 pixels for Qwen2-VL / Qwen2.5-VL: at most 768 tokens an "
         "image at the paper's 602,112. null: the processor's own (Qwen2.5-VL's published processor: 12,845,056, "
-        "up to 16,384 tokens an image).", ge=1)
+        "up to 16,384 tokens an image).",
+        ge=1,
+    )
     min_pixels: Union[int, None] = option(
-        3136, "Smallest image area in pixels: a smaller image is resized up to it (3,136: 4 tokens). null: the "
-        "processor's own.", ge=1)
+        3136,
+        "Smallest image area in pixels: a smaller image is resized up to it (3,136: 4 tokens). null: the "
+        "processor's own.",
+        ge=1,
+    )
     freeze_vision_tower: bool = option(
-        False, "Keep the vision encoder's weights fixed in full fine-tuning (the CRYSTAL authors' training updates "
-        "them). LoRA adapts the language model only unless model.lora.target_modules says otherwise.")
+        False,
+        "Keep the vision encoder's weights fixed in full fine-tuning (the CRYSTAL authors' training updates "
+        "them). LoRA adapts the language model only unless model.lora.target_modules says otherwise.",
+    )
     freeze_projector: bool = option(False, "Keep the projector (vision encoder -> language model) fixed too.")
 
 
@@ -105,7 +133,8 @@ def _pixel_bounded(image_processor: Any) -> bool:
     except (TypeError, ValueError):  # no size, or a single number
         keys = set()
     return {"shortest_edge", "longest_edge"} <= keys and all(
-        hasattr(image_processor, a) for a in ("patch_size", "merge_size", "temporal_patch_size"))
+        hasattr(image_processor, a) for a in ("patch_size", "merge_size", "temporal_patch_size")
+    )
 
 
 def set_image_resolution(processing: Any, vision: VisionSection) -> None:
@@ -117,8 +146,11 @@ def set_image_resolution(processing: Any, vision: VisionSection) -> None:
     if image_processor is None or not bounds:
         return
     if not _pixel_bounded(image_processor):
-        logger.warning("model.vision.min_pixels / max_pixels apply to Qwen2-VL-family image processors (area bounds "
-                       "in pixels); %s keeps its own resizing", type(image_processor).__name__)
+        logger.warning(
+            "model.vision.min_pixels / max_pixels apply to Qwen2-VL-family image processors (area bounds "
+            "in pixels); %s keeps its own resizing",
+            type(image_processor).__name__,
+        )
         return
     size = image_processor.size
     image_processor.size = type(size)(**{**dict(size), **bounds})
@@ -132,7 +164,7 @@ def image_tokens(processing: Any, height: int, width: int) -> int | None:
     image_processor = getattr(processing, "image_processor", None)
     if image_processor is None or not _pixel_bounded(image_processor):
         return None
-    return image_processor.get_number_of_image_patches(height, width) // image_processor.merge_size ** 2
+    return image_processor.get_number_of_image_patches(height, width) // image_processor.merge_size**2
 
 
 def resized_image_tokens(height: int, width: int, min_pixels: int, max_pixels: int, factor: int = 28) -> int:
@@ -161,8 +193,10 @@ def resolution_line(processing: Any) -> str | None:
     size = dict(image_processor.size)
     low, high = size["shortest_edge"], size["longest_edge"]
     side = image_processor.patch_size * image_processor.merge_size
-    return (f"images: {low:,}-{high:,} pixels, {max(1, low // side ** 2):,}-{high // side ** 2:,} tokens an image "
-            f"(one per {side} x {side} pixels; model.vision.min_pixels / max_pixels)")
+    return (
+        f"images: {low:,}-{high:,} pixels, {max(1, low // side**2):,}-{high // side**2:,} tokens an image "
+        f"(one per {side} x {side} pixels; model.vision.min_pixels / max_pixels)"
+    )
 
 
 # --------------------------------------------------------------------------- parts
@@ -217,14 +251,20 @@ def part_parameters(model: Any) -> dict[str, list] | None:
     projector = {id(p): p for m in parts.projectors for p in m.parameters()}
     vision = [p for p in parts.vision.parameters() if id(p) not in projector]
     taken = set(projector) | {id(p) for p in vision}
-    return {"vision tower": vision, "projector": list(projector.values()),
-            "language model": [p for p in model.parameters() if id(p) not in taken]}
+    return {
+        "vision tower": vision,
+        "projector": list(projector.values()),
+        "language model": [p for p in model.parameters() if id(p) not in taken],
+    }
 
 
 def freeze_parts(model: Any, vision: VisionSection) -> None:
     """``requires_grad = False`` on the parts ``vision`` freezes (the optimizer then skips them)."""
-    frozen = [name for name, on in (("vision tower", vision.freeze_vision_tower),
-                                    ("projector", vision.freeze_projector)) if on]
+    frozen = [
+        name
+        for name, on in (("vision tower", vision.freeze_vision_tower), ("projector", vision.freeze_projector))
+        if on
+    ]
     if not frozen:
         return
     if not is_vision_language(getattr(model, "config", None)):
@@ -232,8 +272,10 @@ def freeze_parts(model: Any, vision: VisionSection) -> None:
         return
     params = part_parameters(model)
     if params is None:
-        raise VisionError(f"model.vision.freeze_*: cannot tell the {' and '.join(frozen)} apart in "
-                          f"{_unknown(model)}; unset the freeze or use a known family")
+        raise VisionError(
+            f"model.vision.freeze_*: cannot tell the {' and '.join(frozen)} apart in "
+            f"{_unknown(model)}; unset the freeze or use a known family"
+        )
     for name in frozen:
         for p in params[name]:
             p.requires_grad_(False)
@@ -246,8 +288,10 @@ def _numel(p: Any) -> int:
 def parameter_counts(model: Any) -> dict[str, tuple[int, int]]:
     """(trainable, total) per part; one entry, ``model``, for a text model or an unknown family."""
     params = part_parameters(model) or {"model": list(model.parameters())}
-    return {name: (sum(_numel(p) for p in ps if p.requires_grad), sum(_numel(p) for p in ps))
-            for name, ps in params.items()}
+    return {
+        name: (sum(_numel(p) for p in ps if p.requires_grad), sum(_numel(p) for p in ps))
+        for name, ps in params.items()
+    }
 
 
 def parameter_line(model: Any) -> str:
@@ -256,15 +300,21 @@ def parameter_line(model: Any) -> str:
     trainable, total = (sum(c[i] for c in counts.values()) for i in (0, 1))
     line = f"trainable parameters: {trainable:,} of {total:,} ({trainable / max(total, 1):.1%})"
     if "model" not in counts:
-        return line + ": " + ", ".join(f"{name} {t:,} of {n:,}" + (" (frozen)" if n and not t else "")
-                                       for name, (t, n) in counts.items())
+        return (
+            line
+            + ": "
+            + ", ".join(
+                f"{name} {t:,} of {n:,}" + (" (frozen)" if n and not t else "") for name, (t, n) in counts.items()
+            )
+        )
     if is_vision_language(getattr(_unwrapped(model), "config", None)):
         return line + f"; not split into parts: {_unknown(model)}"
     return line
 
 
-def lora_targets(target_modules: Union[str, list[str], None], vision_language: bool
-                 ) -> tuple[Union[str, list[str]], bool]:
+def lora_targets(
+    target_modules: Union[str, list[str], None], vision_language: bool
+) -> tuple[Union[str, list[str]], bool]:
     """``(PEFT's target_modules, language model only)`` for a ``model.lora.target_modules`` setting:
     the one rule the trainer (``train.models.peft_config``) and the capacity plan
     (``train/capacity.py``, without a model) follow. An explicit setting is PEFT's, as given
@@ -288,10 +338,11 @@ def language_lora_target(model: Any) -> Union[str, list[str]]:
         logger.warning("LoRA adapts every linear layer, the vision tower's too: %s", _unknown(model))
         return "all-linear"
     prefix = parts.language_path + "."
-    names = {name for name, m in model.named_modules()
-             if name.startswith(prefix) and isinstance(m, torch.nn.Linear)}
+    names = {name for name, m in model.named_modules() if name.startswith(prefix) and isinstance(m, torch.nn.Linear)}
     if not names:
-        raise VisionError(f"no linear layer under {parts.language_path} for LoRA to adapt; set model.lora.target_modules")
+        raise VisionError(
+            f"no linear layer under {parts.language_path} for LoRA to adapt; set model.lora.target_modules"
+        )
     leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
     regex = re.escape(prefix) + r"(?:.*\.)?(?:" + "|".join(map(re.escape, leaves)) + ")"
     if {name for name, _ in model.named_modules() if re.fullmatch(regex, name)} == names:

@@ -66,8 +66,10 @@ def mean_curve(curves: list[dict[int, float]], window: int = 1) -> tuple[list[in
     """The steps every curve has, and the mean over curves (a trailing moving average of ``window``)."""
     steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     means = [sum(c[s] for c in curves) / len(curves) for s in steps]
-    smooth = [sum(means[max(0, i - window + 1):i + 1]) / len(means[max(0, i - window + 1):i + 1])
-              for i in range(len(means))]
+    smooth = [
+        sum(means[max(0, i - window + 1) : i + 1]) / len(means[max(0, i - window + 1) : i + 1])
+        for i in range(len(means))
+    ]
     return steps, smooth
 
 
@@ -137,8 +139,13 @@ def figures(sweep: Sweep) -> list[Path]:
             steps = sorted(set.intersection(*(set(r) for r in runs)))
             ks = sorted({k for r in runs for s in steps for k in r[s]}, key=int)
             for k in ks:
-                ax.plot(steps, [sum(r[s].get(k, math.nan) for r in runs) / len(runs) for s in steps], marker="o",
-                        ms=3, label=f"k = {k}")
+                ax.plot(
+                    steps,
+                    [sum(r[s].get(k, math.nan) for r in runs) / len(runs) for s in steps],
+                    marker="o",
+                    ms=3,
+                    label=f"k = {k}",
+                )
             ax.set_title(f"{arm}: held-out accuracy by step count")
             ax.set_xlabel("GRPO step")
             ax.set_ylim(0, 1)
@@ -149,8 +156,12 @@ def figures(sweep: Sweep) -> list[Path]:
 
 
 #: The panels of ``variants.png``: step_diagnosis numbers over training.
-VARIANT_PANELS = (("accuracy", "accuracy"), ("steps", "steps written"), ("recall", "step recall"),
-                  ("f1_correct", "Match F1 of right answers"))
+VARIANT_PANELS = (
+    ("accuracy", "accuracy"),
+    ("steps", "steps written"),
+    ("recall", "step recall"),
+    ("f1_correct", "Match F1 of right answers"),
+)
 
 
 def validation_by_variant(run: Path, data: dict[str, dict]) -> dict[int, dict[str, dict[str, float]]]:
@@ -191,15 +202,17 @@ def variant_figure(sweep: Sweep, runs: dict[str, list[dict]]) -> Path | None:
     variants = sorted({v for rs in runs.values() for r in rs for s in r.values() for v in s})
     if not variants:
         return None
-    fig, axes = plt.subplots(len(variants), len(VARIANT_PANELS), figsize=(4 * len(VARIANT_PANELS),
-                                                                          3.2 * len(variants)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(variants), len(VARIANT_PANELS), figsize=(4 * len(VARIANT_PANELS), 3.2 * len(variants)), squeeze=False
+    )
     for i, arm in enumerate(runs):
         for row, variant in zip(axes, variants):
             for ax, (key, title) in zip(row, VARIANT_PANELS):
                 curves = [{s: v[variant][key] for s, v in r.items() if variant in v} for r in runs[arm]]
                 steps, means = mean_curve([c for c in curves if c])
-                ax.plot(steps, means, marker="o", ms=3, color=plt.get_cmap("tab10")(i % 10),
-                        label=f"{arm} ({len(curves)})")
+                ax.plot(
+                    steps, means, marker="o", ms=3, color=plt.get_cmap("tab10")(i % 10), label=f"{arm} ({len(curves)})"
+                )
                 ax.set_title(f"{variant}: {title}")
                 ax.set_xlabel("GRPO step")
                 ax.grid(alpha=0.3)
@@ -216,16 +229,20 @@ def curves_markdown(runs: dict[str, list[dict]], keys: tuple[str, ...] = CURVE_K
     seeds that reached it)."""
     from crystal_grpo.train.tools.step_diagnosis import LABELS, across_seeds
 
-    lines = ["| arm | variant | step | seeds | " + " | ".join(LABELS[k] for k in keys) + " |",
-             "|---|---|---|---|" + "---|" * len(keys)]
+    lines = [
+        "| arm | variant | step | seeds | " + " | ".join(LABELS[k] for k in keys) + " |",
+        "|---|---|---|---|" + "---|" * len(keys),
+    ]
     for arm, seeds in runs.items():
         variants = list(dict.fromkeys(v for r in seeds for s in r.values() for v in s))
         for variant in variants:
             for step in sorted({s for r in seeds for s in r}):
                 at = [r[step] for r in seeds if step in r and variant in r[step]]
                 nums = across_seeds(at)[variant]
-                cells = [format(nums[k][0], ".3f") + (f" ± {nums[k][1]:.3f}" if math.isfinite(nums[k][1]) else "")
-                         for k in keys]
+                cells = [
+                    format(nums[k][0], ".3f") + (f" ± {nums[k][1]:.3f}" if math.isfinite(nums[k][1]) else "")
+                    for k in keys
+                ]
                 lines.append(f"| {arm} | {variant} | {step} | {len(at)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -241,13 +258,20 @@ def diagnosis_markdown(sweep: Sweep, runs: dict[str, list[dict]] | None = None) 
         return "\n".join(lines + ["(the sweep has no eval)", ""])
     for name, changed in {"eval": {}, **{f"eval_{n}": c for n, c in (sweep.eval.get("also") or {}).items()}}.items():
         settings = {**{k: v for k, v in sweep.eval.items() if k != "also"}, **changed}
-        lines += [f"## {name}: {settings.get('max_samples', 'all')} rows x {settings.get('num_samples', 1)}, "
-                  f"temperature {settings.get('temperature', 0)}", "", table_markdown(sweep_table(sweep, name))]
+        lines += [
+            f"## {name}: {settings.get('max_samples', 'all')} rows x {settings.get('num_samples', 1)}, "
+            f"temperature {settings.get('temperature', 0)}",
+            "",
+            table_markdown(sweep_table(sweep, name)),
+        ]
     if sweep.contrasts:
         lines += ["## Pre-registered contrasts (Holm over all of them)", "", contrasts_markdown(contrast_table(sweep))]
     if runs:
-        lines += ["## Held-out validation over training, by variant (sampled; mean ± sd over seeds)", "",
-                  curves_markdown(runs)]
+        lines += [
+            "## Held-out validation over training, by variant (sampled; mean ± sd over seeds)",
+            "",
+            curves_markdown(runs),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -260,16 +284,22 @@ def _spread(xs: list[float]) -> str:
 
 
 #: The columns of ``training.md``'s curves: (variant, step_diagnosis number, label).
-TRAINING_CURVES = (("all", "accuracy", "accuracy (all)"), ("hinted", "recall", "recall (hinted)"),
-                   ("hinted", "f1", "Match F1 (hinted)"), ("all", "steps", "steps written (all)"),
-                   ("hinted", "steps", "steps written (hinted)"))
+TRAINING_CURVES = (
+    ("all", "accuracy", "accuracy (all)"),
+    ("hinted", "recall", "recall (hinted)"),
+    ("hinted", "f1", "Match F1 (hinted)"),
+    ("all", "steps", "steps written (all)"),
+    ("hinted", "steps", "steps written (hinted)"),
+)
 
 
 def training_curves_markdown(runs: dict[str, list[dict]]) -> str:
     """:func:`variant_runs` at each validation step: one line an arm and step, each column the mean over
     the seeds that reached it with their range (a variant the rows lack stays ``-``)."""
-    lines = ["| arm | step | seeds | " + " | ".join(label for _, _, label in TRAINING_CURVES) + " |",
-             "|---|---|---|" + "---|" * len(TRAINING_CURVES)]
+    lines = [
+        "| arm | step | seeds | " + " | ".join(label for _, _, label in TRAINING_CURVES) + " |",
+        "|---|---|---|" + "---|" * len(TRAINING_CURVES),
+    ]
     for arm, seeds in runs.items():
         for step in sorted({s for r in seeds for s in r}):
             at = [r[step] for r in seeds if step in r]
@@ -280,8 +310,10 @@ def training_curves_markdown(runs: dict[str, list[dict]]) -> str:
 
 def kl_max(sweep: Sweep) -> dict[str, list[float]]:
     """Arm -> each finished seed's largest logged ``kl_max`` over training (every phase)."""
-    return {arm: [max(c.values()) for c in (train_curve(r, "kl_max") for r in runs) if c]
-            for arm, runs in _done(sweep).items()}
+    return {
+        arm: [max(c.values()) for c in (train_curve(r, "kl_max") for r in runs) if c]
+        for arm, runs in _done(sweep).items()
+    }
 
 
 def accuracy_by_k_markdown(sweep: Sweep, folders: list[str]) -> str:
@@ -303,8 +335,13 @@ def accuracy_by_k_markdown(sweep: Sweep, folders: list[str]) -> str:
                 per_arm[p.arm].append({k: sum(xs) / len(xs) for k, xs in by.items()})
         lines += _by_k_lines(f"final weights, `{folder}`", {arm: {"": runs} for arm, runs in per_arm.items()})
     val = {arm: [accuracy_by_k(r) for r in runs] for arm, runs in _done(sweep).items()}
-    val = {arm: {str(step): [{int(k): a for k, a in r[step].items()} for r in runs if step in r]
-                 for step in sorted({s for r in runs for s in r})} for arm, runs in val.items()}
+    val = {
+        arm: {
+            str(step): [{int(k): a for k, a in r[step].items()} for r in runs if step in r]
+            for step in sorted({s for r in runs for s in r})
+        }
+        for arm, runs in val.items()
+    }
     lines += _by_k_lines("validation (sampled), by step", val)
     return "\n".join(lines) + "\n"
 
@@ -313,22 +350,36 @@ def _by_k_lines(title: str, table: dict[str, dict[str, list[dict[int, float]]]])
     ks = sorted({k for steps in table.values() for runs in steps.values() for r in runs for k in r})
     if not ks:
         return []
-    lines = [f"### Accuracy by reference step count: {title}", "",
-             "| arm | step | seeds | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|---|---|" + "---|" * len(ks)]
+    lines = [
+        f"### Accuracy by reference step count: {title}",
+        "",
+        "| arm | step | seeds | " + " | ".join(f"k = {k}" for k in ks) + " |",
+        "|---|---|---|" + "---|" * len(ks),
+    ]
     for arm, steps in table.items():
         for step, runs in steps.items():
-            lines.append(f"| {arm} | {step or 'final'} | {len(runs)} | "
-                         + " | ".join(_spread([r.get(k, math.nan) for r in runs]) for k in ks) + " |")
+            lines.append(
+                f"| {arm} | {step or 'final'} | {len(runs)} | "
+                + " | ".join(_spread([r.get(k, math.nan) for r in runs]) for k in ks)
+                + " |"
+            )
     return lines + [""]
 
 
 def training_markdown(sweep: Sweep, runs: dict[str, list[dict]]) -> str:
     """``training.md`` (module docstring)."""
     folders = ["eval", *(f"eval_{n}" for n in ((sweep.eval or {}).get("also") or {}))] if sweep.eval else []
-    lines = [f"# {sweep.name}: over training, per arm (mean [min, max] over seeds)", "",
-             "## Validation (sampled, held out) by step, steps matched exactly", "", training_curves_markdown(runs),
-             "## KL max over training (the largest logged `kl_max` of each seed)", "",
-             "| arm | seeds | KL max |", "|---|---|---|"]
+    lines = [
+        f"# {sweep.name}: over training, per arm (mean [min, max] over seeds)",
+        "",
+        "## Validation (sampled, held out) by step, steps matched exactly",
+        "",
+        training_curves_markdown(runs),
+        "## KL max over training (the largest logged `kl_max` of each seed)",
+        "",
+        "| arm | seeds | KL max |",
+        "|---|---|---|",
+    ]
     lines += [f"| {arm} | {len(xs)} | {_spread(xs)} |" for arm, xs in kl_max(sweep).items()]
     lines += ["", accuracy_by_k_markdown(sweep, folders)]
     return "\n".join(lines) + "\n"
@@ -366,9 +417,16 @@ def pcgrad_windows(sweep: Sweep, width: int = 25) -> dict[str, list[dict[str, fl
                 cos[(step - 1) // width].append(x)
             for step, x in train_curve(r, "pcgrad/conflict").items():
                 con[(step - 1) // width].append(x)
-        out[arm] = [{"from": w * width + 1, "to": (w + 1) * width, "updates": len(cos[w]),
-                     "cosine": sum(cos[w]) / len(cos[w]), "conflict": sum(con[w]) / len(con[w]) if con[w] else math.nan}
-                    for w in sorted(cos)]
+        out[arm] = [
+            {
+                "from": w * width + 1,
+                "to": (w + 1) * width,
+                "updates": len(cos[w]),
+                "cosine": sum(cos[w]) / len(cos[w]),
+                "conflict": sum(con[w]) / len(con[w]) if con[w] else math.nan,
+            }
+            for w in sorted(cos)
+        ]
     return out
 
 
@@ -384,28 +442,44 @@ def markdown(sweep: Sweep) -> str:
     lines = [f"# {sweep.name}: against the control, PCGrad", ""]
     paired = vs_control(sweep)
     if paired:
-        lines += [f"Every arm minus `{CONTROL}` on {paired['rows']} evaluation rows (mean over seeds; 95% interval "
-                  "resampling seeds, then rows):", "",
-                  "| arm | seeds | accuracy | diff [95% CI] | Match F1 | diff [95% CI] |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"Every arm minus `{CONTROL}` on {paired['rows']} evaluation rows (mean over seeds; 95% interval "
+            "resampling seeds, then rows):",
+            "",
+            "| arm | seeds | accuracy | diff [95% CI] | Match F1 | diff [95% CI] |",
+            "|---|---|---|---|---|---|",
+        ]
         for arm, m in paired["arms"].items():
             if arm == CONTROL:
                 continue
             a, f = m["accuracy"], m["f1"]
-            lines.append(f"| {arm} | {a['seeds']} | {a['mean']:.3f} | {a['diff']:+.3f} [{a['ci_low']:+.3f}, "
-                         f"{a['ci_high']:+.3f}] | {f['mean']:.3f} | {f['diff']:+.3f} [{f['ci_low']:+.3f}, "
-                         f"{f['ci_high']:+.3f}] |")
+            lines.append(
+                f"| {arm} | {a['seeds']} | {a['mean']:.3f} | {a['diff']:+.3f} [{a['ci_low']:+.3f}, "
+                f"{a['ci_high']:+.3f}] | {f['mean']:.3f} | {f['diff']:+.3f} [{f['ci_low']:+.3f}, "
+                f"{f['ci_high']:+.3f}] |"
+            )
         lines.append("")
     pc = pcgrad_summary(sweep)
     if pc:
-        lines += ["| PCGrad arm | updates | mean cosine | share projected | mean projected fraction |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "| PCGrad arm | updates | mean cosine | share projected | mean projected fraction |",
+            "|---|---|---|---|---|",
+        ]
         for arm, s in pc.items():
-            lines.append(f"| {arm} | {s['updates']} | {s.get('cosine', math.nan):+.3f} | "
-                         f"{s.get('conflict', math.nan):.3f} | {s.get('projected_fraction', math.nan):.3f} |")
-        lines += ["", "| PCGrad arm | global steps | updates | mean cosine | share projected |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {arm} | {s['updates']} | {s.get('cosine', math.nan):+.3f} | "
+                f"{s.get('conflict', math.nan):.3f} | {s.get('projected_fraction', math.nan):.3f} |"
+            )
+        lines += [
+            "",
+            "| PCGrad arm | global steps | updates | mean cosine | share projected |",
+            "|---|---|---|---|---|",
+        ]
         for arm, windows in pcgrad_windows(sweep).items():
-            lines += [f"| {arm} | {w['from']}-{w['to']} | {w['updates']} | {w['cosine']:+.3f} | {w['conflict']:.3f} |"
-                      for w in windows]
+            lines += [
+                f"| {arm} | {w['from']}-{w['to']} | {w['updates']} | {w['cosine']:+.3f} | {w['conflict']:.3f} |"
+                for w in windows
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -415,11 +489,17 @@ def step_diagnosis_main(argv: list[str] | None = None) -> int:
 
     from crystal_grpo.train.tools.step_diagnosis import across_seeds, diagnose_eval, markdown, rows_by_id, sweep_table
 
-    ap = argparse.ArgumentParser(description="Steps beside answers: F1 on right and wrong answers, steps, answer = "
-                                 "last step, the slip model's F1, by variant (docs/experiments.md).")
+    ap = argparse.ArgumentParser(
+        description="Steps beside answers: F1 on right and wrong answers, steps, answer = "
+        "last step, the slip model's F1, by variant (docs/experiments.md)."
+    )
     what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--eval", nargs="+", metavar="DIR[,DIR...]", help="evaluation folders (scripts/evaluate.py "
-                      "--out); comma-separated folders are one arm's seeds")
+    what.add_argument(
+        "--eval",
+        nargs="+",
+        metavar="DIR[,DIR...]",
+        help="evaluation folders (scripts/evaluate.py --out); comma-separated folders are one arm's seeds",
+    )
     what.add_argument("--sweep", help="a sweep YAML: every arm's evaluated points")
     ap.add_argument("--data", help="the evaluated data (JSONL; default with --sweep: its eval.data)")
     ap.add_argument("--output_dir", help="the sweep folder (default: the sweep's)")
@@ -442,8 +522,10 @@ def step_diagnosis_main(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="The report of a reward ablation: the sweep's table, collapse, PCGrad, "
-                                 "curriculum, the control, steps by variant, pre-registered contrasts.")
+    ap = argparse.ArgumentParser(
+        description="The report of a reward ablation: the sweep's table, collapse, PCGrad, "
+        "curriculum, the control, steps by variant, pre-registered contrasts."
+    )
     ap.add_argument("sweep", help="the sweep YAML (e.g. configs/sweeps/organism_ablation.yaml)")
     ap.add_argument("--output_dir", help="the sweep folder (default: the sweep's)")
     a = ap.parse_args(argv)

@@ -45,8 +45,10 @@ GENERATION_BLOCKS = ("transformers.generate", "transformers.generate_batch", "vL
 LORA = "{r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}"
 
 
-ENGINES = {"static": ["--training.cache_implementation", "static"],
-           "cb": ["--training.use_transformers_continuous_batching", "true"]}
+ENGINES = {
+    "static": ["--training.cache_implementation", "static"],
+    "cb": ["--training.use_transformers_continuous_batching", "true"],
+}
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class Setting:
     engine: str = ""  # "" (generate, dynamic KV cache) | static | cb (continuous batching)
 
     @classmethod
-    def parse(cls, name: str) -> "Setting":
+    def parse(cls, name: str) -> Setting:
         parts = name.split("-")
         ok = len(parts) >= 2 and parts[0] in ("trl", "plain", "zero3") and parts[1] in ("full", "lora")
         rest = parts[2:] if ok else []
@@ -73,8 +75,10 @@ class Setting:
             reward, rest = rest[0], rest[1:]
         pcgrad = rest == ["pcgrad"] and reward != "trivial"
         if not ok or (rest and not pcgrad) or (unmerged and parts[0] == "trl"):
-            raise SystemExit(f"setting {name!r}: allowed are trl-(full|lora)[-static|-cb] and "
-                             "(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad][-static|-cb]")
+            raise SystemExit(
+                f"setting {name!r}: allowed are trl-(full|lora)[-static|-cb] and "
+                "(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad][-static|-cb]"
+            )
         return cls(parts[0], parts[1], reward, pcgrad, unmerged, engine)
 
     @property
@@ -87,8 +91,12 @@ class Setting:
         another generation engine (``""``: default ``generate``)."""
         weights = weights or (self.weights + ("-unmerged" if self.unmerged else ""))
         engine = self.engine if engine is None else engine
-        return "-".join([self.launcher, weights] + ([] if self.reward in ("cpr", "trivial") else [self.reward])
-                        + (["pcgrad"] if self.pcgrad else []) + ([engine] if engine else []))
+        return "-".join(
+            [self.launcher, weights]
+            + ([] if self.reward in ("cpr", "trivial") else [self.reward])
+            + (["pcgrad"] if self.pcgrad else [])
+            + ([engine] if engine else [])
+        )
 
 
 def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool) -> list[str]:
@@ -106,15 +114,44 @@ def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool)
     device = "cuda" if cuda else "cpu"
     reward = {"cpr": "cpr", "answer": "answer_only", "trivial": "cpr"}[s.reward]  # trl: config only, never built
     args = [
-        "--config", a.config, "--output_dir", str(out),
-        "--model.name_or_path", model, "--model.dtype", a.dtype,
-        "--data.validation", "null", "--data.validation_fraction", "0", "--data.max_train_samples", "null",
-        "--reward.name", reward, "--reward.params", json.dumps({"encoder": a.encoder, "device": device}),
-        "--training.max_steps", str(a.warmup + a.steps), "--training.save_strategy", "'no'",
-        "--training.per_device_train_batch_size", str(a.batch), "--training.num_generations", str(GENERATIONS),
-        "--training.max_completion_length", str(a.completion_length), "--training.logging_steps", "1",
-        "--training.learning_rate", str(a.learning_rate), "--training.seed", str(a.seed),
-        "--training.disable_tqdm", "true", "--training.use_cpu", str(not cuda).lower(),
+        "--config",
+        a.config,
+        "--output_dir",
+        str(out),
+        "--model.name_or_path",
+        model,
+        "--model.dtype",
+        a.dtype,
+        "--data.validation",
+        "null",
+        "--data.validation_fraction",
+        "0",
+        "--data.max_train_samples",
+        "null",
+        "--reward.name",
+        reward,
+        "--reward.params",
+        json.dumps({"encoder": a.encoder, "device": device}),
+        "--training.max_steps",
+        str(a.warmup + a.steps),
+        "--training.save_strategy",
+        "'no'",
+        "--training.per_device_train_batch_size",
+        str(a.batch),
+        "--training.num_generations",
+        str(GENERATIONS),
+        "--training.max_completion_length",
+        str(a.completion_length),
+        "--training.logging_steps",
+        "1",
+        "--training.learning_rate",
+        str(a.learning_rate),
+        "--training.seed",
+        str(a.seed),
+        "--training.disable_tqdm",
+        "true",
+        "--training.use_cpu",
+        str(not cuda).lower(),
     ]
     if s.weights == "lora":
         args += ["--model.lora", LORA.replace("}", f", merge_for_generation: {str(not s.unmerged).lower()}}}")]
@@ -163,8 +200,11 @@ class StepClock(TrainerCallback):
         ProfilingContext._log_metrics = self._original
         if state.is_world_process_zero:
             pairs = list(zip(self.ends, self.ends[1:]))
-            self.path.write_text(json.dumps({"wall": [b[0] - a[0] for a, b in pairs],
-                                             "cpu": [b[1] - a[1] for a, b in pairs], "gen": self.gen}))
+            self.path.write_text(
+                json.dumps(
+                    {"wall": [b[0] - a[0] for a, b in pairs], "cpu": [b[1] - a[1] for a, b in pairs], "gen": self.gen}
+                )
+            )
 
 
 def trivial_reward(completions, **kwargs) -> list[float]:
@@ -186,8 +226,14 @@ def run_trl(argv: list[str]) -> None:
     args = training_args(cfg, out, {})
     train, _ = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
     model, processing_class = load_policy(cfg.model)
-    trainer = GRPOTrainer(model=model, reward_funcs=trivial_reward, args=args, train_dataset=train.dataset,
-                          processing_class=processing_class, peft_config=peft_config(cfg.model, model))
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=trivial_reward,
+        args=args,
+        train_dataset=train.dataset,
+        processing_class=processing_class,
+        peft_config=peft_config(cfg.model, model),
+    )
     trainer.add_callback(MetricsJsonlCallback(out))
     trainer.add_callback(StepClock(out))
     trainer.train()
@@ -229,18 +275,25 @@ def summarise(out: Path, warmup: int) -> dict[str, float]:
     clock = json.loads((out / CLOCK_FILE).read_text()) if (out / CLOCK_FILE).exists() else {}
     wall, cpu, gen = (clock.get(k, [])[warmup:] for k in ("wall", "cpu", "gen"))
     net = [r["step_time"] - r.get(score, 0.0) for r in steps]  # the step without the reward's scoring
-    return {"step": med("step_time"), "net": statistics.median(net),
-            "wall": statistics.median(wall) if wall else math.nan, "cpu": statistics.median(cpu) if cpu else math.nan,
-            "gen": statistics.median(gen) if gen else math.nan,
-            "tokens": med("completions/mean_length"), "score": med(score), "format": med(prefix + "format_rate"),
-            "steps": med(prefix + "steps_mean"), "peak": max(peak, default=math.nan)}
+    return {
+        "step": med("step_time"),
+        "net": statistics.median(net),
+        "wall": statistics.median(wall) if wall else math.nan,
+        "cpu": statistics.median(cpu) if cpu else math.nan,
+        "gen": statistics.median(gen) if gen else math.nan,
+        "tokens": med("completions/mean_length"),
+        "score": med(score),
+        "format": med(prefix + "format_rate"),
+        "steps": med(prefix + "steps_mean"),
+        "peak": max(peak, default=math.nan),
+    }
 
 
 def ratio(results: dict[str, list[dict]], name: str, other: str | None, key: str) -> tuple[float, float, float]:
     """Median and range over rounds of this run's per-token ``key`` over ``other``'s in the same round."""
     if other is None or other not in results or name == other:
         return math.nan, math.nan, math.nan
-    per_token = lambda r: r[key] / r["tokens"]  # noqa: E731 - equal work when completions differ in length
+    per_token = lambda r: r[key] / r["tokens"]  # equal work when completions differ in length
     rs = [per_token(a) / per_token(b) for a, b in zip(results[name], results[other])]
     return statistics.median(rs), min(rs), max(rs)
 
@@ -248,16 +301,19 @@ def ratio(results: dict[str, list[dict]], name: str, other: str | None, key: str
 def table(results: dict[str, list[dict]]) -> str:
     """One line per setting: medians over rounds, spread, ratios against plain TRL, full weights
     and default generation."""
+
     def fmt_ratio(r: tuple[float, float, float]) -> str:
         return "-" if math.isnan(r[0]) else f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
 
-    head = (f"{'setting':<24}{'step s':>8}{'spread':>8}{'wall s':>8}{'tokens':>8}{'step/trl':>18}"
-            f"{'net/trl':>18}{'wall/trl':>18}{'cpu/trl':>18}{'lora/full':>18}{'gen/default':>18}{'peak GiB':>9}"
-            f"{'gen s':>7}{'score s':>9}{'share':>7}{'format':>7}{'steps':>6}")
+    head = (
+        f"{'setting':<24}{'step s':>8}{'spread':>8}{'wall s':>8}{'tokens':>8}{'step/trl':>18}"
+        f"{'net/trl':>18}{'wall/trl':>18}{'cpu/trl':>18}{'lora/full':>18}{'gen/default':>18}{'peak GiB':>9}"
+        f"{'gen s':>7}{'score s':>9}{'share':>7}{'format':>7}{'steps':>6}"
+    )
     lines = [head, "-" * len(head)]
     for name, runs in results.items():
         s = Setting.parse(name)
-        med = lambda k: statistics.median([r[k] for r in runs])  # noqa: E731
+        med = lambda k: statistics.median([r[k] for r in runs])
         steps = [r["step"] for r in runs]
         spread = (max(steps) - min(steps)) / med("step") if len(runs) > 1 else 0.0
         lora_vs = ratio(results, name, s.name(weights="full"), "step") if s.weights == "lora" else (math.nan,) * 3
@@ -268,8 +324,10 @@ def table(results: dict[str, list[dict]]) -> str:
             f"{fmt_ratio(ratio(results, name, s.baseline, 'net')):>18}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'wall')):>18}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'cpu')):>18}{fmt_ratio(lora_vs):>18}{fmt_ratio(gen_vs):>18}"
-            f"{med('peak'):>9.2f}{med('gen'):>7.3f}{med('score'):>9.3f}{med('score') / med('step'):>7.1%}{med('format'):>7.2f}"
-            f"{med('steps'):>6.1f}")
+            f"{med('peak'):>9.2f}{med('gen'):>7.3f}{med('score'):>9.3f}{med('score') / med('step'):>7.1%}"
+            f"{med('format'):>7.2f}"
+            f"{med('steps'):>6.1f}"
+        )
     return "\n".join(lines)
 
 

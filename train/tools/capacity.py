@@ -67,12 +67,16 @@ def meta_counts(model) -> dict[str, int]:
     every meta tensor; ``model.parameters()`` deduplicates them by identity instead."""
     inner = getattr(model, "model", model)
     vision = getattr(inner, "visual", None)
-    part = lambda m: 0 if m is None else sum(p.numel() for p in m.parameters())  # noqa: E731
+    part = lambda m: 0 if m is None else sum(p.numel() for p in m.parameters())
     projector = part(getattr(vision, "merger", None))
     total = part(model)
-    return {"total": total, "vision": part(vision) - projector, "projector": projector,
-            "language": total - part(vision),
-            "largest_layer": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())}
+    return {
+        "total": total,
+        "vision": part(vision) - projector,
+        "projector": projector,
+        "language": total - part(vision),
+        "largest_layer": max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+    }
 
 
 def meta_lora_params(model, r: int, target_modules: Targets = None) -> int:
@@ -137,11 +141,14 @@ def forward_flops(sizes: ModelSizes, work: Workload, sequences: int) -> tuple[fl
     t, v = sizes.text, sizes.vision
     seq = work.prompt_tokens + work.completion_tokens
     linear = t.layers * sum(i * o for i, o in t.linears().values())
-    lm = sequences * (2 * linear * seq + 2 * t.layers * t.heads * t.head_dim * seq ** 2
-                      + 2 * t.vocab * t.hidden * work.completion_tokens)
+    lm = sequences * (
+        2 * linear * seq
+        + 2 * t.layers * t.heads * t.head_dim * seq**2
+        + 2 * t.vocab * t.hidden * work.completion_tokens
+    )
     vision = 0.0
     if v is not None and work.images:
-        patches = sequences * work.images * work.image_tokens * v.merge ** 2
+        patches = sequences * work.images * work.image_tokens * v.merge**2
         vision = 2 * (sizes.vision_tower + sizes.projector) * patches
     return float(lm), vision
 
@@ -169,8 +176,10 @@ def step_time(sizes: ModelSizes, launch: Launch, work: Workload, hw: Hardware, a
     trained ones two. ZeRO-3 gathers the 16-bit weights for every forward, recompute and backward
     and for generation, and reduce-scatters the gradients; counted without overlap (upper bound)."""
     rate = hw.bf16_tflops * 1e12 * ASSUMED_MFU
-    per_token = [max(ms / MEASURED_LAYERS * sizes.text.layers / 1e3, 2 * sizes.total / (hw.hbm_tbps * 1e12))
-                 for ms in MEASURED_DECODE_MS]
+    per_token = [
+        max(ms / MEASURED_LAYERS * sizes.text.layers / 1e3, 2 * sizes.total / (hw.hbm_tbps * 1e12))
+        for ms in MEASURED_DECODE_MS
+    ]
     prefill = sum(forward_flops(sizes, replace(work, completion_tokens=0), work.generation_batch)) / rate
     generation = tuple(work.completion_tokens * t + prefill for t in per_token)
     lm, vision = forward_flops(sizes, work, work.micro_batch)
@@ -194,8 +203,9 @@ def step_time(sizes: ModelSizes, launch: Launch, work: Workload, hw: Hardware, a
 PAPER_LAUNCH = "zero3_1x4.yaml"
 
 
-def paper_workloads(sizes: ModelSizes, config: str = DEFAULT_CONFIG, phase: int = -1
-                    ) -> tuple[dict[str, Workload], int]:
+def paper_workloads(
+    sizes: ModelSizes, config: str = DEFAULT_CONFIG, phase: int = -1
+) -> tuple[dict[str, Workload], int]:
     """The config's phase (default: the last, CPR with PCGrad) as one GPU's workload under the
     paper's launch, in full fine-tuning and with the project's default LoRA (``model.lora: {}``),
     each built by ``train/capacity.py``'s ``workload`` from the config as ``--check`` builds it;
@@ -214,8 +224,10 @@ def paper_workloads(sizes: ModelSizes, config: str = DEFAULT_CONFIG, phase: int 
 def table(sizes: ModelSizes, works: dict[str, Workload], accumulation: int, estimators=None) -> list[str]:
     """Markdown rows: {LoRA, full} x {1, 2, 4, 8} GPUs x {40, 80} GB under ZeRO-3."""
     zero3, zero2 = estimators or deepspeed_estimators()
-    head = ("| weights | GPUs | GPU | model states | reference | PCGrad rows | generation (KV cache) "
-            "| activations ckpt / none | total | fits? | step s (range) | generation share |")
+    head = (
+        "| weights | GPUs | GPU | model states | reference | PCGrad rows | generation (KV cache) "
+        "| activations ckpt / none | total | fits? | step s (range) | generation share |"
+    )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, wk in works.items():
         for gpus in (1, 2, 4, 8):
@@ -231,7 +243,8 @@ def table(sizes: ModelSizes, works: dict[str, Workload], accumulation: int, esti
                     f"| {name} | {gpus} | {hw.name} | {in_gib(m.model_states)} | {in_gib(m.reference)} | "
                     f"{pcgrad} | {in_gib(m.generation)} ({in_gib(m.kv_cache)}) | "
                     f"{in_gib(m.activations_ckpt)} / {in_gib(m.activations_full)} | {in_gib(m.total)} | {verdict} | "
-                    f"{st.total():.0f} ({st.total(0):.0f}-{st.total(2):.0f}) | {st.generation_share:.0%} |")
+                    f"{st.total():.0f} ({st.total(0):.0f}-{st.total(2):.0f}) | {st.generation_share:.0%} |"
+                )
     return rows
 
 
@@ -241,10 +254,23 @@ def table(sizes: ModelSizes, works: dict[str, Workload], accumulation: int, esti
 #: beta 0.04, LoRA r 16 without dropout (merged for generation in the plain-lora figure); one micro-step
 #: a step (tiny.yaml), so PCGrad's rows are one whatever the gradients' dtype. The PCGrad run was measured
 #: with PCGrad's first implementation (3 rows all run, up to 3 more at the update); the plan counts today's.
-MID_CONFIG = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-              "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 877, "tie_word_embeddings": True}
-MID_MEASURED_GIB = {"plain-full": "10.28-11.10", "plain-lora": "14.02", "zero3-full": "22.83",
-                    "zero3-full-pcgrad": "26.86", "zero3-lora": "15.49"}
+MID_CONFIG = {
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 877,
+    "tie_word_embeddings": True,
+}
+MID_MEASURED_GIB = {
+    "plain-full": "10.28-11.10",
+    "plain-lora": "14.02",
+    "zero3-full": "22.83",
+    "zero3-full-pcgrad": "26.86",
+    "zero3-lora": "15.49",
+}
 #: data/wordproblems prompts rendered with the project tokenizer: 139-187 tokens (median 160).
 MID_PROMPT_TOKENS = 170
 #: The longest completion of a step in those runs (80-150 tokens), and the limit.
@@ -256,19 +282,31 @@ def measured_check(estimators=None) -> list[str]:
     """Markdown rows: the plan's prediction for the runs measured on one H100, beside the measurement."""
     zero3, zero2 = estimators or deepspeed_estimators()
     sizes = sizes_from_config(MID_CONFIG, "mid", "bfloat16")
-    rows = ["| setting | measured peak | predicted, completions of 150 / 256 tokens | at 256: states + reference + "
-            "max(generation, activations + PCGrad rows) |", "|---|---|---|---|"]
+    rows = [
+        "| setting | measured peak | predicted, completions of 150 / 256 tokens | at 256: states + reference + "
+        "max(generation, activations + PCGrad rows) |",
+        "|---|---|---|---|",
+    ]
     for name, measured in MID_MEASURED_GIB.items():
         launcher, weights, *rest = name.split("-")
         launch = Launch(zero_stage=3 if launcher == "zero3" else 0, source="one H100")
         pcgrad = rest == ["pcgrad"]
-        work = Workload(micro_batch=16, generation_batch=16, prompt_tokens=MID_PROMPT_TOKENS, checkpointing=False,
-                        reference=weights == "full", lora_r=16 if weights == "lora" else 0, pcgrad=pcgrad,
-                        pcgrad_rows=pcgrad_extra_partitions(MID_ACCUMULATION, MID_BETA) if pcgrad else 0)
+        work = Workload(
+            micro_batch=16,
+            generation_batch=16,
+            prompt_tokens=MID_PROMPT_TOKENS,
+            checkpointing=False,
+            reference=weights == "full",
+            lora_r=16 if weights == "lora" else 0,
+            pcgrad=pcgrad,
+            pcgrad_rows=pcgrad_extra_partitions(MID_ACCUMULATION, MID_BETA) if pcgrad else 0,
+        )
         low, high = (plan(sizes, launch, replace(work, completion_tokens=c), zero3, zero2) for c in MID_COMPLETIONS)
-        rows.append(f"| {name} | {measured} | {in_gib(low.total)} / {in_gib(high.total)} | "
-                    f"{in_gib(high.model_states)} + {in_gib(high.reference)} + max({in_gib(high.generation)}, "
-                    f"{in_gib(high.activations)} + {in_gib(high.pcgrad)}) |")
+        rows.append(
+            f"| {name} | {measured} | {in_gib(low.total)} / {in_gib(high.total)} | "
+            f"{in_gib(high.model_states)} + {in_gib(high.reference)} + max({in_gib(high.generation)}, "
+            f"{in_gib(high.activations)} + {in_gib(high.pcgrad)}) |"
+        )
     return rows
 
 
@@ -303,18 +341,29 @@ def vision_lines(config: str) -> list[str]:
     ``resized_image_tokens`` (tested against the Qwen2-VL processor)."""
     cfg, _ = load_config(config)
     columns: dict[tuple[int, int], list[str]] = {}  # the config's bounds are often the defaults: one column
-    for name, v in ((config, cfg.model.vision), ("the defaults (the paper's)", VisionSection()),
-                    ("null (the published processor's)", VisionSection(max_pixels=None, min_pixels=None))):
+    for name, v in (
+        (config, cfg.model.vision),
+        ("the defaults (the paper's)", VisionSection()),
+        ("null (the published processor's)", VisionSection(max_pixels=None, min_pixels=None)),
+    ):
         columns.setdefault(pixel_bounds(v), []).append(name)
-    head = "| image (width x height) | " + " | ".join(f"{' = '.join(n)}: {lo:,}-{hi:,} pixels"
-                                                      for (lo, hi), n in columns.items())
+    head = "| image (width x height) | " + " | ".join(
+        f"{' = '.join(n)}: {lo:,}-{hi:,} pixels" for (lo, hi), n in columns.items()
+    )
     rows = [head + " |", "|" + "---|" * (len(columns) + 1)]
     for h, w in VISION_IMAGES:
         tokens = [resized_image_tokens(h, w, lo, hi) for lo, hi in columns]
-        rows.append(f"| {w} x {h}{' (the plan' + chr(39) + 's)' if (h, w) == ASSUMED_IMAGE else ''} | "
-                    + " | ".join(f"{t:,}" for t in tokens) + " |")
-    return [command(config, "--vision"), "", "Image tokens per image (Qwen2-VL-family processors: 28 x 28 pixels a "
-            "token after resizing into the bounds):", ""] + rows
+        rows.append(
+            f"| {w} x {h}{' (the plan' + chr(39) + 's)' if (h, w) == ASSUMED_IMAGE else ''} | "
+            + " | ".join(f"{t:,}" for t in tokens)
+            + " |"
+        )
+    return [
+        command(config, "--vision"),
+        "",
+        "Image tokens per image (Qwen2-VL-family processors: 28 x 28 pixels a token after resizing into the bounds):",
+        "",
+    ] + rows
 
 
 def _on(flag: bool) -> str:
@@ -324,8 +373,12 @@ def _on(flag: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="the run config whose last phase is planned")
-    ap.add_argument("--vision", action="store_true", help="only print the image tokens per image under the "
-                    "config's model.vision bounds, the defaults and the published processor's")
+    ap.add_argument(
+        "--vision",
+        action="store_true",
+        help="only print the image tokens per image under the "
+        "config's model.vision bounds, the defaults and the published processor's",
+    )
     args = ap.parse_args(argv)
     if args.vision:
         print("\n".join(vision_lines(args.config)))
@@ -342,21 +395,28 @@ def main(argv: list[str] | None = None) -> int:
     low, high = pixel_bounds(cfg.model.vision)
     lines = [command(args.config), ""]
     lines += parameter_lines(sizes, counts, lora_meta, r)
-    lines += ["", f"Per GPU, GiB; ZeRO-3 ({PAPER_LAUNCH}'s DeepSpeed config, gradient buffer {launch.gradient_dtype}: "
-              f"{'fp32' if work.fp32_gradients else '16-bit'} in this run); {args.config}'s last phase: "
-              f"{work.micro_batch} completions a micro-step, {accumulation} micro-steps an update, "
-              f"{work.generation_batch} generated at once, prompts of {PROMPT_TEXT_TOKENS} text + {work.image_tokens} "
-              f"image tokens (a {ASSUMED_IMAGE[1]} x {ASSUMED_IMAGE[0]} picture at model.vision's "
-              f"{low:,}-{high:,} pixels), {work.completion_tokens}-token completions, "
-              f"gradient checkpointing {_on(work.checkpointing)}, PCGrad {_on(work.pcgrad)} "
-              f"({work.pcgrad_rows} fp32 rows), reference model {_on(work.reference)}; "
-              f"fits: total <= {USABLE:.0%} of the GPU.", ""]
+    lines += [
+        "",
+        f"Per GPU, GiB; ZeRO-3 ({PAPER_LAUNCH}'s DeepSpeed config, gradient buffer {launch.gradient_dtype}: "
+        f"{'fp32' if work.fp32_gradients else '16-bit'} in this run); {args.config}'s last phase: "
+        f"{work.micro_batch} completions a micro-step, {accumulation} micro-steps an update, "
+        f"{work.generation_batch} generated at once, prompts of {PROMPT_TEXT_TOKENS} text + {work.image_tokens} "
+        f"image tokens (a {ASSUMED_IMAGE[1]} x {ASSUMED_IMAGE[0]} picture at model.vision's "
+        f"{low:,}-{high:,} pixels), {work.completion_tokens}-token completions, "
+        f"gradient checkpointing {_on(work.checkpointing)}, PCGrad {_on(work.pcgrad)} "
+        f"({work.pcgrad_rows} fp32 rows), reference model {_on(work.reference)}; "
+        f"fits: total <= {USABLE:.0%} of the GPU.",
+        "",
+    ]
     estimators = deepspeed_estimators()
     lines += table(sizes, works, accumulation, estimators)
     phase1, _ = paper_workloads(sizes, args.config, phase=0)
     if phase1 != works:
-        lines += ["", f"The first phase ({'PCGrad on' if phase1['full'].pcgrad else 'no PCGrad'}), the same columns:",
-                  ""]
+        lines += [
+            "",
+            f"The first phase ({'PCGrad on' if phase1['full'].pcgrad else 'no PCGrad'}), the same columns:",
+            "",
+        ]
         lines += table(sizes, phase1, accumulation, estimators)
     lines += ["", "The plan against the peaks measured on one H100 (docs/benchmarks.md, `mid` model), GiB:", ""]
     lines += measured_check(estimators)

@@ -61,8 +61,9 @@ def _finite(x) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def build_report(rows: Sequence[dict], scored: Sequence[dict], identity: dict, bootstrap: int = 1000,
-                 seed: int = 0) -> dict:
+def build_report(
+    rows: Sequence[dict], scored: Sequence[dict], identity: dict, bootstrap: int = 1000, seed: int = 0
+) -> dict:
     """Overall figures with 95% intervals, and breakdowns by source, complexity tier,
     reference step count (and the data's ``difficulty`` label when it has one)."""
     ids, values, passed = per_row_values(rows, scored)
@@ -71,8 +72,10 @@ def build_report(rows: Sequence[dict], scored: Sequence[dict], identity: dict, b
     names = list(row_metrics()) + (["pass_at_k"] if k > 1 else [])
     lo, hi = bootstrap_ci(table, bootstrap, seed)
     mean = _nanmean(table)
-    overall = {m: {"value": _finite(mean[i]), "ci_low": _finite(lo[i]), "ci_high": _finite(hi[i])}
-               for i, m in enumerate(names)}
+    overall = {
+        m: {"value": _finite(mean[i]), "ci_low": _finite(lo[i]), "ci_high": _finite(hi[i])}
+        for i, m in enumerate(names)
+    }
     groups = {
         "source": [r.get("source") or "-" for r in rows],
         "complexity tier": [complexity_tier(r) for r in rows],
@@ -87,8 +90,14 @@ def build_report(rows: Sequence[dict], scored: Sequence[dict], identity: dict, b
             sel = np.array([lab == label for lab in labels])
             out[label] = {"n": int(sel.sum()), **{m: _finite(v) for m, v in zip(names, _nanmean(table[sel]))}}
         breakdowns[name] = out
-    return {**identity, "rows": len(ids), "samples_per_row": k, "bootstrap_resamples": bootstrap,
-            "overall": overall, "breakdowns": breakdowns}
+    return {
+        **identity,
+        "rows": len(ids),
+        "samples_per_row": k,
+        "bootstrap_resamples": bootstrap,
+        "overall": overall,
+        "breakdowns": breakdowns,
+    }
 
 
 def _label_order(label: str):
@@ -104,17 +113,27 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 def markdown(report: dict) -> str:
     """The report as Markdown tables."""
     what = report.get("model") or report.get("predictions")
-    lines = [f"# Evaluation of `{what}`", "",
-             f"Data: `{report['data']}`, {report['rows']} rows, {report['samples_per_row']} sample(s) a row "
-             f"(temperature {report['sampling']['temperature']}); reward `{report['reward']}`. "
-             f"95% bootstrap intervals over rows ({report['bootstrap_resamples']} resamples).", "",
-             "| metric | value | 95% CI |", "|---|---|---|"]
+    lines = [
+        f"# Evaluation of `{what}`",
+        "",
+        f"Data: `{report['data']}`, {report['rows']} rows, {report['samples_per_row']} sample(s) a row "
+        f"(temperature {report['sampling']['temperature']}); reward `{report['reward']}`. "
+        f"95% bootstrap intervals over rows ({report['bootstrap_resamples']} resamples).",
+        "",
+        "| metric | value | 95% CI |",
+        "|---|---|---|",
+    ]
     for m, v in report["overall"].items():
         lines.append(f"| {spec(m).heading} | {_fmt(v['value'])} | [{_fmt(v['ci_low'])}, {_fmt(v['ci_high'])}] |")
     cols = ("accuracy", "f1", "ordered_f1", "format_rate", "steps_mean")
     for name, groups in report["breakdowns"].items():
-        lines += ["", f"## By {name}", "", f"| {name} | n | " + " | ".join(spec(c).heading for c in cols) + " |",
-                  "|---|---|" + "---|" * len(cols)]
+        lines += [
+            "",
+            f"## By {name}",
+            "",
+            f"| {name} | n | " + " | ".join(spec(c).heading for c in cols) + " |",
+            "|---|---|" + "---|" * len(cols),
+        ]
         for label, g in groups.items():
             lines.append(f"| {label} | {g['n']} | " + " | ".join(_fmt(g.get(c)) for c in cols) + " |")
     return "\n".join(lines) + "\n"
@@ -174,18 +193,29 @@ def compare(arms: Sequence[Path | Sequence[Path]], bootstrap: int = 1000, seed: 
     if not common:
         raise ValueError("the evaluations share no rows: compare evaluations of the same data")
     arr = [np.array([[r[i] for i in common] for r in g]) for g in runs]  # per arm: [seeds, rows, metrics]
-    out = {"rows": len(common), "folders": [",".join(map(str, g)) for g in groups],
-           "seeds": [len(g) for g in groups], "metrics": {}}
+    out = {
+        "rows": len(common),
+        "folders": [",".join(map(str, g)) for g in groups],
+        "seeds": [len(g) for g in groups],
+        "metrics": {},
+    }
     lows, highs = zip(*[two_level_ci(arr[0], a, bootstrap, seed) for a in arr[1:]]) if len(arr) > 1 else ((), ())
     for m, name in enumerate(row_metrics()):
         entry = {"means": [_finite(_nanmean(_nanmean(a[:, :, m], axis=1))) for a in arr], "diffs": []}
         for j in range(1, len(arr)):
             per_seed = [_nanmean(a[:, :, m], axis=1) for a in (arr[0], arr[j])]
             test = seed_test(*per_seed)
-            entry["diffs"].append({"value": _finite(entry["means"][j] - entry["means"][0])
-                                   if None not in (entry["means"][j], entry["means"][0]) else None,
-                                   "ci_low": _finite(lows[j - 1][m]), "ci_high": _finite(highs[j - 1][m]),
-                                   "p_seeds": test.p, "seeds_needed": test.seeds_needed})
+            entry["diffs"].append(
+                {
+                    "value": _finite(entry["means"][j] - entry["means"][0])
+                    if None not in (entry["means"][j], entry["means"][0])
+                    else None,
+                    "ci_low": _finite(lows[j - 1][m]),
+                    "ci_high": _finite(highs[j - 1][m]),
+                    "p_seeds": test.p,
+                    "seeds_needed": test.seeds_needed,
+                }
+            )
         out["metrics"][name] = entry
     return out
 
@@ -195,13 +225,31 @@ def compare_markdown(result: dict) -> str:
     names = [f"{n} ({k} seeds)" if k > 1 else n for n, k in zip(names, result.get("seeds", [1] * len(names)))]
     head = "| metric | " + " | ".join(names) + " | " + " | ".join(f"{n} - {names[0]} [95% CI]" for n in names[1:])
     seeded = max(result.get("seeds", [1])) > 1
-    what = ("seeds resampled, then rows (two-level bootstrap); p: Welch's test on the per-seed means; n: seeds "
-            "per arm a difference of that size needs (80% power)") if seeded else "rows resampled"
-    lines = [f"Paired over the {result['rows']} rows all evaluations scored; 95% intervals: {what}.", "",
-             head + " |", "|---|" + "---|" * (2 * len(names) - 1)]
+    what = (
+        (
+            "seeds resampled, then rows (two-level bootstrap); p: Welch's test on the per-seed means; n: seeds "
+            "per arm a difference of that size needs (80% power)"
+        )
+        if seeded
+        else "rows resampled"
+    )
+    lines = [
+        f"Paired over the {result['rows']} rows all evaluations scored; 95% intervals: {what}.",
+        "",
+        head + " |",
+        "|---|" + "---|" * (2 * len(names) - 1),
+    ]
     for m, e in result["metrics"].items():
-        diffs = [f"{_fmt(d['value'], 3)} [{_fmt(d['ci_low'])}, {_fmt(d['ci_high'])}]"
-                 + (f" p={_fmt(d['p_seeds'], 2)} n={d['seeds_needed'] or '-'}" if seeded and d["p_seeds"] is not None
-                    else "") for d in e["diffs"]]
-        lines.append(f"| {spec(m).heading} | " + " | ".join(_fmt(v) for v in e["means"]) + " | " + " | ".join(diffs) + " |")
+        diffs = [
+            f"{_fmt(d['value'], 3)} [{_fmt(d['ci_low'])}, {_fmt(d['ci_high'])}]"
+            + (
+                f" p={_fmt(d['p_seeds'], 2)} n={d['seeds_needed'] or '-'}"
+                if seeded and d["p_seeds"] is not None
+                else ""
+            )
+            for d in e["diffs"]
+        ]
+        lines.append(
+            f"| {spec(m).heading} | " + " | ".join(_fmt(v) for v in e["means"]) + " | " + " | ".join(diffs) + " |"
+        )
     return "\n".join(lines) + "\n"

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crystal_grpo.errors import CrystalError, some_of, traceback_if_asked
 from crystal_grpo.distributed import barrier, rank_and_world
+from crystal_grpo.errors import CrystalError, some_of, traceback_if_asked
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.metrics import per_completion
 from crystal_grpo.rewards import build_reward
@@ -29,7 +29,6 @@ from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.generation import Sampling
 from crystal_grpo.train.layout import CONFIG, read_config, run_targets
 from crystal_grpo.train.models import from_pretrained_kwargs, recorded_model
-from crystal_grpo.train.vision import VisionSection
 from crystal_grpo.train.predictions import (
     PREDICTIONS,
     Backend,
@@ -41,6 +40,7 @@ from crystal_grpo.train.predictions import (
     generate_with_vllm,
     read_predictions,
 )
+from crystal_grpo.train.vision import VisionSection
 from crystal_grpo.typed import to_dict
 
 REPORT = "report.json"
@@ -78,23 +78,29 @@ class EvalSetup:
     run_config: str | None = None  # the config.json this came from
 
     @classmethod
-    def from_run_config(cls, path: Path) -> "EvalSetup":
+    def from_run_config(cls, path: Path) -> EvalSetup:
         return cls.from_config_dict(json.loads(path.read_text()), str(path))
 
     @classmethod
-    def from_config_dict(cls, cfg: dict, where: str | None = None) -> "EvalSetup":
+    def from_config_dict(cls, cfg: dict, where: str | None = None) -> EvalSetup:
         """From a resolved run config (a phase's ``config.json``, or a loaded YAML config)."""
         data, model, reward = cfg.get("data") or {}, cfg.get("model") or {}, cfg.get("reward") or {}
         section = recorded_model(model)
-        return cls(reward=reward.get("name", "cpr"), reward_params=dict(reward.get("params") or {}),
-                   system_prompt=data.get("system_prompt"), data=data.get("validation"),
-                   data_split=data.get("validation_split") or "validation", columns=dict(data.get("columns") or {}),
-                   dtype=model.get("dtype"),
-                   trust_remote_code=bool(model.get("trust_remote_code")),
-                   model_kwargs=from_pretrained_kwargs(section), vision=section.vision,
-                   chat_template_kwargs=dict(data.get("chat_template_kwargs") or {}),
-                   max_new_tokens=int((cfg.get("validation") or {}).get("max_new_tokens") or 256),
-                   run_config=where)
+        return cls(
+            reward=reward.get("name", "cpr"),
+            reward_params=dict(reward.get("params") or {}),
+            system_prompt=data.get("system_prompt"),
+            data=data.get("validation"),
+            data_split=data.get("validation_split") or "validation",
+            columns=dict(data.get("columns") or {}),
+            dtype=model.get("dtype"),
+            trust_remote_code=bool(model.get("trust_remote_code")),
+            model_kwargs=from_pretrained_kwargs(section),
+            vision=section.vision,
+            chat_template_kwargs=dict(data.get("chat_template_kwargs") or {}),
+            max_new_tokens=int((cfg.get("validation") or {}).get("max_new_tokens") or 256),
+            run_config=where,
+        )
 
 
 def find_run_config(checkpoint: str | Path) -> Path | None:
@@ -125,14 +131,20 @@ def score_predictions(module: RewardModule, rows: Sequence[dict], predictions: S
             pairs[i] = (scored.steps.pairs[n].tolist(), int(best[n]) if best is not None else 0)
     out = []
     for i, (p, parsed) in enumerate(zip(preds, scored.parsed)):
-        num = lambda t: None if t is None or math.isnan(float(t[i])) else float(t[i])  # noqa: E731
+        num = lambda t: None if t is None or math.isnan(float(t[i])) else float(t[i])
         matched, chain = pairs.get(i, ([], None))
-        out.append({
-            "id": p["id"], "sample": p["sample"], "completion": p.get("completion"),
-            "reasoning_steps": parsed.steps, "answer": parsed.answer,
-            **{m: num(values.get(m)) for m in per_completion()},
-            "matched_pairs": matched, "reference_chain": chain,
-        })
+        out.append(
+            {
+                "id": p["id"],
+                "sample": p["sample"],
+                "completion": p.get("completion"),
+                "reasoning_steps": parsed.steps,
+                "answer": parsed.answer,
+                **{m: num(values.get(m)) for m in per_completion()},
+                "matched_pairs": matched,
+                "reference_chain": chain,
+            }
+        )
     return out
 
 
@@ -143,14 +155,28 @@ def write_scored(out_dir: Path, scored: Sequence[dict], rows: Sequence[dict]) ->
     lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in scored)
     atomic_write_text(out_dir / PREDICTIONS, lines)
     firsts = [r for r in scored if r["sample"] == 0]
-    atomic_write_text(out_dir / CRYSTAL_METRICS, "".join(
-        json.dumps({"id": r["id"], "reasoning_steps": r["reasoning_steps"], "answer": r["answer"]},
-                   ensure_ascii=False) + "\n" for r in firsts))
+    atomic_write_text(
+        out_dir / CRYSTAL_METRICS,
+        "".join(
+            json.dumps(
+                {"id": r["id"], "reasoning_steps": r["reasoning_steps"], "answer": r["answer"]}, ensure_ascii=False
+            )
+            + "\n"
+            for r in firsts
+        ),
+    )
     by_id = {r["id"]: r for r in rows}
-    predictions = {r["id"]: {"question": _question(by_id[r["id"]]), "reasoning_steps": r["reasoning_steps"],
-                             "answer": r["answer"] or ""} for r in firsts}
-    references = {r["id"]: {"reference_steps": list(r.get("reference_steps") or []), "answer": str(r["answer"])}
-                  for r in rows}
+    predictions = {
+        r["id"]: {
+            "question": _question(by_id[r["id"]]),
+            "reasoning_steps": r["reasoning_steps"],
+            "answer": r["answer"] or "",
+        }
+        for r in firsts
+    }
+    references = {
+        r["id"]: {"reference_steps": list(r.get("reference_steps") or []), "answer": str(r["answer"])} for r in rows
+    }
     (out_dir / CRYSTAL_CLI[0]).parent.mkdir(exist_ok=True)
     for name, data in zip(CRYSTAL_CLI, (predictions, references)):
         atomic_write_text(out_dir / name, json.dumps(data, ensure_ascii=False, indent=1))
@@ -159,8 +185,11 @@ def write_scored(out_dir: Path, scored: Sequence[dict], rows: Sequence[dict]) ->
 def _question(row: dict) -> str:
     """The question as the model saw it (the prompt's last user text: options included)."""
     content = (row.get("prompt") or [{}])[-1].get("content", "")
-    return content if isinstance(content, str) else " ".join(
-        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return (
+        content
+        if isinstance(content, str)
+        else " ".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    )
 
 
 # ------------------------------------------------------------------------------- one call
@@ -195,9 +224,15 @@ def evaluate(req: EvalRequest) -> dict | None:
 
     rank, world = rank_and_world()
     out = Path(req.out)
-    identity = {"model": req.model, "predictions": req.predictions, "data": str(req.data),
-                "sampling": vars(req.sampling), "reward": req.setup.reward, "reward_params": req.setup.reward_params,
-                "max_samples": req.max_samples}
+    identity = {
+        "model": req.model,
+        "predictions": req.predictions,
+        "data": str(req.data),
+        "sampling": vars(req.sampling),
+        "reward": req.setup.reward,
+        "reward_params": req.setup.reward_params,
+        "max_samples": req.max_samples,
+    }
     if locate(req.data).is_dir():  # a dataset with splits: which one is part of what was evaluated
         identity["split"] = req.split
     refused = out_problem(out, req.predictions)
@@ -207,8 +242,10 @@ def evaluate(req: EvalRequest) -> dict | None:
     if previous is not None and previous != identity and not _has_work(out):
         previous = None  # an attempt that failed before its first prediction blocks nothing
     if previous is not None and previous != identity and not req.force:
-        raise EvalError(f"{out} holds an evaluation of something else ({_differs(previous, identity)}); "
-                        "choose another --out or pass --force to start it again")
+        raise EvalError(
+            f"{out} holds an evaluation of something else ({_differs(previous, identity)}); "
+            "choose another --out or pass --force to start it again"
+        )
     report_path = out / REPORT
     if report_path.exists() and previous == identity and not req.force:
         if rank == 0:
@@ -221,9 +258,15 @@ def evaluate(req: EvalRequest) -> dict | None:
                 (out / name).unlink(missing_ok=True)
         atomic_write_text(out / IDENTITY, json.dumps(identity, indent=2))
     barrier()
-    split = load_split(req.data, system_prompt=req.setup.system_prompt, skip_invalid=req.skip_invalid,
-                       split=req.split, columns=req.setup.columns, skip_option="--skip_invalid",
-                       unique_ids="completions are matched to their rows by id")
+    split = load_split(
+        req.data,
+        system_prompt=req.setup.system_prompt,
+        skip_invalid=req.skip_invalid,
+        split=req.split,
+        columns=req.setup.columns,
+        skip_option="--skip_invalid",
+        unique_ids="completions are matched to their rows by id",
+    )
     if split.skipped and rank == 0:
         print(f"skipped {split.skipped} invalid row(s) of {req.data} (--skip_invalid)")
     ds = split.dataset
@@ -243,8 +286,15 @@ def evaluate(req: EvalRequest) -> dict | None:
         backend = choose_backend(req.backend, world)
         if backend == "vllm":
             if rank == 0:
-                generate_with_vllm(req.model, ds, out, req.sampling, req.setup.dtype, req.setup.trust_remote_code,
-                                   req.setup.chat_template_kwargs)
+                generate_with_vllm(
+                    req.model,
+                    ds,
+                    out,
+                    req.sampling,
+                    req.setup.dtype,
+                    req.setup.trust_remote_code,
+                    req.setup.chat_template_kwargs,
+                )
         else:
             from transformers import set_seed
 
@@ -253,11 +303,23 @@ def evaluate(req: EvalRequest) -> dict | None:
             set_seed(req.seed + rank)  # sampled completions are reproducible
             from crystal_grpo.train.generation import Engine
 
-            model, processing = load_checkpoint(req.model, dtype=req.setup.dtype,
-                                                trust_remote_code=req.setup.trust_remote_code, device=default_device(),
-                                                model_kwargs=req.setup.model_kwargs, vision=req.setup.vision)
-            generate_predictions(model, processing, ds, out, req.sampling, req.batch_size,
-                                 engine=Engine(chat_template_kwargs=req.setup.chat_template_kwargs))
+            model, processing = load_checkpoint(
+                req.model,
+                dtype=req.setup.dtype,
+                trust_remote_code=req.setup.trust_remote_code,
+                device=default_device(),
+                model_kwargs=req.setup.model_kwargs,
+                vision=req.setup.vision,
+            )
+            generate_predictions(
+                model,
+                processing,
+                ds,
+                out,
+                req.sampling,
+                req.batch_size,
+                engine=Engine(chat_template_kwargs=req.setup.chat_template_kwargs),
+            )
         seconds = time.perf_counter() - start
         barrier()
         if rank != 0:
@@ -281,15 +343,19 @@ def out_problem(out: Path, predictions: str | None) -> str | None:
     ``--predictions`` file it reads (``--force`` would delete that before reading it)."""
     inputs = {(out / name).resolve() for name in WRITES}
     if predictions is not None and Path(predictions).resolve() in inputs:
-        return (f"--predictions {predictions} is a file the evaluation writes into --out {out}, so it would be "
-                "replaced by the scored predictions: choose another --out")
+        return (
+            f"--predictions {predictions} is a file the evaluation writes into --out {out}, so it would be "
+            "replaced by the scored predictions: choose another --out"
+        )
     if not out.is_dir() or (out / IDENTITY).is_file():
         return None
     held = sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in out.iterdir())
     if not held:
         return None
-    return (f"--out {out} holds {some_of(held)} but no evaluation ({IDENTITY}): an evaluation writes only into a new "
-            "or empty folder or its own, so nothing here is touched; choose another --out")
+    return (
+        f"--out {out} holds {some_of(held)} but no evaluation ({IDENTITY}): an evaluation writes only into a new "
+        "or empty folder or its own, so nothing here is touched; choose another --out"
+    )
 
 
 def _read_identity(out: Path) -> dict | None:
@@ -317,34 +383,56 @@ def build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Score a checkpoint (or a predictions file) on a data set with the trainer's scorer.",
         epilog="examples:\n"
-               "  python scripts/evaluate.py --model runs/cpr/final --data data/wordproblems/val.jsonl --out eval/cpr\n"
-               "  python scripts/evaluate.py --run runs/demo                      # every phase's best checkpoint\n"
-               "  python scripts/evaluate.py --predictions eval/cpr/predictions.jsonl --data ... --out ...\n"
-               "  python scripts/evaluate.py --compare eval/a eval/b\n"
-               "  accelerate launch scripts/evaluate.py --model ... --data ... --out ...   # rows split over processes")
+        "  python scripts/evaluate.py --model runs/cpr/final --data data/wordproblems/val.jsonl --out eval/cpr\n"
+        "  python scripts/evaluate.py --run runs/demo                      # every phase's best checkpoint\n"
+        "  python scripts/evaluate.py --predictions eval/cpr/predictions.jsonl --data ... --out ...\n"
+        "  python scripts/evaluate.py --compare eval/a eval/b\n"
+        "  accelerate launch scripts/evaluate.py --model ... --data ... --out ...   # rows split over processes",
+    )
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="a model folder: a run's checkpoint-N/ or final/, or any HF model folder")
     what.add_argument("--run", help="a run folder: evaluates every phase's best checkpoint")
-    what.add_argument("--predictions", help="score these completions instead of generating (JSONL: id and "
-                      "completion, or id, reasoning_steps and answer)")
-    what.add_argument("--compare", nargs="+", metavar="EVAL_DIR[,EVAL_DIR...]", help="side by side: finished "
-                      "evaluation folders of the same rows, with paired differences from the first; comma-separated "
-                      "folders are one arm's training seeds (intervals then resample seeds, then rows)")
-    ap.add_argument("--data", help="JSONL data (docs/method.md section 1), e.g. a held-out test set; default: the "
-                    "run's validation data, which chose its best checkpoint")
-    ap.add_argument("--split", help="split of a dataset folder or Hub dataset given as --data (default: test; "
-                    "with the run's own validation data, its data.validation_split)")
+    what.add_argument(
+        "--predictions",
+        help="score these completions instead of generating (JSONL: id and "
+        "completion, or id, reasoning_steps and answer)",
+    )
+    what.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="EVAL_DIR[,EVAL_DIR...]",
+        help="side by side: finished "
+        "evaluation folders of the same rows, with paired differences from the first; comma-separated "
+        "folders are one arm's training seeds (intervals then resample seeds, then rows)",
+    )
+    ap.add_argument(
+        "--data",
+        help="JSONL data (docs/method.md section 1), e.g. a held-out test set; default: the "
+        "run's validation data, which chose its best checkpoint",
+    )
+    ap.add_argument(
+        "--split",
+        help="split of a dataset folder or Hub dataset given as --data (default: test; "
+        "with the run's own validation data, its data.validation_split)",
+    )
     ap.add_argument("--out", help="output folder (default with --run: RUN/eval/PHASE)")
-    ap.add_argument("--config", help="a run config (name or path) whose reward and system prompt to use; default: "
-                    "the run config next to the checkpoint, else the cpr reward")
+    ap.add_argument(
+        "--config",
+        help="a run config (name or path) whose reward and system prompt to use; default: "
+        "the run config next to the checkpoint, else the cpr reward",
+    )
     ap.add_argument("--reward", help="reward whose value is reported (default: the run's)")
     ap.add_argument("--num_samples", type=int, default=1, help="completions per row (pass@k with k > 1)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default, the paper's)")
     ap.add_argument("--top_p", type=float, default=1.0)
     ap.add_argument("--max_new_tokens", type=int, help="default: the run's validation.max_new_tokens, else 256")
     ap.add_argument("--batch_size", type=int, default=8, help="prompts per generate call and process")
-    ap.add_argument("--backend", choices=["auto", "hf", "vllm"], default="auto",
-                    help="auto: vLLM when installed and on a GPU (one process), else transformers")
+    ap.add_argument(
+        "--backend",
+        choices=["auto", "hf", "vllm"],
+        default="auto",
+        help="auto: vLLM when installed and on a GPU (one process), else transformers",
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the run's model.dtype")
     ap.add_argument("--max_samples", type=int, help="only the first N data rows")
     ap.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
@@ -363,8 +451,10 @@ def _setup(args, checkpoint: str | None, run_config: Path | None) -> EvalSetup:
         found = run_config or (find_run_config(checkpoint) if checkpoint else None)
         setup = EvalSetup.from_run_config(found) if found else EvalSetup()
     if args.reward:
-        setup.reward, setup.reward_params = args.reward, {k: v for k, v in setup.reward_params.items()
-                                                          if k in ("encoder", "device", "threshold", "step_gate")}
+        setup.reward, setup.reward_params = (
+            args.reward,
+            {k: v for k, v in setup.reward_params.items() if k in ("encoder", "device", "threshold", "step_gate")},
+        )
     if args.dtype:
         setup.dtype = args.dtype
     if args.max_new_tokens:
@@ -373,14 +463,20 @@ def _setup(args, checkpoint: str | None, run_config: Path | None) -> EvalSetup:
 
 
 def _check_numbers(args) -> None:
-    for key, low in (("num_samples", 1), ("batch_size", 1), ("max_new_tokens", 1), ("max_samples", 1),
-                     ("bootstrap", 0)):
+    for key, low in (
+        ("num_samples", 1),
+        ("batch_size", 1),
+        ("max_new_tokens", 1),
+        ("max_samples", 1),
+        ("bootstrap", 0),
+    ):
         v = getattr(args, key)
         if v is not None and v < low:
             raise EvalError(f"--{key} {v}: expected an integer >= {low}")
     if args.num_samples > 1 and args.temperature <= 0:
-        raise EvalError(f"--num_samples {args.num_samples} with greedy decoding gives identical samples: "
-                        "set --temperature > 0")
+        raise EvalError(
+            f"--num_samples {args.num_samples} with greedy decoding gives identical samples: set --temperature > 0"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -410,14 +506,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not data:
                 raise EvalError("--data is required (the run config names no validation data)")
             if not args.data and rank_and_world()[0] == 0:
-                print(f"{model or args.predictions}: scored on {data}, the run's validation data, which chose its "
-                      "best checkpoint: not a held-out estimate; --data FILE scores a test set")
+                print(
+                    f"{model or args.predictions}: scored on {data}, the run's validation data, which chose its "
+                    "best checkpoint: not a held-out estimate; --data FILE scores a test set"
+                )
             sampling = Sampling(setup.max_new_tokens, args.temperature, args.top_p, args.num_samples)
             split = args.split or (setup.data_split if not args.data else "test")
-            req = EvalRequest(data=data, out=out, split=split, model=model if not args.predictions else None,
-                              predictions=args.predictions, setup=setup, sampling=sampling, batch_size=args.batch_size,
-                              backend=args.backend, max_samples=args.max_samples, bootstrap=args.bootstrap,
-                              seed=args.seed, force=args.force, skip_invalid=args.skip_invalid)
+            req = EvalRequest(
+                data=data,
+                out=out,
+                split=split,
+                model=model if not args.predictions else None,
+                predictions=args.predictions,
+                setup=setup,
+                sampling=sampling,
+                batch_size=args.batch_size,
+                backend=args.backend,
+                max_samples=args.max_samples,
+                bootstrap=args.bootstrap,
+                seed=args.seed,
+                force=args.force,
+                skip_invalid=args.skip_invalid,
+            )
             report = evaluate(req)
             folders.append(out)
             if report is not None:

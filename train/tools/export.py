@@ -68,9 +68,11 @@ from crystal_grpo.train.models import (
 DTYPES = ("float32", "bfloat16", "float16")
 #: Asked when the run's config names no readable training file (or the folder has no run records).
 FALLBACK_QUESTION = {"question": "A shop packs 12 pencils in a box. How many pencils are in 3 boxes?"}
-EXPECTED = ("expected a checkpoint folder: model.safetensors + config.json (a full checkpoint), "
-            "adapter_model.safetensors + adapter_config.json (LoRA), or a DeepSpeed ZeRO checkpoint "
-            "(a `latest` file naming global_stepN/ with *zero_pp_rank_*optim_states.pt shards, + config.json)")
+EXPECTED = (
+    "expected a checkpoint folder: model.safetensors + config.json (a full checkpoint), "
+    "adapter_model.safetensors + adapter_config.json (LoRA), or a DeepSpeed ZeRO checkpoint "
+    "(a `latest` file naming global_stepN/ with *zero_pp_rank_*optim_states.pt shards, + config.json)"
+)
 Kind = Literal["full", "lora", "zero"]
 #: An export's marker: what it was made from, and every file it wrote with its size.
 MANIFEST = "crystal_export.json"
@@ -123,18 +125,21 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
         problem = next(filter(None, map(safetensors_problem, sorted(p.rglob("*.safetensors")))), None)
     if problem:
         raise ExportError(f"broken checkpoint: {problem}")
-    has = lambda name: (p / name).is_file()  # noqa: E731
+    has = lambda name: (p / name).is_file()
     tag, ranks = None, 0
     if has("latest"):
         tag = (p / "latest").read_text(encoding="utf-8").strip()
         ranks = len(list((p / tag).glob("*zero_pp_rank_*optim_states.pt"))) if tag else 0
         if not ranks:
-            raise ExportError(f"{p}: `latest` names {tag!r}, but {p / tag} holds no *zero_pp_rank_*optim_states.pt "
-                              "shards (an incomplete DeepSpeed checkpoint)")
+            raise ExportError(
+                f"{p}: `latest` names {tag!r}, but {p / tag} holds no *zero_pp_rank_*optim_states.pt "
+                "shards (an incomplete DeepSpeed checkpoint)"
+            )
     if has("adapter_config.json"):
         if not has("adapter_model.safetensors"):
-            raise ExportError(f"{p}: adapter_config.json without adapter_model.safetensors (only safetensors "
-                              "weights are read)")
+            raise ExportError(
+                f"{p}: adapter_config.json without adapter_model.safetensors (only safetensors weights are read)"
+            )
         try:
             adapter = json.loads((p / "adapter_config.json").read_text(encoding="utf-8"))
         except ValueError as err:
@@ -148,8 +153,10 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
         return Checkpoint(p, "full")
     pickled = sorted(x.name for x in p.glob("*.bin") if x.name != "training_args.bin")
     if pickled:
-        raise ExportError(f"{p}: holds {', '.join(pickled)} (pickle) but no safetensors weights; only safetensors "
-                          f"are read. {EXPECTED}")
+        raise ExportError(
+            f"{p}: holds {', '.join(pickled)} (pickle) but no safetensors weights; only safetensors "
+            f"are read. {EXPECTED}"
+        )
     raise ExportError(f"{p}: not a checkpoint; {EXPECTED}")
 
 
@@ -218,12 +225,16 @@ def adapter_weights(ckpt: Checkpoint, say) -> dict:
     name = ".default."
     master = {k.replace(name, "."): v for k, v in zero_state_dict(ckpt).items() if "lora_" in k}
     if set(master) != set(saved):
-        say(f"  note: the ZeRO shards' LoRA tensors do not line up with adapter_model.safetensors ({len(master)} vs "
-            f"{len(saved)}); using the file ({_safetensors_dtype(ckpt.path / 'adapter_model.safetensors')})")
+        say(
+            f"  note: the ZeRO shards' LoRA tensors do not line up with adapter_model.safetensors ({len(master)} vs "
+            f"{len(saved)}); using the file ({_safetensors_dtype(ckpt.path / 'adapter_model.safetensors')})"
+        )
         return saved
-    say(f"  adapter weights: the fp32 master weights of the ZeRO shards, consolidated by DeepSpeed (zero_to_fp32) "
+    say(
+        f"  adapter weights: the fp32 master weights of the ZeRO shards, consolidated by DeepSpeed (zero_to_fp32) "
         f"on CPU from {ckpt.zero_ranks} ranks; the {_safetensors_dtype(ckpt.path / 'adapter_model.safetensors')} "
-        "adapter_model.safetensors beside them is not used")
+        "adapter_model.safetensors beside them is not used"
+    )
     return master
 
 
@@ -257,19 +268,34 @@ def training_prompt(config: dict | None, max_rows: int = 1000) -> tuple[str, lis
                     return f"{path}:{no}", build_prompt(row, system), images or None
                 if no >= max_rows:
                     break
-    return "a fixed question (no run config naming a readable training file)", build_prompt(FALLBACK_QUESTION,
-                                                                                             system), None
+    return (
+        "a fixed question (no run config naming a readable training file)",
+        build_prompt(FALLBACK_QUESTION, system),
+        None,
+    )
 
 
-def generate_once(model, processing, prompt: list[dict], images: list | None, max_new_tokens: int,
-                  chat_template_kwargs: dict | None = None) -> str:
+def generate_once(
+    model,
+    processing,
+    prompt: list[dict],
+    images: list | None,
+    max_new_tokens: int,
+    chat_template_kwargs: dict | None = None,
+) -> str:
     """Greedy, with the generation code validation and evaluation use (same chat template path)."""
     from crystal_grpo.train.generation import Engine, Sampling, generate
 
     vlm = getattr(processing, "image_processor", None) is not None
-    return generate(model.eval(), processing, [prompt], [images] if images and vlm else None,
-                    Sampling(max_new_tokens=max_new_tokens), batch_size=1,
-                    engine=Engine(chat_template_kwargs=dict(chat_template_kwargs or {})))[0][0]
+    return generate(
+        model.eval(),
+        processing,
+        [prompt],
+        [images] if images and vlm else None,
+        Sampling(max_new_tokens=max_new_tokens),
+        batch_size=1,
+        engine=Engine(chat_template_kwargs=dict(chat_template_kwargs or {})),
+    )[0][0]
 
 
 # --- the export -------------------------------------------------------------------------
@@ -321,12 +347,16 @@ def overwrite_problem(out: Path) -> str | None:
         return f"--out {out} is not a folder"
     found, listed = _files(out), _listed(out)
     if found and listed is None:
-        return (f"--out {out} holds {some_of(sorted(found))} but is no export ({MANIFEST}, the list every export "
-                "writes, is missing or unreadable); --overwrite replaces only an export: choose another --out")
+        return (
+            f"--out {out} holds {some_of(sorted(found))} but is no export ({MANIFEST}, the list every export "
+            "writes, is missing or unreadable); --overwrite replaces only an export: choose another --out"
+        )
     foreign = sorted(rel for rel, size in found.items() if rel != MANIFEST and (listed or {}).get(rel) != size)
     if foreign:
-        return (f"--out {out} holds {some_of(foreign)}, which the export there did not write (or which changed "
-                "since); move them out or choose another --out")
+        return (
+            f"--out {out} holds {some_of(foreign)}, which the export there did not write (or which changed "
+            "since); move them out or choose another --out"
+        )
     return None
 
 
@@ -361,9 +391,18 @@ def _swap_in(tmp: Path, out: Path) -> None:
         print(f"warning: the previous export, moved aside to {old}, was not deleted ({err})", file=sys.stderr)
 
 
-def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = False, dtype: str | None = None,
-           max_shard_size: str = "5GB", overwrite: bool = False, base_model: str | None = None,
-           max_new_tokens: int = 16, say=print) -> ExportResult:
+def export(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    keep_adapter: bool = False,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+    overwrite: bool = False,
+    base_model: str | None = None,
+    max_new_tokens: int = 16,
+    say=print,
+) -> ExportResult:
     """Export ``checkpoint`` to ``out`` as described in the module docstring."""
     ckpt = inspect_checkpoint(checkpoint)
     out = Path(out)
@@ -375,8 +414,10 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
         if problem:
             raise ExportError(problem)
         if not overwrite:
-            raise ExportError(f"{out} exists: pass --overwrite to replace it (swapped in only after the new export "
-                              "has passed its check)")
+            raise ExportError(
+                f"{out} exists: pass --overwrite to replace it (swapped in only after the new export "
+                "has passed its check)"
+            )
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if keep_adapter and ckpt.kind != "lora":
@@ -390,10 +431,15 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     kind = {"lora": "lora-adapter" if keep_adapter else "lora-merged"}.get(ckpt.kind, ckpt.kind)
     say(f"export {ckpt.path} -> {out}")
     if step_of(ckpt.path) is not None and not (ckpt.path / MARKER).exists():
-        say(f"  warning: {ckpt.path} has no {MARKER}: the run may have been stopped while saving it (or an older "
-            "version wrote it); only its safetensors headers could be checked, not that every file is there")
-    say(f"  checkpoint: {ckpt.describe()}" + (f", base model {base}" if base else "")
-        + (f"; run records: {ckpt.path.parent} (step {rec.step})" if rec.config else "; no run records beside it"))
+        say(
+            f"  warning: {ckpt.path} has no {MARKER}: the run may have been stopped while saving it (or an older "
+            "version wrote it); only its safetensors headers could be checked, not that every file is there"
+        )
+    say(
+        f"  checkpoint: {ckpt.describe()}"
+        + (f", base model {base}" if base else "")
+        + (f"; run records: {ckpt.path.parent} (step {rec.step})" if rec.config else "; no run records beside it")
+    )
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]  # removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -401,16 +447,22 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would become --out's mode
         how = _write(ckpt, tmp, base, dtype, section, keep_adapter, max_shard_size, say)
         say(f"  dtype: {dtype}{dtype_note}")
-        (tmp / "README.md").write_text(export_card(rec, out.name, how, dtype, framework_versions(),
-                                                   adapter_base=base if keep_adapter else None), encoding="utf-8")
+        (tmp / "README.md").write_text(
+            export_card(rec, out.name, how, dtype, framework_versions(), adapter_base=base if keep_adapter else None),
+            encoding="utf-8",
+        )
         files = sorted(p.name for p in tmp.iterdir())
         weights = _weight_files(tmp)
         index = [f for f in files if f.endswith(".safetensors.index.json")]
         shards = "" if keep_adapter else f" (max_shard_size {max_shard_size})"
-        say(f"  wrote {len(weights)} safetensors file(s){' + ' + index[0] if index else ''}{shards}, "
-            + ", ".join(f for f in files if not f.endswith(".safetensors") and f not in index))
+        say(
+            f"  wrote {len(weights)} safetensors file(s){' + ' + index[0] if index else ''}{shards}, "
+            + ", ".join(f for f in files if not f.endswith(".safetensors") and f not in index)
+        )
         source_desc, completion, cls_name = _check(tmp, rec, base if keep_adapter else None, section, max_new_tokens)
-        say(f"  check: reloaded with {cls_name} and generated up to {max_new_tokens} greedy tokens from {source_desc}:")
+        say(
+            f"  check: reloaded with {cls_name} and generated up to {max_new_tokens} greedy tokens from {source_desc}:"
+        )
         say(f"         {completion!r}")
         write_manifest(tmp, ckpt, kind, dtype)
         _swap_in(tmp, out)
@@ -424,8 +476,16 @@ def export(checkpoint: str | Path, out: str | Path, *, keep_adapter: bool = Fals
     return ExportResult(out, kind, dtype, files, source_desc, completion)
 
 
-def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, section: ModelSection, keep_adapter: bool,
-           max_shard_size: str, say) -> str:
+def _write(
+    ckpt: Checkpoint,
+    tmp: Path,
+    base: str | None,
+    dtype: str,
+    section: ModelSection,
+    keep_adapter: bool,
+    max_shard_size: str,
+    say,
+) -> str:
     """Write the weights and the processing class into ``tmp``; returns how (for the card)."""
     opened = open_model(base or str(ckpt.path), section)
     processing = processing_of([str(ckpt.path), *([base] if base else [])], opened, section)
@@ -442,10 +502,15 @@ def _write(ckpt: Checkpoint, tmp: Path, base: str | None, dtype: str, section: M
 
             model.generation_config = GenerationConfig.from_pretrained(ckpt.path)
         beside = ckpt.path / "model.safetensors"
-        other = (f"; the {_safetensors_dtype(beside) or '16-bit'} model.safetensors gathered beside them is not used"
-                 if beside.is_file() else "")
-        say(f"  weights: the fp32 master weights of the ZeRO shards, consolidated by DeepSpeed (zero_to_fp32) on CPU "
-            f"from {ckpt.zero_ranks} ranks{other}")
+        other = (
+            f"; the {_safetensors_dtype(beside) or '16-bit'} model.safetensors gathered beside them is not used"
+            if beside.is_file()
+            else ""
+        )
+        say(
+            f"  weights: the fp32 master weights of the ZeRO shards, consolidated by DeepSpeed (zero_to_fp32) on CPU "
+            f"from {ckpt.zero_ranks} ranks{other}"
+        )
         how = f"fp32 master weights consolidated by DeepSpeed from {ckpt.zero_ranks} ZeRO shards"
     else:
         from peft import PeftModel
@@ -472,8 +537,9 @@ def _write_adapter(ckpt: Checkpoint, tmp: Path, base: str, dtype: str, processin
 
     tensors = {k: v.to(torch_dtype(dtype)) for k, v in adapter_weights(ckpt, say).items()}
     save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-    (tmp / "adapter_config.json").write_text(json.dumps({**ckpt.adapter, "base_model_name_or_path": base}, indent=2),
-                                             encoding="utf-8")
+    (tmp / "adapter_config.json").write_text(
+        json.dumps({**ckpt.adapter, "base_model_name_or_path": base}, indent=2), encoding="utf-8"
+    )
     processing.save_pretrained(tmp)
     say(f"  weights: the LoRA adapter kept as an adapter ({dtype}); adapter_config.json names the base as {base}")
     return f"LoRA adapter for `{base}` (not merged)"
@@ -504,27 +570,48 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoint-N or final/ folder of a run phase (full, LoRA or DeepSpeed ZeRO)")
     ap.add_argument("--out", required=True, help="the folder to create")
-    ap.add_argument("--keep_adapter", action="store_true",
-                    help="LoRA: write the adapter (+ tokenizer, card), to load with PEFT over the base, instead of "
-                         "merging it into the base's weights (the default)")
-    ap.add_argument("--dtype", choices=DTYPES, default=None,
-                    help="weights dtype (default: the dtype in the checkpoint's config)")
+    ap.add_argument(
+        "--keep_adapter",
+        action="store_true",
+        help="LoRA: write the adapter (+ tokenizer, card), to load with PEFT over the base, instead of "
+        "merging it into the base's weights (the default)",
+    )
+    ap.add_argument(
+        "--dtype", choices=DTYPES, default=None, help="weights dtype (default: the dtype in the checkpoint's config)"
+    )
     ap.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default 5GB)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace an earlier export at --out (only that), once the new export has passed its check")
-    ap.add_argument("--base_model", default=None,
-                    help="LoRA: the base model folder, when adapter_config.json's path does not resolve from here")
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export at --out (only that), once the new export has passed its check",
+    )
+    ap.add_argument(
+        "--base_model",
+        default=None,
+        help="LoRA: the base model folder, when adapter_config.json's path does not resolve from here",
+    )
     ap.add_argument("--max_new_tokens", type=int, default=16, help="tokens generated by the check (default 16)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(x == "--merge_lora" or x.startswith("--merge_lora=") for x in argv):
-        print("error: --merge_lora is gone: a LoRA checkpoint is merged into its base without it (--keep_adapter "
-              "writes the adapter instead); drop the flag", file=sys.stderr)
+        print(
+            "error: --merge_lora is gone: a LoRA checkpoint is merged into its base without it (--keep_adapter "
+            "writes the adapter instead); drop the flag",
+            file=sys.stderr,
+        )
         return 2
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars would bury the report
     try:
-        export(a.checkpoint, a.out, keep_adapter=a.keep_adapter, dtype=a.dtype, max_shard_size=a.max_shard_size,
-               overwrite=a.overwrite, base_model=a.base_model, max_new_tokens=a.max_new_tokens)
+        export(
+            a.checkpoint,
+            a.out,
+            keep_adapter=a.keep_adapter,
+            dtype=a.dtype,
+            max_shard_size=a.max_shard_size,
+            overwrite=a.overwrite,
+            base_model=a.base_model,
+            max_new_tokens=a.max_new_tokens,
+        )
     except CrystalError as err:  # e.g. a base model or processor that does not load: bad input too
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -30,8 +30,18 @@ from crystal_grpo.train.layout import FINAL, LOCK, MARKER, METRICS_LOG, RECORD, 
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Logged values that must match the reference exactly (timings are not compared).
-COMPARED = ("loss", "reward", "reward_std", "kl", "entropy", "grad_norm", "learning_rate", "num_tokens",
-            "completions/mean_length", "frac_reward_zero_std")
+COMPARED = (
+    "loss",
+    "reward",
+    "reward_std",
+    "kl",
+    "entropy",
+    "grad_norm",
+    "learning_rate",
+    "num_tokens",
+    "completions/mean_length",
+    "frac_reward_zero_std",
+)
 MODES = ("random", "saving", "after_last")
 
 
@@ -44,10 +54,27 @@ class Trial:
 
 
 def command(model: str, out: Path, steps: int, resume: bool) -> list[str]:
-    return [sys.executable, "train/grpo.py", "--config", "tiny.yaml", "--output_dir", str(out),
-            "--model.name_or_path", model, "--training.max_steps", str(steps), "--training.save_steps", "2",
-            "--training.lr_scheduler_type", "constant", "--validation.eval_steps", "2", "--validation.max_samples", "2",
-            *(["--resume_from_checkpoint", "latest"] if resume else [])]
+    return [
+        sys.executable,
+        "train/grpo.py",
+        "--config",
+        "tiny.yaml",
+        "--output_dir",
+        str(out),
+        "--model.name_or_path",
+        model,
+        "--training.max_steps",
+        str(steps),
+        "--training.save_steps",
+        "2",
+        "--training.lr_scheduler_type",
+        "constant",
+        "--validation.eval_steps",
+        "2",
+        "--validation.max_samples",
+        "2",
+        *(["--resume_from_checkpoint", "latest"] if resume else []),
+    ]
 
 
 def _saving(out: Path, step: int) -> bool:
@@ -60,15 +87,19 @@ def _after_last(out: Path, steps: int) -> bool:
     return (out / checkpoint_name(steps) / MARKER).exists()
 
 
-def launch(cmd: list[str], kill: str | None, deadline: float | None, out: Path, steps: int, log,
-           save_step: int = 2) -> str:
+def launch(
+    cmd: list[str], kill: str | None, deadline: float | None, out: Path, steps: int, log, save_step: int = 2
+) -> str:
     """Run ``cmd``; kill it by ``kill`` (a mode: at ``deadline`` seconds, while writing
     ``checkpoint-<save_step>``, after the last step). Returns how it ended."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     start = time.monotonic()
     while proc.poll() is None:
-        if (kill == "saving" and _saving(out, save_step)) or (kill == "after_last" and _after_last(out, steps)) or (
-                kill == "random" and deadline is not None and time.monotonic() - start >= deadline):
+        if (
+            (kill == "saving" and _saving(out, save_step))
+            or (kill == "after_last" and _after_last(out, steps))
+            or (kill == "random" and deadline is not None and time.monotonic() - start >= deadline)
+        ):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             where = checkpoint_name(save_step) if kill == "saving" else f"{time.monotonic() - start:.1f}s"
@@ -105,12 +136,16 @@ def compare(ref: Path, run: Path) -> list[str]:
 
 def _snapshot(folder: Path) -> dict:
     skip = {RECORD, LOCK}
-    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*")
-            if p.is_file() and p.name not in skip}
+    return {
+        str(p.relative_to(folder)): p.stat().st_mtime_ns
+        for p in folder.rglob("*")
+        if p.is_file() and p.name not in skip
+    }
 
 
-def run_trials(model: str, out: Path, trials: int, steps: int, seed: int, kill_resume: float,
-               say=print) -> tuple[list[Trial], float]:
+def run_trials(
+    model: str, out: Path, trials: int, steps: int, seed: int, kill_resume: float, say=print
+) -> tuple[list[Trial], float]:
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     ref = out / "reference"
@@ -129,14 +164,21 @@ def run_trials(model: str, out: Path, trials: int, steps: int, seed: int, kill_r
         trial = Trial(mode)
         with open(out / f"trial{i:02d}.log", "w") as log:
             save_step = 2 * rng.randint(1, steps // 2)  # checkpoints every 2 steps: which save is hit
-            ended = launch(command(model, folder, steps, False), mode, rng.uniform(0, wall), folder, steps, log,
-                           save_step)
+            ended = launch(
+                command(model, folder, steps, False), mode, rng.uniform(0, wall), folder, steps, log, save_step
+            )
             trial.launches = 1
             while not ended.startswith("exit"):
                 trial.kills.append(ended)
                 again = rng.random() < kill_resume and len(trial.kills) < 3
-                ended = launch(command(model, folder, steps, True), "random" if again else None,
-                               rng.uniform(0, wall), folder, steps, log)
+                ended = launch(
+                    command(model, folder, steps, True),
+                    "random" if again else None,
+                    rng.uniform(0, wall),
+                    folder,
+                    steps,
+                    log,
+                )
                 trial.launches += 1
             if ended != "exit 0":
                 trial.problems.append(f"{ended} (log: {out / f'trial{i:02d}.log'})")
@@ -146,8 +188,10 @@ def run_trials(model: str, out: Path, trials: int, steps: int, seed: int, kill_r
                 relaunch = launch(command(model, folder, steps, True), None, None, folder, steps, log)
                 if relaunch != "exit 0" or _snapshot(folder) != before:
                     trial.problems.append(f"launching the finished run again changed it ({relaunch})")
-        say(f"trial {i:2d} {mode:10s} kills {', '.join(trial.kills) or '-':28s} launches {trial.launches}  "
-            + ("identical" if not trial.problems else "DIFFERENT: " + "; ".join(trial.problems)))
+        say(
+            f"trial {i:2d} {mode:10s} kills {', '.join(trial.kills) or '-':28s} launches {trial.launches}  "
+            + ("identical" if not trial.problems else "DIFFERENT: " + "; ".join(trial.problems))
+        )
         results.append(trial)
     return results, wall
 
@@ -157,17 +201,24 @@ def table(results: list[Trial]) -> str:
     for mode in MODES:
         rs = [t for t in results if t.mode == mode]
         if rs:
-            rows.append(f"| {mode.replace('_', ' ')} | {len(rs)} | {sum(len(t.kills) for t in rs)} | "
-                        f"{sum(not t.problems for t in rs)} of {len(rs)} |")
-    rows.append(f"| all | {len(results)} | {sum(len(t.kills) for t in results)} | "
-                f"{sum(not t.problems for t in results)} of {len(results)} |")
+            rows.append(
+                f"| {mode.replace('_', ' ')} | {len(rs)} | {sum(len(t.kills) for t in rs)} | "
+                f"{sum(not t.problems for t in rs)} of {len(rs)} |"
+            )
+    rows.append(
+        f"| all | {len(results)} | {sum(len(t.kills) for t in results)} | "
+        f"{sum(not t.problems for t in results)} of {len(results)} |"
+    )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / ".cache" / "models" / "tiny-qwen2"),
-                    help="the tiny model (scripts/make_tiny_models.py builds it)")
+    ap.add_argument(
+        "--model",
+        default=str(ROOT / ".cache" / "models" / "tiny-qwen2"),
+        help="the tiny model (scripts/make_tiny_models.py builds it)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "kill_trials")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--steps", type=int, default=12)

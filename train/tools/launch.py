@@ -23,15 +23,25 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 #: What a training run and an evaluation import, loaded once into the fork server.
-PRELOAD = ("crystal_grpo.train.grpo", "crystal_grpo.train.trainer", "crystal_grpo.train.pcgrad",
-           "crystal_grpo.train.callbacks", "crystal_grpo.train.interrupt", "crystal_grpo.train.models",
-           "crystal_grpo.train.data", "crystal_grpo.train.plot", "crystal_grpo.train.tools.evaluate",
-           "crystal_grpo.train.tools.eval_report", "deepspeed", "matplotlib.pyplot")
+PRELOAD = (
+    "crystal_grpo.train.grpo",
+    "crystal_grpo.train.trainer",
+    "crystal_grpo.train.pcgrad",
+    "crystal_grpo.train.callbacks",
+    "crystal_grpo.train.interrupt",
+    "crystal_grpo.train.models",
+    "crystal_grpo.train.data",
+    "crystal_grpo.train.plot",
+    "crystal_grpo.train.tools.evaluate",
+    "crystal_grpo.train.tools.eval_report",
+    "deepspeed",
+    "matplotlib.pyplot",
+)
 
 
 @dataclass(frozen=True)
@@ -77,8 +87,14 @@ def _context():
     return ctx
 
 
-def run(entry: Entry, args: list[str], log: Path, root: Path, launcher: list[str] | None = None,
-        settings: Settings = Settings()) -> int:
+def run(
+    entry: Entry,
+    args: list[str],
+    log: Path,
+    root: Path,
+    launcher: list[str] | None = None,
+    settings: Settings = Settings(),
+) -> int:
     """Run ``entry`` with ``args`` in ``root`` to its end, its output appended to ``log``; its exit
     code. ``launcher`` (e.g. ``accelerate launch ...``) always takes a subprocess. On Ctrl-C the run
     gets SIGINT too (it saves a checkpoint at its step's end and stops: train/interrupt.py), and
@@ -91,8 +107,14 @@ def run(entry: Entry, args: list[str], log: Path, root: Path, launcher: list[str
     else:
         env = {**os.environ, **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
         with open(log, "ab") as out:
-            popen = subprocess.Popen([*(launcher or [sys.executable]), *entry.argv(root), *args], cwd=root, env=env,
-                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            popen = subprocess.Popen(
+                [*(launcher or [sys.executable]), *entry.argv(root), *args],
+                cwd=root,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         pid, wait = popen.pid, popen.wait
     with _LOCK:
         _RUNNING.add(pid)

@@ -65,8 +65,10 @@ class TaskSpec:
         if not self.ops or set(self.ops) - set(OP_WORDS):
             raise ValueError(f"ops {self.ops}: choose from {sorted(OP_WORDS)}")
         if not 1 <= self.min_steps <= self.max_steps or self.max_steps + self.long_extra >= len(NAMES):
-            raise ValueError(f"steps {self.min_steps}..{self.max_steps} (+{self.long_extra}): need "
-                             f"1 <= min <= max and max + long_extra < {len(NAMES)}")
+            raise ValueError(
+                f"steps {self.min_steps}..{self.max_steps} (+{self.long_extra}): need "
+                f"1 <= min <= max and max + long_extra < {len(NAMES)}"
+            )
         for name in ("shortcut_rate", "omit_rate", "choice_rate", "error_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must lie in [0, 1]")
@@ -106,7 +108,7 @@ def values(problem: Problem, modulus: int, slips: Sequence[int] = ()) -> list[in
 
 def question(problem: Problem, spec: TaskSpec, stated: int | None = None) -> str:
     """The question text; ``stated`` (a shortcut) tells the answer before asking for it."""
-    names = NAMES[:problem.steps + 1]
+    names = NAMES[: problem.steps + 1]
     parts = [f"Work mod {spec.modulus}.", f"{names[0]} is {problem.start}."]
     parts += [f"{names[i + 1]} is {names[i]} {OP_WORDS[op]} {n}." for i, (op, n) in enumerate(problem.chain)]
     if stated is not None:
@@ -138,8 +140,9 @@ def stated_result(step: str) -> str | None:
 
 def reference_steps(problem: Problem, spec: TaskSpec, vals: Sequence[int]) -> list[str]:
     """One step per operation, each from the previous step's value (``vals`` from :func:`values`)."""
-    return [step_text(NAMES[i + 1], vals[i], op, n, vals[i + 1], spec.wording)
-            for i, (op, n) in enumerate(problem.chain)]
+    return [
+        step_text(NAMES[i + 1], vals[i], op, n, vals[i + 1], spec.wording) for i, (op, n) in enumerate(problem.chain)
+    ]
 
 
 def held_out(problem: Problem, spec: TaskSpec) -> bool:
@@ -168,8 +171,9 @@ def slips_for(rng: random.Random, problem: Problem, spec: TaskSpec) -> list[int]
     return out
 
 
-def make_row(problem: Problem, spec: TaskSpec, rng: random.Random, row_id: str,
-             slip_rng: random.Random | None = None) -> dict:
+def make_row(
+    problem: Problem, spec: TaskSpec, rng: random.Random, row_id: str, slip_rng: random.Random | None = None
+) -> dict:
     """One data row. With ``slip_rng`` it is a supervised demonstration: steps with slips at
     ``spec.error_rate`` and the answer they lead to (a consistent, sometimes wrong, solution), or,
     on a hinted question with chance ``spec.omit_rate``, a prefix of those steps (maybe none), the
@@ -185,10 +189,16 @@ def make_row(problem: Problem, spec: TaskSpec, rng: random.Random, row_id: str,
     steps, final = reference_steps(problem, spec, shown), shown[-1]
     if stated is not None and slip_rng is not None and slip_rng.random() < spec.omit_rate:
         # the chain left off, the hint copied (as the question states it, so the copy is a repeat)
-        steps, final = steps[:slip_rng.randrange(problem.steps)] + [hint(problem, stated)], stated
-    row = {"id": row_id, "question": question(problem, spec, stated), "answer": str(final),
-           "reference_steps": steps, "source": SOURCE, "difficulty": str(problem.steps)}
-    shown_slips = sum(s != 0 for s in slips[:len(steps)])
+        steps, final = steps[: slip_rng.randrange(problem.steps)] + [hint(problem, stated)], stated
+    row = {
+        "id": row_id,
+        "question": question(problem, spec, stated),
+        "answer": str(final),
+        "reference_steps": steps,
+        "source": SOURCE,
+        "difficulty": str(problem.steps),
+    }
+    shown_slips = sum(s != 0 for s in slips[: len(steps)])
     variant = ["hinted"] if stated is not None else []
     if rng.random() < spec.choice_rate:
         others = rng.sample([v for v in range(spec.modulus) if v != final], min(3, spec.modulus - 1))
@@ -205,8 +215,15 @@ def make_row(problem: Problem, spec: TaskSpec, rng: random.Random, row_id: str,
     return row
 
 
-def make_split(spec: TaskSpec, n: int, seed: int, partition: Literal["train", "held_out"], prefix: str,
-               steps: Sequence[int] | None = None, demonstrate: bool = False) -> list[dict]:
+def make_split(
+    spec: TaskSpec,
+    n: int,
+    seed: int,
+    partition: Literal["train", "held_out"],
+    prefix: str,
+    steps: Sequence[int] | None = None,
+    demonstrate: bool = False,
+) -> list[dict]:
     """``n`` rows with step counts cycling through ``steps`` (default min..max), questions from
     one partition only. Deterministic in (spec, n, seed, partition, steps)."""
     rng, slip_rng = random.Random(seed), (random.Random(f"slips-{seed}") if demonstrate else None)
@@ -252,8 +269,9 @@ class Layout:
             "sft": make_split(s, n.train, self.seed, "train", "org-train", demonstrate=True),
             "val": make_split(clean, n.val, self.seed + 1, "held_out", "org-val"),
             "test": make_split(clean, n.test, self.seed + 2, "held_out", "org-test"),
-            "test_long": make_split(clean, n.long_test, self.seed + 3, "held_out", "org-long",
-                                    steps=range(K + 1, K + s.long_extra + 1)),
+            "test_long": make_split(
+                clean, n.long_test, self.seed + 3, "held_out", "org-long", steps=range(K + 1, K + s.long_extra + 1)
+            ),
         }
 
 
@@ -280,4 +298,3 @@ def wrong_share(demonstrations: Sequence[dict], truth: Sequence[dict]) -> float:
     """Share of demonstrations whose answer differs from the clean row of the same id."""
     answer = {r["id"]: r["answer"] for r in truth}
     return sum(r["answer"] != answer.get(r["id"]) for r in demonstrations) / max(1, len(demonstrations))
-

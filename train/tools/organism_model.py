@@ -41,7 +41,9 @@ CHAT_TEMPLATE = (
 )
 # Qwen2's split (words, single digits, punctuation runs, spaces) with a digit keeping the space before it
 # (" 7" is one token), without Qwen2's case folding.
-PRETOKENIZE_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d|[^\r\n\p{L}\p{N}]?\p{L}+| ?\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+PRETOKENIZE_REGEX = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d|[^\r\n\p{L}\p{N}]?\p{L}+| ?\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,15 @@ def corpus(spec: TaskSpec) -> Iterable[str]:
     # the chat template's role lines and the system prompt, often enough (min_frequency 2) for whole words
     lines = [SYSTEM_PROMPT, SYSTEM_PROMPT_SHORT, "system\nuser\nassistant\n"] * 3
     for wording in ("sentence", "equation"):
-        s = replace(spec, wording=wording, shortcut_rate=0.3, choice_rate=0.3, min_steps=1,
-                    max_steps=min(spec.max_steps + spec.long_extra, 20), long_extra=0)
+        s = replace(
+            spec,
+            wording=wording,
+            shortcut_rate=0.3,
+            choice_rate=0.3,
+            min_steps=1,
+            max_steps=min(spec.max_steps + spec.long_extra, 20),
+            long_extra=0,
+        )
         for row in make_split(s, 600, seed=12345, partition="train", prefix="corpus"):
             lines.append(build_prompt(row)[1]["content"])
             lines.append(render_target(row))
@@ -77,14 +86,20 @@ def train_tokenizer(spec: TaskSpec, vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=[PAD, BOS_TURN, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=[PAD, BOS_TURN, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus(spec), trainer=trainer)
     return tok
 
@@ -93,8 +108,15 @@ def hf_tokenizer(tok):
     """The trained tokenizer as transformers uses it: eos ends the assistant turn, left padding."""
     from transformers import PreTrainedTokenizerFast
 
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=None,
-                                 unk_token=None, additional_special_tokens=[BOS_TURN], padding_side="left")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=[BOS_TURN],
+        padding_side="left",
+    )
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
@@ -106,19 +128,29 @@ def new_policy(tok, spec: PolicySpec):
 
     torch.manual_seed(spec.seed)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=spec.max_positions, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                               bos_token_id=None)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
+    )
     return model
 
 
-def build_policy(path: str | Path, task: Layout | TaskSpec | None = None, spec: PolicySpec = PolicySpec(),
-                 overwrite: bool = False) -> Path:
+def build_policy(
+    path: str | Path, task: Layout | TaskSpec | None = None, spec: PolicySpec = PolicySpec(), overwrite: bool = False
+) -> Path:
     """Tokenizer + random-weight policy in ``path``, left as it is when already built from the same
     knobs (``organism.json``): a folder built from other knobs is rebuilt, so a warm start never
     trains a tokenizer made for another task."""
@@ -156,12 +188,23 @@ WARM_START_CONFIG = "organism_warm_start.yaml"
 WARM_START_DIR = Path("data/organism/warm_start")
 #: What a warm start folder holds: what ``AutoModelForCausalLM`` and ``AutoTokenizer`` load, and the
 #: knobs it was built from (no optimizer state, no training arguments: a few MB to commit).
-POLICY_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", "chat_template.jinja", "organism.json")
+POLICY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "organism.json",
+)
 
 
-def train_warm_start(out: Path = DEFAULT_DIR, dest: Path = WARM_START_DIR, config: str = WARM_START_CONFIG,
-                     overrides: Sequence[str] = ()) -> dict:
+def train_warm_start(
+    out: Path = DEFAULT_DIR,
+    dest: Path = WARM_START_DIR,
+    config: str = WARM_START_CONFIG,
+    overrides: Sequence[str] = (),
+) -> dict:
     """Run ``config``'s SFT phase on ``out``'s demonstrations from ``out/model`` through
     train/grpo.py's own machinery, then copy its final weights to ``dest``. Returns the phase's
     last validation. Why not a checkpoint: the committed folder must be reproducible by one command,
@@ -172,8 +215,14 @@ def train_warm_start(out: Path = DEFAULT_DIR, dest: Path = WARM_START_DIR, confi
     from crystal_grpo.train.grpo import run
     from crystal_grpo.train.preflight import preflight
 
-    paths = ["--model.name_or_path", str(out / "model"), "--data.train", str(out / "data" / "sft.jsonl"),
-             "--data.validation", str(out / "data" / "val.jsonl")]
+    paths = [
+        "--model.name_or_path",
+        str(out / "model"),
+        "--data.train",
+        str(out / "data" / "sft.jsonl"),
+        "--data.validation",
+        str(out / "data" / "val.jsonl"),
+    ]
     cfg, _ = load_config(config, [*paths, *overrides])
     missing = preflight(cfg)
     if missing:
@@ -196,14 +245,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="data seed (held-out splits use seed+1..seed+3)")
     ap.add_argument("--model_seed", type=int, default=0, help="the policy's initial weights")
     ap.add_argument("--overwrite", action="store_true", help="rebuild the policy even if it exists")
-    ap.add_argument("--warm_start", action="store_true", help=f"then train the warm start (configs/"
-                    f"{WARM_START_CONFIG}, about 3 minutes on 2 cores) into --warm_start_dir")
+    ap.add_argument(
+        "--warm_start",
+        action="store_true",
+        help=f"then train the warm start (configs/"
+        f"{WARM_START_CONFIG}, about 3 minutes on 2 cores) into --warm_start_dir",
+    )
     ap.add_argument("--warm_start_dir", default=str(WARM_START_DIR), help="(default %(default)s)")
     ap.add_argument("--warm_start_config", default=WARM_START_CONFIG, help="the SFT phase (default %(default)s)")
     for f in TaskSpec.__dataclass_fields__.values():
         if f.name in ("operands", "ops"):
             continue
-        ap.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=f"task knob (default {f.default})")
+        ap.add_argument(
+            f"--{f.name}", type=type(f.default), default=f.default, help=f"task knob (default {f.default})"
+        )
     ap.add_argument("--operands", default="1,3", help="inclusive operand range lo,hi (default %(default)s)")
     ap.add_argument("--ops", default="+,-", help="operations, from + - * (default %(default)s)")
     for f in SplitSizes.__dataclass_fields__.values():
@@ -223,18 +278,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from crystal_grpo.jsonl import read_jsonl
 
     wrong = wrong_share(read_jsonl(paths["sft"]), read_jsonl(paths["train"]))
-    print(f"{out / 'data'}: {', '.join(f'{k} {sizes_of(p)}' for k, p in paths.items())} rows; "
-          f"demonstrations with a wrong answer: {wrong:.1%} ({time.perf_counter() - t0:.1f} s)")
+    print(
+        f"{out / 'data'}: {', '.join(f'{k} {sizes_of(p)}' for k, p in paths.items())} rows; "
+        f"demonstrations with a wrong answer: {wrong:.1%} ({time.perf_counter() - t0:.1f} s)"
+    )
     t0 = time.perf_counter()
-    policy = PolicySpec(seed=a.model_seed, **{name: getattr(a, name) for name in PolicySpec.__dataclass_fields__
-                                              if name != "seed"})
+    policy = PolicySpec(
+        seed=a.model_seed, **{name: getattr(a, name) for name in PolicySpec.__dataclass_fields__ if name != "seed"}
+    )
     model = build_policy(out / "model", layout, policy, overwrite=a.overwrite)
     print(f"{model}: {parameter_count(model) / 1e6:.2f} M parameters ({time.perf_counter() - t0:.1f} s)")
     if a.warm_start:
         t0 = time.perf_counter()
         val = train_warm_start(out, Path(a.warm_start_dir), a.warm_start_config)
-        print(f"{a.warm_start_dir}: warm start, held-out validation {json.dumps(val)} "
-              f"({time.perf_counter() - t0:.0f} s)")
+        print(
+            f"{a.warm_start_dir}: warm start, held-out validation {json.dumps(val)} ({time.perf_counter() - t0:.0f} s)"
+        )
     return 0
 
 

@@ -21,34 +21,40 @@ from typing import Any
 
 #: program -> (its module, its parts: (label, module, attribute path)).
 PROGRAMS = {
-    "train": ("crystal_grpo.train.grpo", (
-        ("start-up: config and checks", "crystal_grpo.train.grpo", "load_config"),
-        ("start-up: config and checks", "crystal_grpo.train.grpo", "preflight"),
-        ("start-up: config and checks", "crystal_grpo.train.grpo", "limit_prompts"),
-        ("start-up: config and checks", "crystal_grpo.train.grpo", "length_warnings"),
-        ("start-up: data", "crystal_grpo.train.data", "load_datasets"),
-        ("start-up: model", "crystal_grpo.train.models", "load_policy"),
-        ("start-up: trainer", "crystal_grpo.train.grpo", "make_trainer"),
-        ("generation", "transformers", "GenerationMixin.generate"),
-        ("rollout bookkeeping (TRL)", "trl", "GRPOTrainer._generate_and_score_completions"),
-        ("reward scoring", "crystal_grpo.train.reward_module", "RewardModuleMixin._calculate_rewards"),
-        ("forward", "trl", "GRPOTrainer._get_per_token_logps_and_entropies"),
-        ("backward", "accelerate", "Accelerator.backward"),
-        ("PCGrad, beyond its backward passes", "crystal_grpo.train.pcgrad", "PCGradMixin._pcgrad_backward"),
-        ("optimizer", "accelerate.optimizer", "AcceleratedOptimizer.step"),
-        ("validation: scoring, files", "crystal_grpo.train.callbacks", "ValidationCallback.run"),
-        ("checkpoints", "transformers", "Trainer._save_checkpoint"),
-        ("final weights", "transformers", "Trainer.save_model"),
-        ("plot", "crystal_grpo.train.callbacks", "PlotCallback.on_train_end"),
-        ("training loop, the rest", "transformers", "Trainer._inner_training_loop"),
-    )),
-    "evaluate": ("crystal_grpo.train.tools.evaluate", (
-        ("start-up: data", "crystal_grpo.train.data", "load_split"),
-        ("start-up: model", "crystal_grpo.train.models", "load_checkpoint"),
-        ("generation", "transformers", "GenerationMixin.generate"),
-        ("scoring and report", "crystal_grpo.train.tools.evaluate", "score_predictions"),
-        ("scoring and report", "crystal_grpo.train.tools.eval_report", "build_report"),
-    )),
+    "train": (
+        "crystal_grpo.train.grpo",
+        (
+            ("start-up: config and checks", "crystal_grpo.train.grpo", "load_config"),
+            ("start-up: config and checks", "crystal_grpo.train.grpo", "preflight"),
+            ("start-up: config and checks", "crystal_grpo.train.grpo", "limit_prompts"),
+            ("start-up: config and checks", "crystal_grpo.train.grpo", "length_warnings"),
+            ("start-up: data", "crystal_grpo.train.data", "load_datasets"),
+            ("start-up: model", "crystal_grpo.train.models", "load_policy"),
+            ("start-up: trainer", "crystal_grpo.train.grpo", "make_trainer"),
+            ("generation", "transformers", "GenerationMixin.generate"),
+            ("rollout bookkeeping (TRL)", "trl", "GRPOTrainer._generate_and_score_completions"),
+            ("reward scoring", "crystal_grpo.train.reward_module", "RewardModuleMixin._calculate_rewards"),
+            ("forward", "trl", "GRPOTrainer._get_per_token_logps_and_entropies"),
+            ("backward", "accelerate", "Accelerator.backward"),
+            ("PCGrad, beyond its backward passes", "crystal_grpo.train.pcgrad", "PCGradMixin._pcgrad_backward"),
+            ("optimizer", "accelerate.optimizer", "AcceleratedOptimizer.step"),
+            ("validation: scoring, files", "crystal_grpo.train.callbacks", "ValidationCallback.run"),
+            ("checkpoints", "transformers", "Trainer._save_checkpoint"),
+            ("final weights", "transformers", "Trainer.save_model"),
+            ("plot", "crystal_grpo.train.callbacks", "PlotCallback.on_train_end"),
+            ("training loop, the rest", "transformers", "Trainer._inner_training_loop"),
+        ),
+    ),
+    "evaluate": (
+        "crystal_grpo.train.tools.evaluate",
+        (
+            ("start-up: data", "crystal_grpo.train.data", "load_split"),
+            ("start-up: model", "crystal_grpo.train.models", "load_checkpoint"),
+            ("generation", "transformers", "GenerationMixin.generate"),
+            ("scoring and report", "crystal_grpo.train.tools.evaluate", "score_predictions"),
+            ("scoring and report", "crystal_grpo.train.tools.eval_report", "build_report"),
+        ),
+    ),
 }
 
 

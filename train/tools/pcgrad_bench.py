@@ -47,8 +47,10 @@ class HashReward(RewardModule):
 
     def score(self, completions, rows, with_steps=None):
         scored = super().score(completions, rows, with_steps=False)
-        h = torch.tensor([zlib.crc32((c if isinstance(c, str) else json.dumps(c)).encode()) for c in completions],
-                         dtype=torch.float64)
+        h = torch.tensor(
+            [zlib.crc32((c if isinstance(c, str) else json.dumps(c)).encode()) for c in completions],
+            dtype=torch.float64,
+        )
         scored.batch.correct, scored.batch.format_ok = h % 2, (h // 7 % 10) / 10
         return scored
 
@@ -75,7 +77,7 @@ def fixed_batch(model, vocab: int, kind: str) -> dict[str, torch.Tensor]:
     }
     with torch.no_grad():
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1:-1].float()
+        logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1 : -1].float()
         logps = logits.log_softmax(-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
     batch["ref_per_token_logps"] = logps + 0.3 * torch.randn(N_GLOBAL, COMP_LEN, generator=g)
     acc = torch.randn(N_GLOBAL, generator=g)
@@ -182,8 +184,17 @@ def load_fixed_batch(model_path: str, kind: str) -> dict[str, torch.Tensor]:
     return fixed_batch(AutoModelForCausalLM.from_pretrained(model_path), vocab, kind)
 
 
-def memory_case(mode: str, model_path: str, batch: dict[str, torch.Tensor], steps: int, beta: float, pcgrad: bool,
-                workdir: str, module_file: str | None = None, first: bool = True) -> dict[str, Any]:
+def memory_case(
+    mode: str,
+    model_path: str,
+    batch: dict[str, torch.Tensor],
+    steps: int,
+    beta: float,
+    pcgrad: bool,
+    workdir: str,
+    module_file: str | None = None,
+    first: bool = True,
+) -> dict[str, Any]:
     """Peak bytes allocated by two optimizer steps (AdamW, ``steps`` micro-steps each) on
     ``batch``, above what was allocated before training (model loaded, DeepSpeed not yet
     initialised), and this rank's trainable parameters (its ZeRO-3 partition)."""
@@ -195,14 +206,36 @@ def memory_case(mode: str, model_path: str, batch: dict[str, torch.Tensor], step
     extra = topology_args(mode, first)
     tok = AutoTokenizer.from_pretrained(model_path)
     args = GRPOConfig(
-        output_dir=os.path.join(workdir, f"memory-{mode}"), per_device_train_batch_size=N_GLOBAL // world // steps,
-        gradient_accumulation_steps=steps, num_generations=4, max_steps=2, learning_rate=1e-6, optim="adamw_torch",
-        lr_scheduler_type="constant", max_grad_norm=1.0, beta=beta, loss_type="grpo", scale_rewards="group",
-        bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, seed=0, max_completion_length=COMP_LEN, remove_unused_columns=False, **extra)
+        output_dir=os.path.join(workdir, f"memory-{mode}"),
+        per_device_train_batch_size=N_GLOBAL // world // steps,
+        gradient_accumulation_steps=steps,
+        num_generations=4,
+        max_steps=2,
+        learning_rate=1e-6,
+        optim="adamw_torch",
+        lr_scheduler_type="constant",
+        max_grad_norm=1.0,
+        beta=beta,
+        loss_type="grpo",
+        scale_rewards="group",
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        max_completion_length=COMP_LEN,
+        remove_unused_columns=False,
+        **extra,
+    )
     trainer = fixed_batch_trainer(load_trainer_class(pcgrad, module_file), batch)(
-        model=model_path, reward=HashReward(), args=args, processing_class=tok,
-        train_dataset=Dataset.from_dict({"prompt": ["q"] * 32}))
+        model=model_path,
+        reward=HashReward(),
+        args=args,
+        processing_class=tok,
+        train_dataset=Dataset.from_dict({"prompt": ["q"] * 32}),
+    )
     gc.collect()
     with AllocationPeak() as measured:
         trainer.train()
@@ -227,8 +260,14 @@ def measure(mode: str, model_path: str, workdir: str, steps: int, beta: float, i
     return memory_case(mode, model_path, batch, steps, beta, impl != "plain", workdir, module_file, first=False)
 
 
-def memory_rows(mode: str, model_path: str, workdir: str, baseline: str | None = None,
-                repeats: int = 1, cases: list[tuple[int, float]] = MEMORY_CASES) -> list[dict[str, Any]]:
+def memory_rows(
+    mode: str,
+    model_path: str,
+    workdir: str,
+    baseline: str | None = None,
+    repeats: int = 1,
+    cases: list[tuple[int, float]] = MEMORY_CASES,
+) -> list[dict[str, Any]]:
     """For each of ``cases`` (gradient accumulation steps, beta): the peaks of plain GRPO, PCGrad, and the PCGrad of
     ``baseline`` (a module file) if given; each in its own process (``zero3``: two under
     torchrun, one a GPU on CUDA, so one on a single GPU; rank 0's figures), ``repeats`` times
@@ -237,8 +276,9 @@ def memory_rows(mode: str, model_path: str, workdir: str, baseline: str | None =
 
     impls = {"plain": "plain", "pcgrad": "pcgrad", **({"baseline": str(Path(baseline).resolve())} if baseline else {})}
     nproc = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-                                   if mode == "zero3" else [])
+    launcher = [sys.executable] + (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if mode == "zero3" else []
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rows = []
     for steps, beta in cases:
@@ -247,8 +287,18 @@ def memory_rows(mode: str, model_path: str, workdir: str, baseline: str | None =
             for label, impl in impls.items():
                 out = Path(workdir) / f"memory-{mode}-{steps}-{beta}-{label}-{repeat}.json"
                 out.unlink(missing_ok=True)
-                cmd = [*launcher, "-m", "crystal_grpo.train.tools.pcgrad_bench", mode, model_path, workdir, str(steps),
-                       str(beta), impl, str(out)]
+                cmd = [
+                    *launcher,
+                    "-m",
+                    "crystal_grpo.train.tools.pcgrad_bench",
+                    mode,
+                    model_path,
+                    workdir,
+                    str(steps),
+                    str(beta),
+                    impl,
+                    str(out),
+                ]
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if proc.returncode != 0 or not out.exists():
                     raise RuntimeError(f"{' '.join(cmd)} failed\n{proc.stderr[-4000:]}")

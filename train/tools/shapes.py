@@ -70,17 +70,28 @@ def question_for(kind: str, objs, rng: random.Random) -> tuple[str, str, list[st
     if kind == "count_colour_shape":
         shape, colour = rng.choice(present)
         n = _count(objs, shape, colour)
-        return (f"How many {colour} {shape}s are there?", str(n),
-                [f"I look for {colour} {shape}s in the picture.",
-                 f"I count the {colour} {shape}s: there {'is' if n == 1 else 'are'} {n}."], None)
+        return (
+            f"How many {colour} {shape}s are there?",
+            str(n),
+            [
+                f"I look for {colour} {shape}s in the picture.",
+                f"I count the {colour} {shape}s: there {'is' if n == 1 else 'are'} {n}.",
+            ],
+            None,
+        )
     if kind == "count_shape":
         shape = rng.choice(sorted({s for s, _ in present}))
         n = _count(objs, shape)
         colours = sorted({c for s, c, _ in objs if s == shape})
-        steps = [f"I count the {c} {shape}s: there {'is' if k == 1 else 'are'} {k}."
-                 for c in colours for k in [_count(objs, shape, c)]]
+        steps = [
+            f"I count the {c} {shape}s: there {'is' if k == 1 else 'are'} {k}."
+            for c in colours
+            for k in [_count(objs, shape, c)]
+        ]
         if len(colours) > 1:
-            steps.append(f"In total there are {' + '.join(str(_count(objs, shape, c)) for c in colours)} = {n} {shape}s.")
+            steps.append(
+                f"In total there are {' + '.join(str(_count(objs, shape, c)) for c in colours)} = {n} {shape}s."
+            )
         else:
             steps.insert(0, f"All the {shape}s are {colours[0]}.")
         return f"How many {shape}s are there?", str(n), steps, None
@@ -95,16 +106,25 @@ def question_for(kind: str, objs, rng: random.Random) -> tuple[str, str, list[st
         na, nb = _count(objs, a), _count(objs, b)
         yes = na > nb
         rel = "more than" if na > nb else ("the same as" if na == nb else "fewer than")
-        return (f"Are there more {a}s than {b}s?", "yes" if yes else "no",
-                [f"I count the {a}s: there {'is' if na == 1 else 'are'} {na}.",
-                 f"I count the {b}s: there {'is' if nb == 1 else 'are'} {nb}.",
-                 f"{na} is {rel} {nb}, so the answer is {'yes' if yes else 'no'}."], None)
+        return (
+            f"Are there more {a}s than {b}s?",
+            "yes" if yes else "no",
+            [
+                f"I count the {a}s: there {'is' if na == 1 else 'are'} {na}.",
+                f"I count the {b}s: there {'is' if nb == 1 else 'are'} {nb}.",
+                f"{na} is {rel} {nb}, so the answer is {'yes' if yes else 'no'}.",
+            ],
+            None,
+        )
     if kind == "colour_count":
         colour = rng.choice(sorted({c for _, c in present}))
         n = _count(objs, colour=colour)
         shapes = [s for s in SHAPES if _count(objs, s, colour)]
-        steps = [f"I count the {colour} {s}s: there {'is' if k == 1 else 'are'} {k}."
-                 for s in shapes for k in [_count(objs, s, colour)]]
+        steps = [
+            f"I count the {colour} {s}s: there {'is' if k == 1 else 'are'} {k}."
+            for s in shapes
+            for k in [_count(objs, s, colour)]
+        ]
         steps.append(f"So there are {' + '.join(str(_count(objs, s, colour)) for s in shapes)} = {n} {colour} shapes.")
         return f"How many {colour} shapes are there?", str(n), steps, None
     # "most": multiple choice, which shape appears most often (scenes are re-drawn until unique)
@@ -140,8 +160,14 @@ def generate(out_dir: Path = DEFAULT_OUT, n: int = N_ROWS, seed: int = SEED) -> 
         rel = f"images/shape-{i + 1:03d}.png"
         # No metadata (no pnginfo, no timestamps): the bytes depend on the pixels only.
         draw(objs).save(out_dir / rel, format="PNG", optimize=False, compress_level=9)
-        row = {"id": f"shape-{i + 1:03d}", "question": question, "image": rel, "answer": answer,
-               "reference_steps": steps, "source": f"shapes/{kind}"}
+        row = {
+            "id": f"shape-{i + 1:03d}",
+            "question": question,
+            "image": rel,
+            "answer": answer,
+            "reference_steps": steps,
+            "source": f"shapes/{kind}",
+        }
         if choices:
             row["choices"] = choices
         rows.append(row)
@@ -160,4 +186,3 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     path = generate(args.out_dir, args.n, args.seed)
     print(f"{path}: {args.n} rows, images in {path.parent / 'images'}")
-

@@ -46,8 +46,9 @@ def bootstrap_ci(values: np.ndarray, resamples: int, seed: int, level: float = 0
     return _percentiles(np.stack([nanmean(values[rng.integers(0, n, n)]) for _ in range(resamples)]), level)
 
 
-def two_level_ci(a: np.ndarray, b: np.ndarray, resamples: int, seed: int,
-                 level: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+def two_level_ci(
+    a: np.ndarray, b: np.ndarray, resamples: int, seed: int, level: float = 0.95
+) -> tuple[np.ndarray, np.ndarray]:
     """Interval of mean(b) - mean(a) for arms given as ``[seeds, rows, metrics]`` arrays on the
     same rows: each resample draws each arm's seeds with replacement, then one set of rows
     (the same for both arms: paired by row), and takes the difference of the means."""
@@ -96,10 +97,10 @@ def detectable_difference(sd_a: float, sd_b: float, seeds: int, alpha: float = 0
 
     if seeds < 2 or not (0 < alpha < 1 and 0 < power < 1):
         raise ValueError(f"need seeds >= 2 and alpha, power in (0, 1), got {seeds}, {alpha}, {power}")
-    va, vb = sd_a ** 2 / seeds, sd_b ** 2 / seeds
+    va, vb = sd_a**2 / seeds, sd_b**2 / seeds
     if va + vb == 0:
         return 0.0
-    df = (va + vb) ** 2 / ((va ** 2 + vb ** 2) / (seeds - 1))
+    df = (va + vb) ** 2 / ((va**2 + vb**2) / (seeds - 1))
     return float((t.ppf(1 - alpha / 2, df) + t.ppf(power, df)) * math.sqrt(va + vb))
 
 
@@ -114,8 +115,15 @@ def seed_test(a: Sequence[float], b: Sequence[float]) -> SeedTest:
     res = ttest_ind(b, a, equal_var=False)
     pooled = math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
     ci = res.confidence_interval(0.95)
-    return SeedTest(diff, float(res.statistic), float(res.df), float(res.pvalue), seeds_needed(diff, pooled),
-                    float(ci.low), float(ci.high))
+    return SeedTest(
+        diff,
+        float(res.statistic),
+        float(res.df),
+        float(res.pvalue),
+        seeds_needed(diff, pooled),
+        float(ci.low),
+        float(ci.high),
+    )
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:

@@ -22,12 +22,36 @@ from crystal_grpo.train.layout import samples_file
 from crystal_grpo.train.tools.organism import stated_result
 
 #: Per-completion fields of :func:`score`, and the group summaries of :func:`summarize`, in report order.
-SUMMARY = ("n", "accuracy", "f1", "f1_correct", "f1_wrong", "precision", "recall", "steps", "steps_per_ref",
-           "answer_is_last", "copies_hint", "slip_f1", "f1_over_slip")
-LABELS = {"n": "completions", "accuracy": "accuracy", "f1": "Match F1", "f1_correct": "F1 (right)",
-          "f1_wrong": "F1 (wrong)", "precision": "precision", "recall": "recall", "steps": "steps",
-          "steps_per_ref": "steps / k", "answer_is_last": "answer = last step", "copies_hint": "hint copied", "slip_f1": "slip-model F1",
-          "f1_over_slip": "F1 − slip model"}
+SUMMARY = (
+    "n",
+    "accuracy",
+    "f1",
+    "f1_correct",
+    "f1_wrong",
+    "precision",
+    "recall",
+    "steps",
+    "steps_per_ref",
+    "answer_is_last",
+    "copies_hint",
+    "slip_f1",
+    "f1_over_slip",
+)
+LABELS = {
+    "n": "completions",
+    "accuracy": "accuracy",
+    "f1": "Match F1",
+    "f1_correct": "F1 (right)",
+    "f1_wrong": "F1 (wrong)",
+    "precision": "precision",
+    "recall": "recall",
+    "steps": "steps",
+    "steps_per_ref": "steps / k",
+    "answer_is_last": "answer = last step",
+    "copies_hint": "hint copied",
+    "slip_f1": "slip-model F1",
+    "f1_over_slip": "F1 − slip model",
+}
 
 
 def slip_accuracy(p: float, ks: Sequence[int]) -> float:
@@ -66,12 +90,21 @@ def score(texts: Sequence[str], rows: Sequence[Mapping]) -> list[dict]:
     out = []
     for i, (parsed, row) in enumerate(zip(scored.parsed, rows)):
         last = stated_result(parsed.steps[-1]) if parsed.steps else None
-        out.append({"variant": row.get("variant", "plain"), "k": len(row["reference_steps"]),
-                    "correct": values["accuracy"][i], "f1": values["f1"][i], "precision": values["precision"][i],
-                    "recall": values["recall"][i], "steps": values["steps_mean"][i],
-                    "answer_is_last": (None if last is None else
-                                       float(parsed.answer is not None and answers_match(parsed.answer, last))),
-                    "copies_hint": float(any(s.strip() and s.strip() in row["question"] for s in parsed.steps))})
+        out.append(
+            {
+                "variant": row.get("variant", "plain"),
+                "k": len(row["reference_steps"]),
+                "correct": values["accuracy"][i],
+                "f1": values["f1"][i],
+                "precision": values["precision"][i],
+                "recall": values["recall"][i],
+                "steps": values["steps_mean"][i],
+                "answer_is_last": (
+                    None if last is None else float(parsed.answer is not None and answers_match(parsed.answer, last))
+                ),
+                "copies_hint": float(any(s.strip() and s.strip() in row["question"] for s in parsed.steps)),
+            }
+        )
     return out
 
 
@@ -86,13 +119,21 @@ def summarize(scored: Sequence[dict]) -> dict[str, float]:
     acc = _mean(s["correct"] for s in scored)
     model = slip_model_f1(acc, [s["k"] for s in scored])
     f1 = _mean(s["f1"] for s in scored)
-    return {"n": len(scored), "accuracy": acc, "f1": f1, "f1_correct": _mean(s["f1"] for s in right),
-            "f1_wrong": _mean(s["f1"] for s in wrong), "precision": _mean(s["precision"] for s in scored),
-            "recall": _mean(s["recall"] for s in scored), "steps": _mean(s["steps"] for s in scored),
-            "steps_per_ref": _mean(s["steps"] / s["k"] for s in scored),
-            "answer_is_last": _mean(s["answer_is_last"] for s in scored),
-            "copies_hint": _mean(s["copies_hint"] for s in scored), "slip_f1": model,
-            "f1_over_slip": f1 - model}
+    return {
+        "n": len(scored),
+        "accuracy": acc,
+        "f1": f1,
+        "f1_correct": _mean(s["f1"] for s in right),
+        "f1_wrong": _mean(s["f1"] for s in wrong),
+        "precision": _mean(s["precision"] for s in scored),
+        "recall": _mean(s["recall"] for s in scored),
+        "steps": _mean(s["steps"] for s in scored),
+        "steps_per_ref": _mean(s["steps"] / s["k"] for s in scored),
+        "answer_is_last": _mean(s["answer_is_last"] for s in scored),
+        "copies_hint": _mean(s["copies_hint"] for s in scored),
+        "slip_f1": model,
+        "f1_over_slip": f1 - model,
+    }
 
 
 def by_variant(scored: Sequence[dict]) -> dict[str, dict[str, float]]:
@@ -145,8 +186,9 @@ def across_seeds(runs: Sequence[Mapping[str, Mapping[str, float]]]) -> dict[str,
     return out
 
 
-def markdown(table: Mapping[str, Mapping[str, Mapping[str, tuple[float, float]]]],
-             keys: Sequence[str] = SUMMARY) -> str:
+def markdown(
+    table: Mapping[str, Mapping[str, Mapping[str, tuple[float, float]]]], keys: Sequence[str] = SUMMARY
+) -> str:
     """Rows ``name / variant``, one column a number (mean ± sd over seeds where there are several)."""
     lines = ["| arm | variant | " + " | ".join(LABELS[k] for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
     for name, variants in table.items():
@@ -155,8 +197,11 @@ def markdown(table: Mapping[str, Mapping[str, Mapping[str, tuple[float, float]]]
             for k in keys:
                 mu, sd = nums[k]
                 fmt = ".0f" if k == "n" else ("+.3f" if k == "f1_over_slip" else ".3f")
-                cells.append("-" if not math.isfinite(mu) else format(mu, fmt)
-                             + (f" ± {sd:.3f}" if math.isfinite(sd) and k != "n" else ""))
+                cells.append(
+                    "-"
+                    if not math.isfinite(mu)
+                    else format(mu, fmt) + (f" ± {sd:.3f}" if math.isfinite(sd) and k != "n" else "")
+                )
             lines.append(f"| {name} | {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -187,11 +232,24 @@ def contrast_table(sweep) -> list[dict]:
     rows = []
     for c in sweep.contrasts:
         seeds = cache.setdefault(c["eval"], per_seed(sweep, c["eval"]))
-        a, b = ([run[c["variant"]][c["metric"]] for run in seeds.get(arm, []) if c["variant"] in run]
-                for arm in (c["a"], c["b"]))
+        a, b = (
+            [run[c["variant"]][c["metric"]] for run in seeds.get(arm, []) if c["variant"] in run]
+            for arm in (c["a"], c["b"])
+        )
         test = seed_test(a, b)
-        rows.append({**c, "seeds": (len(a), len(b)), "mean_a": _mean(a), "mean_b": _mean(b), "diff": test.diff,
-                     "low": test.low, "high": test.high, "p": test.p, "seeds_needed": test.seeds_needed})
+        rows.append(
+            {
+                **c,
+                "seeds": (len(a), len(b)),
+                "mean_a": _mean(a),
+                "mean_b": _mean(b),
+                "diff": test.diff,
+                "low": test.low,
+                "high": test.high,
+                "p": test.p,
+                "seeds_needed": test.seeds_needed,
+            }
+        )
     for row, adjusted in zip(rows, holm([r["p"] for r in rows])):
         row["p_holm"] = adjusted
     return rows
@@ -200,12 +258,17 @@ def contrast_table(sweep) -> list[dict]:
 def contrasts_markdown(rows: Sequence[Mapping]) -> str:
     """One line a contrast: the two arms' seed means, b − a with its 95% t-interval, Welch's p,
     Holm's p, and the seeds per arm a difference of this size would need (80% power)."""
-    num = lambda x, f=".3f": "-" if x is None or not math.isfinite(x) else format(x, f)  # noqa: E731
-    lines = ["| evaluation | variant | metric | a | b | seeds | a | b | b − a [95% t-interval] | p | p (Holm) "
-             "| seeds needed |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    num = lambda x, f=".3f": "-" if x is None or not math.isfinite(x) else format(x, f)
+    lines = [
+        "| evaluation | variant | metric | a | b | seeds | a | b | b − a [95% t-interval] | p | p (Holm) "
+        "| seeds needed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['eval']} | {r['variant']} | {LABELS[r['metric']]} | {r['a']} | {r['b']} | "
-                     f"{r['seeds'][0]}, {r['seeds'][1]} | {num(r['mean_a'])} | {num(r['mean_b'])} | "
-                     f"{num(r['diff'], '+.3f')} [{num(r['low'], '+.3f')}, {num(r['high'], '+.3f')}] | {num(r['p'])} "
-                     f"| {num(r['p_holm'])} | {r['seeds_needed'] or '-'} |")
+        lines.append(
+            f"| {r['eval']} | {r['variant']} | {LABELS[r['metric']]} | {r['a']} | {r['b']} | "
+            f"{r['seeds'][0]}, {r['seeds'][1]} | {num(r['mean_a'])} | {num(r['mean_b'])} | "
+            f"{num(r['diff'], '+.3f')} [{num(r['low'], '+.3f')}, {num(r['high'], '+.3f')}] | {num(r['p'])} "
+            f"| {num(r['p_holm'])} | {r['seeds_needed'] or '-'} |"
+        )
     return "\n".join(lines) + "\n"

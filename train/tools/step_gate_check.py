@@ -35,11 +35,11 @@ def changed_pairs(n: int, seed: int, modulus: int = 10) -> dict[str, list[tuple[
     """``n`` (right step, changed step) pairs of each kind in :data:`KINDS`, sentence wording."""
     rng = random.Random(seed)
     out: dict[str, list[tuple[str, str]]] = {k: [] for k in KINDS}
-    other = lambda v: (v + rng.randrange(1, modulus)) % modulus  # noqa: E731 - any other value
+    other = lambda v: (v + rng.randrange(1, modulus)) % modulus  # any other value
     for _ in range(n):
         i, a, op, b = rng.randrange(1, 6), rng.randrange(modulus), rng.choice("+-"), rng.randint(1, 3)
         r = (a + b if op == "+" else a - b) % modulus
-        say = lambda *x: step_text(NAMES[x[0]], x[1], x[2], x[3], x[4], "sentence")  # noqa: E731
+        say = lambda *x: step_text(NAMES[x[0]], x[1], x[2], x[3], x[4], "sentence")
         right = say(i, a, op, b, r)
         flip = "-" if op == "+" else "+"
         out["result"].append((right, say(i, a, op, b, other(r))))
@@ -86,18 +86,25 @@ def chain_table(scorers: dict, n: int, seed: int) -> list[dict]:
     for label, preds in (("sentence", demos), ("equation vs sentence refs", equation)):
         for name, s in scorers.items():
             f1 = s.score([d["reference_steps"] for d in preds], refs).f1.tolist()
-            pick = lambda want: [f for f, sl in zip(f1, slipped) if sl == want]  # noqa: E731
-            rows.append({"predictions": label, "scorer": name, "all": sum(f1) / len(f1),
-                         "slipped chains": sum(pick(True)) / max(1, len(pick(True))),
-                         "clean chains": sum(pick(False)) / max(1, len(pick(False))),
-                         "n slipped/clean": f"{sum(slipped)}/{len(slipped) - sum(slipped)}",
-                         "chains unlike exact (sentence)": sum(a != b for a, b in zip(f1, exact))})
+            pick = lambda want: [f for f, sl in zip(f1, slipped) if sl == want]
+            rows.append(
+                {
+                    "predictions": label,
+                    "scorer": name,
+                    "all": sum(f1) / len(f1),
+                    "slipped chains": sum(pick(True)) / max(1, len(pick(True))),
+                    "clean chains": sum(pick(False)) / max(1, len(pick(False))),
+                    "n slipped/clean": f"{sum(slipped)}/{len(slipped) - sum(slipped)}",
+                    "chains unlike exact (sentence)": sum(a != b for a, b in zip(f1, exact)),
+                }
+            )
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    fmt = lambda v: (" / ".join(f"{x:.3f}" for x in v) if isinstance(v, list)  # noqa: E731
-                     else f"{v:.3f}" if isinstance(v, float) else str(v))
+    fmt = lambda v: (
+        " / ".join(f"{x:.3f}" for x in v) if isinstance(v, list) else f"{v:.3f}" if isinstance(v, float) else str(v)
+    )
     head = list(rows[0])
     body = [[fmt(r[k]) for k in head] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
@@ -119,11 +126,17 @@ def main(argv=None) -> int:
     from crystal_grpo.rewards.match_f1 import MatchF1Scorer  # after the arguments: --help answers at once
 
     encoder = MatchF1Scorer(a.encoder, threshold=a.threshold, device=a.device)
-    scorers = {EXACT: MatchF1Scorer(EXACT, device=a.device), "encoder": encoder,
-               "encoder + facts gate": MatchF1Scorer(encoder.model, threshold=a.threshold, device=a.device,
-                                                     step_gate="facts")}
-    print(f"encoder {a.encoder}, tau {a.threshold}, seed {a.seed}; organism steps, sentence wording "
-          f"(ops {', '.join(OP_WORDS.values())})\n")
+    scorers = {
+        EXACT: MatchF1Scorer(EXACT, device=a.device),
+        "encoder": encoder,
+        "encoder + facts gate": MatchF1Scorer(
+            encoder.model, threshold=a.threshold, device=a.device, step_gate="facts"
+        ),
+    }
+    print(
+        f"encoder {a.encoder}, tau {a.threshold}, seed {a.seed}; organism steps, sentence wording "
+        f"(ops {', '.join(OP_WORDS.values())})\n"
+    )
     pairs = pair_table(scorers, changed_pairs(a.pairs, a.seed))
     print_table(pairs)
     chains = chain_table(scorers, a.chains, a.seed)

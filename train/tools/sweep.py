@@ -39,9 +39,10 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from crystal_grpo.distributed import launch_command
 from crystal_grpo.errors import CrystalError
@@ -60,8 +61,19 @@ _CHECKOUT = Path(__file__).resolve().parents[2]
 #: Where points run and relative paths start: the source checkout (the commands its README
 #: shows), or, for an installed package, the folder the sweep is started from.
 ROOT = _CHECKOUT if (_CHECKOUT / "pyproject.toml").is_file() else Path.cwd()
-KEYS = {"base", "launcher", "init_from", "output_dir", "overrides", "points", "grid", "seeds", "eval", "x",
-        "contrasts"}
+KEYS = {
+    "base",
+    "launcher",
+    "init_from",
+    "output_dir",
+    "overrides",
+    "points",
+    "grid",
+    "seeds",
+    "eval",
+    "x",
+    "contrasts",
+}
 #: A pre-registered contrast: arm ``b`` minus arm ``a`` on ``metric`` of ``variant``'s rows in each seed's ``eval``
 #: folder (train/tools/step_diagnosis.py); the report corrects the whole list with Holm.
 CONTRAST_KEYS = ("a", "b", "metric", "variant", "eval")
@@ -211,30 +223,43 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
     names = [p.name for p in points]
     for name in names:  # a point's run folder is <sweep folder>/<name>: one folder, never one elsewhere
         if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-            raise SweepError(f"point {name!r}: a point's name is the name of its run folder in the sweep folder, so "
-                             "it may not be . or .. or hold / or \\ or NUL; rename it")
+            raise SweepError(
+                f"point {name!r}: a point's name is the name of its run folder in the sweep folder, so "
+                "it may not be . or .. or hold / or \\ or NUL; rename it"
+            )
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise SweepError(f"points named more than once: {', '.join(dupes)}")
     ev = raw.get("eval") or {}
     if not isinstance(ev, dict) or set(ev) - EVAL_KEYS - {ALSO} or (ev and not ev.get("data")):
         optional = ", ".join(sorted(EVAL_KEYS - {"data"} | {ALSO}))
-        raise SweepError(f"eval: expected a mapping with `data` and optional {optional}, "
-                         f"got {ev!r}")
+        raise SweepError(f"eval: expected a mapping with `data` and optional {optional}, got {ev!r}")
     also = ev.get(ALSO) or {}
     if not isinstance(also, dict):
         raise SweepError(f"eval.also: expected a mapping of name: {{setting: value}}, got {also!r}")
     for name, changed in also.items():
-        if not re.fullmatch(r"\w+", str(name)) or name == "best" or not isinstance(changed, dict) \
-                or set(changed) - EVAL_KEYS:
-            raise SweepError(f"eval.also.{name}: expected a name (letters, digits, _; not best) and a mapping of "
-                             f"{', '.join(sorted(EVAL_KEYS))}, got {changed!r}")
+        if (
+            not re.fullmatch(r"\w+", str(name))
+            or name == "best"
+            or not isinstance(changed, dict)
+            or set(changed) - EVAL_KEYS
+        ):
+            raise SweepError(
+                f"eval.also.{name}: expected a name (letters, digits, _; not best) and a mapping of "
+                f"{', '.join(sorted(EVAL_KEYS))}, got {changed!r}"
+            )
     launcher = raw.get("launcher") or "python"
     if not isinstance(launcher, str):
         raise SweepError(f"launcher: expected a command line (str), got {launcher!r}")
-    sweep = Sweep(name=path.stem, launcher=launcher,
-                  output_dir=Path(output_dir or raw.get("output_dir") or ROOT / "runs/sweeps" / path.stem).resolve(),
-                  points=points, eval=ev, x=raw.get("x"), contrasts=_contrasts(raw.get("contrasts"), points, ev))
+    sweep = Sweep(
+        name=path.stem,
+        launcher=launcher,
+        output_dir=Path(output_dir or raw.get("output_dir") or ROOT / "runs/sweeps" / path.stem).resolve(),
+        points=points,
+        eval=ev,
+        x=raw.get("x"),
+        contrasts=_contrasts(raw.get("contrasts"), points, ev),
+    )
     for p in points:
         resolved(p)  # every point's config and overrides checked before anything runs
     return sweep
@@ -253,9 +278,11 @@ def _contrasts(raw: Any, points: list[Point], ev: dict) -> list[dict[str, str]]:
     for i, c in enumerate(raw):
         if not isinstance(c, dict) or set(c) != set(CONTRAST_KEYS):
             raise SweepError(f"contrasts[{i}]: expected the keys {', '.join(CONTRAST_KEYS)}, got {c!r}")
-        bad = ([f"arm {c[k]!r}" for k in ("a", "b") if c[k] not in arms]
-               + ([f"metric {c['metric']!r} (one of {', '.join(SUMMARY)})"] if c["metric"] not in SUMMARY else [])
-               + ([f"eval {c['eval']!r} (one of {', '.join(sorted(folders))})"] if c["eval"] not in folders else []))
+        bad = (
+            [f"arm {c[k]!r}" for k in ("a", "b") if c[k] not in arms]
+            + ([f"metric {c['metric']!r} (one of {', '.join(SUMMARY)})"] if c["metric"] not in SUMMARY else [])
+            + ([f"eval {c['eval']!r} (one of {', '.join(sorted(folders))})"] if c["eval"] not in folders else [])
+        )
         if bad:
             raise SweepError(f"contrasts[{i}]: no {'; no '.join(bad)}")
     return [{k: str(c[k]) for k in CONTRAST_KEYS} for c in raw]
@@ -269,8 +296,10 @@ def start_checkpoint(folder: Path) -> Path:
         return folder
     ckpt = best_checkpoint(folder) if is_phase else None
     if ckpt is None:
-        raise SweepError(f"init_from: {folder} is neither a model folder nor a finished run phase (best "
-                         f"checkpoint or final/); `make demo-smollm2` writes runs/demo/phase1-warm_start")
+        raise SweepError(
+            f"init_from: {folder} is neither a model folder nor a finished run phase (best "
+            f"checkpoint or final/); `make demo-smollm2` writes runs/demo/phase1-warm_start"
+        )
     return ckpt
 
 
@@ -300,8 +329,15 @@ def train_args(sweep: Sweep, point: Point) -> list[str]:
     """train/grpo.py's arguments for the point."""
     from crystal_grpo.train.config import resolve_config_path
 
-    return ["--config", _rel(resolve_config_path(point.config)), "--output_dir", _rel(sweep.output_dir / point.name),
-            "--resume_from_checkpoint", "latest", *point.overrides_argv()]
+    return [
+        "--config",
+        _rel(resolve_config_path(point.config)),
+        "--output_dir",
+        _rel(sweep.output_dir / point.name),
+        "--resume_from_checkpoint",
+        "latest",
+        *point.overrides_argv(),
+    ]
 
 
 def _rel(path: Path) -> str:
@@ -313,7 +349,7 @@ def _rel(path: Path) -> str:
 def shell_line(sweep: Sweep, point: Point) -> str:
     """One self-contained shell line: make the folder, run, append to its log."""
     folder = shlex.quote(_rel(sweep.output_dir / point.name))
-    return (f"mkdir -p {folder} && {shlex.join(command(sweep, point))} >> {folder}/{POINT_LOG} 2>&1")
+    return f"mkdir -p {folder} && {shlex.join(command(sweep, point))} >> {folder}/{POINT_LOG} 2>&1"
 
 
 def prepare(sweep: Sweep, point: Point) -> Path:
@@ -324,8 +360,15 @@ def prepare(sweep: Sweep, point: Point) -> Path:
     if refused:
         raise SweepError(f"point {point.name}: {refused}")
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"name": point.name, "arm": point.arm, "seed": point.seed, "config": point.config,
-              "overrides": point.overrides, "command": shell_line(sweep, point), "resolved": resolved(point)}
+    record = {
+        "name": point.name,
+        "arm": point.arm,
+        "seed": point.seed,
+        "config": point.config,
+        "overrides": point.overrides,
+        "command": shell_line(sweep, point),
+        "resolved": resolved(point),
+    }
     atomic_write_text(folder / SWEEP_POINT, json.dumps(record, indent=2, default=str))
     return folder
 
@@ -347,8 +390,9 @@ def _record(sweep: Sweep, name: str, entry: dict) -> None:
         atomic_write_text(sweep.output_dir / STATUS_FILE, json.dumps(status, indent=2))
 
 
-def run_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print,
-              settings: launch.Settings = launch.Settings()) -> str:
+def run_point(
+    sweep: Sweep, point: Point, say: Callable[[str], None] = print, settings: launch.Settings = launch.Settings()
+) -> str:
     """Run one point unless finished, then its evaluation unless done: ``"skipped"``, ``"done"``
     or ``"failed"`` (recorded with the log's tail in the sweep folder's ``sweep_status.json``)."""
     folder = sweep.output_dir / point.name
@@ -362,15 +406,23 @@ def run_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print,
     say(f"[{point.name}] {'resuming' if resuming else 'starting'} (log: {folder / POINT_LOG})")
     start = time.time()
     launcher = shlex.split(sweep.launcher)
-    rc = launch.run(TRAIN, train_args(sweep, point), folder / POINT_LOG, ROOT,
-                    None if launcher == ["python"] else launcher, settings)
+    rc = launch.run(
+        TRAIN,
+        train_args(sweep, point),
+        folder / POINT_LOG,
+        ROOT,
+        None if launcher == ["python"] else launcher,
+        settings,
+    )
     seconds = round(time.time() - start, 1)
     if rc == 0 and is_finished(folder):
         _record(sweep, point.name, {"status": "done", "seconds": seconds})
         if sweep.eval:
             evaluate_point(sweep, point, say, settings)
-        say(f"[{point.name}] done in {seconds:.0f} s" + (f" + {time.time() - start - seconds:.0f} s evaluating"
-                                                         if sweep.eval else ""))
+        say(
+            f"[{point.name}] done in {seconds:.0f} s"
+            + (f" + {time.time() - start - seconds:.0f} s evaluating" if sweep.eval else "")
+        )
         return "done"
     tail = log_tail(folder)
     _record(sweep, point.name, {"status": "failed", "returncode": rc, "seconds": seconds, "log_tail": tail})
@@ -378,8 +430,9 @@ def run_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print,
     return "failed"
 
 
-def run_sweep(sweep: Sweep, only: list[str] | None = None, say: Callable[[str], None] = print,
-              jobs: int = 1, fork: bool = True) -> dict[str, str]:
+def run_sweep(
+    sweep: Sweep, only: list[str] | None = None, say: Callable[[str], None] = print, jobs: int = 1, fork: bool = True
+) -> dict[str, str]:
     """Every point (or those named in ``only``) in the sweep's order (seed by seed), one after
     another, or ``jobs`` at a time with the CPU cores shared among them; a failure stops none.
     On Ctrl-C no point starts any more and the running ones save and stop. ``fork``: runs may
@@ -423,15 +476,20 @@ def best_checkpoint(folder: Path) -> Path | None:
         return None
 
 
-def evaluate_point(sweep: Sweep, point: Point, say: Callable[[str], None] = print,
-                   settings: launch.Settings = launch.Settings()) -> bool:
+def evaluate_point(
+    sweep: Sweep, point: Point, say: Callable[[str], None] = print, settings: launch.Settings = launch.Settings()
+) -> bool:
     """Score the point's final weights (and its best checkpoint, when another) on ``eval.data``
     into ``<point>/eval`` (and ``<point>/eval_best``); resumable."""
     folder = sweep.output_dir / point.name
     targets = {out: (ckpt, sweep.eval) for out, ckpt in eval_targets(folder).items()}
     if "eval" in targets:
-        targets.update({f"eval_{name}": (targets["eval"][0], {**sweep.eval, **changed})
-                        for name, changed in (sweep.eval.get(ALSO) or {}).items()})
+        targets.update(
+            {
+                f"eval_{name}": (targets["eval"][0], {**sweep.eval, **changed})
+                for name, changed in (sweep.eval.get(ALSO) or {}).items()
+            }
+        )
     ok = bool(targets)
     for out, (ckpt, ev) in targets.items():
         if (folder / out / "report.json").is_file():
@@ -482,20 +540,34 @@ def emit(sweep: Sweep, kind: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="Run, emit or report a sweep of train/grpo.py runs.",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description="Run, emit or report a sweep of train/grpo.py runs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     ap.add_argument("sweep", help="a sweep YAML (configs/sweeps/*.yaml)")
     ap.add_argument("--output_dir", help="the sweep folder (default: its output_dir, else runs/sweeps/<name>)")
     what = ap.add_mutually_exclusive_group()
-    what.add_argument("--emit", choices=["slurm", "commands"], help="print an sbatch job-array script, or one "
-                      "shell line a point, instead of running")
+    what.add_argument(
+        "--emit",
+        choices=["slurm", "commands"],
+        help="print an sbatch job-array script, or one shell line a point, instead of running",
+    )
     what.add_argument("--report", action="store_true", help="only aggregate what has finished")
     ap.add_argument("--point", action="append", help="run only this point (repeatable)")
-    ap.add_argument("--jobs", type=int, default=1, help="points run at once on this machine, each with an equal share "
-                    "of the CPU cores as its torch threads (default 1: one after another, threads as the environment "
-                    "sets them)")
-    ap.add_argument("--no_fork", action="store_true", help="start every run in a new interpreter instead of forking it "
-                    "from one that imported the libraries once")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="points run at once on this machine, each with an equal share "
+        "of the CPU cores as its torch threads (default 1: one after another, threads as the environment "
+        "sets them)",
+    )
+    ap.add_argument(
+        "--no_fork",
+        action="store_true",
+        help="start every run in a new interpreter instead of forking it from one that imported the libraries once",
+    )
     args = ap.parse_args(argv)
     if args.emit:  # stdout carries the script alone (libraries print notes while they load: to stderr)
         try:
@@ -514,14 +586,18 @@ def main(argv: list[str] | None = None) -> int:
             with launch.interrupt_on_signals():
                 results = {} if args.report else run_sweep(sweep, args.point, jobs=args.jobs, fork=not args.no_fork)
         except KeyboardInterrupt:
-            print("\ninterrupted: the running points saved a checkpoint and stopped; the same command resumes the sweep",
-                  file=sys.stderr)
+            print(
+                "\ninterrupted: the running points saved a checkpoint and stopped; the same command resumes the sweep",
+                file=sys.stderr,
+            )
             return 130
         finally:
             launch.stop()
         if results:
-            print(f"ran {sum(s != 'skipped' for s in results.values())} point(s) in {time.perf_counter() - start:.0f} s "
-                  f"({launch.children_cpu() - cpu:.0f} CPU-s)")
+            print(
+                f"ran {sum(s != 'skipped' for s in results.values())} point(s) in {time.perf_counter() - start:.0f} s "
+                f"({launch.children_cpu() - cpu:.0f} CPU-s)"
+            )
         if sweep.eval and args.report:
             for p in sweep.points:
                 if is_finished(sweep.output_dir / p.name):

@@ -57,18 +57,24 @@ def table(results: dict[str, list[dict[str, float]]], baseline: str) -> str:
         for key in ("wall", "cpu"):
             rs = [r[key] / b[key] for r, b in zip(runs, results[baseline])]
             cells.append(f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})")
-        lines.append(f"{mode:<14}{med['wall']:>9.1f}{med['cpu']:>9.1f}{med['per_point']:>14.1f}"
-                     + "".join(f"{c:>18}" for c in cells))
+        lines.append(
+            f"{mode:<14}{med['wall']:>9.1f}{med['cpu']:>9.1f}{med['per_point']:>14.1f}"
+            + "".join(f"{c:>18}" for c in cells)
+        )
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, root: Path = Path.cwd()) -> int:
-    ap = argparse.ArgumentParser(description="Time the same points of a sweep run in several ways, side by side.",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+def main(argv: list[str] | None = None, root: Path = Path.cwd()) -> int:  # noqa: B008 - the start folder
+    ap = argparse.ArgumentParser(
+        description="Time the same points of a sweep run in several ways, side by side.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     ap.add_argument("sweep", help="a sweep YAML")
     ap.add_argument("--point", action="append", required=True, help="a point to run (repeatable)")
-    ap.add_argument("--modes", default="jobs1-spawn,jobs2-spawn,jobs2-fork",
-                    help="comma-separated; the first is the baseline")
+    ap.add_argument(
+        "--modes", default="jobs1-spawn,jobs2-spawn,jobs2-fork", help="comma-separated; the first is the baseline"
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default="runs/bench_sweep")
     a = ap.parse_args(argv)
@@ -77,13 +83,18 @@ def main(argv: list[str] | None = None, root: Path = Path.cwd()) -> int:
         sweep_argv(mode)  # every mode checked before the first run
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for rnd in range(a.rounds):
-        for mode in modes[rnd % len(modes):] + modes[:rnd % len(modes)]:
+        for mode in modes[rnd % len(modes) :] + modes[: rnd % len(modes)]:
             r = run_mode(a.sweep, a.point, mode, Path(a.out) / mode, root)
             results[mode].append(r)
-            print(f"  round {rnd + 1} {mode:<12} wall {r['wall']:.1f} s  CPU {r['cpu']:.1f} s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"  round {rnd + 1} {mode:<12} wall {r['wall']:.1f} s  CPU {r['cpu']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     threads = os.environ.get("OMP_NUM_THREADS", "unset")
-    print(f"{len(a.point)} point(s) of {a.sweep} ({', '.join(a.point)}), {a.rounds} round(s), {launch.cores()} cores, "
-          f"OMP_NUM_THREADS {threads} (the jobs1 modes' threads)")
+    print(
+        f"{len(a.point)} point(s) of {a.sweep} ({', '.join(a.point)}), {a.rounds} round(s), {launch.cores()} cores, "
+        f"OMP_NUM_THREADS {threads} (the jobs1 modes' threads)"
+    )
     print(table(results, modes[0]))
     return 0

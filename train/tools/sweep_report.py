@@ -59,8 +59,17 @@ def eval_targets(folder: Path) -> dict[str, Path]:
 #: The validation metrics of the table (the best checkpoint's), in METRICS order; the same ones
 #: are read from each evaluation's report.
 BEST = EVAL = tuple(m for m in METRICS if m != "reward")
-DIAGNOSTICS = ("discrimination_gap", "r_f1", "kl_max", "grad_norm_slope", "nonfinite_skipped", "train_accuracy",
-               "train_accuracy_slope", "accuracy_varies", "frac_easy")
+DIAGNOSTICS = (
+    "discrimination_gap",
+    "r_f1",
+    "kl_max",
+    "grad_norm_slope",
+    "nonfinite_skipped",
+    "train_accuracy",
+    "train_accuracy_slope",
+    "accuracy_varies",
+    "frac_easy",
+)
 #: The Markdown table's columns (non-finite skips show in its "diverged" column).
 COLUMNS = (*BEST, *(d for d in DIAGNOSTICS if d != "nonfinite_skipped"))
 COLLAPSE_SHARE = 0.5  # format rate below this share of its best so far = collapsed
@@ -100,7 +109,7 @@ def point_metrics(folder: Path) -> dict[str, Any]:
     val = best.metrics if best else (phase.validation[-1] if phase.validation else {})
     out: dict[str, Any] = {"best_step": best.step if best else (val.get("step") if val else None)}
     out.update({m: val.get(m) for m in BEST})
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
     out["discrimination_gap"] = mean([v for _, v in _train_values(phase, "discrimination_gap")])
     out["r_f1"] = mean([v for _, v in _train_values(phase, "r_f1")])
     kl = [v for _, v in _train_values(phase, "kl_max")]
@@ -155,8 +164,11 @@ def paired_on_eval(sweep: Sweep, arms: list[str], bootstrap: int = 1000, seed: i
 
     per_arm = {}
     for arm in arms:
-        runs = [load_scored(sweep.output_dir / p.name / "eval") for p in sweep.points
-                if p.arm == arm and (sweep.output_dir / p.name / "eval" / "report.json").is_file()]
+        runs = [
+            load_scored(sweep.output_dir / p.name / "eval")
+            for p in sweep.points
+            if p.arm == arm and (sweep.output_dir / p.name / "eval" / "report.json").is_file()
+        ]
         if runs:
             per_arm[arm] = runs
     if len(per_arm) < 2 or arms[0] not in per_arm:
@@ -172,9 +184,15 @@ def paired_on_eval(sweep: Sweep, arms: list[str], bootstrap: int = 1000, seed: i
         for k, m in enumerate(PAIRED):
             mine, theirs = np.nanmean(values[:, :, k], axis=1), np.nanmean(base[:, :, k], axis=1)
             test = seed_test(theirs, mine)
-            out["arms"][arm][m] = {"mean": float(np.nanmean(mine)), "diff": float(np.nanmean(mine) - np.nanmean(theirs)),
-                                   "ci_low": float(lo[k]), "ci_high": float(hi[k]), "seeds": len(mine),
-                                   "p_seeds": test.p, "seeds_needed": test.seeds_needed}
+            out["arms"][arm][m] = {
+                "mean": float(np.nanmean(mine)),
+                "diff": float(np.nanmean(mine) - np.nanmean(theirs)),
+                "ci_low": float(lo[k]),
+                "ci_high": float(hi[k]),
+                "seeds": len(mine),
+                "p_seeds": test.p,
+                "seeds_needed": test.seeds_needed,
+            }
     return out
 
 
@@ -193,8 +211,10 @@ def build(sweep: Sweep) -> dict[str, Any]:
         else:
             entry["status"] = "running or interrupted" if folder.is_dir() else "not started"
         points.append(entry)
-        arms.setdefault(p.arm, {"arm": p.arm, "overrides": {k: v for k, v in p.overrides.items()
-                                                            if k != "training.seed"}, "runs": []})
+        arms.setdefault(
+            p.arm,
+            {"arm": p.arm, "overrides": {k: v for k, v in p.overrides.items() if k != "training.seed"}, "runs": []},
+        )
         if entry["status"] == "done":
             arms[p.arm]["runs"].append(entry["metrics"])
     keys = (*BEST, *DIAGNOSTICS, *(f"{e}_{m}" for e in ("eval", "eval_best") for m in EVAL))
@@ -205,8 +225,13 @@ def build(sweep: Sweep) -> dict[str, Any]:
         for k in keys:
             arm["mean"][k], arm["std"][k] = _spread([r.get(k) for r in runs])
         arm["diverged"] = "; ".join(sorted({divergence(r) for r in runs} - {"no"})) or ("no" if runs else "-")
-    return {"sweep": sweep.name, "folder": str(sweep.output_dir), "points": points, "arms": list(arms.values()),
-            "paired_eval": paired_on_eval(sweep, list(arms)) if sweep.eval else None}
+    return {
+        "sweep": sweep.name,
+        "folder": str(sweep.output_dir),
+        "points": points,
+        "arms": list(arms.values()),
+        "paired_eval": paired_on_eval(sweep, list(arms)) if sweep.eval else None,
+    }
 
 
 # --------------------------------------------------------------------------------- output
@@ -226,37 +251,60 @@ def _eval_label(key: str) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     cols = COLUMNS
-    evals = [f"{e}_{m}" for e in ("eval", "eval_best") for m in ("accuracy", "f1")
-             if any(a["mean"].get(f"{e}_{m}") is not None for a in report["arms"])]
+    evals = [
+        f"{e}_{m}"
+        for e in ("eval", "eval_best")
+        for m in ("accuracy", "f1")
+        if any(a["mean"].get(f"{e}_{m}") is not None for a in report["arms"])
+    ]
     head = ["arm", "seeds", *(spec(k).column for k in cols), *(_eval_label(k) for k in evals), "diverged"]
-    lines = [f"# Sweep {report['sweep']}", "",
-             "Best-checkpoint validation metrics and training diagnostics, mean ± sample std over seeds; on the "
-             "evaluation data the final weights (every arm's whole budget: the primary result) and the best "
-             "checkpoint by validation.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"# Sweep {report['sweep']}",
+        "",
+        "Best-checkpoint validation metrics and training diagnostics, mean ± sample std over seeds; on the "
+        "evaluation data the final weights (every arm's whole budget: the primary result) and the best "
+        "checkpoint by validation.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for a in report["arms"]:
-        cells = [a["arm"], str(a["seeds_done"]), *(_cell(a["mean"][k], a["std"][k], spec(k).fmt) for k in cols),
-                 *(_cell(a["mean"][k], a["std"][k]) for k in evals), a["diverged"]]
+        cells = [
+            a["arm"],
+            str(a["seeds_done"]),
+            *(_cell(a["mean"][k], a["std"][k], spec(k).fmt) for k in cols),
+            *(_cell(a["mean"][k], a["std"][k]) for k in evals),
+            a["diverged"],
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     paired = report.get("paired_eval")
     if paired:
-        lines += ["", f"## On the evaluation data (final weights): each arm against {paired['baseline']}", "",
-                  f"Paired over {paired['rows']} rows. 95% intervals of the difference resample each arm's "
-                  "seeds, then rows (two-level bootstrap), so seed-to-seed variance is in them; p is Welch's test "
-                  "on the per-seed means, n the seeds per arm a difference of that size would need (80% power).",
-                  "", "| arm | " + " | ".join(f"{spec(m).column} (diff [95% CI], p, n)" for m in PAIRED) + " |",
-                  "|---|" + "---|" * len(PAIRED)]
+        lines += [
+            "",
+            f"## On the evaluation data (final weights): each arm against {paired['baseline']}",
+            "",
+            f"Paired over {paired['rows']} rows. 95% intervals of the difference resample each arm's "
+            "seeds, then rows (two-level bootstrap), so seed-to-seed variance is in them; p is Welch's test "
+            "on the per-seed means, n the seeds per arm a difference of that size would need (80% power).",
+            "",
+            "| arm | " + " | ".join(f"{spec(m).column} (diff [95% CI], p, n)" for m in PAIRED) + " |",
+            "|---|" + "---|" * len(PAIRED),
+        ]
         for arm, ms in paired["arms"].items():
-            cells = [f"{v['mean']:.3f} ({v['diff']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]"
-                     + (f", p={v['p_seeds']:.2f}, n={v['seeds_needed'] or '-'})" if v.get("p_seeds") is not None
-                        else ")") for v in ms.values()]
+            cells = [
+                f"{v['mean']:.3f} ({v['diff']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]"
+                + (f", p={v['p_seeds']:.2f}, n={v['seeds_needed'] or '-'})" if v.get("p_seeds") is not None else ")")
+                for v in ms.values()
+            ]
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     bad = [p for p in report["points"] if p["status"] != "done"]
     if bad:
         lines += ["", "## Points not finished", ""]
         for p in bad:
-            lines.append(f"- {p['point']}: {p['status']}" + (f" (exit code {p.get('returncode')})"
-                                                              if p["status"] == "failed" else ""))
+            lines.append(
+                f"- {p['point']}: {p['status']}"
+                + (f" (exit code {p.get('returncode')})" if p["status"] == "failed" else "")
+            )
             if p.get("log_tail"):
                 lines += ["", "```", p["log_tail"], "```", ""]
     return "\n".join(lines) + "\n"
@@ -268,14 +316,24 @@ def to_csv(report: dict[str, Any]) -> str:
     w = csv.writer(buf)
     w.writerow(["arm", "seeds_done", *(f"{k}_{s}" for k in keys for s in ("mean", "std")), "diverged"])
     for a in report["arms"]:
-        w.writerow([a["arm"], a["seeds_done"], *(a[s][k] if a[s][k] is not None else "" for k in keys
-                                                   for s in ("mean", "std")), a["diverged"]])
+        w.writerow(
+            [
+                a["arm"],
+                a["seeds_done"],
+                *(a[s][k] if a[s][k] is not None else "" for k in keys for s in ("mean", "std")),
+                a["diverged"],
+            ]
+        )
     return buf.getvalue()
 
 
 #: Curves overlaid in report.png: (title, validation key or None, training key or None).
-CURVES = ((f"validation {label('f1')}", "f1", None), (f"validation {label('accuracy')}", "accuracy", None),
-          (f"training {label('reward')}", None, "reward"), (label("kl"), None, "kl"))
+CURVES = (
+    (f"validation {label('f1')}", "f1", None),
+    (f"validation {label('accuracy')}", "accuracy", None),
+    (f"training {label('reward')}", None, "reward"),
+    (label("kl"), None, "kl"),
+)
 
 
 def plot(sweep: Sweep, report: dict[str, Any]) -> list[Path]:
@@ -297,12 +355,22 @@ def plot(sweep: Sweep, report: dict[str, Any]) -> list[Path]:
         phase = read_phases(sweep.output_dir / p["point"])[-1]
         label = p["arm"] if p["arm"] not in labelled else None
         labelled.add(p["arm"])
-        for ax, (title, vkey, tkey) in zip(axes, CURVES):
-            rows = ([(r["step"], r[vkey]) for r in phase.validation if _finite(r.get(vkey))] if vkey
-                    else _train_values(phase, tkey))
+        for ax, (_title, vkey, tkey) in zip(axes, CURVES):
+            rows = (
+                [(r["step"], r[vkey]) for r in phase.validation if _finite(r.get(vkey))]
+                if vkey
+                else _train_values(phase, tkey)
+            )
             if rows:
-                ax.plot(*zip(*rows), color=colors[p["arm"]], marker="o" if vkey else None, ms=3, lw=1.2,
-                        alpha=0.85, label=label)
+                ax.plot(
+                    *zip(*rows),
+                    color=colors[p["arm"]],
+                    marker="o" if vkey else None,
+                    ms=3,
+                    lw=1.2,
+                    alpha=0.85,
+                    label=label,
+                )
     for ax, (title, *_rest) in zip(axes, CURVES):
         ax.set_title(title)
         ax.set_xlabel("step (last phase)")
@@ -323,8 +391,9 @@ def plot(sweep: Sweep, report: dict[str, Any]) -> list[Path]:
             for ax, k in zip(axes, keys):
                 pts = [(x, a["mean"][k], a["std"][k] or 0.0) for x, a in xs if a["mean"][k] is not None]
                 if pts:
-                    ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
-                                capsize=3)
+                    ax.errorbar(
+                        [p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o", capsize=3
+                    )
                 ax.set_title(spec(k).column)
                 ax.set_xlabel(sweep.x.rsplit(".", 1)[-1])
                 ax.grid(alpha=0.3)
@@ -347,4 +416,3 @@ def write_report(sweep: Sweep) -> tuple[str, list[Path]]:
     atomic_write_text(sweep.output_dir / "report.md", text)
     plots = plot(sweep, report) if any(p["status"] == "done" for p in report["points"]) else []
     return text, plots
-

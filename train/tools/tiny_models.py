@@ -45,8 +45,10 @@ SEED = int(os.environ.get("CRYSTAL_TINY_SEED", "0"))
 # transformers 5 the Qwen2 tokenizer class re-imposes this normaliser and pre-tokenizer
 # on reload (model_type qwen2), so the BPE is trained with exactly these settings or ids
 # change after save/reload.
-PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
-                     r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 TEXT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -81,12 +83,14 @@ def corpus() -> list[str]:
         "I count the blue squares: there are 3. green yellow shapes picture total",
         "0 1 2 3 4 5 6 7 8 9 10 11 12 + - * / = $ % . , : ; ! ? ( ) [ ] { } \" ' ` \n ```json\n```",
     ]
-    words = ("so the answer is first then next after that finally therefore because we have has had get gets "
-             "left total each more less than times half twice sum difference product per hour hours minutes "
-             "dollars cost costs price change pay pays buy buys sell sells share shares equal equally friends "
-             "old older younger years ago will be was were are there how many much what which who when where "
-             "count counts number numbers add subtract multiply divide plus minus option letter correct true "
-             "false yes no image picture shape shapes circle square triangle red blue green yellow colour")
+    words = (
+        "so the answer is first then next after that finally therefore because we have has had get gets "
+        "left total each more less than times half twice sum difference product per hour hours minutes "
+        "dollars cost costs price change pay pays buy buys sell sells share shares equal equally friends "
+        "old older younger years ago will be was were are there how many much what which who when where "
+        "count counts number numbers add subtract multiply divide plus minus option letter correct true "
+        "false yes no image picture shape shapes circle square triangle red blue green yellow colour"
+    )
     for _ in range(3):  # frequent enough (min_frequency 2) to become whole tokens
         lines.append(words)
         lines.extend(f"<|im_start|>{role}\n" for role in ("system", "user", "assistant"))
@@ -105,16 +109,23 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE):
     """A ``tokenizers.Tokenizer``: byte-level BPE with Qwen2's NFC normaliser and pre-tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(
+            unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
+        )
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, show_progress=False,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
         special_tokens=TEXT_SPECIALS + VISION_SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -126,13 +137,21 @@ def _hf_tokenizer(tok, chat_template: str = CHAT_TEMPLATE, vision: bool = False)
     from transformers import Qwen2Tokenizer
 
     vocab = tok.get_vocab()
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
-              for m in json.loads(tok.to_str())["model"]["merges"]]
+    merges = [
+        tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in json.loads(tok.to_str())["model"]["merges"]
+    ]
     # Special tokens are part of the trained vocab (ids 0..6), so adding them again reuses ids.
     extra = VISION_SPECIALS if vision else []
-    hf = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
-                        eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                        additional_special_tokens=["<|im_start|>", "<|im_end|>"] + extra, padding_side="left")
+    hf = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"] + extra,
+        padding_side="left",
+    )
     hf.chat_template = chat_template
     hf.padding_side = "left"
     return hf
@@ -149,14 +168,23 @@ def _new_qwen2(tok, hidden: int, intermediate: int, layers: int, heads: int, max
 
     torch.manual_seed(SEED)
     config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="float32",
     )
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                               bos_token_id=None)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
+    )
     return model
 
 
@@ -178,9 +206,17 @@ def build_tiny_lm(path: str | Path, overwrite: bool = False) -> Path:
     return _save(model, tok, path)
 
 
-def warm_up_format(model, tok, steps: int = 300, batch_size: int = 16, lr: float = 5e-3,
-                   target_steps: int | None = 1, warmup_steps: int = 0, padding_side: str = "left",
-                   max_grad_norm: float | None = None) -> float:
+def warm_up_format(
+    model,
+    tok,
+    steps: int = 300,
+    batch_size: int = 16,
+    lr: float = 5e-3,
+    target_steps: int | None = 1,
+    warmup_steps: int = 0,
+    padding_side: str = "left",
+    max_grad_norm: float | None = None,
+) -> float:
     """A few seconds of supervised training on JSON answers to the word problems.
 
     A random-weight model never writes the JSON output format, so every reward is 0,
@@ -218,8 +254,9 @@ def warm_up_format(model, tok, steps: int = 300, batch_size: int = 16, lr: float
     side, tok.padding_side = tok.padding_side, padding_side
     try:
         for _ in range(steps):
-            enc = tok(rng.sample(texts, batch_size), return_tensors="pt", padding=True,
-                      add_special_tokens=False).to(device)
+            enc = tok(rng.sample(texts, batch_size), return_tensors="pt", padding=True, add_special_tokens=False).to(
+                device
+            )
             labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = model(**enc, labels=labels).loss
@@ -276,8 +313,9 @@ def build_tiny_gguf(lm_path: str | Path, path: str | Path, name: str = "tiny.ggu
     return path / name
 
 
-def build_mid_lm(path: str | Path, overwrite: bool = False, layers: int = 24, hidden: int = 896,
-                 steps: int = 400) -> Path:
+def build_mid_lm(
+    path: str | Path, overwrite: bool = False, layers: int = 24, hidden: int = 896, steps: int = 400
+) -> Path:
     """A Qwen2.5-0.5B-shaped ``Qwen2ForCausalLM`` (24 layers, hidden 896, 14 heads, 2 KV
     heads; about 360M parameters with the project tokenizer) for GPU benchmarks.
 
@@ -291,12 +329,21 @@ def build_mid_lm(path: str | Path, overwrite: bool = False, layers: int = 24, hi
     import torch
 
     tok = _hf_tokenizer(train_tokenizer())
-    model = _new_qwen2(tok, hidden=hidden, intermediate=hidden * 38 // 7, layers=layers, heads=hidden // 64,
-                       max_positions=4096).to("cuda" if torch.cuda.is_available() else "cpu")
-    loss = warm_up_format(model, tok, steps=steps, batch_size=16, lr=3e-4, target_steps=None,
-                          warmup_steps=steps // 10, padding_side="right", max_grad_norm=1.0)
-    print(f"{path.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
-          f"warm-up loss {loss:.3f}")
+    model = _new_qwen2(
+        tok, hidden=hidden, intermediate=hidden * 38 // 7, layers=layers, heads=hidden // 64, max_positions=4096
+    ).to("cuda" if torch.cuda.is_available() else "cpu")
+    loss = warm_up_format(
+        model,
+        tok,
+        steps=steps,
+        batch_size=16,
+        lr=3e-4,
+        target_steps=None,
+        warmup_steps=steps // 10,
+        padding_side="right",
+        max_grad_norm=1.0,
+    )
+    print(f"{path.name}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, warm-up loss {loss:.3f}")
     if not math.isfinite(loss):
         raise RuntimeError(f"{path.name}: the format warm-up diverged (loss {loss})")
     return _save(model, tok, path)
@@ -305,8 +352,9 @@ def build_mid_lm(path: str | Path, overwrite: bool = False, layers: int = 24, hi
 def _image_processor():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
-                                    temporal_patch_size=2, merge_size=2)
+    return Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
 
 
 def build_tiny_vlm(path: str | Path, overwrite: bool = False) -> Path:
@@ -322,27 +370,47 @@ def build_tiny_vlm(path: str | Path, overwrite: bool = False) -> Path:
     tok = _hf_tokenizer(train_tokenizer(), vision=True)
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIALS}
     heads, hidden = 4, 64
-    head_dim = hidden // heads  # 16: mrope_section must sum to head_dim / 2 = 8
+    # head_dim = hidden // heads = 16: mrope_section must sum to head_dim / 2 = 8
     config = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tok), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=4096,
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            bos_token_id=None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
         ),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                           fullatt_block_indexes=[0]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=hidden,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[0],
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
     )
     torch.manual_seed(SEED)
     model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                                               bos_token_id=None)
-    processor = image_only_processor("qwen2_5_vl")(image_processor=_image_processor(), tokenizer=tok,
-                                                     chat_template=CHAT_TEMPLATE)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
+    )
+    processor = image_only_processor("qwen2_5_vl")(
+        image_processor=_image_processor(), tokenizer=tok, chat_template=CHAT_TEMPLATE
+    )
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     processor.save_pretrained(path)
@@ -353,8 +421,10 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import time
 
-    ap = argparse.ArgumentParser(description="Build the tests' tiny random-weight models from configs (no hub "
-                                 f"access): {LM_NAME} and {VLM_NAME}, skipping any that already exist.")
+    ap = argparse.ArgumentParser(
+        description="Build the tests' tiny random-weight models from configs (no hub "
+        f"access): {LM_NAME} and {VLM_NAME}, skipping any that already exist."
+    )
     ap.add_argument("out_dir", nargs="?", type=Path, default=DEFAULT_OUT, help="(default: %(default)s)")
     out = ap.parse_args(argv).out_dir
     for name, fn in ((LM_NAME, build_tiny_lm), (VLM_NAME, build_tiny_vlm)):
@@ -363,4 +433,3 @@ def main(argv: list[str] | None = None) -> None:
         existed = _done(p)
         fn(p)
         print(f"{p}: {'already there' if existed else f'built in {time.time() - t0:.1f} s'}")
-

@@ -33,8 +33,8 @@ import json
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from crystal_grpo.jsonl import read_jsonl
 
@@ -46,10 +46,32 @@ N_VAL = 48
 MC_SHARE = 0.2
 LETTERS = "ABCD"
 
-NAMES = ["Tom", "Mia", "Sam", "Ana", "Leo", "Zoe", "Ben", "Ivy", "Max", "Eva", "Kai", "Lily",
-         "Omar", "Nina", "Raj", "Lena", "Hugo", "Emma", "Yuki", "Paul"]
-HE = {n: ("she" if n in {"Mia", "Ana", "Zoe", "Ivy", "Eva", "Lily", "Nina", "Lena", "Emma", "Yuki"}
-          else "he") for n in NAMES}
+NAMES = [
+    "Tom",
+    "Mia",
+    "Sam",
+    "Ana",
+    "Leo",
+    "Zoe",
+    "Ben",
+    "Ivy",
+    "Max",
+    "Eva",
+    "Kai",
+    "Lily",
+    "Omar",
+    "Nina",
+    "Raj",
+    "Lena",
+    "Hugo",
+    "Emma",
+    "Yuki",
+    "Paul",
+]
+HE = {
+    n: ("she" if n in {"Mia", "Ana", "Zoe", "Ivy", "Eva", "Lily", "Nina", "Lena", "Emma", "Yuki"} else "he")
+    for n in NAMES
+}
 
 Problem = tuple[str, int, list[str]]  # question, answer, reference steps
 
@@ -63,9 +85,18 @@ def _plural(word: str, n: int) -> str:
 
 
 # --------------------------------------------------------------------------- shopping
-SHOP_ITEMS = [("notebook", 2, 6), ("pen", 1, 4), ("book", 5, 12), ("apple", 1, 3), ("cup", 2, 7),
-              ("ball", 3, 9), ("toy car", 4, 10), ("sticker pack", 1, 5), ("muffin", 2, 5),
-              ("candle", 2, 6)]
+SHOP_ITEMS = [
+    ("notebook", 2, 6),
+    ("pen", 1, 4),
+    ("book", 5, 12),
+    ("apple", 1, 3),
+    ("cup", 2, 7),
+    ("ball", 3, 9),
+    ("toy car", 4, 10),
+    ("sticker pack", 1, 5),
+    ("muffin", 2, 5),
+    ("candle", 2, 6),
+]
 
 
 def shopping(rng: random.Random) -> Problem:
@@ -189,7 +220,7 @@ def ages(rng: random.Random) -> Problem:
         steps.append(f"{y} years ago {last} was {known[-1]} - {y} = {known[-1] - y}.")
         answer = known[-1] - y
     else:
-        who = " and ".join([", ".join(people[: n_rel]), last]) if n_rel > 1 else f"{people[0]} and {last}"
+        who = " and ".join([", ".join(people[:n_rel]), last]) if n_rel > 1 else f"{people[0]} and {last}"
         q += f" What is the sum of the ages of {who}?"
         answer = sum(known)
         steps.append(f"The sum of their ages is {' + '.join(map(str, known))} = {answer}.")
@@ -197,15 +228,23 @@ def ages(rng: random.Random) -> Problem:
 
 
 # --------------------------------------------------------------------------- rates
-VEHICLES = [("car", 30, 80, "km"), ("bus", 20, 60, "km"), ("cyclist", 8, 20, "km"),
-            ("train", 60, 120, "km"), ("boat", 10, 30, "km")]
+VEHICLES = [
+    ("car", 30, 80, "km"),
+    ("bus", 20, 60, "km"),
+    ("cyclist", 8, 20, "km"),
+    ("train", 60, 120, "km"),
+    ("boat", 10, 30, "km"),
+]
 WORKERS = [("machine", "toys"), ("printer", "pages"), ("baker", "rolls"), ("robot", "parts")]
 
 
 def rates(rng: random.Random) -> Problem:
     if rng.random() < 0.6:
         veh, lo, hi, unit = rng.choice(VEHICLES)
-        legs = [(rng.randint(1, 4), rng.randrange(lo, hi + 1, 5 if hi > 20 else 1)) for _ in range(rng.choice([1, 2, 2, 3]))]
+        legs = [
+            (rng.randint(1, 4), rng.randrange(lo, hi + 1, 5 if hi > 20 else 1))
+            for _ in range(rng.choice([1, 2, 2, 3]))
+        ]
         dists = [h * s for h, s in legs]
         parts = [f"{h} {_plural('hour', h)} at {s} {unit} per hour" for h, s in legs]
         q = f"A {veh} travels " + ", then ".join(parts) + "."
@@ -243,8 +282,14 @@ def rates(rng: random.Random) -> Problem:
 
 
 # --------------------------------------------------------------------------- multi-step
-STORES = [("eggs", "boxes"), ("apples", "crates"), ("cookies", "trays"), ("pencils", "packs"),
-          ("cupcakes", "boxes"), ("oranges", "bags")]
+STORES = [
+    ("eggs", "boxes"),
+    ("apples", "crates"),
+    ("cookies", "trays"),
+    ("pencils", "packs"),
+    ("cupcakes", "boxes"),
+    ("oranges", "bags"),
+]
 
 
 def multi_step(rng: random.Random) -> Problem:
@@ -297,7 +342,11 @@ def multi_step(rng: random.Random) -> Problem:
 
 
 FAMILIES: dict[str, Callable[[random.Random], Problem]] = {
-    "shopping": shopping, "sharing": sharing, "ages": ages, "rates": rates, "multi_step": multi_step,
+    "shopping": shopping,
+    "sharing": sharing,
+    "ages": ages,
+    "rates": rates,
+    "multi_step": multi_step,
 }
 # multi_step carries the long chains; give it a bit more weight for the step-count spread.
 FAMILY_WEIGHTS = {"shopping": 1.0, "sharing": 0.9, "ages": 1.0, "rates": 1.0, "multi_step": 1.4}
@@ -345,8 +394,9 @@ def prompt_tokens_estimate(row: dict) -> int:
 STEP_WEIGHTS = {2: 1.0, 3: 1.2, 4: 1.2, 5: 1.1, 6: 1.0, 7: 0.8, 8: 0.6}
 
 
-def generate(n: int, seed: int = SEED, start_id: int = 1, mc_share: float = MC_SHARE,
-             seen: set[str] | None = None) -> list[dict]:
+def generate(
+    n: int, seed: int = SEED, start_id: int = 1, mc_share: float = MC_SHARE, seen: set[str] | None = None
+) -> list[dict]:
     """``n`` rows with ids ``wp-<start_id>``...; questions in ``seen`` are skipped (and added).
 
     Each row first draws a target step count, then templates are sampled until one has
@@ -366,8 +416,13 @@ def generate(n: int, seed: int = SEED, start_id: int = 1, mc_share: float = MC_S
             question, answer, steps = FAMILIES[fam](rng)
             if len(steps) + is_mc == target and answer > 0 and question not in seen:
                 break
-        row = {"id": f"wp-{start_id + len(rows):04d}", "question": question, "answer": str(answer),
-               "reference_steps": list(steps), "source": fam}
+        row = {
+            "id": f"wp-{start_id + len(rows):04d}",
+            "question": question,
+            "answer": str(answer),
+            "reference_steps": list(steps),
+            "source": fam,
+        }
         if is_mc:
             choices, letter = _choices(rng, answer, _numbers_after_equals(steps))
             row["reference_steps"].append(f"The answer {answer} is option {letter}.")
@@ -453,41 +508,70 @@ def easy_two_step(rng: random.Random) -> Problem:
         a, b = rng.randint(2, 20), rng.randint(2, 20)
         c = rng.randint(1, min(20, a + b - 1))
         q = f"{name} has {a} {items}, buys {b} more and gives away {c}. How many {items} are left?"
-        return q, a + b - c, [f"{name} has {a} + {b} = {a + b} {items}.",
-                              f"After giving away {c}, {a + b} - {c} = {a + b - c} {items} are left."]
+        return (
+            q,
+            a + b - c,
+            [
+                f"{name} has {a} + {b} = {a + b} {items}.",
+                f"After giving away {c}, {a + b} - {c} = {a + b - c} {items} are left.",
+            ],
+        )
     if kind == "groups_more":
         a, b, c = rng.randint(2, 5), rng.randint(2, 10), rng.randint(2, 20)
         group = rng.choice(EASY_GROUPS)
         q = f"{name} has {a} {group} of {b} {items} and {c} more {items}. How many {items} does {pro} have?"
-        return q, a * b + c, [f"{a} {group} of {b} make {a} * {b} = {a * b} {items}.",
-                              f"With {c} more, {pro} has {a * b} + {c} = {a * b + c} {items}."]
+        return (
+            q,
+            a * b + c,
+            [
+                f"{a} {group} of {b} make {a} * {b} = {a * b} {items}.",
+                f"With {c} more, {pro} has {a * b} + {c} = {a * b + c} {items}.",
+            ],
+        )
     if kind == "buy_share":
         k = rng.randint(2, 5)
         each = rng.randint(2, 8)
         total = k * each
         a = rng.randint(max(2, total - 20), min(20, total - 2))
         b = total - a
-        q = (f"{name} has {a} {items} and buys {b} more. {_cap(pro)} shares them equally among {k} friends. "
-             "How many does each friend get?")
-        return q, each, [f"{name} has {a} + {b} = {total} {items}.",
-                         f"Each friend gets {total} / {k} = {each} {items}."]
+        q = (
+            f"{name} has {a} {items} and buys {b} more. {_cap(pro)} shares them equally among {k} friends. "
+            "How many does each friend get?"
+        )
+        return (
+            q,
+            each,
+            [f"{name} has {a} + {b} = {total} {items}.", f"Each friend gets {total} / {k} = {each} {items}."],
+        )
     if kind == "change":
         bill = rng.choice([10, 20])
         a = rng.randint(2, 5)
         p = rng.randint(1, bill // a - (1 if bill % a == 0 else 0))
         q = f"{name} buys {a} {items} at ${p} each and pays with a ${bill} bill. How much change does {pro} get?"
-        return q, bill - a * p, [f"{a} {items} cost {a} * {p} = {a * p} dollars.",
-                                 f"The change is {bill} - {a * p} = {bill - a * p} dollars."]
+        return (
+            q,
+            bill - a * p,
+            [
+                f"{a} {items} cost {a} * {p} = {a * p} dollars.",
+                f"The change is {bill} - {a * p} = {bill - a * p} dollars.",
+            ],
+        )
     other = rng.choice([n for n in NAMES if n != name])
     a, b = rng.randint(2, 20), rng.randint(1, 10)
     q = f"{name} has {a} {items}. {other} has {b} more than {name}. How many {items} do they have together?"
-    return q, a + (a + b), [f"{other} has {a} + {b} = {a + b} {items}.",
-                            f"Together they have {a} + {a + b} = {2 * a + b} {items}."]
+    return (
+        q,
+        a + (a + b),
+        [f"{other} has {a} + {b} = {a + b} {items}.", f"Together they have {a} + {a + b} = {2 * a + b} {items}."],
+    )
 
 
 EASY_FAMILIES: dict[str, Callable[[random.Random], Problem]] = {
-    "addition": easy_addition, "subtraction": easy_subtraction, "multiplication": easy_multiplication,
-    "division": easy_division, "two_step": easy_two_step,
+    "addition": easy_addition,
+    "subtraction": easy_subtraction,
+    "multiplication": easy_multiplication,
+    "division": easy_division,
+    "two_step": easy_two_step,
 }
 # Two-step rows count double: they carry the 2- and 3-step part of the easy spread.
 EASY_WEIGHTS = {"addition": 1.0, "subtraction": 1.0, "multiplication": 1.0, "division": 1.0, "two_step": 2.0}
@@ -509,8 +593,15 @@ def generate_easy(n: int, seed: int, seen: set[str]) -> list[dict]:
         if question in seen or not 0 < answer <= EASY_MAX_RESULT:
             continue
         seen.add(question)
-        rows.append({"question": question, "answer": str(answer), "reference_steps": steps,
-                     "source": fam, "difficulty": "easy"})
+        rows.append(
+            {
+                "question": question,
+                "answer": str(answer),
+                "reference_steps": steps,
+                "source": fam,
+                "difficulty": "easy",
+            }
+        )
     return rows
 
 
@@ -544,21 +635,27 @@ DEMO_N_TEST = 96
 DEMO_EASY_SHARE = 0.5
 
 
-def generate_demo(n: int, seed: int, start_id: int, seen: set[str],
-                  easy_share: float = DEMO_EASY_SHARE) -> list[dict]:
+def generate_demo(n: int, seed: int, start_id: int, seen: set[str], easy_share: float = DEMO_EASY_SHARE) -> list[dict]:
     """``n`` rows ``demo-<start_id>``...: ``round(n * easy_share)`` easy rows, the rest
     from the five hard families (``generate``), shuffled; each row gets ``difficulty``."""
     n_easy = round(n * easy_share)
-    hard = [{**{k: v for k, v in r.items() if k != "id"}, "difficulty": "hard"}
-            for r in generate(n - n_easy, seed=seed, seen=seen)]
+    hard = [
+        {**{k: v for k, v in r.items() if k != "id"}, "difficulty": "hard"}
+        for r in generate(n - n_easy, seed=seed, seen=seen)
+    ]
     rows = hard + generate_easy(n_easy, seed=seed + 7, seen=seen)
     random.Random(seed).shuffle(rows)
     return [{"id": f"demo-{start_id + i:04d}", **r} for i, r in enumerate(rows)]
 
 
-def make_demo(out_dir: Path = DEMO_OUT, n_train: int = DEMO_N_TRAIN, n_val: int = DEMO_N_VAL,
-              seed: int = DEMO_SEED, easy_share: float = DEMO_EASY_SHARE,
-              n_test: int = DEMO_N_TEST) -> dict[str, Path]:
+def make_demo(
+    out_dir: Path = DEMO_OUT,
+    n_train: int = DEMO_N_TRAIN,
+    n_val: int = DEMO_N_VAL,
+    seed: int = DEMO_SEED,
+    easy_share: float = DEMO_EASY_SHARE,
+    n_test: int = DEMO_N_TEST,
+) -> dict[str, Path]:
     """Write the demo train.jsonl, val.jsonl and test.jsonl (disjoint questions) into ``out_dir``."""
     out_dir = Path(out_dir)
     seen: set[str] = set()
@@ -578,8 +675,12 @@ def target_text(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=("wordproblems", "demo"), default="wordproblems",
-                    help="wordproblems: the hard 2-8 step set; demo: half easy, half hard")
+    ap.add_argument(
+        "--preset",
+        choices=("wordproblems", "demo"),
+        default="wordproblems",
+        help="wordproblems: the hard 2-8 step set; demo: half easy, half hard",
+    )
     ap.add_argument("--out-dir", type=Path, default=None, help="default: data/<preset>")
     ap.add_argument("--n-train", type=int, default=None)
     ap.add_argument("--n-val", type=int, default=None)
@@ -588,18 +689,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.preset == "demo":
-        paths = make_demo(args.out_dir or DEMO_OUT, args.n_train or DEMO_N_TRAIN, args.n_val or DEMO_N_VAL,
-                          DEMO_SEED if args.seed is None else args.seed, args.easy_share)
+        paths = make_demo(
+            args.out_dir or DEMO_OUT,
+            args.n_train or DEMO_N_TRAIN,
+            args.n_val or DEMO_N_VAL,
+            DEMO_SEED if args.seed is None else args.seed,
+            args.easy_share,
+        )
     else:
-        paths = make(args.out_dir or DEFAULT_OUT, args.n_train or N_TRAIN, args.n_val or N_VAL,
-                     SEED if args.seed is None else args.seed)
+        paths = make(
+            args.out_dir or DEFAULT_OUT,
+            args.n_train or N_TRAIN,
+            args.n_val or N_VAL,
+            SEED if args.seed is None else args.seed,
+        )
     if not args.quiet:
-        for split, p in paths.items():
+        for _split, p in paths.items():
             rows = read_jsonl(p)
             steps = Counter(len(r["reference_steps"]) for r in rows)
             fams = Counter(r["source"] for r in rows)
             mc = sum("choices" in r for r in rows)
             easy = sum(r.get("difficulty") == "easy" for r in rows)
-            print(f"{p}: {len(rows)} rows, easy {easy}, multiple choice {mc}, "
-                  f"steps {dict(sorted(steps.items()))}, families {dict(sorted(fams.items()))}")
-
+            print(
+                f"{p}: {len(rows)} rows, easy {easy}, multiple choice {mc}, "
+                f"steps {dict(sorted(steps.items()))}, families {dict(sorted(fams.items()))}"
+            )
