@@ -92,14 +92,14 @@ latest-venv:
 	$(LATEST)/bin/python -m pip install -q -e '.[dev]'
 
 # Renew the locks from the newest allowed versions (the vLLM set's: within TRL's vllm range), and
-# TRL's field table for each (train/trl_schema.py, train/trl_schema_vllm.py: transformers differs);
-# then `make test` and `make test-vllm-set` check the new sets before they are committed.
+# TRL's field table for each (train/config/trl_fields_table.py, train/config/trl_fields_table_vllm.py:
+# transformers differs); then `make test` and `make test-vllm-set` check the new sets before they are committed.
 lock: latest-venv
 	$(LATEST)/bin/python -m crystal_grpo.lock write $(LOCK)
 	$(LATEST)/bin/python -m crystal_grpo.lock resolve $(VLLM_LOCK) $(VLLM_REQS)
-	$(LATEST)/bin/python -m crystal_grpo.train.trl_fields trl_schema
+	$(LATEST)/bin/python -m crystal_grpo.train.config.training_section trl_fields_table
 	$(MAKE) $(VLLM_SET)/.installed
-	$(VLLM_SET)/bin/python -m crystal_grpo.train.trl_fields trl_schema_vllm
+	$(VLLM_SET)/bin/python -m crystal_grpo.train.config.training_section trl_fields_table_vllm
 
 # Not gating: the suite under the newest allowed versions, to see an upstream break before users do.
 test-latest: latest-venv

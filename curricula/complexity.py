@@ -183,7 +183,7 @@ def step_count(example: Mapping[str, Any]) -> int:
 
 def question_text(example: Mapping[str, Any]) -> str:
     """The question: ``question`` if present, else the last user turn of a
-    conversational ``prompt`` (as built by train/data.py) without its "Options:" tail."""
+    conversational ``prompt`` (as built by train/data/splits.py) without its "Options:" tail."""
     q = example.get("question")
     if isinstance(q, str):
         return q.strip()
@@ -252,7 +252,7 @@ def rows(
     columns: Sequence[str] = ("question", "prompt", "answer", "choices", "reference_steps", "reference_sets"),
 ) -> list[dict]:
     """Rows as dicts with only the columns complexity needs. For a ``datasets.Dataset``
-    this reads whole columns, so image transforms (train/data.py) never run."""
+    this reads whole columns, so image transforms (train/data/splits.py) never run."""
     names = getattr(dataset, "column_names", None)
     if names is None:
         return [dict(r) for r in dataset]

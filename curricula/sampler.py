@@ -14,7 +14,7 @@ A chunk is a pure function of (seed, t) and the constructor's arguments, never o
 rank, the epoch or what was iterated before; every rank therefore yields the same
 order, and a resumed run that skips chunks continues the identical sequence.
 ``set_epoch`` (called by the Trainer/accelerate every epoch, and by the trainer's
-``SamplerEpoch`` callback from its state, train/prompt_order.py) selects the epoch; an
+``SamplerEpoch`` callback from its state, train/trainer/prompt_order.py) selects the epoch; an
 iteration that runs to its end also moves to the next epoch, as RepeatSampler's
 advancing generator does.
 

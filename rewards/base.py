@@ -8,7 +8,7 @@ over the batch of all processes), validation and evaluation metrics
 (:meth:`RewardModule.metrics`) and the scorer CLI. The class is the one place these meet; each
 concept has its own module, whose names are importable from here too:
 
-- the one evaluation, its per-row :class:`Batch` and :class:`Scored`: rewards/evaluation.py;
+- the one evaluation, its per-row :class:`Batch` and :class:`Scored`: rewards/batch.py;
 - the reward of a batch (the components' sum) and the step diagnostics: rewards/diagnostics.py;
 - the verbosity guard, the module's only state (saved in checkpoints): rewards/verbosity.py;
 - the module as plain TRL reward functions: rewards/trl_functions.py.
@@ -30,9 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.metrics import VALIDATION
 from crystal_grpo.metrics import names as metric_names
-from crystal_grpo.rewards.diagnostics import diagnostics, nanmean, total
-from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
-from crystal_grpo.rewards.evaluation import (  # noqa: F401 - the evaluation's names, importable from here too
+from crystal_grpo.rewards.batch import (  # noqa: F401 - the evaluation's names, importable from here too
     COLUMNS,
     FIELDS,
     MAX_SCORED_STEPS,
@@ -44,6 +42,8 @@ from crystal_grpo.rewards.evaluation import (  # noqa: F401 - the evaluation's n
     reference_chains,
     zero_malformed,
 )
+from crystal_grpo.rewards.diagnostics import diagnostics, nanmean, total
+from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
 from crystal_grpo.rewards.facts import StepGate
 from crystal_grpo.rewards.trl_functions import TRLRewardFunctions
 from crystal_grpo.rewards.verbosity import VerbosityGuard
@@ -234,7 +234,7 @@ class RewardModule:
         """Per-row component values for the *global* batch (NaN = not applicable)."""
         raise NotImplementedError
 
-    # -- the one evaluation (rewards/evaluation.py) -------------------------------------
+    # -- the one evaluation (rewards/batch.py) -------------------------------------
     def score(
         self, completions: Sequence[Any], rows: Sequence[Mapping[str, Any]], with_steps: bool | None = None
     ) -> Scored:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from crystal_grpo.rewards.evaluation import Batch
+    from crystal_grpo.rewards.batch import Batch
 
 
 def nanmean(t: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.distributed import gather_objects
-from crystal_grpo.rewards.evaluation import Batch
+from crystal_grpo.rewards.batch import Batch
 
 if TYPE_CHECKING:
     from crystal_grpo.rewards.base import RewardModule

@@ -136,7 +136,7 @@ class ComposedReward(RewardModule):
         self.specs = list(cfg.components)
         self.component_names = _names(self.specs)
         self.functions = [component_function(s.fn) for s in self.specs]
-        # untagged components only occur without PCGrad (train/config.py refuses them with it)
+        # untagged components only occur without PCGrad (train/config/run_config.py refuses them with it)
         self.objectives = {n: s.objective or "accuracy" for n, s in zip(self.component_names, self.specs)}
         self.extra_fields = tuple(n for n, f in zip(self.component_names, self.functions) if f is not None)
         self.uses_steps = any(s.fn in ("crystal:steps", "crystal:cpr_steps") for s in self.specs)

@@ -27,11 +27,11 @@ only), so peaks do not mix. Columns:
   ratio       on / off for both (median of paired ratios);
   peak MiB    CUDA: max_memory_allocated; CPU: peak RSS above the RSS before training
               (sampled every 2 ms); buffers MiB: the fp32 rows PCGrad's plan allocates
-              (train/pcgrad_memory.py; one micro-step per update here: 1 row).
+              (train/pcgrad/memory.py; one micro-step per update here: 1 row).
 Targets (issue): step-time ratio <= 1.6 with full fine-tuning, <= 1.3 with LoRA.
 
 Memory (``--memory``): two optimizer steps (AdamW) on a fixed batch of 8 completions
-(generation replaced, train/tools/pcgrad_bench.py), plain GRPO and PCGrad, for 1 and 2
+(generation replaced, train/benchmarks/pcgrad.py), plain GRPO and PCGrad, for 1 and 2
 micro-steps per update and beta 0 and 0.04, in one process and under DeepSpeed ZeRO-3 in two
 CPU processes, or on CUDA one process a GPU, at most 2 (rank 0's figures; ``trainable`` is its
 partition). Columns: the peak of bytes
@@ -40,7 +40,7 @@ CPU: torch's profiler memory events, every allocation and free of the CPU alloca
 ``B/param``: PCGrad's peak minus plain GRPO's, per trainable parameter (it includes the
 activations PCGrad keeps for its later backward passes, the same for every version); ``plan``:
 4 x train.pcgrad.pcgrad_extra_partitions. ``--baseline FILE`` measures another version of
-train/pcgrad.py in the same run (``git show 686a6c0:train/pcgrad.py > old.py``: the first
+train/pcgrad/trainer.py in the same run (``git show 686a6c0:train/pcgrad/trainer.py > old.py``: the first
 implementation, three fp32 buffers) and prints the ratio of the extra bytes, this / baseline.
 """
 
@@ -107,8 +107,8 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
-    from crystal_grpo.train.pcgrad import pcgrad_extra_partitions, trainer_class
-    from crystal_grpo.train.tools.pcgrad_bench import HashReward
+    from crystal_grpo.train.benchmarks.pcgrad import HashReward
+    from crystal_grpo.train.pcgrad.trainer import pcgrad_extra_partitions, trainer_class
 
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -241,8 +241,8 @@ def _child(setting: str, mode: str, a: argparse.Namespace) -> dict:
 def memory_table(a: argparse.Namespace) -> int:
     import torch
 
-    from crystal_grpo.train.pcgrad import pcgrad_extra_partitions
-    from crystal_grpo.train.tools.pcgrad_bench import memory_rows
+    from crystal_grpo.train.benchmarks.pcgrad import memory_rows
+    from crystal_grpo.train.pcgrad.trainer import pcgrad_extra_partitions
 
     rows = []
     for topology in a.topologies.split(","):
@@ -313,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=str(REPO_ROOT / ".cache" / "bench_pcgrad"))
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     ap.add_argument("--memory", action="store_true", help="the memory table (bytes per parameter) instead")
-    ap.add_argument("--baseline", default=None, help="--memory: another train/pcgrad.py to measure beside this one")
+    ap.add_argument(
+        "--baseline", default=None, help="--memory: another train/pcgrad/trainer.py to measure beside this one"
+    )
     ap.add_argument("--topologies", default="single,zero3", help="--memory: single and/or zero3")
     ap.add_argument(
         "--cases", default="1:0,1:0.04,2:0,2:0.04", help="--memory: gradient_accumulation_steps:beta configurations"
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if not Path(a.model).exists():
-        from crystal_grpo.train.tools.tiny_models import build_tiny_lm
+        from crystal_grpo.train.fixtures.tiny_models import build_tiny_lm
 
         build_tiny_lm(Path(a.model))
     if a.memory:

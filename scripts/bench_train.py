@@ -13,7 +13,7 @@ process or under ZeRO-3; LoRA generates through merged adapters, ``-unmerged`` a
 by default, answer-only with ``-answer``; the encoder on the device), either with a generation
 suffix: ``-static`` (``cache_implementation: static``) or ``-cb`` (transformers' continuous
 batching, ``use_transformers_continuous_batching: true``);
-``train/tools/bench.py`` says exactly what each runs. Every run has the same model,
+``train/benchmarks/training.py`` says exactly what each runs. Every run has the same model,
 data, batch (``--batch`` completions = ``--batch`` / 8 prompts x 8 generations), generation
 length, seed and GRPOConfig, and does ``--warmup + --steps`` optimizer steps. With the
 default learning rate 0 the policy never changes, so every setting samples the same
@@ -67,8 +67,8 @@ def build_model(name: str) -> str:
     """Path of ``tiny`` / ``mid`` (built on first use), the organism's warm start (its data
     written on first use) or the folder given."""
     if name == "organism":
-        from crystal_grpo.train.tools.organism import Layout, write_splits
-        from crystal_grpo.train.tools.organism_model import DEFAULT_DIR, WARM_START_DIR
+        from crystal_grpo.train.organism.policy import DEFAULT_DIR, WARM_START_DIR
+        from crystal_grpo.train.organism.task import Layout, write_splits
 
         data = REPO_ROOT / DEFAULT_DIR / "data"
         if not (data / "train.jsonl").exists():
@@ -76,7 +76,7 @@ def build_model(name: str) -> str:
         return str(REPO_ROOT / WARM_START_DIR)
     if name not in ("tiny", "mid"):
         return name
-    from crystal_grpo.train.tools import tiny_models as mk
+    from crystal_grpo.train.fixtures import tiny_models as mk
 
     build = mk.build_tiny_lm if name == "tiny" else mk.build_mid_lm
     return str(build(MODELS / ("tiny-qwen2" if name == "tiny" else "mid-qwen2")))
@@ -101,7 +101,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch  # after the arguments: --help answers at once
 
-    from crystal_grpo.train.tools.bench import command, summarise, table
+    from crystal_grpo.train.benchmarks.training import command, summarise, table
 
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     a.dtype = a.dtype or ("bfloat16" if cuda else "float32")

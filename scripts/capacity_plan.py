@@ -7,7 +7,7 @@ and 80 GB, memory per GPU and predicted step time, as markdown.
 
 import sys
 
-from crystal_grpo.train.tools.capacity import main
+from crystal_grpo.train.capacity.paper_plan import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@ overall (with 95% bootstrap intervals), per source, complexity tier and step cou
     python scripts/evaluate.py --compare eval/a eval/b
     accelerate launch scripts/evaluate.py ...                        # rows split over processes
 
-The logic lives in crystal_grpo.train.tools.evaluate (generation: crystal_grpo.train.generation).
+The logic lives in crystal_grpo.train.tools.evaluate (generation: crystal_grpo.train.models.generation).
 """
 
 import sys

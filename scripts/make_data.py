@@ -5,12 +5,12 @@
     python scripts/make_data.py --out-dir /tmp/wp    # same bytes elsewhere
     python scripts/make_data.py --preset demo        # writes data/demo/{train,val,test}.jsonl
 
-The logic lives in crystal_grpo.train.tools.wordproblems.
+The logic lives in crystal_grpo.train.fixtures.wordproblems.
 """
 
 import sys
 
-from crystal_grpo.train.tools.wordproblems import main
+from crystal_grpo.train.fixtures.wordproblems import main
 
 if __name__ == "__main__":
     sys.exit(main())

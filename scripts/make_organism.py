@@ -5,13 +5,13 @@
     python scripts/make_organism.py --error_rate 0.3         # demonstrations with slips (data/sft.jsonl)
     python scripts/make_organism.py --help                   # every knob
 
-The logic lives in crystal_grpo.train.tools.organism (the task) and
-crystal_grpo.train.tools.organism_model (tokenizer and policy).
+The logic lives in crystal_grpo.train.organism.task (the task) and
+crystal_grpo.train.organism.policy (tokenizer and policy).
 """
 
 import sys
 
-from crystal_grpo.train.tools.organism_model import main
+from crystal_grpo.train.organism.policy import main
 
 if __name__ == "__main__":
     sys.exit(main())

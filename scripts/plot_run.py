@@ -10,7 +10,7 @@ phase boundaries marked; one phase's folder is drawn alone.
 import argparse
 import sys
 
-from crystal_grpo.train.plot import plot_run
+from crystal_grpo.train.run.plot import plot_run
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

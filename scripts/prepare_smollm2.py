@@ -62,7 +62,7 @@ def convert(gguf_path: Path, out: Path) -> None:
     """Dequantise the GGUF into a plain fp32 model (no quantization_config) and save it with its tokenizer."""
     from transformers import AutoTokenizer
 
-    from crystal_grpo.train.models import load_gguf_plain
+    from crystal_grpo.train.models.policy import load_gguf_plain
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)

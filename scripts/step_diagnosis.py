@@ -4,7 +4,7 @@
     python scripts/step_diagnosis.py --eval runs/x/eval_greedy runs/x/eval_t1 --data .cache/organism/data/test.jsonl
     python scripts/step_diagnosis.py --sweep configs/sweeps/organism_ablation.yaml
 
-The logic lives in crystal_grpo.train.tools.step_diagnosis.
+The logic lives in crystal_grpo.train.organism.step_diagnosis.
 """
 
 import sys

@@ -46,14 +46,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept
 
 
-#: The session's tiny models: fixture -> (folder name, builder in crystal_grpo.train.tools.tiny_models).
+#: The session's tiny models: fixture -> (folder name, builder in crystal_grpo.train.fixtures.tiny_models).
 TINY_MODELS = {"tiny_lm_path": ("tiny-qwen2", "build_tiny_lm"), "tiny_vlm_path": ("tiny-qwen2.5-vl", "build_tiny_vlm")}
 BUILD_IN_BACKGROUND = """
 import sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from conftest import TINY_MODELS, build_shared
-from crystal_grpo.train.tools import tiny_models
+from crystal_grpo.train.fixtures import tiny_models
 for name, builder in TINY_MODELS.values():
     build_shared(Path(sys.argv[2]), name, getattr(tiny_models, builder))
 """
@@ -139,7 +139,7 @@ def shared_build(tmp_path_factory, name: str, build) -> Path:
 
 
 def tiny_model(tmp_path_factory, fixture: str) -> Path:
-    from crystal_grpo.train.tools import tiny_models
+    from crystal_grpo.train.fixtures import tiny_models
 
     name, builder = TINY_MODELS[fixture]
     return shared_build(tmp_path_factory, name, getattr(tiny_models, builder))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from crystal_grpo.train.organism.step_diagnosis import SUMMARY
 from crystal_grpo.train.tools.ablation_figures import (
     accuracy_by_k,
     curves_markdown,
@@ -17,7 +18,6 @@ from crystal_grpo.train.tools.ablation_figures import (
     pcgrad_windows,
     train_curve,
 )
-from crystal_grpo.train.tools.step_diagnosis import SUMMARY
 from crystal_grpo.train.tools.sweep import Point, Sweep
 
 

@@ -1,12 +1,12 @@
-"""Alarms on the training log (train/alarms.py), each provoked by construction on the tiny model."""
+"""Alarms on the training log (train/trainer/alarms.py), each provoked by construction on the tiny model."""
 
 from __future__ import annotations
 
 import json
 
 from crystal_grpo.train import grpo
-from crystal_grpo.train.alarms import AlarmCallback
-from crystal_grpo.train.config import AlarmSection
+from crystal_grpo.train.config.run_config import AlarmSection
+from crystal_grpo.train.trainer.alarms import AlarmCallback
 
 
 def _run(tmp_path, tiny_lm_path, *overrides):

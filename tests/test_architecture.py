@@ -3,8 +3,10 @@ the tools built on it, lower layers never import higher ones, no private name cr
 boundary, and no two modules import each other (at module level or inside a function).
 
 Layers, lowest first: ``crystal_grpo`` (shared helpers, the metric table) < ``rewards``,
-``curricula`` < ``train`` (the core) < ``train.tools`` (evaluation, export, sweeps, reference
-building, benchmarks). ``if TYPE_CHECKING:`` imports are annotations only and are not counted.
+``curricula`` < the core of ``train`` (``grpo.py`` and its subpackages: config, data, models, run,
+trainer, pcgrad, capacity) < what is built on a run (``train.tools``: evaluation, export, sweeps,
+reference building; ``train.benchmarks``; ``train.organism``; ``train.fixtures``, the test and demo
+builders). ``if TYPE_CHECKING:`` imports are annotations only and are not counted.
 """
 
 from __future__ import annotations
@@ -16,20 +18,20 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-#: Package -> folder, as pyproject.toml maps them.
-PACKAGES = {
-    "crystal_grpo": "crystal_grpo",
-    "crystal_grpo.rewards": "rewards",
-    "crystal_grpo.curricula": "curricula",
-    "crystal_grpo.train": "train",
-    "crystal_grpo.train.tools": "train/tools",
-}
+#: Package -> its layer; each package's folder is its name under the repository, as pyproject.toml maps them.
 LAYER = {
     "crystal_grpo": 0,
     "crystal_grpo.rewards": 1,
     "crystal_grpo.curricula": 1,
-    "crystal_grpo.train": 2,
-    "crystal_grpo.train.tools": 3,
+    **dict.fromkeys(
+        ["crystal_grpo.train"]
+        + [f"crystal_grpo.train.{p}" for p in ("config", "data", "models", "run", "trainer", "pcgrad", "capacity")],
+        2,
+    ),
+    **dict.fromkeys([f"crystal_grpo.train.{p}" for p in ("tools", "benchmarks", "organism", "fixtures")], 3),
+}
+PACKAGES = {
+    pkg: pkg.removeprefix("crystal_grpo.").replace(".", "/") if pkg != "crystal_grpo" else pkg for pkg in LAYER
 }
 
 
@@ -76,12 +78,63 @@ def imports(module: str) -> list[tuple[str, str | None]]:
 
 def test_every_module_is_seen():
     assert {
-        "crystal_grpo.train.trainer",
+        "crystal_grpo.train.trainer.grpo_trainer",
         "crystal_grpo.train.tools.evaluate",
         "crystal_grpo.metrics",
         "crystal_grpo.rewards.cpr",
         "crystal_grpo.curricula.sampler",
     } <= set(MODULES)
+
+
+def test_every_source_folder_is_a_layered_package_the_wheel_ships():
+    """A new folder of modules gets a layer here and a line in pyproject.toml's package list, or
+    neither this file nor the wheel would see it."""
+    import tomllib
+
+    roots = {"crystal_grpo", "rewards", "curricula", "train"}
+    folders = {p.parent.relative_to(REPO).as_posix() for r in roots for p in (REPO / r).rglob("*.py")}
+    assert folders - {".cache"} == set(PACKAGES.values())
+    shipped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert set(PACKAGES) <= set(shipped)
+
+
+def module_level_imports(module: str) -> set[str]:
+    """The modules ``module`` imports when it is imported (not inside a function)."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module for a in node.names
+            }
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def importers(prefix: str, module_level: bool = False) -> set[str]:
+    """The modules outside ``prefix`` that import a module under it."""
+    found = set()
+    for m in MODULES:
+        if m.startswith(prefix):
+            continue
+        targets = module_level_imports(m) if module_level else {t for t, _ in imports(m)}
+        if any(t == prefix or t.startswith(prefix + ".") for t in targets):
+            found.add(m)
+    return found
+
+
+def test_the_capacity_planner_is_off_the_run_path():
+    """Only ``--check`` (inside grpo.py's main) imports the capacity planner; no module of a run
+    imports it when it is imported."""
+    assert importers("crystal_grpo.train.capacity") == {"crystal_grpo.train.grpo"}
+    assert importers("crystal_grpo.train.capacity", module_level=True) == set()
+
+
+def test_test_and_demo_builders_stay_out_of_the_library():
+    """``train.fixtures`` (tiny models, the shapes and word-problem sets) serves tests, scripts and
+    the benchmark scripts; no module of the library imports them."""
+    assert importers("crystal_grpo.train.fixtures") == set()
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -141,7 +194,7 @@ def test_every_error_of_the_library_is_a_crystal_error():
 
     from crystal_grpo.errors import CrystalError
 
-    not_errors = {"crystal_grpo.train.interrupt.Interrupted"}  # a stop that was asked for, with its exit code
+    not_errors = {"crystal_grpo.train.trainer.interrupt.Interrupted"}  # a stop that was asked for, with its exit code
     found = []
     for module in MODULES:
         for name, obj in vars(importlib.import_module(module)).items():

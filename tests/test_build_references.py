@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from crystal_grpo.jsonl import read_jsonl
-from crystal_grpo.train.tools import references as br
+from crystal_grpo.train.tools import build_references as br
 
 STEP1 = "Ann starts with 3 apples."
 STEP2 = "She buys 4 more apples, so she has 3 + 4 = 7 apples."

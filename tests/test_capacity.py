@@ -1,4 +1,4 @@
-"""The capacity plan (train/capacity.py, train/tools/capacity.py): its copies of DeepSpeed's
+"""The capacity plan (train/capacity/estimate.py, train/capacity/paper_plan.py): its copies of DeepSpeed's
 estimators and TRL's defaults, the parameter counts it reads from config.json, its activation and
 KV-cache counts against what torch really keeps, the launch it reads, and what --check prints."""
 
@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from crystal_grpo.train import capacity
-from crystal_grpo.train.capacity import (
+from crystal_grpo.train.capacity import estimate as capacity
+from crystal_grpo.train.capacity.estimate import (
     QWEN25_VL_3B_CONFIG,
     Workload,
     kv_cache_bytes,
@@ -23,7 +23,8 @@ from crystal_grpo.train.capacity import (
     sizes_from_config,
     vision_block_bytes,
 )
-from crystal_grpo.train.tools.capacity import meta_counts, meta_lora_params, meta_model
+from crystal_grpo.train.capacity.paper_plan import meta_counts, meta_lora_params, meta_model
+from crystal_grpo.train.config.training_section import TRL_DEFAULTS
 
 SIZES = [
     (1_000, 10, 1, 1),
@@ -62,7 +63,7 @@ def test_trl_defaults_are_trls():
     from trl import GRPOConfig, SFTConfig
 
     grpo = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    assert {k: grpo[k] for k in capacity.TRL_DEFAULTS} == capacity.TRL_DEFAULTS
+    assert {k: grpo[k] for k in TRL_DEFAULTS} == TRL_DEFAULTS
     assert {f.name: f.default for f in dataclasses.fields(SFTConfig)}["max_length"] == capacity.SFT_MAX_LENGTH
 
 
@@ -135,7 +136,7 @@ def test_parameter_counts_of_the_vlms_equal_the_meta_model(tiny_vlm_path):
 
 
 def test_lora_targets_of_the_plan_are_the_trainers(tiny_vlm_path):
-    """The plan's LoRA count follows the trainer's targets (train/vision.py lora_targets, used by
+    """The plan's LoRA count follows the trainer's targets (train/models/vision.py lora_targets, used by
     peft_config): unset on a VLM, the language model's layers only (29,933,568 trainable on the
     3B at r 16); an explicit all-linear, names or a regex as PEFT matches them on the model, the
     vision tower's and the projector's layers included."""
@@ -160,8 +161,8 @@ def test_lora_targets_of_the_plan_are_the_trainers(tiny_vlm_path):
 def test_resized_image_tokens_are_the_processors(tiny_vlm_path, bounds):
     """resized_image_tokens (what the plan counts without transformers) equals the Qwen2-VL
     processor's own count for images inside, above and below the bounds, odd aspect ratios too."""
-    from crystal_grpo.train.models import ModelSection, load_processing, open_source
-    from crystal_grpo.train.vision import VisionSection, image_tokens, resized_image_tokens
+    from crystal_grpo.train.models.policy import ModelSection, load_processing, open_source
+    from crystal_grpo.train.models.vision import VisionSection, image_tokens, resized_image_tokens
 
     low, high = bounds
     processing = load_processing(
@@ -303,7 +304,7 @@ def test_the_launch_comes_from_the_accelerate_config_the_launcher_or_gpus(tmp_pa
 def test_a_model_without_a_reachable_config_is_not_estimated(tmp_path, monkeypatch):
     """A hub id is read from the Hugging Face cache; one that is not there, or an architecture the
     plan does not know, gives one line instead of figures."""
-    from crystal_grpo.train.config import load_config
+    from crystal_grpo.train.config.run_config import load_config
 
     snapshot = tmp_path / "hub" / "models--someone--cached" / "snapshots" / "abc"
     snapshot.mkdir(parents=True)
@@ -328,7 +329,7 @@ def test_check_prints_the_memory_per_gpu_and_warns_when_a_phase_cannot_fit(repo_
     3 rows (bf16 gradient buffer, 2 micro-steps, beta 0.04) in the CPR phase's training peak; on 2
     GPUs of 40 GB a warning per phase with what would fit (optimizer offload only without PCGrad);
     without importing torch, TRL or DeepSpeed."""
-    from crystal_grpo.train.preflight import gpu_device_nodes
+    from crystal_grpo.train.config.preflight import gpu_device_nodes
 
     heavy = ("torch", "trl", "transformers", "deepspeed", "peft", "accelerate")
     base = [
@@ -368,7 +369,7 @@ def test_the_warning_names_what_would_fit():
     smaller per-device batch fits, with a group TRL accepts (it divides the 24 completions of a
     step), and so does checkpointing. Optimizer offload is offered where it fits (the answer-only
     phase on one GPU), never with PCGrad, which refuses it (the CPR phase on one GPU would fit)."""
-    from crystal_grpo.train.config import load_config, phase_configs
+    from crystal_grpo.train.config.run_config import load_config, phase_configs
 
     cfg, _ = load_config("cpr_curriculum", ["--model.gradient_checkpointing", "false"])
     lines = capacity.check_lines(cfg, "zero3_1x4.yaml", gpu_memory=80)
@@ -393,7 +394,7 @@ def test_pcgrad_rows_follow_the_config_and_the_gradient_storage():
     "auto" with a bf16 run; data_types.grad_accum_dtype fp32 makes it fp32, 2 bytes a parameter
     more in the model states), else the trainable parameters (LoRA's adapters fp32, PEFT's
     upcast). They count in the training phase only, not while generating."""
-    from crystal_grpo.train.config import load_config, phase_configs
+    from crystal_grpo.train.config.run_config import load_config, phase_configs
 
     sizes = sizes_from_config(QWEN25_VL_3B_CONFIG)
     fp32_buffer = {

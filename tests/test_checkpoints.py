@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 from crystal_grpo.train import grpo
-from crystal_grpo.train.checkpoints import (
+from crystal_grpo.train.config.run_config import load_config
+from crystal_grpo.train.run.checkpoints import (
     CheckpointError,
     checkpoint_problem,
     latest_complete,
@@ -27,9 +28,8 @@ from crystal_grpo.train.checkpoints import (
     truncate_logs,
     write_marker,
 )
-from crystal_grpo.train.config import load_config
-from crystal_grpo.train.layout import MARKER, checkpoint_folders, checkpoint_name, step_of
-from crystal_grpo.train.trainer import CrystalGRPOTrainer
+from crystal_grpo.train.run.layout import MARKER, checkpoint_folders, checkpoint_name, step_of
+from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
 
 
 # --- the marker and what "complete" means ------------------------------------------------------
@@ -45,7 +45,7 @@ def _fake_checkpoint(run: Path, step: int, marker: bool = True) -> Path:
 
 
 def test_checkpoint_folders_are_named_as_transformers_saves_them(tmp_path):
-    """train/layout.py spells the folder name once, and it is the one the Trainer writes."""
+    """train/run/layout.py spells the folder name once, and it is the one the Trainer writes."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     assert checkpoint_name(12) == f"{PREFIX_CHECKPOINT_DIR}-12" and step_of(tmp_path / checkpoint_name(12)) == 12
@@ -111,7 +111,7 @@ def test_a_resume_on_a_longer_schedule_trains_at_its_rate_not_the_saved_one():
     builds the scheduler for the new max_steps; the first step after the resume trained at 0."""
     from transformers import get_scheduler
 
-    from crystal_grpo.train.checkpointing import continue_schedule
+    from crystal_grpo.train.trainer.checkpoint_hooks import continue_schedule
 
     def made(steps: int):
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-4)
@@ -261,7 +261,7 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
 def test_one_interrupt_delivered_twice_is_one_and_a_later_one_aborts(monkeypatch):
     """A terminal's Ctrl-C reaches every process of a torchrun job and the launcher forwards it
     again: signals within SAME_INTERRUPT_S of the first are that interrupt; a later one aborts."""
-    from crystal_grpo.train import interrupt
+    from crystal_grpo.train.trainer import interrupt
 
     clock = iter([100.0, 100.0 + interrupt.SAME_INTERRUPT_S / 2, 100.0 + interrupt.SAME_INTERRUPT_S * 2])
     monkeypatch.setattr(interrupt.time, "monotonic", lambda: next(clock))
@@ -274,8 +274,8 @@ def test_one_interrupt_delivered_twice_is_one_and_a_later_one_aborts(monkeypatch
 
 
 BLOCKED_SAVE = grpo_with("""
-from crystal_grpo.train import interrupt
-from crystal_grpo.train.trainer import CrystalGRPOTrainer
+from crystal_grpo.train.trainer import interrupt
+from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
 interrupt.SAME_INTERRUPT_S = 0.0  # the test's second Ctrl-C comes whenever it comes
 def saving_for_an_hour(self, model, trial):  # a save that takes a while, as a multi-GB one does
     print("SAVE STARTED", flush=True)

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from crystal_grpo.train import grpo
-from crystal_grpo.train.config import ConfigError, load_config
+from crystal_grpo.train.config.run_config import ConfigError, load_config
 
 
 def test_scientific_notation_is_a_number_in_files_and_on_the_command_line(tmp_path):
@@ -149,7 +149,7 @@ def test_use_vllm_with_a_vllm_release_trl_does_not_support_is_refused_at_check(
 ):
     """vLLM 0.33 (what an unbounded pip install takes) or 0.21 against TRL 1.16's vllm extra
     (>=0.22.0,<=0.31.0, read from TRL's metadata): one line pointing at make setup-vllm."""
-    from crystal_grpo.train.config import trl_vllm_range, vllm_problem
+    from crystal_grpo.train.config.run_config import trl_vllm_range, vllm_problem
 
     _installed_vllm(tmp_path, version)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -367,7 +367,7 @@ def test_check_refuses_pcgrad_under_zero1_and_zero2(tmp_path, tiny_lm_path, repo
 
 
 def test_help_shows_the_papers_recipe_and_training_uses_it(capsys, tmp_path):
-    from crystal_grpo.train.config import PaperRecipe
+    from crystal_grpo.train.config.run_config import PaperRecipe
 
     with pytest.raises(SystemExit):
         grpo.main(["--help"])
@@ -391,7 +391,7 @@ def test_each_section_is_typed_once_and_the_code_gets_that_object(repo_root):
     """reward.params become the reward's typed config once, at load; each phase's config is
     made once by validation; training, preflight and the reward module use those objects."""
     from crystal_grpo.rewards import CompositeConfig, CPRConfig
-    from crystal_grpo.train.config import phase_configs
+    from crystal_grpo.train.config.run_config import phase_configs
     from crystal_grpo.typed import to_dict
 
     cfg, _ = load_config(
@@ -419,17 +419,19 @@ def test_each_section_is_typed_once_and_the_code_gets_that_object(repo_root):
 
 
 def test_loading_and_checking_a_config_imports_neither_torch_nor_trl(repo_root, tmp_path):
-    """Validation reads TRL's fields from train/trl_schema.py and the rewards' config classes
+    """Validation reads TRL's fields from train/config/trl_fields_table.py and the rewards' config classes
     without torch; ``--check`` therefore loads none of the heavy packages (nor for a bf16
     config on a machine without a GPU device node: composite.yaml asks for bfloat16), and
     neither does it with a TRL/transformers other than the table's (an upgrade): one warning."""
-    from crystal_grpo.train.preflight import gpu_device_nodes
+    from crystal_grpo.train.config.preflight import gpu_device_nodes
 
     heavy = ("torch", "trl", "transformers", "datasets", "peft", "sentence_transformers", "accelerate")
     upgraded = "trl_fields.installed_versions = lambda: {'trl': '1.16.0', 'transformers': '5.0.0'}; "
     for config, setup in (("demo", ""), ("tiny", ""), ("composite", ""), ("tiny", upgraded)):
         code = (
-            f"import sys; from crystal_grpo.train import grpo, trl_fields; {setup}code = grpo.main(sys.argv[1:]); "
+            "import sys; from crystal_grpo.train import grpo; "
+            "from crystal_grpo.train.config import training_section as trl_fields; "
+            f"{setup}code = grpo.main(sys.argv[1:]); "
             f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))"
         )
         args = ["--config", config, "--output_dir", str(tmp_path / "r"), "--check"]
@@ -448,7 +450,8 @@ def test_a_stale_training_schema_checks_keys_it_lacks_against_the_installed_trl(
     """A TRL or transformers other than the table's: the table still answers (no import); a
     field the table lacks (one added upstream since) is looked up in the installed classes
     rather than refused, and checked against their type."""
-    from crystal_grpo.train import trl_fields, trl_schema
+    from crystal_grpo.train.config import training_section as trl_fields
+    from crystal_grpo.train.config import trl_fields_table as trl_schema
 
     table = {k: v for k, v in trl_schema.GRPO.items() if k != "weight_decay"}
     monkeypatch.setattr(trl_schema, "GRPO", table)
@@ -469,7 +472,7 @@ def test_precision_check_asks_torch_only_where_a_gpu_may_be(tmp_path, monkeypatc
     """No GPU device node: the bf16 problem without loading torch; with one, torch decides."""
     import torch
 
-    from crystal_grpo.train import preflight
+    from crystal_grpo.train.config import preflight
 
     cfg, _ = load_config(
         "tiny", ["--model.dtype", "bfloat16", "--training.bf16", "true", "--training.use_cpu", "false"]

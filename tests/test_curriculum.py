@@ -356,10 +356,10 @@ def test_factory_reads_a_datasets_table_without_running_its_transform():
 
 
 def test_epoch_callback_reselects_the_epoch_on_resume():
-    """The trainer's SamplerEpoch callback (train/prompt_order.py) reaches the curriculum's sampler."""
+    """The trainer's SamplerEpoch callback (train/trainer/prompt_order.py) reaches the curriculum's sampler."""
     from types import SimpleNamespace
 
-    from crystal_grpo.train.prompt_order import SamplerEpoch
+    from crystal_grpo.train.trainer.prompt_order import SamplerEpoch
 
     data = [{"answer": "yes", "reference_steps": ["s"] * k} for k in range(1, 21)]
     factory = make_sampler_factory(CurriculumSection(mode="competence"), data, max_steps=10)
@@ -371,7 +371,7 @@ def test_epoch_callback_reselects_the_epoch_on_resume():
 
 def test_a_new_mode_is_one_schedule_class(monkeypatch):
     from crystal_grpo.curricula.schedule import Schedule
-    from crystal_grpo.train.config import ConfigError, load_config
+    from crystal_grpo.train.config.run_config import ConfigError, load_config
 
     monkeypatch.setattr(Schedule, "registry", dict(Schedule.registry))  # registered for this test only
 

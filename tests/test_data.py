@@ -10,8 +10,8 @@ import pytest
 from datasets import Dataset, DatasetDict, Features, Image, Sequence, Value
 
 from crystal_grpo.train import grpo
-from crystal_grpo.train.config import load_config
-from crystal_grpo.train.data import DataError, load_split
+from crystal_grpo.train.config.run_config import load_config
+from crystal_grpo.train.data.splits import DataError, load_split
 from crystal_grpo.typed import ConfigError
 
 ROWS = [json.loads(x) for x in Path("data/wordproblems/train.jsonl").read_text().splitlines()[:6]]
@@ -134,7 +134,7 @@ def test_a_key_given_twice_in_a_row_is_a_bad_row_and_a_byte_order_mark_is_read_p
 def test_images_stored_in_the_data_load_like_image_files(tmp_path):
     from PIL import Image as PILImage
 
-    from crystal_grpo.train.data import image_store
+    from crystal_grpo.train.data.splits import image_store
 
     shapes = [json.loads(x) for x in Path("data/shapes/shapes.jsonl").read_text().splitlines()[:3]]
     rows = [
@@ -183,7 +183,7 @@ def test_training_data_smaller_than_one_batch_is_refused_before_the_model_loads(
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("crystal_grpo.train.models.load_policy", loaded)
+    monkeypatch.setattr("crystal_grpo.train.models.policy.load_policy", loaded)
     run = tmp_path / "run"
     assert (
         grpo.main(
@@ -296,7 +296,7 @@ def test_missing_and_broken_images_stop_a_vlm_run_before_training_with_file_and_
 def test_an_image_lost_mid_run_is_replaced_from_the_same_split(tmp_path, caplog):
     """After a split, each part replaces a row whose image broke with one of its own rows (a
     shared loader would hand a training row to validation) and names the row's file:line."""
-    from crystal_grpo.train.data import DataSection, load_datasets
+    from crystal_grpo.train.data.splits import DataSection, load_datasets
 
     data = _shapes(tmp_path)
     train, val = load_datasets(DataSection(train=str(data), validation_fraction=0.25), seed=3)
@@ -335,7 +335,7 @@ def test_a_prompt_too_long_by_its_size_alone_is_skipped_without_tokenising_it(tm
     """A 50 MB row took 110-232 s and 9.95 GB to tokenise before it was skipped (issue 43 item
     16): a prompt longer than room x the longest token (in characters) cannot fit, so it is
     skipped unread by the tokenizer, with the same warning."""
-    from crystal_grpo.train.data import limit_prompt_lengths
+    from crystal_grpo.train.data.splits import limit_prompt_lengths
 
     rows = [json.loads(x) for x in Path("data/wordproblems/train.jsonl").read_text().splitlines()[:4]]
     tok, room = CountingTokenizer(), 200

@@ -1,4 +1,4 @@
-"""The demo data set of scripts/make_data.py (``--preset demo``; crystal_grpo.train.tools.wordproblems):
+"""The demo data set of scripts/make_data.py (``--preset demo``; crystal_grpo.train.fixtures.wordproblems):
 easy rows mixed with the hard word problems so a 135M model gets some answers right and GRPO sees
 reward variance."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from crystal_grpo.train.tools import wordproblems
+from crystal_grpo.train.fixtures import wordproblems
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO = REPO_ROOT / "data" / "demo"
@@ -85,7 +85,7 @@ def test_demo_files_match_the_generator_and_the_default_is_unchanged(tmp_path):
 
 
 def test_demo_rows_are_valid_labelled_and_half_easy():
-    from crystal_grpo.train.data import row_problems
+    from crystal_grpo.train.data.splits import row_problems
 
     train, val, test = _rows(DEMO / "train.jsonl"), _rows(DEMO / "val.jsonl"), _rows(DEMO / "test.jsonl")
     assert (len(train), len(val), len(test)) == (320, 24, 96)

@@ -1,4 +1,4 @@
-"""Dynamic sampling (train/dynamic_sampling.py): flat groups masked out of the loss, the KL term
+"""Dynamic sampling (train/trainer/dynamic_sampling.py): flat groups masked out of the loss, the KL term
 and the normaliser (the update equals TRL's on a batch without them), refilled with
 informative groups within a bounded number of generation rounds, per objective under PCGrad,
 identical after a resume, and refused with one line where it cannot work.
@@ -22,9 +22,9 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig
 
-from crystal_grpo.train.config import DynamicSamplingSection
-from crystal_grpo.train.dynamic_sampling import kept_groups, merge_rows, refill_draw, refill_pairs
-from crystal_grpo.train.trainer import CrystalGRPOTrainer
+from crystal_grpo.train.config.run_config import DynamicSamplingSection
+from crystal_grpo.train.trainer.dynamic_sampling import kept_groups, merge_rows, refill_draw, refill_pairs
+from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
 
 G = 3
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
@@ -205,7 +205,7 @@ def test_every_reward_with_an_accuracy_component_has_its_raw_correctness_as_outc
     """RewardModule.outcome: C as the accuracy component pays it (before its weight, the guard's
     factor and the shuffled control's permutation applied alike); no outcome for format."""
     from crystal_grpo.rewards import REWARDS, build_reward
-    from crystal_grpo.rewards.evaluation import Batch
+    from crystal_grpo.rewards.batch import Batch
 
     correct = torch.tensor([1.0, 0.0, 1.0, 1.0])
     batch = Batch(
@@ -322,7 +322,7 @@ def test_pcgrad_with_a_flat_accuracy_objective_still_applies_the_reasoning_gradi
     all four (their total varies): the plain PCGrad update. metric: objectives leaves the
     accuracy-flat groups out of the accuracy loss only: the reasoning gradient is the same,
     the accuracy one twice as large (grpo averages it over the 2 groups that vary on accuracy)."""
-    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer
 
     data = rows([False] * 4, acc_flat=[True, False, True, False])
     runs = {}
@@ -402,7 +402,7 @@ def test_the_outcome_gate_drops_groups_of_wrong_answers_that_cpr_still_varies(
     """CPR, 4 prompts: 2 whose answers are all wrong (CPR varies through the step term), 2 with one
     right answer. The std gate keeps all four (its update is the plain one); the outcome gate masks
     the wrong groups: the update of the 2 informative prompts alone, for GRPO and for PCGrad."""
-    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer
 
     cls = PCGradGRPOTrainer if pcgrad else CrystalGRPOTrainer
     mixed = cpr_rows(["wrong", "mixed", "wrong", "mixed"])

@@ -15,7 +15,8 @@ import pytest
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.rewards import score as score_cli
-from crystal_grpo.train import grpo, predictions
+from crystal_grpo.train import grpo
+from crystal_grpo.train.models import predictions
 from crystal_grpo.train.tools import evaluate as ev
 from crystal_grpo.train.tools.eval_report import compare
 
@@ -461,7 +462,7 @@ def test_lora_checkpoint_loads_merged_onto_its_base(tiny_lm_path, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from crystal_grpo.train.models import load_checkpoint
+    from crystal_grpo.train.models.policy import load_checkpoint
 
     adapter = tmp_path / "adapter"
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)  # B != 0

@@ -166,8 +166,8 @@ def test_score_cli_with_exact(tmp_path):
 
 def test_a_config_with_the_exact_encoder_passes_preflight_offline(monkeypatch):
     """No model to look for: --check and a run's start accept it with HF_HUB_OFFLINE=1."""
-    from crystal_grpo.train.config import load_config
-    from crystal_grpo.train.preflight import encoder_problem, preflight
+    from crystal_grpo.train.config.preflight import encoder_problem, preflight
+    from crystal_grpo.train.config.run_config import load_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert encoder_problem("exact") is None and encoder_problem("no-such/encoder") is not None

@@ -18,7 +18,7 @@ import yaml
 from crystal_grpo import metrics
 from crystal_grpo.curricula import make_sampler_factory
 from crystal_grpo.rewards import build_reward
-from crystal_grpo.train.config import load_config
+from crystal_grpo.train.config.run_config import load_config
 from crystal_grpo.typed import ConfigError
 
 USER_CODE = '''
@@ -145,7 +145,7 @@ def test_a_curriculum_mode_is_one_class_named_from_yaml_with_its_own_option(user
     assert {i for t in range(20) for i in sampler.chunk_indices(t)} == hardest
     # named in YAML, checked with the config: one line each, and no heavy package loaded
     code = (
-        "import sys; from crystal_grpo.train.config import load_config; "
+        "import sys; from crystal_grpo.train.config.run_config import load_config; "
         f"load_config({str(tmp_path / 'mine.yaml')!r}); "
         "print(sorted(m for m in ('torch', 'trl', 'transformers', 'accelerate') if m in sys.modules))"
     )
@@ -216,7 +216,7 @@ def test_a_shipped_modes_option_from_yaml_bucket_order(tmp_path):
 def test_a_data_format_is_a_column_mapping_in_yaml(tmp_path):
     """Data in the user's own column names, as a JSON array: ``data.columns`` in their YAML maps
     them onto ours, and a bad row is named by file, row and the user's column name."""
-    from crystal_grpo.train.data import DataError, load_datasets
+    from crystal_grpo.train.data.splits import DataError, load_datasets
 
     rows = [
         {"problem": f"What is {k} + {k}?", "solution": str(2 * k), "steps": [f"{k} + {k} = {2 * k}."]}

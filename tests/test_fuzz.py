@@ -24,7 +24,7 @@ from crystal_grpo.rewards.answers import answers_match
 from crystal_grpo.rewards.base import Batch
 from crystal_grpo.rewards.fuzz import MIXED, SHAPES, format_table, fuzz, hostile_batches
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
-from crystal_grpo.train.data import row_problems
+from crystal_grpo.train.data.splits import row_problems
 
 FAST = settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,4 +1,4 @@
-"""Generation paths (train/generation.py): a static KV cache and continuous batching give
+"""Generation paths (train/models/generation.py): a static KV cache and continuous batching give
 greedy completions token for token equal to plain ``generate`` (tiny model, fp32), keep each
 prompt's samples together, and validation takes the path the training config names."""
 
@@ -13,8 +13,8 @@ from trl import GRPOConfig
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.train import grpo
-from crystal_grpo.train.config import load_config
-from crystal_grpo.train.generation import Engine, Sampling, generate
+from crystal_grpo.train.config.run_config import load_config
+from crystal_grpo.train.models.generation import Engine, Sampling, generate
 
 #: Candidate prompts: the test takes the first three whose greedy completions differ, so that
 #: "every prompt got its own completion back" can fail, whatever model this machine built.

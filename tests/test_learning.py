@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.train import grpo
-from crystal_grpo.train.config import load_config
-from crystal_grpo.train.layout import samples_file
-from crystal_grpo.train.tools.organism import Layout, TaskSpec, write_jsonl, write_splits
+from crystal_grpo.train.config.run_config import load_config
+from crystal_grpo.train.organism.task import Layout, TaskSpec, write_jsonl, write_splits
+from crystal_grpo.train.run.layout import samples_file
 
 pytestmark = pytest.mark.slow  # GRPO runs of minutes: left out of make test-fast
 
@@ -251,7 +251,7 @@ def test_the_hinted_regime_pays_for_leaving_the_steps_off(tmp_path, hinted_data)
     step 0, the warm start restates the hint in many completions of the hinted questions, and those are
     right (the hint is the answer) far more often than whole chains (right only when no step slipped).
     The answer-only control then gives the steps up: it must fail the check."""
-    from crystal_grpo.train.tools.step_diagnosis import completions_of, rows_by_id, score
+    from crystal_grpo.train.organism.step_diagnosis import completions_of, rows_by_id, score
 
     before, after, run = hinted_recall(tmp_path, hinted_data, "answer_only", steps=CONTROL_STEPS)
     scored = score(*completions_of(read_jsonl(run / samples_file(0)), rows_by_id(hinted_data / "val_hinted.jsonl")))

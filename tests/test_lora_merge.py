@@ -1,4 +1,4 @@
-"""LoRA generation through merged adapters (train/lora_merge.py): same tokens, and training
+"""LoRA generation through merged adapters (train/models/lora_merge.py): same tokens, and training
 bit for bit what it is without merging (identical losses, gradient norms and adapter after
 several steps; base weights untouched; the saved adapter is the live, unmerged one)."""
 
@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from crystal_grpo.train import grpo
-from crystal_grpo.train.config import load_config
-from crystal_grpo.train.lora_merge import merged_adapters, merged_generate
+from crystal_grpo.train.config.run_config import load_config
+from crystal_grpo.train.models.lora_merge import merged_adapters, merged_generate
 
 LORA = "{r: 8, alpha: 16, dropout: 0.0, target_modules: all-linear}"
 

@@ -11,7 +11,7 @@ import pytest
 from crystal_grpo import metrics
 from crystal_grpo.rewards import score
 from crystal_grpo.rewards.base import METRICS
-from crystal_grpo.train import plot, summary
+from crystal_grpo.train.run import plot, summary
 from crystal_grpo.train.tools import eval_report, sweep_report
 
 KNOWN = {m.name for m in metrics.TABLE}

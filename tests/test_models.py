@@ -1,4 +1,4 @@
-"""Model loading (train/models.py), the tiny test models and the generated data sets."""
+"""Model loading (train/models/policy.py), the tiny test models and the generated data sets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from crystal_grpo.train.tools import shapes, tiny_models, wordproblems
+from crystal_grpo.train.fixtures import shapes, tiny_models, wordproblems
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("id", "question", "answer", "reference_steps", "source")
@@ -59,7 +59,7 @@ def test_tiny_lm_token_ids_survive_save_and_reload(tiny_lm_path):
 def test_tiny_lm_loads_via_load_policy_and_generates(tiny_lm_path):
     import torch
 
-    from crystal_grpo.train.models import ModelSection, load_policy
+    from crystal_grpo.train.models.policy import ModelSection, load_policy
 
     model, tok = load_policy(ModelSection(str(tiny_lm_path)))
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.float32
@@ -89,7 +89,7 @@ def test_tiny_vlm_has_a_real_processor_and_generates_from_an_image(tiny_vlm_path
     from transformers import AutoTokenizer, PreTrainedTokenizerBase
     from transformers.processing_utils import ProcessorMixin
 
-    from crystal_grpo.train.models import ModelSection, is_vision_language, load_policy
+    from crystal_grpo.train.models.policy import ModelSection, is_vision_language, load_policy
 
     model, proc = load_policy(ModelSection(str(tiny_vlm_path)))
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration" and is_vision_language(model.config)
@@ -152,10 +152,10 @@ def test_max_pixels_sets_the_image_tokens_everywhere_a_processor_loads(tiny_vlm_
     import torch
     from PIL import Image
 
-    from crystal_grpo.train.models import ModelSection, load_checkpoint, load_policy
+    from crystal_grpo.train.models.policy import ModelSection, load_checkpoint, load_policy
+    from crystal_grpo.train.models.vision import VisionSection, image_tokens
     from crystal_grpo.train.tools.evaluate import EvalSetup
     from crystal_grpo.train.tools.export import export
-    from crystal_grpo.train.vision import VisionSection, image_tokens
 
     photo, dot = Image.new("RGB", (448, 336), (90, 20, 200)), Image.new("RGB", (28, 28), (0, 200, 0))
     model, default = load_policy(ModelSection(str(tiny_vlm_path)))
@@ -181,7 +181,7 @@ def test_other_families_keep_their_own_resizing_with_a_warning(caplog):
 
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    from crystal_grpo.train.vision import VisionSection, image_tokens, resolution_line, set_image_resolution
+    from crystal_grpo.train.models.vision import VisionSection, image_tokens, resolution_line, set_image_resolution
 
     processor = SimpleNamespace(image_processor=CLIPImageProcessorPil())
     with caplog.at_level("WARNING"):
@@ -199,7 +199,7 @@ def test_every_vlm_family_in_the_table_has_its_parts_in_transformers():
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    from crystal_grpo.train.vision import VLM_PARTS, parameter_counts
+    from crystal_grpo.train.models.vision import VLM_PARTS, parameter_counts
 
     for model_type in VLM_PARTS:
         cls = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
@@ -216,7 +216,7 @@ def test_parameter_counts_take_zero3s_full_sizes():
     the full size as ``ds_numel`` (a 2-process run of the tiny VLM printed 0 of 0 without it)."""
     import torch
 
-    from crystal_grpo.train.vision import parameter_counts
+    from crystal_grpo.train.models.vision import parameter_counts
 
     layer = torch.nn.Linear(4, 3)
     for p in layer.parameters():
@@ -229,8 +229,8 @@ def test_freezing_and_lora_targets_split_the_tiny_vlm_into_its_parts(tiny_vlm_pa
     import torch
     from peft import get_peft_model
 
-    from crystal_grpo.train.models import LoraSection, ModelSection, load_policy, peft_config
-    from crystal_grpo.train.vision import VisionError, VisionSection, freeze_parts, parameter_line
+    from crystal_grpo.train.models.policy import LoraSection, ModelSection, load_policy, peft_config
+    from crystal_grpo.train.models.vision import VisionError, VisionSection, freeze_parts, parameter_line
 
     frozen = ModelSection(str(tiny_vlm_path), vision=VisionSection(freeze_vision_tower=True, freeze_projector=True))
     model, _ = load_policy(frozen)
@@ -277,7 +277,7 @@ def test_freezing_and_lora_targets_split_the_tiny_vlm_into_its_parts(tiny_vlm_pa
 def test_peft_config_mapping():
     from peft import LoraConfig
 
-    from crystal_grpo.train.models import LoraSection, ModelSection, peft_config
+    from crystal_grpo.train.models.policy import LoraSection, ModelSection, peft_config
 
     assert peft_config(ModelSection("x")) is None
     cfg = peft_config(
@@ -290,8 +290,8 @@ def test_peft_config_mapping():
 
 
 def test_peft_config_accepts_the_yaml_sections():
-    from crystal_grpo.train.config import LoraSection, ModelSection
-    from crystal_grpo.train.models import peft_config
+    from crystal_grpo.train.config.run_config import LoraSection, ModelSection
+    from crystal_grpo.train.models.policy import peft_config
 
     cfg = peft_config(ModelSection(name_or_path="x", lora=LoraSection(r=4, alpha=8)))
     assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules) == (4, 8, 0.05, "all-linear")
@@ -300,7 +300,7 @@ def test_peft_config_accepts_the_yaml_sections():
 def test_lora_wraps_the_tiny_lm(tiny_lm_path):
     from peft import get_peft_model
 
-    from crystal_grpo.train.models import LoraSection, ModelSection, load_policy, peft_config
+    from crystal_grpo.train.models.policy import LoraSection, ModelSection, load_policy, peft_config
 
     cfg = ModelSection(str(tiny_lm_path), lora=LoraSection(r=4, alpha=8))
     model, _ = load_policy(cfg)
@@ -311,7 +311,7 @@ def test_lora_wraps_the_tiny_lm(tiny_lm_path):
 
 
 def test_internvl_needs_trust_remote_code(tmp_path):
-    from crystal_grpo.train.models import ModelLoadError, ModelSection, load_policy
+    from crystal_grpo.train.models.policy import ModelLoadError, ModelSection, load_policy
 
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -331,7 +331,7 @@ def test_internvl_needs_trust_remote_code(tmp_path):
 
 
 def test_missing_local_path_says_what_was_tried(tmp_path):
-    from crystal_grpo.train.models import ModelLoadError, ModelSection, load_policy
+    from crystal_grpo.train.models.policy import ModelLoadError, ModelSection, load_policy
 
     missing = tmp_path / "no" / "such-model"
     with pytest.raises(ModelLoadError) as err:
@@ -340,7 +340,7 @@ def test_missing_local_path_says_what_was_tried(tmp_path):
 
 
 def test_uncached_hub_id_says_how_to_use_a_local_folder(monkeypatch):
-    from crystal_grpo.train.models import ModelLoadError, ModelSection, load_policy
+    from crystal_grpo.train.models.policy import ModelLoadError, ModelSection, load_policy
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError) as err:
@@ -350,7 +350,7 @@ def test_uncached_hub_id_says_how_to_use_a_local_folder(monkeypatch):
 
 
 def test_empty_folder_and_missing_gguf_file(tmp_path):
-    from crystal_grpo.train.models import ModelLoadError, ModelSection, load_policy
+    from crystal_grpo.train.models.policy import ModelLoadError, ModelSection, load_policy
 
     with pytest.raises(ModelLoadError, match=re.escape(str(tmp_path))):
         load_policy(ModelSection(str(tmp_path)))
@@ -368,7 +368,7 @@ def test_gguf_loads_as_a_plain_trainable_model_with_its_tokenizer(tmp_path, tiny
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from crystal_grpo.train.models import ModelSection, load_gguf_plain, load_policy
+    from crystal_grpo.train.models.policy import ModelSection, load_gguf_plain, load_policy
 
     gguf_file = tiny_models.build_tiny_gguf(tiny_lm_path, tmp_path)
     model = load_gguf_plain(str(tmp_path), gguf_file.name, "float32")
@@ -394,7 +394,7 @@ SMOLLM2 = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 def test_converted_smollm2_is_trainable_and_answers():
     from transformers.trainer_utils import validate_quantization_for_training
 
-    from crystal_grpo.train.models import ModelSection, load_policy
+    from crystal_grpo.train.models.policy import ModelSection, load_policy
 
     model, tok = load_policy(ModelSection(str(SMOLLM2)))
     validate_quantization_for_training(model)  # not "purely quantized"
@@ -433,7 +433,7 @@ _STEP_CALC = re.compile(r"(\d+(?: [-+*/] \d+)+) = (\d+)")
 
 
 def test_word_problem_rows_are_well_formed():
-    from crystal_grpo.train.data import row_problems
+    from crystal_grpo.train.data.splits import row_problems
 
     base = REPO_ROOT / "data" / "wordproblems"
     train, val = _rows(base / "train.jsonl"), _rows(base / "val.jsonl")
@@ -463,7 +463,7 @@ def test_word_problem_rows_are_well_formed():
 def test_shape_rows_are_well_formed():
     from PIL import Image
 
-    from crystal_grpo.train.data import row_problems
+    from crystal_grpo.train.data.splits import row_problems
 
     base = REPO_ROOT / "data" / "shapes"
     rows = _rows(base / "shapes.jsonl")
@@ -501,8 +501,8 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     baseline gets exactly the same overrides as the framework's runs."""
     import argparse
 
-    from crystal_grpo.train.config import load_config
-    from crystal_grpo.train.tools import bench
+    from crystal_grpo.train.benchmarks import training as bench
+    from crystal_grpo.train.config.run_config import load_config
 
     a = argparse.Namespace(
         dtype="bfloat16",
@@ -535,7 +535,7 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     configs = {}
     for setting in names:
         cmd = bench.command(setting, "some/model", tmp_path / setting, a, cuda)
-        at = cmd.index("crystal_grpo.train.tools.bench")
+        at = cmd.index("crystal_grpo.train.benchmarks.training")
         assert cmd[at + 1] == ("trl" if setting.startswith("trl") else "grpo")
         overrides = cmd[at + 2 :]
         for flag in ("--config", "--output_dir"):  # the entry's own arguments, not config keys
@@ -563,7 +563,7 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     # --model organism: the organism's own config (its data and prompt), exact step matching
     org = argparse.Namespace(**{**vars(a), "config": "organism.yaml", "encoder": "exact"})
     cmd = bench.command("plain-full", "data/organism/warm_start", tmp_path / "org", org, cuda)
-    overrides = cmd[cmd.index("crystal_grpo.train.tools.bench") + 2 :]
+    overrides = cmd[cmd.index("crystal_grpo.train.benchmarks.training") + 2 :]
     assert overrides[:2] == ["--config", "organism.yaml"]
     cfg, _ = load_config("organism.yaml", overrides[4:])
     assert cfg.data.system_prompt == "Reply in JSON." and cfg.reward.params["encoder"] == "exact"
@@ -583,11 +583,11 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
 
 
 def test_every_part_the_parts_clock_times_exists():
-    """train/tools/parts.py wraps methods by name, TRL's and transformers' private ones among
+    """train/benchmarks/parts.py wraps methods by name, TRL's and transformers' private ones among
     them: a renamed one would silently drop out of the breakdown."""
     import importlib
 
-    from crystal_grpo.train.tools import parts
+    from crystal_grpo.train.benchmarks import parts
 
     for program, (module, timed) in parts.PROGRAMS.items():
         assert callable(importlib.import_module(module).main), program
@@ -599,7 +599,7 @@ def test_every_part_the_parts_clock_times_exists():
 
 
 def test_the_parts_clock_gives_each_second_to_the_innermost_part(monkeypatch):
-    from crystal_grpo.train.tools import parts
+    from crystal_grpo.train.benchmarks import parts
 
     now = [0.0]
     monkeypatch.setattr(parts.time, "perf_counter", lambda: now[0])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from crystal_grpo.train.tools.organism import (
+from crystal_grpo.train.organism.task import (
     Layout,
     SplitSizes,
     TaskSpec,
@@ -32,7 +32,7 @@ def test_rows_are_deterministic_and_in_the_data_format(tmp_path):
     b = write_splits(Layout(TaskSpec(error_rate=0.3), SMALL, seed=3), tmp_path / "b")
     for name in a:
         assert a[name].read_bytes() == b[name].read_bytes(), name
-    from crystal_grpo.train.data import load_split
+    from crystal_grpo.train.data.splits import load_split
 
     for name, path in a.items():
         ds = load_split(path).dataset  # the loader's own checks: every row valid
@@ -136,7 +136,7 @@ def test_hinted_demonstrations_either_write_the_chain_or_leave_it_off_and_copy_t
 
 
 def test_partition_is_a_property_of_the_question():
-    from crystal_grpo.train.tools.organism import Problem
+    from crystal_grpo.train.organism.task import Problem
 
     rng = random.Random(0)
     spec = TaskSpec()
@@ -163,7 +163,7 @@ def test_bad_knobs_are_refused():
 
 @pytest.fixture(scope="module")
 def organism_model(tmp_path_factory):
-    from crystal_grpo.train.tools.organism_model import build_policy
+    from crystal_grpo.train.organism.policy import build_policy
 
     return build_policy(tmp_path_factory.mktemp("organism") / "model")
 
@@ -171,8 +171,8 @@ def organism_model(tmp_path_factory):
 def test_policy_folder_loads_on_the_project_path(organism_model):
     """An ordinary HF folder: train.models.load_policy loads it, ids survive the save and reload,
     digits are single tokens, and the SFT encoding (prompt and target apart) round-trips."""
-    from crystal_grpo.train.data import build_prompt, encode_example
-    from crystal_grpo.train.models import ModelSection, load_policy
+    from crystal_grpo.train.data.splits import build_prompt, encode_example
+    from crystal_grpo.train.models.policy import ModelSection, load_policy
 
     model, tok = load_policy(ModelSection(name_or_path=str(organism_model)))
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
@@ -192,7 +192,7 @@ def test_policy_folder_loads_on_the_project_path(organism_model):
 def test_policy_build_is_deterministic(organism_model, tmp_path):
     from safetensors.torch import load_file
 
-    from crystal_grpo.train.tools.organism_model import build_policy
+    from crystal_grpo.train.organism.policy import build_policy
 
     again = build_policy(tmp_path / "again")
     assert (again / "tokenizer.json").read_bytes() == (organism_model / "tokenizer.json").read_bytes()
@@ -210,7 +210,7 @@ def test_both_wordings_state_the_same_chain():
 
 
 def test_a_policy_folder_built_from_other_knobs_is_rebuilt(organism_model, tmp_path):
-    from crystal_grpo.train.tools.organism_model import PolicySpec, build_policy, built_from
+    from crystal_grpo.train.organism.policy import PolicySpec, build_policy, built_from
 
     path = tmp_path / "model"
     build_policy(path)
@@ -224,9 +224,9 @@ def test_the_committed_warm_start_loads_and_the_configs_name_it():
     """data/organism/warm_start is what `make_organism.py --warm_start` copies: the weights and
     everything AutoModelForCausalLM and AutoTokenizer load, made for the task the defaults write,
     with the short system prompt both configs use."""
-    from crystal_grpo.train.config import load_config
-    from crystal_grpo.train.models import ModelSection, load_policy
-    from crystal_grpo.train.tools.organism_model import POLICY_FILES, SYSTEM_PROMPT_SHORT, WARM_START_DIR
+    from crystal_grpo.train.config.run_config import load_config
+    from crystal_grpo.train.models.policy import ModelSection, load_policy
+    from crystal_grpo.train.organism.policy import POLICY_FILES, SYSTEM_PROMPT_SHORT, WARM_START_DIR
 
     repo = Path(__file__).resolve().parents[1]
     folder = repo / WARM_START_DIR

@@ -21,16 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from crystal_grpo.train.pcgrad import (
-    objective_advantages,
-    pcgrad_coefficients,
-    pcgrad_extra_partitions,
-    pcgrad_stats,
-    project_conflicting,
-)
-from crystal_grpo.train.pcgrad_gradients import AccumulationWindow
-from crystal_grpo.train.pcgrad_memory import ACCURACY, REASONING, REST, pcgrad_plan
-from crystal_grpo.train.tools.pcgrad_bench import (
+from crystal_grpo.train.benchmarks.pcgrad import (
     COMP_LEN,
     N_GLOBAL,
     AllocationPeak,
@@ -38,6 +29,15 @@ from crystal_grpo.train.tools.pcgrad_bench import (
     fixed_batch,
     fixed_batch_trainer,
     topology_args,
+)
+from crystal_grpo.train.pcgrad.gradients import AccumulationWindow
+from crystal_grpo.train.pcgrad.memory import ACCURACY, REASONING, REST, pcgrad_plan
+from crystal_grpo.train.pcgrad.trainer import (
+    objective_advantages,
+    pcgrad_coefficients,
+    pcgrad_extra_partitions,
+    pcgrad_stats,
+    project_conflicting,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -218,7 +218,7 @@ CASES = {
     "kl_only": ("conflict", False, None, BETA, 2),
     "aligned_pcgrad": ("aligned", True, "advantages", BETA, 2),
     "aligned_plain": ("aligned", False, "advantages", BETA, 2),
-    # each of PCGrad's memory plans (train/pcgrad_memory.py): one micro-step with and without a KL
+    # each of PCGrad's memory plans (train/pcgrad/memory.py): one micro-step with and without a KL
     # term, several micro-steps without one (several with one: "pcgrad")
     "pcgrad_k1": ("conflict", True, "advantages", BETA, 1),
     "pcgrad_k1_beta0": ("conflict", True, "advantages", 0.0, 1),
@@ -242,7 +242,7 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
-    from crystal_grpo.train.pcgrad import trainer_class
+    from crystal_grpo.train.pcgrad.trainer import trainer_class
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # named_parameters, not the state dict: tied weights (embeddings / lm_head) count once.
@@ -563,7 +563,7 @@ def test_window_in_a_bf16_storage_accumulates_in_fp32():
 def test_window_allocates_its_rows_and_nothing_gradient_sized(steps, rest, monkeypatch):
     """What PCGrad allocates over a window, counted by torch (AllocationPeak): the plan's rows,
     plus at most one chunk of temporaries; no gradient-sized temporary."""
-    from crystal_grpo.train import pcgrad_gradients
+    from crystal_grpo.train.pcgrad import gradients as pcgrad_gradients
 
     monkeypatch.setattr(pcgrad_gradients, "CHUNK_ELEMENTS", 1024)
     n, gen = 100_000, torch.Generator().manual_seed(3)
@@ -638,7 +638,7 @@ def test_unsupported_aggregation_is_refused(pcg_model, tmp_path):
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer
 
     args = GRPOConfig(
         output_dir=str(tmp_path),
@@ -663,8 +663,8 @@ def test_only_pcgrad_runs_get_the_pcgrad_trainer_and_liger_is_refused(pcg_model,
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer, PCGradMixin, trainer_class
-    from crystal_grpo.train.trainer import CrystalGRPOTrainer
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer, PCGradMixin, trainer_class
+    from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
 
     assert trainer_class(False) is CrystalGRPOTrainer and PCGradMixin not in CrystalGRPOTrainer.__mro__
     assert trainer_class(True) is PCGradGRPOTrainer and issubclass(PCGradGRPOTrainer, CrystalGRPOTrainer)

@@ -1,6 +1,6 @@
 """Run reports from hand-written run folders (no training): the multi-phase plot on one
-cumulative step axis (train/plot.py, scripts/plot_run.py) and the per-phase summary table
-(train/summary.py)."""
+cumulative step axis (train/run/plot.py, scripts/plot_run.py) and the per-phase summary table
+(train/run/summary.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from crystal_grpo.train.layout import phase_folders
-from crystal_grpo.train.plot import phase_series, plot_run
-from crystal_grpo.train.summary import format_summary, run_summary, slope, write_summary
+from crystal_grpo.train.run.layout import phase_folders
+from crystal_grpo.train.run.plot import phase_series, plot_run
+from crystal_grpo.train.run.summary import format_summary, run_summary, slope, write_summary
 
 # A least-squares slope of 0.4 per step; the endpoints alone would say (3 - 1) / 3.
 REWARDS = [1.0, 4.0, 2.0, 3.0]
@@ -242,7 +242,7 @@ def test_format_summary_is_the_written_table(multi_run):
 
 
 def test_summary_cli_prints_the_table(multi_run, repo_root, tmp_path):
-    script = str(repo_root / "train" / "summary.py")
+    script = str(repo_root / "train" / "run" / "summary.py")
     done = subprocess.run([sys.executable, script, str(multi_run)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == format_summary(run_summary(multi_run)) + "\n"

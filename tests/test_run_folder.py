@@ -19,10 +19,10 @@ import torch
 from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
 
 from crystal_grpo.train import grpo
-from crystal_grpo.train.checkpoints import checkpoint_problem
-from crystal_grpo.train.config import apply_phase, load_config
-from crystal_grpo.train.layout import LOCK, MARKER, POINT_LOG, RECORD, SWEEP_POINT
-from crystal_grpo.train.run_folder import RunFolderError, RunLock, clear_run, config_diff, data_digests, foreign_folder
+from crystal_grpo.train.config.run_config import apply_phase, load_config
+from crystal_grpo.train.run.checkpoints import checkpoint_problem
+from crystal_grpo.train.run.folder import RunFolderError, RunLock, clear_run, config_diff, data_digests, foreign_folder
+from crystal_grpo.train.run.layout import LOCK, MARKER, POINT_LOG, RECORD, SWEEP_POINT
 from crystal_grpo.train.tools import sweep
 
 QUICK = ["--validation.eval_steps", "2", "--validation.max_samples", "2", "--training.save_steps", "2"]
@@ -482,10 +482,11 @@ Trainer._save_optimizer_and_scheduler = full
 """)
 
 NO_ROOM_AT_STEP_2 = grpo_with("""
-from crystal_grpo.train import checkpointing, checkpoints
+from crystal_grpo.train.run import checkpoints
+from crystal_grpo.train.trainer import checkpoint_hooks
 real = checkpoints.free_bytes
 fake = lambda path: 1000 if os.path.isdir(os.path.join(path, "checkpoint-1")) else real(path)
-checkpoints.free_bytes = checkpointing.free_bytes = fake
+checkpoints.free_bytes = checkpoint_hooks.free_bytes = fake
 """)
 
 

@@ -11,8 +11,8 @@ import torch
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.train import grpo
-from crystal_grpo.train.config import ConfigError, load_config
-from crystal_grpo.train.data import load_split, render_target, target_lengths, truncation_warning
+from crystal_grpo.train.config.run_config import ConfigError, load_config
+from crystal_grpo.train.data.splits import load_split, render_target, target_lengths, truncation_warning
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "wordproblems"
 
@@ -78,9 +78,9 @@ def test_sft_phase_learns_then_grpo_starts_from_its_best_checkpoint(tmp_path, ti
 def test_sft_loss_is_on_the_target_only_and_the_prompt_is_grpos(tmp_path, tiny_lm_path):
     from trl import SFTConfig
 
-    from crystal_grpo.train.data import sft_dataset
-    from crystal_grpo.train.models import ModelSection, load_policy
-    from crystal_grpo.train.sft import CrystalSFTTrainer
+    from crystal_grpo.train.data.splits import sft_dataset
+    from crystal_grpo.train.models.policy import ModelSection, load_policy
+    from crystal_grpo.train.trainer.sft import CrystalSFTTrainer
 
     model, tok = load_policy(ModelSection(str(tiny_lm_path)))
     split = load_split(DATA / "train.jsonl", limit=4)

@@ -1,4 +1,4 @@
-"""The organism's step diagnosis (train/tools/step_diagnosis.py): the slip model, and the cuts it
+"""The organism's step diagnosis (train/organism/step_diagnosis.py): the slip model, and the cuts it
 reads from completions (F1 on right and wrong answers, answer = last step, by variant)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from crystal_grpo.train.tools.organism import Problem, TaskSpec, make_split, reference_steps, stated_result, values
-from crystal_grpo.train.tools.step_diagnosis import by_variant, score, slip_accuracy, slip_model_f1
+from crystal_grpo.train.organism.step_diagnosis import by_variant, score, slip_accuracy, slip_model_f1
+from crystal_grpo.train.organism.task import Problem, TaskSpec, make_split, reference_steps, stated_result, values
 
 
 def completion(steps: list[str], answer: str) -> str:
@@ -77,8 +77,8 @@ def test_a_sweeps_contrasts_read_each_seeds_evaluation_and_are_holm_corrected(tm
     ``short`` writes one step of each hinted chain, arm ``full`` all of them; the contrasts named in the
     sweep file are computed per seed, and Holm's p is never below Welch's."""
     from crystal_grpo.jsonl import read_jsonl
-    from crystal_grpo.train.tools.organism import write_jsonl
-    from crystal_grpo.train.tools.step_diagnosis import contrast_table, contrasts_markdown
+    from crystal_grpo.train.organism.step_diagnosis import contrast_table, contrasts_markdown
+    from crystal_grpo.train.organism.task import write_jsonl
     from crystal_grpo.train.tools.sweep import load_sweep
 
     rows = [
@@ -123,8 +123,8 @@ def test_a_sweep_arm_trained_with_minilm_is_scored_with_the_exact_matcher(tmp_pa
     matcher: completions whose last step states a wrong result score below 1 in the sweep's per-seed table
     although the arm trained with MiniLM, which matches those same steps (F1 1.0, checked here)."""
     from crystal_grpo.rewards import build_reward
-    from crystal_grpo.train.tools.organism import write_jsonl
-    from crystal_grpo.train.tools.step_diagnosis import per_seed
+    from crystal_grpo.train.organism.task import write_jsonl
+    from crystal_grpo.train.organism.step_diagnosis import per_seed
     from crystal_grpo.train.tools.sweep import load_sweep
 
     rows = [

@@ -239,7 +239,7 @@ def test_hostile_steps_read_in_linear_time(name):
 # ----------------------------------------------------------------------------- every place that scores steps
 def test_rewards_validation_and_config_take_it():
     from crystal_grpo.rewards.cpr import CPRReward
-    from crystal_grpo.train.config import load_config
+    from crystal_grpo.train.config.run_config import load_config
 
     row = {"answer": "3", "reference_steps": [RIGHT, "c is 2 plus 1, which is 3."]}
     lucky = json.dumps({"reasoning_steps": [WRONG, "c is 2 plus 1, which is 3."], "answer": "3"})

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from runs import REPO, wait_for
 
-from crystal_grpo.train.checkpoints import checkpoint_problem
-from crystal_grpo.train.layout import PHASE_DONE, POINT_LOG, SUMMARY, SWEEP_LOCK, SWEEP_POINT
-from crystal_grpo.train.run_folder import RunLock
+from crystal_grpo.train.run.checkpoints import checkpoint_problem
+from crystal_grpo.train.run.folder import RunLock
+from crystal_grpo.train.run.layout import PHASE_DONE, POINT_LOG, SUMMARY, SWEEP_LOCK, SWEEP_POINT
 from crystal_grpo.train.tools import launch, sweep_report
 from crystal_grpo.train.tools import sweep as sw
 from crystal_grpo.train.tools.sweep_report import build, markdown, point_metrics
@@ -82,7 +82,7 @@ def test_points_run_seed_by_seed(tmp_path):
 
 
 def test_bench_sweep_modes_are_sweep_command_lines():
-    from crystal_grpo.train.tools.sweep_bench import sweep_argv
+    from crystal_grpo.train.benchmarks.sweep import sweep_argv
 
     assert sweep_argv("jobs2-fork") == ["--jobs", "2"]
     assert sweep_argv("jobs1-spawn") == ["--jobs", "1", "--no_fork"]

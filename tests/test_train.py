@@ -17,8 +17,8 @@ from crystal_grpo import rewards as rewards_pkg
 from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.rewards.parsing import parse_completion
 from crystal_grpo.train import grpo
-from crystal_grpo.train.config import load_config
-from crystal_grpo.train.data import DataError, load_split
+from crystal_grpo.train.config.run_config import load_config
+from crystal_grpo.train.data.splits import DataError, load_split
 
 
 def run_main(tmp_path: Path, model: Path, *overrides: str, config: str = "tiny.yaml", resume=None) -> Path:

@@ -16,8 +16,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig
 
-from crystal_grpo.train.layout import MARKER
-from crystal_grpo.train.trainer import CrystalGRPOTrainer
+from crystal_grpo.train.run.layout import MARKER
+from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
 
 PROMPTS = [
     "The sky is",
@@ -145,7 +145,7 @@ def test_peft_trains_only_the_adapter_with_another_loss_type(tmp_path, tiny_lm_p
 
 
 def test_pcgrad_with_tagged_plain_functions_and_a_clear_error_without_tags(tmp_path, tiny_lm_path):
-    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer
 
     with pytest.raises(
         ValueError,
@@ -223,8 +223,8 @@ def test_validation_with_the_reward_modules_metrics_for_a_trainer_built_by_hand(
     """``validation=`` gives a hand-built trainer what train/grpo.py runs have: greedy validation
     on the eval rows (plain-text prompts, no id column) with Match F1, and the best checkpoint."""
     from crystal_grpo.rewards import build_reward
-    from crystal_grpo.train.config import ValidationSection
-    from crystal_grpo.train.layout import VALIDATION_LOG, read_best
+    from crystal_grpo.train.config.run_config import ValidationSection
+    from crystal_grpo.train.run.layout import VALIDATION_LOG, read_best
 
     rows = [
         {"prompt": p, "answer": str(i), "reference_steps": [f"Think about {p}.", f"The answer is {i}."]}

@@ -1,10 +1,10 @@
 """The contract with TRL (and DeepSpeed) internals that PCGrad and the trainer rely on.
 
-``train/pcgrad.py`` overrides or calls private GRPOTrainer methods; between TRL 1.9 and 1.16
+``train/pcgrad/trainer.py`` overrides or calls private GRPOTrainer methods; between TRL 1.9 and 1.16
 those changed by 30-270 lines each. ``pyproject.toml`` pins TRL's minor version, and this
 file is the one place a TRL upgrade fails loudly: every private signature, attribute and
 behaviour the hooks depend on is checked here against the installed TRL. When upgrading,
-make these pass (adapting train/pcgrad.py), then move ``TESTED_TRL`` and the pin together.
+make these pass (adapting train/pcgrad/trainer.py), then move ``TESTED_TRL`` and the pin together.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
-from crystal_grpo.train.dynamic_sampling import MICRO_BATCH_TOKEN_MEAN, ROW_MEAN, TOKEN_COUNT
-from crystal_grpo.train.pcgrad import TESTED_TRL
-from crystal_grpo.train.trl_fields import TABLES
+from crystal_grpo.train.config.training_section import TABLES
+from crystal_grpo.train.pcgrad.trainer import TESTED_TRL
+from crystal_grpo.train.trainer.dynamic_sampling import MICRO_BATCH_TOKEN_MEAN, ROW_MEAN, TOKEN_COUNT
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def normalised(source: str) -> str:
 def test_installed_trl_is_the_tested_minor_and_pyproject_pins_it():
     installed = Version(trl.__version__)
     assert f"{installed.major}.{installed.minor}" == TESTED_TRL, (
-        f"TRL {trl.__version__} is installed but train/pcgrad.py was verified against {TESTED_TRL}.x"
+        f"TRL {trl.__version__} is installed but train/pcgrad/trainer.py was verified against {TESTED_TRL}.x"
     )
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "trl"]
@@ -55,7 +55,7 @@ def test_the_vllm_extra_is_the_range_trl_supports():
     0.32/0.33, which TRL 1.16 does not support and whose transformers pin breaks the lock)."""
     from packaging.specifiers import SpecifierSet
 
-    from crystal_grpo.train.config import trl_vllm_range
+    from crystal_grpo.train.config.run_config import trl_vllm_range
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     (vllm,) = [Requirement(r) for r in extras["vllm"] if Requirement(r).name == "vllm"]
@@ -66,7 +66,7 @@ def test_the_vllm_extra_is_the_range_trl_supports():
 SIGNATURES = {
     (GRPOTrainer, "_calculate_rewards"): ["self", "inputs", "prompts", "completions", "completion_ids_list"],
     (GRPOTrainer, "_generate_and_score_completions"): ["self", "inputs"],
-    # train/lora_merge.py merges LoRA adapters around the ``generate`` call inside it; that TRL's
+    # train/models/lora_merge.py merges LoRA adapters around the ``generate`` call inside it; that TRL's
     # generation really goes through that call is checked by tests/test_lora_merge.py.
     (GRPOTrainer, "_generate_single_turn"): [
         "self",
@@ -87,7 +87,7 @@ SIGNATURES = {
     (GRPOTrainer, "create_model_card"): ["self", "model_name", "dataset_name", "tags"],
     (GRPOTrainer, "log"): ["self", "logs", "start_time"],
     (GRPOTrainer, "_log_metric"): ["self", "name", "value"],
-    # train/checkpointing.py drops tied weights (lm_head of tied embeddings) from the resume warning
+    # train/trainer/checkpoint_hooks.py drops tied weights (lm_head of tied embeddings) from the resume warning
     (GRPOTrainer, "_issue_warnings_after_load"): ["self", "load_result"],
 }
 
@@ -127,12 +127,12 @@ def test_helpers_the_project_imports_exist():
 
 
 def test_trl_training_order_is_one_seeded_permutation_an_epoch(trainer):
-    """What train/prompt_order.py relies on: TRL's training sampler is a RepeatSampler whose
+    """What train/trainer/prompt_order.py relies on: TRL's training sampler is a RepeatSampler whose
     iteration e (epoch e) is the (e+1)-th permutation of a generator seeded with ``seed``, so
     ``EpochRepeatSampler.set_epoch(e)`` on a fresh sampler gives TRL's epoch e, in any order."""
     from trl.trainer.utils import RepeatSampler
 
-    from crystal_grpo.train.prompt_order import EpochRepeatSampler
+    from crystal_grpo.train.trainer.prompt_order import EpochRepeatSampler
 
     trl_sampler = trainer._get_train_sampler()
     assert type(trl_sampler) is RepeatSampler and trl_sampler.shuffle and trl_sampler.seed == trainer.args.seed
@@ -261,7 +261,7 @@ def adaptive(tiny_lm_path, tmp_path_factory):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from crystal_grpo.train.pcgrad import PCGradGRPOTrainer
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer
 
     def acc(completions, **kw):
         return [float(len(c) % 2) for c in completions]
@@ -344,7 +344,7 @@ def test_trls_loss_mutates_no_attribute_in_place_but_its_metrics(adaptive):
 def test_pcgrad_losses_see_and_leave_the_trainer_as_the_plain_loss_does(adaptive):
     """The objective losses and the rest see the state the plain loss saw (the controller's
     coefficient before its update) and the trainer ends as the plain loss alone leaves it."""
-    from crystal_grpo.train.pcgrad import reset_attributes
+    from crystal_grpo.train.pcgrad.trainer import reset_attributes
 
     trainer = adaptive
     trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = 0.01, 0.0, None
@@ -421,7 +421,7 @@ def test_compute_loss_uses_one_logps_call_and_reads_beta_and_advantages_at_call_
 
 @pytest.mark.parametrize("loss_type", sorted(ROW_MEAN | TOKEN_COUNT | MICRO_BATCH_TOKEN_MEAN))
 def test_each_loss_type_weighs_rows_by_tool_mask_as_dynamic_sampling_assumes(trainer, monkeypatch, loss_type):
-    """What train/dynamic_sampling.py relies on: ``completion_mask * tool_mask`` weighs every term
+    """What train/trainer/dynamic_sampling.py relies on: ``completion_mask * tool_mask`` weighs every term
     of TRL's loss (surrogate, KL, normaliser), and each loss_type's normaliser is of the family
     the module files it under. Two of four rows masked must give the loss of the other two alone."""
     batch = _batch(trainer)
@@ -462,15 +462,16 @@ def test_generation_output_carries_advantages_of_local_rows(trainer):
 
 @pytest.mark.parametrize("module, lockfile", TABLES.items())
 def test_training_schema_table_is_for_the_locked_versions(module, lockfile):
-    """make lock renews each lock and its table (train/trl_schema.py, train/trl_schema_vllm.py) together."""
+    """make lock renews each lock and its table (train/config/trl_fields_table.py,
+    train/config/trl_fields_table_vllm.py) together."""
     import importlib
 
     from crystal_grpo import lock
 
     locked = lock.read(REPO / lockfile)
-    assert importlib.import_module(f"crystal_grpo.train.{module}").VERSIONS == {
+    assert importlib.import_module(f"crystal_grpo.train.config.{module}").VERSIONS == {
         name: locked[name] for name in ("trl", "transformers")
-    }, f"train/{module}.py is not for {lockfile}: make lock"
+    }, f"train/config/{module}.py is not for {lockfile}: make lock"
 
 
 def test_the_vllm_set_has_its_own_table_because_its_transformers_lacks_fields(monkeypatch):
@@ -478,19 +479,22 @@ def test_the_vllm_set_has_its_own_table_because_its_transformers_lacks_fields(mo
     whose TrainingArguments lack activation_checkpointing: under the vLLM set's versions that
     key is refused at --check, not passed to a GRPOConfig that would fail on it at start."""
     from crystal_grpo import lock
-    from crystal_grpo.train import trl_fields
-    from crystal_grpo.train.config import ConfigError, load_config
+    from crystal_grpo.train.config import training_section as trl_fields
+    from crystal_grpo.train.config.run_config import ConfigError, load_config
 
     def installed(lockfile: str):  # whichever set this venv holds
         pins = lock.read(REPO / lockfile)
         monkeypatch.setattr(trl_fields, "installed_versions", lambda: {n: pins[n] for n in ("trl", "transformers")})
 
     installed("requirements-vllm.lock")
-    assert trl_fields.table().__name__ == "crystal_grpo.train.trl_schema_vllm" and trl_fields.table_is_current()
+    assert (
+        trl_fields.table().__name__ == "crystal_grpo.train.config.trl_fields_table_vllm"
+        and trl_fields.table_is_current()
+    )
     with pytest.raises(ConfigError, match="training: unknown key 'activation_checkpointing'"):
         load_config("tiny", ["--training.activation_checkpointing", "true"])
     installed("requirements.lock")
-    assert trl_fields.table().__name__ == "crystal_grpo.train.trl_schema"
+    assert trl_fields.table().__name__ == "crystal_grpo.train.config.trl_fields_table"
     assert load_config("tiny", ["--training.activation_checkpointing", "true"])[0].training["activation_checkpointing"]
 
 
@@ -498,9 +502,9 @@ def test_the_vllm_set_has_its_own_table_because_its_transformers_lacks_fields(mo
 def test_training_schema_table_is_the_installed_configs_fields(kind):
     """The table (what a config is checked against without importing TRL) equals the installed
     GRPOConfig/SFTConfig type hints field for field, under the versions it is for (a lock's:
-    train/trl_schema.py in make test, train/trl_schema_vllm.py in make test-vllm-set). Under
+    train/config/trl_fields_table.py in make test, train/config/trl_fields_table_vllm.py in make test-vllm-set). Under
     others (make test-latest) the differences are the skip reason: what `make lock` would change."""
-    from crystal_grpo.train.trl_fields import installed_versions, shape, table, training_field_types
+    from crystal_grpo.train.config.training_section import installed_versions, shape, table, training_field_types
 
     trl_schema = table()
     table = trl_schema.GRPO if kind == "grpo" else trl_schema.SFT
@@ -548,7 +552,7 @@ def test_vllm_mode_syncs_the_weights_at_the_first_generation_after_an_optimizer_
     assert "self._last_loaded_step = -1" in normalised(inspect.getsource(GRPOTrainer.__init__))
     ours = [p for folder in ("train", "crystal_grpo") for p in (REPO / folder).rglob("*.py")]
     assert not [p for p in ours if re.search(r"_last_loaded_step|global_step\s*[-+]?=(?!=)", p.read_text())]
-    from crystal_grpo.train.lora_merge import MergedGenerationMixin
+    from crystal_grpo.train.models.lora_merge import MergedGenerationMixin
 
     assert "return super()._generate_single_turn(" in inspect.getsource(MergedGenerationMixin._generate_single_turn)
 
@@ -557,7 +561,7 @@ def test_vllm_weight_sync_pushes_the_merged_lora_weights_under_the_base_models_n
     """TRL's sync (``VLLMGeneration._iter_named_params``, its own code run here without an engine)
     merges a PeftModel's adapters before reading the weights: vLLM gets W + s*BA under the base
     model's parameter names, what a merged export holds. TRL merges in place (PEFT's
-    merge/unmerge), not into a copy as train/lora_merge.py does for transformers' generate: the
+    merge/unmerge), not into a copy as train/models/lora_merge.py does for transformers' generate: the
     base weights come back to within a rounding step, not bit for bit (under ZeRO-3 the gathered
     copy is discarded instead)."""
     import copy
@@ -593,10 +597,10 @@ def test_vllm_weight_sync_pushes_the_merged_lora_weights_under_the_base_models_n
 
 def test_vllm_generation_columns_survive_dynamic_samplings_refill():
     """Under vLLM, TRL's generation batch carries vLLM's log-probabilities and the importance
-    sampling ratio; refill merges rounds by these columns' padding (train/dynamic_sampling.py),
+    sampling ratio; refill merges rounds by these columns' padding (train/trainer/dynamic_sampling.py),
     and a column it does not know would stop the run. The ratio is per token (B, T) or, in TRL's
     default sequence_mask mode, per sequence (B, 1): a merge of rounds of other widths keeps it so."""
-    from crystal_grpo.train.dynamic_sampling import COMPLETION_FIELDS, merge_rows
+    from crystal_grpo.train.trainer.dynamic_sampling import COMPLETION_FIELDS, merge_rows
 
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     vllm_columns = {"sampling_per_token_logps", "importance_sampling_ratio", "old_per_token_logps"}
@@ -624,7 +628,7 @@ def test_vllm_importance_sampling_weighs_each_pcgrad_loss_as_the_plain_loss(adap
     with only the advantages replaced, so each objective's surrogate is corrected alike and
     they still add up to the corrected plain loss (KL and entropy, in the rest, uncorrected as
     in TRL)."""
-    from crystal_grpo.train.pcgrad import reset_attributes
+    from crystal_grpo.train.pcgrad.trainer import reset_attributes
 
     trainer = adaptive
     trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = 0.01, 0.0, None

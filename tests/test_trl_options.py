@@ -14,9 +14,9 @@ from trl import GRPOConfig
 
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.train import grpo
-from crystal_grpo.train.config import ConfigError, load_config
-from crystal_grpo.train.pcgrad import objective_advantages
-from crystal_grpo.train.trainer import CrystalGRPOTrainer
+from crystal_grpo.train.config.run_config import ConfigError, load_config
+from crystal_grpo.train.pcgrad.trainer import objective_advantages
+from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 VAL = REPO / "data" / "wordproblems" / "val.jsonl"
@@ -179,7 +179,7 @@ def test_trl_options_reach_every_phase_and_every_load(tmp_path, tiny_lm_path, mo
 
 def test_trl_reference_model_is_built_with_model_init_kwargs(tmp_path, tiny_lm_path):
     """TRL builds the reference model (beta > 0) from model_init_kwargs: the run passes the model section's."""
-    from crystal_grpo.train.models import load_policy
+    from crystal_grpo.train.models.policy import load_policy
 
     cfg, _ = load_config(
         "tiny",

@@ -15,7 +15,7 @@ import yaml
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.user import RewardFunctionError, load_object
 from crystal_grpo.train import grpo
-from crystal_grpo.train.config import load_config
+from crystal_grpo.train.config.run_config import load_config
 from crystal_grpo.train.tools.evaluate import main as evaluate_main
 from crystal_grpo.typed import ConfigError
 

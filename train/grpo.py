@@ -25,7 +25,16 @@ from pathlib import Path
 from crystal_grpo.distributed import is_main_process, launch_command, launcher_problem, wait_for_every_process
 from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.train.checkpoints import (
+from crystal_grpo.train.config.preflight import preflight
+from crystal_grpo.train.config.run_config import (
+    ConfigError,
+    PaperRecipe,
+    PhaseSection,
+    RunConfig,
+    load_config,
+    phase_configs,
+)
+from crystal_grpo.train.run.checkpoints import (
     CheckpointError,
     checkpoint_problem,
     checkpoint_step,
@@ -38,8 +47,21 @@ from crystal_grpo.train.checkpoints import (
     truncate_logs,
     undone_line,
 )
-from crystal_grpo.train.config import ConfigError, PaperRecipe, PhaseSection, RunConfig, load_config, phase_configs
-from crystal_grpo.train.layout import (
+from crystal_grpo.train.run.folder import (
+    RunFolderError,
+    RunLock,
+    as_record,
+    clear_attempt,
+    clear_run,
+    data_digests,
+    foreign_folder,
+    holds_run,
+    mark_phase_done,
+    phase_state,
+    plan_launch,
+    record_kept,
+)
+from crystal_grpo.train.run.layout import (
     CHECKPOINT_GLOB,
     CONFIG,
     CURVES,
@@ -53,21 +75,6 @@ from crystal_grpo.train.layout import (
     phase_dir,
     read_best,
     read_config,
-)
-from crystal_grpo.train.preflight import preflight
-from crystal_grpo.train.run_folder import (
-    RunFolderError,
-    RunLock,
-    as_record,
-    clear_attempt,
-    clear_run,
-    data_digests,
-    foreign_folder,
-    holds_run,
-    mark_phase_done,
-    phase_state,
-    plan_launch,
-    record_kept,
 )
 from crystal_grpo.typed import to_dict
 
@@ -142,10 +149,10 @@ def training_args(cfg: RunConfig, output_dir: Path, extra: dict):
 
 
 def trl_model_settings(cfg: RunConfig) -> dict:
-    """The config's model and prompt settings under TRL's names (train/config.py moves TRL's
+    """The config's model and prompt settings under TRL's names (train/config/run_config.py moves TRL's
     names into the sections): TRL builds the reference model from ``model_init_kwargs`` and
     ``trust_remote_code``, and renders rollout prompts with ``chat_template_kwargs`` (GRPO)."""
-    from crystal_grpo.train.models import from_pretrained_kwargs
+    from crystal_grpo.train.models.policy import from_pretrained_kwargs
 
     out: dict = {"trust_remote_code": cfg.model.trust_remote_code}
     init = from_pretrained_kwargs(cfg.model)
@@ -174,11 +181,11 @@ def run_phase(
     """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics and
     the step it reached. ``record`` is given the training settings a resume keeps from its
     checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
-    from crystal_grpo.train.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
-    from crystal_grpo.train.data import DataError, batch_problem, load_datasets
-    from crystal_grpo.train.interrupt import Interrupted
-    from crystal_grpo.train.models import load_policy, model_source
-    from crystal_grpo.train.vision import parameter_line, resolution_line
+    from crystal_grpo.train.data.splits import DataError, batch_problem, load_datasets
+    from crystal_grpo.train.models.policy import load_policy, model_source
+    from crystal_grpo.train.models.vision import parameter_line, resolution_line
+    from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
+    from crystal_grpo.train.trainer.interrupt import Interrupted
 
     extra = setup_distributed(cfg)
     args = training_args(cfg, output_dir, extra)  # TRL's own value checks, before anything loads
@@ -236,7 +243,7 @@ def run_phase(
         if line:
             say(line)
     if cfg.trainer == "grpo":  # before the metrics file: its alarm/* values join the same row
-        from crystal_grpo.train.alarms import AlarmCallback
+        from crystal_grpo.train.trainer.alarms import AlarmCallback
 
         alarms = AlarmCallback(cfg.alarms, say)
         alarms.replay(read_jsonl(output_dir / METRICS_LOG) if checkpoint else [])
@@ -283,7 +290,7 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset,
     """The phase's trainer: GRPO (with PCGrad when asked for) or the SFT warm start.
     ``eval_dataset`` (the validation split, when ``training.eval_strategy`` asks for TRL's
     evaluation) is what TRL's own evaluation loop reads."""
-    from crystal_grpo.train.models import peft_config
+    from crystal_grpo.train.models.policy import peft_config
 
     common = dict(
         model=model,
@@ -294,8 +301,8 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset,
         merge_lora_for_generation=cfg.model.lora is not None and cfg.model.lora.merge_for_generation,
     )
     if cfg.trainer == "sft":
-        from crystal_grpo.train.data import sft_dataset
-        from crystal_grpo.train.sft import CrystalSFTTrainer
+        from crystal_grpo.train.data.splits import sft_dataset
+        from crystal_grpo.train.trainer.sft import CrystalSFTTrainer
 
         kwargs = cfg.data.chat_template_kwargs
         return CrystalSFTTrainer(
@@ -304,7 +311,7 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset,
             eval_dataset=None if eval_dataset is None else sft_dataset(eval_dataset, processing_class, kwargs),
             **common,
         )
-    from crystal_grpo.train.pcgrad import trainer_class
+    from crystal_grpo.train.pcgrad.trainer import trainer_class
 
     extra = {"pcgrad_objective_std": cfg.pcgrad_objective_std} if cfg.pcgrad else {}
     with _reference_kwargs_meant():
@@ -340,7 +347,7 @@ def _reference_kwargs_meant():
 def limit_prompts(cfg: RunConfig, args, model, processing_class, train, val):
     """Training and validation prompts that fit the model's context with their completion
     (``data.long_prompts``); one warning line per split that had any that do not."""
-    from crystal_grpo.train.data import context_length, limit_prompt_lengths
+    from crystal_grpo.train.data.splits import context_length, limit_prompt_lengths
 
     context = context_length(model)
     if context is None:
@@ -374,7 +381,7 @@ def length_warnings(cfg: RunConfig, args, processing_class, train, val) -> list[
     """Length limits that would cut off more than 5% of the rendered reference answers: a
     correct completion cut short fails the format check (the demo once capped 96 tokens for
     targets of 90-97 on average)."""
-    from crystal_grpo.train.data import target_lengths, truncation_warning
+    from crystal_grpo.train.data.splits import target_lengths, truncation_warning
 
     def sample(split) -> list[dict]:  # the text of the rows: their images stay unopened paths
         return split.dataset.with_format(None).select(range(min(len(split.dataset), 256))).to_list()
@@ -446,7 +453,7 @@ def run(
 ) -> dict:
     """All phases of a run (one when the config has none); returns validation per phase.
 
-    The folder holds this run only (train/run_folder.py): a live run elsewhere in it is
+    The folder holds this run only (train/run/folder.py): a live run elsewhere in it is
     refused, a finished run is left as it is, a fresh start in a folder holding another run
     is refused unless ``overwrite``. With ``resume``, a phase that finished its configured
     steps is skipped, the first unfinished one resumes from its latest checkpoint (or the one
@@ -528,7 +535,7 @@ def _run_phases(
         atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2))  # last: the run is finished
         say_summary(cfg, run_dir)
         if cfg.phases:
-            from crystal_grpo.train.plot import plot_run
+            from crystal_grpo.train.run.plot import plot_run
 
             say(f"curves of all phases: {plot_run(run_dir)}")
     return summary
@@ -536,7 +543,7 @@ def _run_phases(
 
 def say_summary(cfg: RunConfig, run_dir: Path, write: bool = True) -> None:
     """The run's table, phase by phase (``write``: into ``run_summary.json`` first)."""
-    from crystal_grpo.train.summary import write_summary
+    from crystal_grpo.train.run.summary import write_summary
 
     say(
         f"\nthe run{', phase by phase' if cfg.phases else ''} (validation before -> after; "
@@ -616,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             f"config error: {'--output_dir' if args.output_dir is not None else 'training.output_dir'} is "
             f"empty ({where!r}); give the run folder, or leave it out for runs/{Path(args.config).stem}"
         )
-    from crystal_grpo.train.capacity import CapacityError, check_lines, launch_from
+    from crystal_grpo.train.capacity.estimate import CapacityError, check_lines, launch_from
 
     try:
         processes = launch_from(args.accelerate_config, cfg.training.get("deepspeed"), args.gpus).gpus
@@ -642,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             if phase.left_out:
                 say(left_out_line(phase))
         return 0
-    from crystal_grpo.train.interrupt import Interrupted  # torch and transformers: only a run needs them
+    from crystal_grpo.train.trainer.interrupt import Interrupted  # torch and transformers: only a run needs them
 
     try:
         run(
@@ -713,7 +720,7 @@ def exited_line(stop: SystemExit) -> str:
 
 
 def left_out_line(phase: PhaseSection) -> str:
-    """The run's training keys a phase does not take (train/config.py split_training)."""
+    """The run's training keys a phase does not take (train/config/run_config.py split_training)."""
     return (
         f"phase {phase.name} ({phase.trainer}): the run's training keys of the other trainer left out: "
         f"{', '.join(phase.left_out)}"

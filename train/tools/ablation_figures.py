@@ -11,7 +11,7 @@ configs/sweeps/organism_ablation.yaml), read from a finished sweep's run folders
   two-level interval (seeds, then rows) of train/tools/sweep_report.py;
 - ``variants.png``: held-out accuracy, steps written, step recall and Match F1 of right answers
   over training, one line an arm, one row of panels a variant of the rows (hinted, plain: the
-  validation samples scored again by train/tools/step_diagnosis.py);
+  validation samples scored again by train/organism/step_diagnosis.py);
 - ``diagnosis.md``: the step diagnosis of every evaluation of the final weights (``eval`` and
   each ``eval.also``), by arm and variant, and the sweep's pre-registered ``contrasts`` with
   Holm's correction;
@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from crystal_grpo.jsonl import atomic_write_text, read_jsonl
-from crystal_grpo.train.layout import samples_file
-from crystal_grpo.train.summary import read_phases
+from crystal_grpo.train.run.layout import samples_file
+from crystal_grpo.train.run.summary import read_phases
 from crystal_grpo.train.tools.sweep import Sweep, load_sweep
 from crystal_grpo.train.tools.sweep_report import paired_on_eval, write_report
 
@@ -166,7 +166,7 @@ VARIANT_PANELS = (
 
 def validation_by_variant(run: Path, data: dict[str, dict]) -> dict[int, dict[str, dict[str, float]]]:
     """Global validation step -> variant -> the step diagnosis of that validation's samples."""
-    from crystal_grpo.train.tools.step_diagnosis import diagnose_validation
+    from crystal_grpo.train.organism.step_diagnosis import diagnose_validation
 
     out: dict[int, dict[str, dict[str, float]]] = {}
     for phase in read_phases(run):
@@ -178,7 +178,7 @@ def validation_by_variant(run: Path, data: dict[str, dict]) -> dict[int, dict[st
 
 def variant_runs(sweep: Sweep) -> dict[str, list[dict[int, dict[str, dict[str, float]]]]]:
     """Arm -> each finished seed's :func:`validation_by_variant` (its validation data's rows)."""
-    from crystal_grpo.train.tools.step_diagnosis import rows_by_id
+    from crystal_grpo.train.organism.step_diagnosis import rows_by_id
 
     runs: dict[str, list[dict]] = defaultdict(list)
     data_cache: dict[str, dict] = {}
@@ -227,7 +227,7 @@ CURVE_KEYS = ("accuracy", "f1", "f1_correct", "precision", "recall", "steps")
 def curves_markdown(runs: dict[str, list[dict]], keys: tuple[str, ...] = CURVE_KEYS) -> str:
     """:func:`variant_runs` as a table: one line an arm, variant and validation step (mean ± sd over the
     seeds that reached it)."""
-    from crystal_grpo.train.tools.step_diagnosis import LABELS, across_seeds
+    from crystal_grpo.train.organism.step_diagnosis import LABELS, across_seeds
 
     lines = [
         "| arm | variant | step | seeds | " + " | ".join(LABELS[k] for k in keys) + " |",
@@ -250,8 +250,8 @@ def curves_markdown(runs: dict[str, list[dict]], keys: tuple[str, ...] = CURVE_K
 def diagnosis_markdown(sweep: Sweep, runs: dict[str, list[dict]] | None = None) -> str:
     """The step diagnosis of every evaluation of the final weights, the pre-registered contrasts, and
     with ``runs`` (:func:`variant_runs`) the validation curves by variant."""
-    from crystal_grpo.train.tools.step_diagnosis import contrast_table, contrasts_markdown, sweep_table
-    from crystal_grpo.train.tools.step_diagnosis import markdown as table_markdown
+    from crystal_grpo.train.organism.step_diagnosis import contrast_table, contrasts_markdown, sweep_table
+    from crystal_grpo.train.organism.step_diagnosis import markdown as table_markdown
 
     lines = [f"# {sweep.name}: steps beside answers, by variant", ""]
     if not sweep.eval:
@@ -320,7 +320,7 @@ def accuracy_by_k_markdown(sweep: Sweep, folders: list[str]) -> str:
     """Accuracy by reference step count k, mean [seed range] per arm: on each evaluation folder of the
     final weights (``eval``, ``eval_greedy``: every row, step_diagnosis's exact scoring) and over
     validation (the sampled per-row records at each validation step)."""
-    from crystal_grpo.train.tools.step_diagnosis import completions_of, rows_by_id, score
+    from crystal_grpo.train.organism.step_diagnosis import completions_of, rows_by_id, score
 
     lines = []
     data = rows_by_id(sweep.eval["data"]) if sweep.eval else {}
@@ -487,7 +487,13 @@ def step_diagnosis_main(argv: list[str] | None = None) -> int:
     """scripts/step_diagnosis.py: the diagnosis table of evaluation folders or of a sweep's points."""
     import argparse
 
-    from crystal_grpo.train.tools.step_diagnosis import across_seeds, diagnose_eval, markdown, rows_by_id, sweep_table
+    from crystal_grpo.train.organism.step_diagnosis import (
+        across_seeds,
+        diagnose_eval,
+        markdown,
+        rows_by_id,
+        sweep_table,
+    )
 
     ap = argparse.ArgumentParser(
         description="Steps beside answers: F1 on right and wrong answers, steps, answer = "

@@ -1,7 +1,7 @@
 """Evaluate a checkpoint, or a predictions file, on a data set with the trainer's own scorer.
 
-Generation is :mod:`crystal_grpo.train.generation` (the validation callback's code), rows are
-read and checked by :mod:`crystal_grpo.train.data` (the same ``file:line`` errors as
+Generation is :mod:`crystal_grpo.train.models.generation` (the validation callback's code), rows are
+read and checked by :mod:`crystal_grpo.train.data.splits` (the same ``file:line`` errors as
 training), scoring is :meth:`RewardModule.score` (the one evaluation). Completions are
 appended to ``predictions.jsonl`` chunk by chunk, so an interrupted evaluation continues
 where it stopped; several processes split the pending rows and the main process writes
@@ -26,10 +26,9 @@ from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.metrics import per_completion
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.base import RewardModule
-from crystal_grpo.train.generation import Sampling
-from crystal_grpo.train.layout import CONFIG, read_config, run_targets
-from crystal_grpo.train.models import from_pretrained_kwargs, recorded_model
-from crystal_grpo.train.predictions import (
+from crystal_grpo.train.models.generation import Sampling
+from crystal_grpo.train.models.policy import from_pretrained_kwargs, recorded_model
+from crystal_grpo.train.models.predictions import (
     PREDICTIONS,
     Backend,
     as_completion,
@@ -40,7 +39,8 @@ from crystal_grpo.train.predictions import (
     generate_with_vllm,
     read_predictions,
 )
-from crystal_grpo.train.vision import VisionSection
+from crystal_grpo.train.models.vision import VisionSection
+from crystal_grpo.train.run.layout import CONFIG, read_config, run_targets
 from crystal_grpo.typed import to_dict
 
 REPORT = "report.json"
@@ -219,7 +219,7 @@ def evaluate(req: EvalRequest) -> dict | None:
     A finished evaluation of the same model, data and sampling is not redone (``force``
     does); a different one in the same folder is refused rather than mixed in.
     """
-    from crystal_grpo.train.data import load_split, locate
+    from crystal_grpo.train.data.splits import load_split, locate
     from crystal_grpo.train.tools.eval_report import build_report, write_report
 
     rank, world = rank_and_world()
@@ -298,10 +298,10 @@ def evaluate(req: EvalRequest) -> dict | None:
         else:
             from transformers import set_seed
 
-            from crystal_grpo.train.models import load_checkpoint
+            from crystal_grpo.train.models.policy import load_checkpoint
 
             set_seed(req.seed + rank)  # sampled completions are reproducible
-            from crystal_grpo.train.generation import Engine
+            from crystal_grpo.train.models.generation import Engine
 
             model, processing = load_checkpoint(
                 req.model,
@@ -444,7 +444,7 @@ def build_parser():
 
 def _setup(args, checkpoint: str | None, run_config: Path | None) -> EvalSetup:
     if args.config:
-        from crystal_grpo.train.config import load_config
+        from crystal_grpo.train.config.run_config import load_config
 
         setup = EvalSetup.from_config_dict(to_dict(load_config(args.config)[0]), args.config)
     else:

@@ -20,7 +20,7 @@ to be read:
 
 The folder gets sharded safetensors with an index, config, generation config, the
 tokenizer or processor with its chat template, and a model card made from the run folder's
-records (``train/model_card.py``). It is written under a temporary name beside ``--out``,
+records (``train/run/model_card.py``). It is written under a temporary name beside ``--out``,
 reloaded with transformers (PEFT for an adapter), made to generate once from a training
 prompt, and only then renamed into place: a failed or interrupted export never leaves a
 half-written folder. Every export lists its files in ``crystal_export.json`` (its marker);
@@ -50,10 +50,7 @@ from typing import Literal
 
 from crystal_grpo.errors import CrystalError, some_of
 from crystal_grpo.jsonl import iter_jsonl, read_json
-from crystal_grpo.train.checkpoints import checkpoint_problem, safetensors_problem
-from crystal_grpo.train.layout import MARKER, step_of
-from crystal_grpo.train.model_card import RunRecord, export_card, framework_versions, read_run_record
-from crystal_grpo.train.models import (
+from crystal_grpo.train.models.policy import (
     ModelSection,
     Source,
     from_pretrained_kwargs,
@@ -64,6 +61,9 @@ from crystal_grpo.train.models import (
     recorded_model,
     torch_dtype,
 )
+from crystal_grpo.train.run.checkpoints import checkpoint_problem, safetensors_problem
+from crystal_grpo.train.run.layout import MARKER, step_of
+from crystal_grpo.train.run.model_card import RunRecord, export_card, framework_versions, read_run_record
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: Asked when the run's config names no readable training file (or the folder has no run records).
@@ -162,7 +162,7 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
 
 def resolve_base(ckpt: Checkpoint, override: str | None = None) -> str:
     """The LoRA base (``--base_model`` or the adapter config's path, resolved from here)."""
-    from crystal_grpo.train.models import ModelLoadError, adapter_base
+    from crystal_grpo.train.models.policy import ModelLoadError, adapter_base
 
     try:
         return adapter_base(ckpt.path, override)
@@ -188,7 +188,7 @@ def default_dtype(raw: dict) -> str:
     return "float32"
 
 
-# --- loading (through train/models.py, as training and evaluation load) ----------------------
+# --- loading (through train/models/policy.py, as training and evaluation load) ----------------------
 def open_model(source: str, section: ModelSection) -> Source:
     """``source`` (the checkpoint, its LoRA base, the exported folder) with the run's load settings:
     remote code, revision, attention, ``from_pretrained`` extras, image resolution."""
@@ -253,7 +253,7 @@ def _safetensors_dtype(path: Path) -> str | None:
 def training_prompt(config: dict | None, max_rows: int = 1000) -> tuple[str, list[dict], list | None]:
     """(where it came from, the conversational prompt, images or None): the first valid row
     of the run's training file, prompted exactly as in training, else a fixed question."""
-    from crystal_grpo.train.data import build_prompt, image_paths, row_problems
+    from crystal_grpo.train.data.splits import build_prompt, image_paths, row_problems
 
     data = (config or {}).get("data") or {}
     system = data.get("system_prompt")
@@ -284,7 +284,7 @@ def generate_once(
     chat_template_kwargs: dict | None = None,
 ) -> str:
     """Greedy, with the generation code validation and evaluation use (same chat template path)."""
-    from crystal_grpo.train.generation import Engine, Sampling, generate
+    from crystal_grpo.train.models.generation import Engine, Sampling, generate
 
     vlm = getattr(processing, "image_processor", None) is not None
     return generate(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crystal_grpo.jsonl import read_jsonl
-from crystal_grpo.train.layout import FINAL, LOCK, MARKER, METRICS_LOG, RECORD, VALIDATION_LOG, checkpoint_name
+from crystal_grpo.train.run.layout import FINAL, LOCK, MARKER, METRICS_LOG, RECORD, VALIDATION_LOG, checkpoint_name
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Logged values that must match the reference exactly (timings are not compared).

@@ -30,13 +30,13 @@ from pathlib import Path
 #: What a training run and an evaluation import, loaded once into the fork server.
 PRELOAD = (
     "crystal_grpo.train.grpo",
-    "crystal_grpo.train.trainer",
-    "crystal_grpo.train.pcgrad",
-    "crystal_grpo.train.callbacks",
-    "crystal_grpo.train.interrupt",
-    "crystal_grpo.train.models",
-    "crystal_grpo.train.data",
-    "crystal_grpo.train.plot",
+    "crystal_grpo.train.trainer.grpo_trainer",
+    "crystal_grpo.train.pcgrad.trainer",
+    "crystal_grpo.train.trainer.callbacks",
+    "crystal_grpo.train.trainer.interrupt",
+    "crystal_grpo.train.models.policy",
+    "crystal_grpo.train.data.splits",
+    "crystal_grpo.train.run.plot",
     "crystal_grpo.train.tools.evaluate",
     "crystal_grpo.train.tools.eval_report",
     "deepspeed",
@@ -97,7 +97,7 @@ def run(
 ) -> int:
     """Run ``entry`` with ``args`` in ``root`` to its end, its output appended to ``log``; its exit
     code. ``launcher`` (e.g. ``accelerate launch ...``) always takes a subprocess. On Ctrl-C the run
-    gets SIGINT too (it saves a checkpoint at its step's end and stops: train/interrupt.py), and
+    gets SIGINT too (it saves a checkpoint at its step's end and stops: train/trainer/interrupt.py), and
     KeyboardInterrupt is raised once it has stopped."""
     threads = settings.threads
     if launcher is None and settings.fork and can_fork():
@@ -151,7 +151,7 @@ def cores() -> int:
 
 
 def interrupt_running() -> None:
-    """Ctrl-C: SIGINT to every run going on (a terminal's reached them already; train/interrupt.py
+    """Ctrl-C: SIGINT to every run going on (a terminal's reached them already; train/trainer/interrupt.py
     counts the two as one)."""
     with _LOCK:
         for pid in _RUNNING:

@@ -47,14 +47,14 @@ from typing import Any
 from crystal_grpo.distributed import launch_command
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text
-from crystal_grpo.train.layout import BEST, FINAL, POINT_LOG, SWEEP_LOCK, SWEEP_POINT, is_finished, run_targets
-from crystal_grpo.train.run_folder import RunFolderError, RunLock, foreign_folder
+from crystal_grpo.train.run.folder import RunFolderError, RunLock, foreign_folder
+from crystal_grpo.train.run.layout import BEST, FINAL, POINT_LOG, SWEEP_LOCK, SWEEP_POINT, is_finished, run_targets
 from crystal_grpo.train.tools import launch
 from crystal_grpo.train.tools.launch import EVALUATE, TRAIN
 from crystal_grpo.train.tools.sweep_report import STATUS_FILE, eval_targets, read_status, write_report
 from crystal_grpo.typed import to_dict
 
-# train/config.py is imported where it is used: it loads TRL and transformers (seconds), and
+# train/config/run_config.py is imported where it is used: it loads TRL and transformers (seconds), and
 # transformers prints a note to stdout on import, which ``--emit`` keeps off the script it prints.
 
 _CHECKOUT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ KEYS = {
     "contrasts",
 }
 #: A pre-registered contrast: arm ``b`` minus arm ``a`` on ``metric`` of ``variant``'s rows in each seed's ``eval``
-#: folder (train/tools/step_diagnosis.py); the report corrects the whole list with Holm.
+#: folder (train/organism/step_diagnosis.py); the report corrects the whole list with Holm.
 CONTRAST_KEYS = ("a", "b", "metric", "variant", "eval")
 EVAL_KEYS = {"data", "max_samples", "batch_size", "max_new_tokens", "temperature", "num_samples"}
 #: ``eval.also``: more evaluations of the final weights, each the primary one with some settings changed.
@@ -104,7 +104,7 @@ class Point:
 
 def _as_yaml(value: Any) -> str:
     """A plain word stays as it is; anything else is JSON (which YAML reads back unchanged)."""
-    from crystal_grpo.train.config import parse_yaml
+    from crystal_grpo.train.config.run_config import parse_yaml
 
     if isinstance(value, str) and re.fullmatch(r"[A-Za-z_][\w./:-]*", value) and parse_yaml(value, "") == value:
         return value
@@ -178,7 +178,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
 
     ``resolve_init=False`` (reporting) leaves ``init_from`` as written: a report needs no
     starting checkpoint."""
-    from crystal_grpo.train.config import parse_yaml
+    from crystal_grpo.train.config.run_config import parse_yaml
 
     path = Path(path)
     if not path.is_file():
@@ -267,7 +267,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
 
 def _contrasts(raw: Any, points: list[Point], ev: dict) -> list[dict[str, str]]:
     """``contrasts:`` checked: each names two arms of the sweep, a metric, a variant and an evaluation."""
-    from crystal_grpo.train.tools.step_diagnosis import SUMMARY
+    from crystal_grpo.train.organism.step_diagnosis import SUMMARY
 
     if raw is None:
         return []
@@ -306,7 +306,7 @@ def start_checkpoint(folder: Path) -> Path:
 def resolved(point: Point) -> dict:
     """The point's full run config (every override applied and checked), as train/grpo.py sees it;
     checked once per point (at load) and reused."""
-    from crystal_grpo.train.config import ConfigError, load_config
+    from crystal_grpo.train.config.run_config import ConfigError, load_config
 
     if point.run_config is None:
         try:
@@ -327,7 +327,7 @@ def command(sweep: Sweep, point: Point, python: str = "python") -> list[str]:
 
 def train_args(sweep: Sweep, point: Point) -> list[str]:
     """train/grpo.py's arguments for the point."""
-    from crystal_grpo.train.config import resolve_config_path
+    from crystal_grpo.train.config.run_config import resolve_config_path
 
     return [
         "--config",

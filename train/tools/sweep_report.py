@@ -1,6 +1,6 @@
 """The report of a sweep: one row a point (mean and spread over seeds), a CSV, a JSON and plots.
 
-Everything is read from the points' own run folders (train/summary.py's reader), so a
+Everything is read from the points' own run folders (train/run/summary.py's reader), so a
 report can be made at any time from whatever has finished:
 
 - the best checkpoint's validation metrics (``best_checkpoint.json`` of the last phase; every
@@ -27,8 +27,8 @@ import numpy as np
 from crystal_grpo.jsonl import atomic_write_text, read_json
 from crystal_grpo.metrics import label, per_completion, spec
 from crystal_grpo.rewards.base import METRICS
-from crystal_grpo.train.layout import FINAL, PHASE_DONE, is_finished, read_best, run_targets, step_of
-from crystal_grpo.train.summary import Phase, read_phases, slope
+from crystal_grpo.train.run.layout import FINAL, PHASE_DONE, is_finished, read_best, run_targets, step_of
+from crystal_grpo.train.run.summary import Phase, read_phases, slope
 
 if TYPE_CHECKING:
     from crystal_grpo.train.tools.sweep import Sweep

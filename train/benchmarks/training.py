@@ -1,0 +1,346 @@
+"""What ``scripts/bench_train.py`` runs: GRPO steps of this framework against plain TRL.
+
+A setting names one run: ``<launcher>-<weights>[-<reward>][-pcgrad][-<generation>]``
+
+- launcher ``trl``: plain ``trl.GRPOTrainer`` with a trivial reward function (the baseline),
+  ``plain``: ``train/grpo.py`` in one process, ``zero3``: ``train/grpo.py`` under DeepSpeed
+  ZeRO-3 (``accelerate launch`` with ``zero3_1x1.yaml`` on CUDA, ``torchrun`` + gloo on CPU);
+- weights ``full`` or ``lora`` (r 16, all linear layers, adapters merged for generation;
+  ``lora-unmerged``: generation through unmerged adapters, as before merging existed);
+- reward ``cpr`` (default) or ``answer`` (answer-only), the sentence encoder on the device;
+- ``pcgrad``: PCGrad on the accuracy and reasoning objectives;
+- generation ``static`` (``cache_implementation: static``) or ``cb`` (transformers' continuous
+  batching); without it, ``generate`` with the dynamic KV cache.
+
+Every run is ``python -m crystal_grpo.train.benchmarks.training ENTRY --config tiny.yaml <overrides>``
+(``organism.yaml`` for the model organism)
+with the same overrides, so model, data, batch, generation length, seed and every
+GRPOConfig value are identical: the baseline builds its GRPOConfig, dataset, model and
+LoRA config with the very functions ``train/grpo.py`` uses, only the trainer and the
+reward differ. :class:`StepClock` records each step's wall time (everything between two
+step ends: generation, rewards, loss, backward, clipping, optimizer, callbacks, logging),
+next to TRL's ``step_time`` (``training_step`` only) in ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.train.run.layout import METRICS_LOG
+
+GENERATIONS = 8
+CLOCK_FILE = "step_clock.json"
+#: TRL's profiling blocks (``profiling_context(trainer, name)``) that are generation itself.
+GENERATION_BLOCKS = ("transformers.generate", "transformers.generate_batch", "vLLM.generate")
+LORA = "{r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}"
+
+
+ENGINES = {
+    "static": ["--training.cache_implementation", "static"],
+    "cb": ["--training.use_transformers_continuous_batching", "true"],
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One benchmarked configuration, parsed from its name."""
+
+    launcher: str  # trl | plain | zero3
+    weights: str  # full | lora
+    reward: str  # cpr | answer | trivial (trl)
+    pcgrad: bool
+    unmerged: bool = False
+    engine: str = ""  # "" (generate, dynamic KV cache) | static | cb (continuous batching)
+
+    @classmethod
+    def parse(cls, name: str) -> Setting:
+        parts = name.split("-")
+        ok = len(parts) >= 2 and parts[0] in ("trl", "plain", "zero3") and parts[1] in ("full", "lora")
+        rest = parts[2:] if ok else []
+        engine = rest.pop() if rest and rest[-1] in ENGINES else ""
+        unmerged = ok and parts[1] == "lora" and rest[:1] == ["unmerged"]
+        rest = rest[1:] if unmerged else rest
+        reward = "trivial" if ok and parts[0] == "trl" else "cpr"
+        if rest and rest[0] in ("cpr", "answer") and reward != "trivial":
+            reward, rest = rest[0], rest[1:]
+        pcgrad = rest == ["pcgrad"] and reward != "trivial"
+        if not ok or (rest and not pcgrad) or (unmerged and parts[0] == "trl"):
+            raise SystemExit(
+                f"setting {name!r}: allowed are trl-(full|lora)[-static|-cb] and "
+                "(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad][-static|-cb]"
+            )
+        return cls(parts[0], parts[1], reward, pcgrad, unmerged, engine)
+
+    @property
+    def baseline(self) -> str:
+        """The plain-TRL setting this one is compared with (same weights, same generation)."""
+        return "-".join(["trl", self.weights] + ([self.engine] if self.engine else []))
+
+    def name(self, weights: str | None = None, engine: str | None = None) -> str:
+        """This setting's name with other weights (``full``, ``lora``, ``lora-unmerged``) or
+        another generation engine (``""``: default ``generate``)."""
+        weights = weights or (self.weights + ("-unmerged" if self.unmerged else ""))
+        engine = self.engine if engine is None else engine
+        return "-".join(
+            [self.launcher, weights]
+            + ([] if self.reward in ("cpr", "trivial") else [self.reward])
+            + (["pcgrad"] if self.pcgrad else [])
+            + ([engine] if engine else [])
+        )
+
+
+def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool) -> list[str]:
+    """The command line of one run (from the repository root)."""
+    s = Setting.parse(name)
+    py = [sys.executable]
+    if s.launcher != "zero3":
+        launch, extra = py, []
+    elif cuda:
+        launch = py + ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/zero3_1x1.yaml"]
+        extra = []
+    else:
+        launch = py + ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+        extra = ["--cpu_backend", "gloo", "--training.deepspeed", "configs/accelerate/zero3.json"]
+    device = "cuda" if cuda else "cpu"
+    reward = {"cpr": "cpr", "answer": "answer_only", "trivial": "cpr"}[s.reward]  # trl: config only, never built
+    args = [
+        "--config",
+        a.config,
+        "--output_dir",
+        str(out),
+        "--model.name_or_path",
+        model,
+        "--model.dtype",
+        a.dtype,
+        "--data.validation",
+        "null",
+        "--data.validation_fraction",
+        "0",
+        "--data.max_train_samples",
+        "null",
+        "--reward.name",
+        reward,
+        "--reward.params",
+        json.dumps({"encoder": a.encoder, "device": device}),
+        "--training.max_steps",
+        str(a.warmup + a.steps),
+        "--training.save_strategy",
+        "'no'",
+        "--training.per_device_train_batch_size",
+        str(a.batch),
+        "--training.num_generations",
+        str(GENERATIONS),
+        "--training.max_completion_length",
+        str(a.completion_length),
+        "--training.logging_steps",
+        "1",
+        "--training.learning_rate",
+        str(a.learning_rate),
+        "--training.seed",
+        str(a.seed),
+        "--training.disable_tqdm",
+        "true",
+        "--training.use_cpu",
+        str(not cuda).lower(),
+    ]
+    if s.weights == "lora":
+        args += ["--model.lora", LORA.replace("}", f", merge_for_generation: {str(not s.unmerged).lower()}}}")]
+    if s.pcgrad:
+        args += ["--pcgrad", "true"]
+    args += ENGINES.get(s.engine, [])
+    entry = ["-m", "crystal_grpo.train.benchmarks.training", "trl" if s.launcher == "trl" else "grpo"]
+    return launch + entry + args + extra
+
+
+class StepClock(TrainerCallback):
+    """Wall and process CPU time between consecutive step ends, and the time in generation
+    (``step_clock.json``). CPU time (all threads) is the work done, which on a loaded machine
+    varies less than wall time. Generation is timed by TRL's own profiling contexts
+    (``transformers.generate``, ``vLLM.generate``, ...), which TRL hands only to experiment
+    trackers: their ``_log_metrics`` is wrapped for the run."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / CLOCK_FILE
+        self.ends: list[tuple[float, float]] = []
+        self.gen: list[float] = []
+        self._pending = 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from trl.extras.profiling import ProfilingContext
+
+        self.ends, self.gen, self._pending = [(time.perf_counter(), time.process_time())], [], 0.0
+        original = self._original = ProfilingContext._log_metrics
+        clock = self
+
+        def log_metrics(ctx, duration: float) -> None:
+            if ctx.name.split(".", 1)[-1] in GENERATION_BLOCKS:
+                clock._pending += duration
+            original(ctx, duration)
+
+        ProfilingContext._log_metrics = log_metrics
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append((time.perf_counter(), time.process_time()))
+        self.gen.append(self._pending)
+        self._pending = 0.0
+
+    def on_train_end(self, args, state, control, **kwargs):
+        from trl.extras.profiling import ProfilingContext
+
+        ProfilingContext._log_metrics = self._original
+        if state.is_world_process_zero:
+            pairs = list(zip(self.ends, self.ends[1:]))
+            self.path.write_text(
+                json.dumps(
+                    {"wall": [b[0] - a[0] for a, b in pairs], "cpu": [b[1] - a[1] for a, b in pairs], "gen": self.gen}
+                )
+            )
+
+
+def trivial_reward(completions, **kwargs) -> list[float]:
+    """The baseline's reward: as cheap as a reward can be (the completion's length parity)."""
+    return [float(len(c if isinstance(c, str) else str(c)) % 2) for c in completions]
+
+
+def run_trl(argv: list[str]) -> None:
+    """Plain ``trl.GRPOTrainer`` on exactly what ``train/grpo.py`` would build from ``argv``."""
+    from trl import GRPOTrainer
+
+    from crystal_grpo.train.data.splits import load_datasets
+    from crystal_grpo.train.grpo import training_args
+    from crystal_grpo.train.models.policy import load_policy, peft_config
+    from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback
+
+    cfg, out = _config_and_folder(argv)
+    out.mkdir(parents=True, exist_ok=True)
+    args = training_args(cfg, out, {})
+    train, _ = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
+    model, processing_class = load_policy(cfg.model)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=trivial_reward,
+        args=args,
+        train_dataset=train.dataset,
+        processing_class=processing_class,
+        peft_config=peft_config(cfg.model, model),
+    )
+    trainer.add_callback(MetricsJsonlCallback(out))
+    trainer.add_callback(StepClock(out))
+    trainer.train()
+
+
+def run_grpo(argv: list[str]) -> int:
+    """``train/grpo.py`` with the :class:`StepClock`."""
+    from crystal_grpo.train import grpo
+
+    cfg, out = _config_and_folder(argv)
+    grpo.run(cfg, out, callbacks=[StepClock(out)])
+    return 0
+
+
+def _config_and_folder(argv: list[str]):
+    """``--config NAME --output_dir DIR [--section.key value ...]``, as train/grpo.py reads them."""
+    from crystal_grpo.train.config.run_config import load_config
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--output_dir", required=True)
+    known, overrides = ap.parse_known_args(argv)
+    return load_config(known.config, overrides)[0], Path(known.output_dir)
+
+
+def summarise(out: Path, warmup: int) -> dict[str, float]:
+    """Medians over the measured steps (after ``warmup``) of one run's records."""
+    rows = read_jsonl(out / METRICS_LOG)
+    steps = [r for r in rows if "step_time" in r][warmup:]
+    if not steps:
+        raise SystemExit(f"{out}: no measured steps in {METRICS_LOG}")
+
+    def med(key: str) -> float:
+        return statistics.median([r[key] for r in steps if key in r] or [math.nan])
+
+    score = next((k for k in steps[0] if k.endswith("/scoring_seconds")), "")
+    prefix = score.removesuffix("scoring_seconds")
+    peak = [r["memory/max_allocated_gb"] for r in rows if "memory/max_allocated_gb" in r]
+    clock = json.loads((out / CLOCK_FILE).read_text()) if (out / CLOCK_FILE).exists() else {}
+    wall, cpu, gen = (clock.get(k, [])[warmup:] for k in ("wall", "cpu", "gen"))
+    net = [r["step_time"] - r.get(score, 0.0) for r in steps]  # the step without the reward's scoring
+    return {
+        "step": med("step_time"),
+        "net": statistics.median(net),
+        "wall": statistics.median(wall) if wall else math.nan,
+        "cpu": statistics.median(cpu) if cpu else math.nan,
+        "gen": statistics.median(gen) if gen else math.nan,
+        "tokens": med("completions/mean_length"),
+        "score": med(score),
+        "format": med(prefix + "format_rate"),
+        "steps": med(prefix + "steps_mean"),
+        "peak": max(peak, default=math.nan),
+    }
+
+
+def ratio(results: dict[str, list[dict]], name: str, other: str | None, key: str) -> tuple[float, float, float]:
+    """Median and range over rounds of this run's per-token ``key`` over ``other``'s in the same round."""
+    if other is None or other not in results or name == other:
+        return math.nan, math.nan, math.nan
+    per_token = lambda r: r[key] / r["tokens"]  # equal work when completions differ in length
+    rs = [per_token(a) / per_token(b) for a, b in zip(results[name], results[other])]
+    return statistics.median(rs), min(rs), max(rs)
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    """One line per setting: medians over rounds, spread, ratios against plain TRL, full weights
+    and default generation."""
+
+    def fmt_ratio(r: tuple[float, float, float]) -> str:
+        return "-" if math.isnan(r[0]) else f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
+
+    head = (
+        f"{'setting':<24}{'step s':>8}{'spread':>8}{'wall s':>8}{'tokens':>8}{'step/trl':>18}"
+        f"{'net/trl':>18}{'wall/trl':>18}{'cpu/trl':>18}{'lora/full':>18}{'gen/default':>18}{'peak GiB':>9}"
+        f"{'gen s':>7}{'score s':>9}{'share':>7}{'format':>7}{'steps':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for name, runs in results.items():
+        s = Setting.parse(name)
+        med = lambda k: statistics.median([r[k] for r in runs])
+        steps = [r["step"] for r in runs]
+        spread = (max(steps) - min(steps)) / med("step") if len(runs) > 1 else 0.0
+        lora_vs = ratio(results, name, s.name(weights="full"), "step") if s.weights == "lora" else (math.nan,) * 3
+        gen_vs = ratio(results, name, s.name(engine=""), "step") if s.engine else (math.nan,) * 3
+        lines.append(
+            f"{name:<24}{med('step'):>8.3f}{spread:>8.1%}{med('wall'):>8.3f}{med('tokens'):>8.1f}"
+            f"{fmt_ratio(ratio(results, name, s.baseline, 'step')):>18}"
+            f"{fmt_ratio(ratio(results, name, s.baseline, 'net')):>18}"
+            f"{fmt_ratio(ratio(results, name, s.baseline, 'wall')):>18}"
+            f"{fmt_ratio(ratio(results, name, s.baseline, 'cpu')):>18}{fmt_ratio(lora_vs):>18}{fmt_ratio(gen_vs):>18}"
+            f"{med('peak'):>9.2f}{med('gen'):>7.3f}{med('score'):>9.3f}{med('score') / med('step'):>7.1%}"
+            f"{med('format'):>7.2f}"
+            f"{med('steps'):>6.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    entry, rest = argv[0], argv[1:]
+    if entry == "trl":
+        run_trl(rest)
+        return 0
+    if entry == "grpo":
+        return run_grpo(rest)
+    raise SystemExit(f"usage: python -m crystal_grpo.train.benchmarks.training trl|grpo --config ... (got {entry!r})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

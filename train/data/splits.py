@@ -1,0 +1,288 @@
+"""Training data: rows of docs/method.md section 1 -> the splits a run trains and validates on.
+
+The concepts live in their own modules, and this one composes them: reading and locating
+rows (:mod:`~crystal_grpo.train.data.reading`), their images (:mod:`~crystal_grpo.train.data.images`),
+what is wrong with a row (:mod:`~crystal_grpo.train.data.row_problems`), prompts and records
+(:mod:`~crystal_grpo.train.data.prompts`). Here: the ``data:`` section, one checked split
+(:func:`load_split`), train and validation (:func:`load_datasets`), and prompts too long for
+the model's context (:func:`limit_prompt_lengths`). Every row is checked at start-up, so a
+bad row stops the run before hours of training rather than crashing it later: each problem
+is reported as ``file:N: what`` (N: the line of a JSONL file, else the 1-based row). With
+``skip_invalid`` the bad rows are dropped and counted instead. The public names of those
+modules are importable from here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from crystal_grpo.train.data.images import ImageLoader, image_paths, image_problem, own_image_loader
+from crystal_grpo.train.data.prompts import (
+    MAX_TRUNCATED_SHARE,
+    SYSTEM_PROMPT,
+    build_prompt,
+    encode_example,
+    prompt_text,
+    render_target,
+    sft_dataset,
+    target_lengths,
+    to_record,
+    truncation_warning,
+)
+from crystal_grpo.train.data.reading import DataError, image_store, locate, read_rows
+from crystal_grpo.train.data.row_problems import name_columns, row_problems
+from crystal_grpo.typed import option
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+__all__ = [  # this module's own, then the names of the modules it composes
+    "DataSection",
+    "LoadedSplit",
+    "load_split",
+    "load_datasets",
+    "context_length",
+    "limit_prompt_lengths",
+    "DataError",
+    "locate",
+    "read_rows",
+    "image_store",
+    "ImageLoader",
+    "image_paths",
+    "image_problem",
+    "own_image_loader",
+    "row_problems",
+    "SYSTEM_PROMPT",
+    "MAX_TRUNCATED_SHARE",
+    "build_prompt",
+    "encode_example",
+    "prompt_text",
+    "render_target",
+    "sft_dataset",
+    "target_lengths",
+    "truncation_warning",
+]
+
+
+# The row fields of docs/method.md section 1 that data.columns may map other names onto.
+Field = Literal[
+    "id",
+    "question",
+    "answer",
+    "reference_steps",
+    "reference_sets",
+    "choices",
+    "images",
+    "image",
+    "source",
+    "difficulty",
+]
+
+
+@dataclass
+class DataSection:
+    """Training and validation data (``data:`` in a run config)."""
+
+    train: str = option(
+        "",
+        "Rows of docs/method.md section 1: a JSONL, JSON (array) or Parquet file, a datasets "
+        "folder (save_to_disk, data files, a Hub repository clone) or a Hub dataset id in the "
+        "local cache.",
+    )
+    validation: Union[str, None] = option(None, "Same formats; when absent a fraction of train is held out.")
+    train_split: str = option("train", "Split of a dataset folder or Hub dataset used for training.")
+    validation_split: str = option("validation", "Split used for validation when validation names a dataset.")
+    columns: dict[Field, str] = option(
+        default_factory=dict,
+        help="Our field -> the data's column, e.g. {question: problem, answer: solution, reference_steps: steps}.",
+    )
+    validation_fraction: float = option(0.1, "Held-out share of train when validation is not given.", ge=0, lt=1)
+    skip_invalid: bool = option(False, "Drop (and count) bad rows instead of stopping with their file:line.")
+    max_errors_shown: int = option(20, "How many bad rows a data error lists.", ge=0)
+    system_prompt: Union[str, None] = option(None, "Overrides the instruction asking for the JSON output.")
+    chat_template_kwargs: dict[str, Any] = option(
+        default_factory=dict,
+        help="Keyword arguments of the chat template wherever a prompt is rendered: rollouts, "
+        "the SFT phase, validation, evaluation (e.g. {enable_thinking: false}); training.chat_template_kwargs, "
+        "TRL's name, lands here.",
+    )
+    max_train_samples: Union[int, None] = option(None, "Use only the first N training rows (smoke runs).", ge=1)
+    long_prompts: Literal["skip", "error", "keep"] = option(
+        "skip",
+        "Prompts whose tokens leave no room for the completion in the model's context "
+        "(max_position_embeddings): skip them (counted and named), stop with an error, or keep them.",
+    )
+
+
+@dataclass
+class LoadedSplit:
+    dataset: Dataset
+    skipped: int  # rows dropped by skip_invalid
+    source: str
+
+
+def load_split(
+    source: str | Path,
+    *,
+    skip_invalid: bool = False,
+    max_errors_shown: int = 20,
+    system_prompt: str | None = None,
+    limit: int | None = None,
+    split: str = "train",
+    columns: Mapping[str, str] | None = None,
+    require_references: bool = True,
+    skip_option: str | None = "data.skip_invalid: true",
+    unique_ids: str | None = None,
+) -> LoadedSplit:
+    """Rows of one source (see :func:`locate`), each checked; ``skip_option`` is how the caller's
+    user asks to drop bad ones (None: the caller has no such option). ``unique_ids`` (why the
+    caller needs them) makes a row whose ``id`` an earlier row has a bad row; training needs no
+    unique ids, rows are rows there."""
+    path = locate(source)
+    columns = columns or {}
+    base = path if path.is_dir() else path.parent
+    records, places, errors, bad_rows = [], [], [], 0
+    first: dict[str, int] = {}
+    for no, row in read_rows(path, split, columns):
+        problems = [name_columns(p, columns) for p in row_problems(row, base, require_references)]
+        if unique_ids and not problems and "id" in row:
+            rid = str(row["id"])
+            if rid in first:
+                problems.append(f"duplicate id {rid!r} (first at {source}:{first[rid]}): {unique_ids}")
+            first.setdefault(rid, no)
+        if problems:
+            errors.extend(f"{source}:{no}: {p}" for p in problems)
+            bad_rows += 1
+            continue
+        records.append(to_record(row, base, no, Path(str(source)), system_prompt))
+        places.append(f"{source}:{no}")
+    if errors and not skip_invalid:
+        shown = "\n  ".join(errors[:max_errors_shown])
+        more = f"\n  ... and {len(errors) - max_errors_shown} more" if len(errors) > max_errors_shown else ""
+        hint = f"set {skip_option} to drop them" if skip_option else "fix or remove them"
+        raise DataError(f"{bad_rows} invalid row(s) in {source} ({hint}):\n  {shown}{more}")
+    if not records:
+        raise DataError(f"{source}: no valid rows")
+    if limit is not None:
+        records = records[:limit]
+    # Optional columns exist for every row or for none (Arrow needs one schema).
+    has_images = any(r["images"] for r in records)
+    has_sets = any(r["reference_sets"] for r in records)
+    for r in records:
+        if not has_images:
+            del r["images"]
+        if not has_sets:
+            del r["reference_sets"]
+        r["choices"] = r["choices"] or []
+    from datasets import Dataset
+
+    ds = Dataset.from_list(records)
+    if has_images:
+        where: dict[tuple, str] = {}
+        for r, place in zip(records, places):
+            where.setdefault(tuple(r["images"]), place)
+        ds = own_image_loader(ds, where)
+    return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(source))
+
+
+def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, LoadedSplit | None]:
+    """Train and validation splits from files, or validation held out from train."""
+    opts = dict(
+        skip_invalid=data_cfg.skip_invalid,
+        max_errors_shown=data_cfg.max_errors_shown,
+        system_prompt=data_cfg.system_prompt,
+        columns=data_cfg.columns,
+    )
+    train = load_split(data_cfg.train, limit=data_cfg.max_train_samples, split=data_cfg.train_split, **opts)
+    if data_cfg.validation:
+        return train, load_split(data_cfg.validation, split=data_cfg.validation_split, **opts)
+    if data_cfg.validation_fraction <= 0:
+        return train, None
+    split = train.dataset.train_test_split(test_size=data_cfg.validation_fraction, seed=seed)
+    return (
+        LoadedSplit(own_image_loader(split["train"]), train.skipped, train.source),
+        LoadedSplit(own_image_loader(split["test"]), 0, train.source + " (held out)"),
+    )
+
+
+def batch_problem(split: LoadedSplit, args: Any) -> str | None:
+    """Why ``split`` cannot fill one GRPO generation batch, or None. TRL's sampler (and the
+    curriculum's) yields only whole batches of distinct prompts, so fewer prompts than one
+    takes trained 0 steps, exited 0 and saved the starting weights as ``final/``."""
+    need = args.generation_batch_size // args.num_generations
+    if len(split.dataset) >= need:
+        return None
+    return (
+        f"{split.source}: {len(split.dataset)} training prompt(s), fewer than one generation batch takes "
+        f"({need} = generation_batch_size {args.generation_batch_size} / num_generations {args.num_generations}; "
+        "per_device_train_batch_size x processes x steps_per_generation completions): the run would train 0 "
+        "steps; give more rows (data.max_train_samples) or a smaller training.per_device_train_batch_size"
+    )
+
+
+def context_length(model: Any) -> int | None:
+    """The model's positions (``max_position_embeddings``, of its text model for a VLM), or None."""
+    config = getattr(model, "config", None)
+    for c in (config, getattr(config, "text_config", None)):
+        n = getattr(c, "max_position_embeddings", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+#: Characters a normaliser may merge into one: NFC composes at most 4 (Unicode's longest canonical
+#: decomposition), so a text's normalised length is at least a quarter of its own.
+MAX_MERGED_CHARS = 4
+
+
+def max_token_chars(tok: Any) -> int:
+    """The most characters of a text one token of ``tok`` can stand for: its longest vocabulary
+    entry (a byte-level entry spells one byte a character, and a character is one byte or more),
+    times :data:`MAX_MERGED_CHARS`. A prompt longer than ``room`` times this cannot fit in ``room``
+    tokens: it is skipped without tokenising it (a 50 MB row took minutes and 9 GB to tokenise)."""
+    return MAX_MERGED_CHARS * max(map(len, tok.get_vocab()), default=1)
+
+
+def limit_prompt_lengths(
+    split: LoadedSplit,
+    tokenizer: Any,
+    room: int,
+    mode: str,
+    key: str,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[LoadedSplit, str | None]:
+    """Prompts longer than ``room`` tokens (the context minus the completion's tokens), per
+    ``data.long_prompts``: dropped, an error, or kept; returns the split and a warning line.
+    Image tokens are not counted (their number depends on the processor's resizing)."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    raw = split.dataset.with_format(None)
+    prompts = raw["prompt"]
+    texts = [prompt_text(tok, p, chat_template_kwargs) for p in prompts]
+    bound = room * max_token_chars(tok)
+    fit = [i for i, text in enumerate(texts) if len(text) <= bound]  # the rest cannot fit: never tokenised
+    lengths = [room + 1] * len(texts)
+    for i, ids in zip(fit, tok([texts[i] for i in fit], add_special_tokens=False)["input_ids"] if fit else []):
+        lengths[i] = len(ids)
+    long = [i for i, n in enumerate(lengths) if n > room]
+    if not long:
+        return split, None
+    ids = ", ".join(str(raw[i]["id"]) for i in long[:5]) + (" ..." if len(long) > 5 else "")
+    what = (
+        f"{len(long)} of {len(prompts)} prompt(s) of {split.source} leave no room for {key}: longer than "
+        f"{room} tokens (e.g. {ids})"
+    )
+    if mode == "error":
+        raise DataError(f"{what}; shorten them, or set data.long_prompts: skip")
+    if mode == "keep":
+        return split, f"{what}; kept (data.long_prompts: keep): their completions run past the model's context"
+    dropped = set(long)
+    keep = [i for i in range(len(prompts)) if i not in dropped]
+    if not keep:
+        raise DataError(f"{what}: none is left")
+    return (
+        LoadedSplit(own_image_loader(split.dataset.select(keep)), split.skipped, split.source),
+        f"{what}; skipped (data.long_prompts: skip)",
+    )

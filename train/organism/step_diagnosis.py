@@ -1,0 +1,274 @@
+"""What a policy's steps are worth beside its answers, on the model organism (docs/experiments.md,
+"Diagnosis"): Match F1 on right and on wrong answers, steps written, whether the answer is the
+last step's own result, split by the rows' ``variant`` (plain, hinted, ...), and the Match F1
+that accuracy alone predicts when every step slips independently.
+
+Why: with exact matching, a slip breaks every later step of the organism's chain, so a policy
+whose only flaw is slipping has a Match F1 fixed by its accuracy (:func:`slip_model_f1`). A
+reward makes better *steps* only where F1 departs from that curve, or where the steps of right
+answers differ. Completions are scored again here with the exact matcher (any source: an
+evaluation's ``predictions.jsonl``, validation's samples), so every cut reads one scorer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.train.organism.task import stated_result
+from crystal_grpo.train.run.layout import samples_file
+
+#: Per-completion fields of :func:`score`, and the group summaries of :func:`summarize`, in report order.
+SUMMARY = (
+    "n",
+    "accuracy",
+    "f1",
+    "f1_correct",
+    "f1_wrong",
+    "precision",
+    "recall",
+    "steps",
+    "steps_per_ref",
+    "answer_is_last",
+    "copies_hint",
+    "slip_f1",
+    "f1_over_slip",
+)
+LABELS = {
+    "n": "completions",
+    "accuracy": "accuracy",
+    "f1": "Match F1",
+    "f1_correct": "F1 (right)",
+    "f1_wrong": "F1 (wrong)",
+    "precision": "precision",
+    "recall": "recall",
+    "steps": "steps",
+    "steps_per_ref": "steps / k",
+    "answer_is_last": "answer = last step",
+    "copies_hint": "hint copied",
+    "slip_f1": "slip-model F1",
+    "f1_over_slip": "F1 − slip model",
+}
+
+
+def slip_accuracy(p: float, ks: Sequence[int]) -> float:
+    """Accuracy of a policy that slips each step with chance ``p``, over rows of ``ks`` steps."""
+    return sum((1 - p) ** k for k in ks) / len(ks)
+
+
+def slip_f1(p: float, ks: Sequence[int]) -> float:
+    """Its exact-match F1: it writes k steps, and those before the first slip match (P = R)."""
+    return sum(sum((1 - p) ** i for i in range(1, k + 1)) / k for k in ks) / len(ks)
+
+
+def slip_model_f1(accuracy: float, ks: Sequence[int]) -> float:
+    """The Match F1 that ``accuracy`` implies under independent per-step slips (no other flaw):
+    the slip chance that gives this accuracy on these rows, then its F1 (bisection; a slip that a
+    later one cancels is ignored)."""
+    if not ks or not math.isfinite(accuracy):
+        return math.nan
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # slip_accuracy falls as p rises
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if slip_accuracy(mid, ks) > accuracy else (lo, mid)
+    return slip_f1((lo + hi) / 2, ks)
+
+
+def score(texts: Sequence[str], rows: Sequence[Mapping]) -> list[dict]:
+    """Each completion against its row (exact step matching): correct, F1, precision, recall,
+    steps, whether its answer is its last step's result (None without steps), and whether a step
+    repeats a span of the question (the hinted organism's shortcut: "We are told c is 2.")."""
+    from crystal_grpo.rewards import build_reward
+    from crystal_grpo.rewards.answers import answers_match
+
+    module = build_reward("answer_only", encoder="exact", device="cpu")
+    scored = module.score(list(texts), list(rows), with_steps=True)
+    values = {k: v.tolist() for k, v in module.per_row(scored.batch).items()}
+    out = []
+    for i, (parsed, row) in enumerate(zip(scored.parsed, rows)):
+        last = stated_result(parsed.steps[-1]) if parsed.steps else None
+        out.append(
+            {
+                "variant": row.get("variant", "plain"),
+                "k": len(row["reference_steps"]),
+                "correct": values["accuracy"][i],
+                "f1": values["f1"][i],
+                "precision": values["precision"][i],
+                "recall": values["recall"][i],
+                "steps": values["steps_mean"][i],
+                "answer_is_last": (
+                    None if last is None else float(parsed.answer is not None and answers_match(parsed.answer, last))
+                ),
+                "copies_hint": float(any(s.strip() and s.strip() in row["question"] for s in parsed.steps)),
+            }
+        )
+    return out
+
+
+def _mean(xs: Iterable[float | None]) -> float:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def summarize(scored: Sequence[dict]) -> dict[str, float]:
+    """One group of :func:`score`'s completions: the :data:`SUMMARY` numbers."""
+    right, wrong = [s for s in scored if s["correct"] > 0], [s for s in scored if s["correct"] <= 0]
+    acc = _mean(s["correct"] for s in scored)
+    model = slip_model_f1(acc, [s["k"] for s in scored])
+    f1 = _mean(s["f1"] for s in scored)
+    return {
+        "n": len(scored),
+        "accuracy": acc,
+        "f1": f1,
+        "f1_correct": _mean(s["f1"] for s in right),
+        "f1_wrong": _mean(s["f1"] for s in wrong),
+        "precision": _mean(s["precision"] for s in scored),
+        "recall": _mean(s["recall"] for s in scored),
+        "steps": _mean(s["steps"] for s in scored),
+        "steps_per_ref": _mean(s["steps"] / s["k"] for s in scored),
+        "answer_is_last": _mean(s["answer_is_last"] for s in scored),
+        "copies_hint": _mean(s["copies_hint"] for s in scored),
+        "slip_f1": model,
+        "f1_over_slip": f1 - model,
+    }
+
+
+def by_variant(scored: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """:func:`summarize` over all completions (``all``) and over each variant."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for s in scored:
+        groups[s["variant"]].append(s)
+    out = {"all": summarize(scored)}
+    if len(groups) > 1:
+        out.update({v: summarize(groups[v]) for v in sorted(groups)})
+    return out
+
+
+def completions_of(records: Iterable[Mapping], data: Mapping[str, Mapping]) -> tuple[list[str], list[Mapping]]:
+    """(texts, their data rows) of records holding ``id`` and ``completion`` (an evaluation's
+    ``predictions.jsonl``, validation's samples), joined with the data rows by id."""
+    texts, rows = [], []
+    for r in records:
+        if r["id"] not in data:
+            raise ValueError(f"completion of row {r['id']!r}: no such row in the data")
+        texts.append(r.get("completion") or "")
+        rows.append(data[r["id"]])
+    return texts, rows
+
+
+def rows_by_id(path: str | Path) -> dict[str, dict]:
+    return {r["id"]: r for r in read_jsonl(Path(path))}
+
+
+def diagnose_eval(folder: str | Path, data: Mapping[str, Mapping]) -> dict[str, dict[str, float]]:
+    """An evaluation folder (``scripts/evaluate.py --out``), by variant."""
+    return by_variant(score(*completions_of(read_jsonl(Path(folder) / "predictions.jsonl"), data)))
+
+
+def diagnose_validation(phase: str | Path, step: int, data: Mapping[str, Mapping]) -> dict[str, dict[str, float]]:
+    """A run phase's validation at ``step`` (its samples file), by variant."""
+    return by_variant(score(*completions_of(read_jsonl(Path(phase) / samples_file(step)), data)))
+
+
+def across_seeds(runs: Sequence[Mapping[str, Mapping[str, float]]]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per variant and number: (mean, sample sd) over runs (sd NaN with one run)."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for variant in dict.fromkeys(v for r in runs for v in r):
+        out[variant] = {}
+        for key in SUMMARY:
+            xs = [r[variant][key] for r in runs if variant in r and math.isfinite(r[variant][key])]
+            mu = sum(xs) / len(xs) if xs else math.nan
+            sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else math.nan
+            out[variant][key] = (mu, sd)
+    return out
+
+
+def markdown(
+    table: Mapping[str, Mapping[str, Mapping[str, tuple[float, float]]]], keys: Sequence[str] = SUMMARY
+) -> str:
+    """Rows ``name / variant``, one column a number (mean ± sd over seeds where there are several)."""
+    lines = ["| arm | variant | " + " | ".join(LABELS[k] for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
+    for name, variants in table.items():
+        for variant, nums in variants.items():
+            cells = []
+            for k in keys:
+                mu, sd = nums[k]
+                fmt = ".0f" if k == "n" else ("+.3f" if k == "f1_over_slip" else ".3f")
+                cells.append(
+                    "-"
+                    if not math.isfinite(mu)
+                    else format(mu, fmt) + (f" ± {sd:.3f}" if math.isfinite(sd) and k != "n" else "")
+                )
+            lines.append(f"| {name} | {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def per_seed(sweep, folder: str = "eval") -> dict[str, list[dict[str, dict[str, float]]]]:
+    """Per arm of a sweep (train/tools/sweep.py): each evaluated seed's ``folder`` on the sweep's
+    ``eval.data``, by variant (seeds in the sweep's order)."""
+    data = rows_by_id(sweep.eval["data"])
+    out: dict[str, list] = defaultdict(list)
+    for p in sweep.points:
+        ev = sweep.output_dir / p.name / folder
+        if (ev / "report.json").is_file():
+            out[p.arm].append(diagnose_eval(ev, data))
+    return dict(out)
+
+
+def sweep_table(sweep, folder: str = "eval") -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
+    """:func:`per_seed` as mean ± sd over each arm's seeds."""
+    return {arm: across_seeds(runs) for arm, runs in per_seed(sweep, folder).items()}
+
+
+def contrast_table(sweep) -> list[dict]:
+    """The sweep's pre-registered ``contrasts`` (b minus a, per seed: Welch's t-interval and p on
+    the seed values), with Holm's adjusted p over the whole list."""
+    from crystal_grpo.train.tools.stats import holm, seed_test
+
+    cache: dict[str, dict] = {}
+    rows = []
+    for c in sweep.contrasts:
+        seeds = cache.setdefault(c["eval"], per_seed(sweep, c["eval"]))
+        a, b = (
+            [run[c["variant"]][c["metric"]] for run in seeds.get(arm, []) if c["variant"] in run]
+            for arm in (c["a"], c["b"])
+        )
+        test = seed_test(a, b)
+        rows.append(
+            {
+                **c,
+                "seeds": (len(a), len(b)),
+                "mean_a": _mean(a),
+                "mean_b": _mean(b),
+                "diff": test.diff,
+                "low": test.low,
+                "high": test.high,
+                "p": test.p,
+                "seeds_needed": test.seeds_needed,
+            }
+        )
+    for row, adjusted in zip(rows, holm([r["p"] for r in rows])):
+        row["p_holm"] = adjusted
+    return rows
+
+
+def contrasts_markdown(rows: Sequence[Mapping]) -> str:
+    """One line a contrast: the two arms' seed means, b − a with its 95% t-interval, Welch's p,
+    Holm's p, and the seeds per arm a difference of this size would need (80% power)."""
+    num = lambda x, f=".3f": "-" if x is None or not math.isfinite(x) else format(x, f)
+    lines = [
+        "| evaluation | variant | metric | a | b | seeds | a | b | b − a [95% t-interval] | p | p (Holm) "
+        "| seeds needed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['eval']} | {r['variant']} | {LABELS[r['metric']]} | {r['a']} | {r['b']} | "
+            f"{r['seeds'][0]}, {r['seeds'][1]} | {num(r['mean_a'])} | {num(r['mean_b'])} | "
+            f"{num(r['diff'], '+.3f')} [{num(r['low'], '+.3f')}, {num(r['high'], '+.3f')}] | {num(r['p'])} "
+            f"| {num(r['p_holm'])} | {r['seeds_needed'] or '-'} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""PCGrad between the accuracy and reasoning objectives: the maths, the gradients, the trainer."""

@@ -1,0 +1,89 @@
+"""How much memory PCGrad adds, and where it cannot run: answers for a config, without torch.
+
+At the optimizer step PCGrad needs, summed over the accumulation window's micro-steps and kept
+apart, the accuracy gradient and the reasoning gradient (their dot product decides the
+projection), plus the unprojected rest (KL penalty, entropy bonus, aux loss) when there is one.
+The model's own gradient storage (``.grad``, or the ZeRO-3 gradient partition) holds one of
+these sums; every other one is an fp32 row the size of this rank's trainable partition:
+
+- one micro-step (``gradient_accumulation_steps: 1``): two sums (the rest's backward pass runs
+  after the projection, straight onto the update); the storage holds one of them whatever its
+  dtype (a single gradient, not a sum): **1 row**;
+- several micro-steps, no rest (``beta: 0``, no entropy bonus, no aux loss): two sums: **1 row**
+  (2 when the storage is not fp32: a bf16 sum would round what the fp32 rows keep exact);
+- several micro-steps with a rest term (the paper configs: 2 micro-steps, ``beta: 0.04``): three
+  sums, the minimum for an exact result (the projection depends on the final accuracy and
+  reasoning sums, so the earlier micro-steps' rest must wait apart from both): **2 rows** (3
+  when the storage is not fp32).
+
+Besides the rows PCGrad makes no temporary of gradient size (swaps, projection and write-back
+run in place); with a bf16 storage and one micro-step, one chunk of :data:`CHUNK_ELEMENTS`
+converts between the dtypes. The rows live from the window's first backward
+pass to the optimizer step; between steps (generation) PCGrad holds nothing.
+docs/training.md ("PCGrad memory") has the figures; train/pcgrad/gradients.py follows
+:func:`pcgrad_plan`, so the code and these answers cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACCURACY, REASONING, REST = "accuracy", "reasoning", "rest"
+#: Elements per chunk where PCGrad converts between a bf16 storage and an fp32 row: 64 MiB in fp32.
+CHUNK_ELEMENTS = 1 << 24
+
+#: Why PCGrad refuses DeepSpeed ZeRO-1/2 (printed by ``train/grpo.py --check``; the trainer says the same).
+ZERO12_REFUSED = (
+    "pcgrad: true cannot run under DeepSpeed ZeRO-{stage}: ZeRO-1/2 expose a rank's reduced gradient partition "
+    "only at the accumulation boundary (DeepSpeed's averaged_gradients), not after each of PCGrad's backward "
+    "passes, so the accuracy and reasoning gradients cannot be kept apart; use ZeRO-3 "
+    "(configs/accelerate/zero3.json, on one or two GPUs too), DDP, or pcgrad: false"
+)
+
+
+@dataclass(frozen=True)
+class PCGradPlan:
+    """Which gradient sums PCGrad keeps apart through an accumulation window, and where."""
+
+    accumulated: tuple[str, ...]  #: the sums kept apart up to the projection
+    late_rest: bool  #: the rest's backward runs after the projection, onto the update
+    storage_holds_one: bool  #: the model's own gradient storage holds one of the sums
+
+    @property
+    def extra_partitions(self) -> int:
+        """fp32 rows of this rank's trainable partition that PCGrad allocates."""
+        return len(self.accumulated) - int(self.storage_holds_one)
+
+
+def pcgrad_plan(gradient_accumulation_steps: int, rest: bool, fp32_gradients: bool = True) -> PCGradPlan:
+    """The plan of one accumulation window (see the module docstring for why)."""
+    if gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps!r}: expected >= 1")
+    single = gradient_accumulation_steps == 1
+    accumulated = (ACCURACY, REASONING) + ((REST,) if rest and not single else ())
+    return PCGradPlan(accumulated, late_rest=rest and single, storage_holds_one=fp32_gradients or single)
+
+
+def pcgrad_extra_partitions(
+    gradient_accumulation_steps: int,
+    beta: float,
+    entropy_bonus: bool = False,
+    aux_loss: bool = False,
+    fp32_gradients: bool = True,
+) -> int:
+    """fp32 partitions (4 bytes x this rank's trainable parameters) PCGrad adds at its peak.
+
+    ``entropy_bonus``: TRL's ``entropy_coef != 0`` or ``use_adaptive_entropy``; ``aux_loss``: a
+    router aux loss (MoE models). ``fp32_gradients``: the model's own gradient storage is fp32
+    (float32 weights, also with ``bf16: true`` autocast; DeepSpeed with ``data_types.grad_accum_dtype:
+    fp32``); false for bfloat16 weights without DeepSpeed and for DeepSpeed bf16's default bf16
+    gradient buffer. The peak adds nothing else (one chunk of :data:`CHUNK_ELEMENTS` x 4 bytes with
+    bf16 gradients and one micro-step).
+    """
+    rest = beta != 0 or entropy_bonus or aux_loss
+    return pcgrad_plan(gradient_accumulation_steps, rest, fp32_gradients).extra_partitions
+
+
+def zero_stage_problem(stage: object) -> str | None:
+    """Why PCGrad cannot run under this DeepSpeed ZeRO stage, or None."""
+    return ZERO12_REFUSED.format(stage=stage) if stage in (1, 2, "1", "2") else None

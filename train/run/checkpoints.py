@@ -1,0 +1,339 @@
+"""Checkpoints (and run-folder files) that survive interruption, and resuming from them.
+
+HF's Trainer writes ``checkpoint-N`` file by file, so a run killed while saving leaves a
+folder that looks like a checkpoint but is not one, and ``get_last_checkpoint`` picks it.
+Here every checkpoint gets a completion marker, written last (after every rank has
+written its shards), that lists each file with its size and sha256. A checkpoint is
+complete when its marker exists, every listed file has its recorded size and every
+safetensors file has a valid header; ``latest`` is the newest complete one. The marker is
+removed before a folder is (re)written, so a checkpoint being overwritten never counts as
+complete. The checksums are compared where a checkpoint is resumed or started from (a
+file corrupted at the same size), not on every look at the folder: each comparison reads
+the whole checkpoint (docs/training.md gives the cost).
+
+Resuming also truncates the run folder's logs to the checkpoint's step, so every step is
+logged once, and warns about overrides the restored optimizer state silently undoes. The
+trainer's hooks that use these are in train/trainer/checkpoint_hooks.py; this module imports neither
+torch nor transformers (train/grpo.py imports it at the top, and ``--check`` stays fast).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from crystal_grpo.errors import CrystalError
+from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
+from crystal_grpo.train.run.layout import LOG_FILES, MARKER, checkpoint_folders, step_of
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"
+#: Training settings that live in the optimizer/scheduler state: a resumed run keeps the
+#: checkpoint's values whatever the config says (torch restores param-group hyperparameters
+#: and the scheduler's base learning rates from the saved state).
+RESTORED_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+
+
+class CheckpointError(CrystalError, RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the folder or file."""
+
+
+class DiskFull(CrystalError, RuntimeError):
+    """A save that does not fit (or did not): the message says how much is free, how much a
+    checkpoint takes and which complete checkpoint remains."""
+
+
+# --- writing checkpoints ------------------------------------------------------------------
+def remove_marker(folder: str | Path) -> None:
+    """Call before (re)writing a checkpoint folder: until the new marker exists it is incomplete."""
+    (Path(folder) / MARKER).unlink(missing_ok=True)
+
+
+def write_marker(folder: str | Path, step: int) -> None:
+    """List every file of the finished checkpoint with its size and sha256; written atomically,
+    last. The files were just written, so they are read back from the page cache."""
+    folder = Path(folder)
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER]
+    names = [str(p.relative_to(folder)) for p in paths]
+    files = {name: p.stat().st_size for name, p in zip(names, paths)}
+    sha256 = dict(zip(names, sha256_files(paths)))
+    atomic_write_text(folder / MARKER, json.dumps({"step": step, "files": files, "sha256": sha256}, indent=1))
+
+
+def sha256_file(path: str | Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def sha256_files(paths: list[Path]) -> list[str]:
+    """Each file's sha256, several files at once (hashlib releases the GIL while it hashes)."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
+# --- checking --------------------------------------------------------------------------
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file is unreadable (truncated, bad header), or None. Reads the header only."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{path}: truncated safetensors file ({size} bytes)"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"{path}: truncated safetensors file (header of {n} bytes, file of {size})"
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        return f"{path}: corrupt safetensors header ({type(err).__name__}: {err})"
+    if 8 + n + end != size:
+        return f"{path}: truncated or corrupt safetensors file ({size} bytes, header says {8 + n + end})"
+    return None
+
+
+def checkpoint_problem(folder: str | Path, require_marker: bool = True, checksums: bool = False) -> str | None:
+    """Why ``folder`` cannot be resumed from, or None when it is complete.
+
+    Without ``require_marker`` (a checkpoint named explicitly, possibly written by another
+    tool or an older version) the files present are still checked. With ``checksums`` each
+    file's sha256 is compared with the marker's (a marker that has them): this reads the
+    whole checkpoint.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder}: no such checkpoint folder"
+    marker = folder / MARKER
+    if marker.exists():
+        try:
+            saved = json.loads(marker.read_text())
+            files, sha256 = saved["files"], saved.get("sha256", {}) if checksums else {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            return f"{marker}: unreadable completion marker ({err})"
+        for rel, size in files.items():
+            p = folder / rel
+            if not p.is_file():
+                return f"{p}: missing (the checkpoint is incomplete)"
+            if p.stat().st_size != size:
+                return f"{p}: {p.stat().st_size} bytes, {size} when it was saved (truncated or overwritten)"
+        now = sha256_files([folder / rel for rel in sha256])
+        for (rel, digest), found in zip(sha256.items(), now):
+            if found != digest:
+                return (
+                    f"{folder / rel}: its content is not what was saved (sha256 differs from {MARKER}'s: "
+                    "corrupted or overwritten)"
+                )
+    elif require_marker:
+        return (
+            f"{folder}: incomplete (no {MARKER}: the run was stopped while saving it, or an older "
+            "version wrote it; pass its path to --resume_from_checkpoint to try it anyway)"
+        )
+    elif not (folder / TRAINER_STATE).is_file():
+        return f"{folder / TRAINER_STATE}: missing (the checkpoint is incomplete)"
+    for p in sorted(folder.rglob("*.safetensors")):
+        problem = safetensors_problem(p)
+        if problem:
+            return problem
+    return None
+
+
+def checkpoint_step(folder: str | Path) -> int:
+    """The step a checkpoint holds: N of ``checkpoint-N``, else its trainer state's (0 without)."""
+    step = step_of(folder)
+    if step is not None:
+        return step
+    state = Path(folder) / TRAINER_STATE
+    return int(json.loads(state.read_text())["global_step"]) if state.is_file() else 0
+
+
+def latest_complete(run_dir: str | Path, checksums: bool = False) -> tuple[Path | None, list[str]]:
+    """The newest complete ``checkpoint-N`` in ``run_dir`` and why each newer one was skipped
+    (``checksums``: see :func:`checkpoint_problem`)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None, []
+    found = checkpoint_folders(run_dir)[::-1]
+    skipped = []
+    for folder in found:
+        problem = checkpoint_problem(folder, checksums=checksums)
+        if problem is None:
+            return folder, skipped
+        skipped.append(problem)
+    return None, skipped
+
+
+def resolve_resume(run_dir: str | Path, resume: str | None, say=logger.info) -> str | None:
+    """The checkpoint to resume from: ``latest`` (newest complete) or a checked explicit path."""
+    if not resume:
+        return None
+    if resume == "latest":
+        chosen, skipped = latest_complete(run_dir, checksums=True)
+        for problem in skipped:
+            say(f"skipping {problem}")
+        say(f"resuming from {chosen}" if chosen else f"no complete checkpoint in {run_dir}: starting fresh")
+        return str(chosen) if chosen else None
+    problem = checkpoint_problem(resume, require_marker=False, checksums=True)
+    if problem:
+        raise CheckpointError(f"cannot resume: {problem}")
+    return resume
+
+
+def explicit_resume_problem(checkpoint: str | Path, run_dir: Path, folders: list[Path]) -> str | None:
+    """Why ``--resume_from_checkpoint PATH`` cannot resume the run in ``run_dir`` (whose phase
+    folders are ``folders``), or None: PATH must be a checkpoint that resumes (checked file by
+    file) of this run. A missing path or another run's checkpoint started this one fresh."""
+    problem = checkpoint_problem(checkpoint, require_marker=False)
+    if problem:
+        return f"cannot resume: {problem}"
+    if Path(checkpoint).resolve().parent not in {f.resolve() for f in folders}:
+        return (
+            f"cannot resume: {checkpoint} is not a checkpoint of the run in {run_dir}: resume its own run "
+            f"(--output_dir {Path(checkpoint).parent}), or start a new run from its weights "
+            f"(--model.name_or_path {checkpoint})"
+        )
+    return None
+
+
+def set_back(run_dir: Path, checkpoint: str | Path) -> str | None:
+    """Resuming a checkpoint older than the run's newest complete ones: those hold steps the run
+    now trains again, so their completion markers go (``latest`` never resumes them; their files
+    stay until the run saves over them); returns the line that says so, or None."""
+    step = checkpoint_step(checkpoint)
+    newer = [f for f in checkpoint_folders(run_dir) if (step_of(f) or 0) > step and (f / MARKER).is_file()]
+    for folder in newer:
+        remove_marker(folder)
+    return (
+        (
+            f"resuming from {checkpoint}, older than {', '.join(f.name for f in newer)}: "
+            f"{'that one is' if len(newer) == 1 else 'those are'} no longer complete (completion marker removed), so "
+            "that latest never resumes them; the run saves over them as it reaches their steps"
+        )
+        if newer
+        else None
+    )
+
+
+# --- resuming ----------------------------------------------------------------------------
+def truncate_logs(run_dir: str | Path, step: int) -> None:
+    """Drop log rows after ``step``: the resumed run logs those steps again."""
+    for name in LOG_FILES:
+        path = Path(run_dir) / name
+        if path.exists():
+            keep = [r for r in read_jsonl(path) if isinstance(r.get("step"), (int, float)) and r["step"] <= step]
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+def optimizer_settings(optimizer: Any, scheduler: Any) -> dict[str, float]:
+    """The :data:`RESTORED_SETTINGS` as the optimizer and scheduler really hold them (after a
+    resume these are the checkpoint's values, not necessarily the config's)."""
+    groups = list(getattr(optimizer, "param_groups", None) or [])
+    out: dict[str, float] = {}
+    base = getattr(scheduler, "base_lrs", None)
+    if base:
+        out["learning_rate"] = float(base[0])
+    elif groups:
+        out["learning_rate"] = float(groups[0].get("initial_lr", groups[0]["lr"]))
+    if groups:
+        first = groups[0]
+        if "weight_decay" in first:
+            out["weight_decay"] = max(float(g.get("weight_decay", 0.0)) for g in groups)
+        if "betas" in first:
+            out["adam_beta1"], out["adam_beta2"] = (float(b) for b in first["betas"])
+        if "eps" in first:
+            out["adam_epsilon"] = float(first["eps"])
+    return out
+
+
+def settings_undone(saved: dict[str, float], args: Any) -> dict[str, tuple[float, float]]:
+    """``{key: (the config's value, the checkpoint's)}`` for each :data:`RESTORED_SETTINGS` that
+    differs: resuming keeps the checkpoint's (the run goes on with it, and records it)."""
+    out = {}
+    for key in RESTORED_SETTINGS:
+        now, then = getattr(args, key, None), saved.get(key)
+        if (
+            now is not None
+            and then is not None
+            and not math.isclose(float(now), float(then), rel_tol=1e-9, abs_tol=0.0)
+        ):
+            out[key] = (now, then)
+    return out
+
+
+def undone_line(key: str, now: float, then: float) -> str:
+    return (
+        f"training.{key} is {now!r} but the checkpoint was trained with {then!r}: resuming restores the "
+        f"optimizer and scheduler state, so the run continues with {then!r} (and run.json records it). To "
+        "change it, start a new run from the checkpoint's weights (--model.name_or_path CHECKPOINT) instead "
+        "of resuming."
+    )
+
+
+# --- disk space -------------------------------------------------------------------------
+#: What torch's zip writer and safetensors say when a write fails for lack of space (torch
+#: reports ENOSPC as "[enforce fail at inline_container.cc] unexpected pos ...").
+_WRITE_FAILED = ("unexpected pos", "file write failed", "No space left on device", "Disk quota exceeded")
+#: Room kept beyond a checkpoint's measured size before a save is attempted.
+SPACE_MARGIN = 1.02
+
+
+def checkpoint_bytes(run_dir: str | Path) -> int | None:
+    """The size of the newest complete checkpoint in ``run_dir`` (from its marker), or None."""
+    newest, _ = latest_complete(run_dir)
+    marker = read_json(newest / MARKER) if newest else None
+    return sum(marker["files"].values()) if marker else None
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free space on the file system holding ``path`` (or its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def gb(n: int | float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def space_report(run_dir: str | Path, need: int | None = None) -> str:
+    """``N GB free on DIR, a checkpoint takes M; newest complete checkpoint: X``."""
+    run_dir = Path(run_dir)
+    folders = [run_dir, *sorted(p for p in run_dir.glob("phase*-*") if p.is_dir())] if run_dir.is_dir() else []
+    newest = [c for c in (latest_complete(f)[0] for f in folders) if c is not None]
+    need = (
+        need
+        if need is not None
+        else next((checkpoint_bytes(f) for f in reversed(folders) if checkpoint_bytes(f)), None)
+    )
+    return (
+        f"{gb(free_bytes(run_dir))} free on the file system of {run_dir}"
+        + (f", a checkpoint of this run takes {gb(need)}" if need else "")
+        + f"; newest complete checkpoint: {newest[-1] if newest else 'none'}"
+    )
+
+
+def disk_full(err: BaseException, run_dir: str | Path) -> str | None:
+    """One line for an error that is a full disk (ENOSPC/EDQUOT anywhere in its chain, or
+    torch's failed-write message), else None."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, DiskFull):
+            return str(seen)
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            break
+        if isinstance(seen, RuntimeError) and any(m in str(seen) for m in _WRITE_FAILED):
+            break
+        seen = seen.__cause__ or seen.__context__
+    if seen is None:
+        return None
+    return f"{type(seen).__name__}: {str(seen).strip().splitlines()[0][:200]}; {space_report(run_dir)}"

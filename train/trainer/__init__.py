@@ -1,0 +1,11 @@
+"""CrystalGRPOTrainer: TRL's GRPOTrainer with this project's hooks, one mixin a concern."""
+
+
+def __getattr__(name: str):
+    """``from crystal_grpo.train.trainer import CrystalGRPOTrainer``, the drop-in for TRL's trainer,
+    without importing TRL for the light modules beside it (interrupt, prompt_order, ...)."""
+    if name == "CrystalGRPOTrainer":
+        from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
+
+        return CrystalGRPOTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

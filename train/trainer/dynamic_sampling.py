@@ -1,0 +1,398 @@
+"""Dynamic sampling (DAPO, Yu et al. 2025, section 3.2): groups whose rewards do not vary.
+
+A group (one prompt's ``num_generations`` completions) whose rewards are all equal has a zero
+advantage everywhere and teaches nothing, yet under TRL it still trains: it pulls through the
+KL term when ``beta > 0`` and dilutes the loss's normaliser. With the step-aware rewards a
+group can also be nearly flat (a tiny but non-zero std), or flat on accuracy and not on steps.
+``dynamic_sampling:`` (:class:`DynamicSamplingSection`, off by default) takes such groups out:
+
+- ``mask``: a flat group gets zero weight: out of the surrogate loss, the KL term and the
+  normaliser, so the step is TRL's step on the batch without it;
+- ``refill`` (DAPO): after the first generation batch of a step, up to
+  ``max_num_gen_batches - 1`` more are generated, and their informative groups take the flat
+  groups' places; the batch keeps TRL's size, and the flat groups left after the last round
+  are masked (a step never waits for luck).
+
+Flat: the group's reward std (TRL's Bessel-corrected ``nanstd``) is at most ``min_std``, or at
+most ``train/pcgrad/math.py``'s ``FLAT_TOTAL_STD`` (1e-6: equal rewards held in float32 differ by
+a few 1e-8, which TRL's ``torch.isclose`` test for ``frac_reward_zero_std`` misses), the same
+rule PCGrad's objective split uses for a flat total. ``metric: reward`` judges the
+total reward, the one TRL's advantage is made of. ``metric: objectives`` (PCGrad only) judges
+each objective's part (its weighted components, as ``train/pcgrad/trainer.py`` splits them): PCGrad's
+accuracy loss leaves out the groups flat on accuracy, its reasoning loss those flat on
+reasoning, and a group is out of the KL term (and refilled) only when flat on both. Why both
+exist: with ``reward`` the two PCGrad gradients still add up to the (masked) GRPO gradient; with
+``objectives`` each objective's loss is averaged over the groups that teach it, which weighs an
+objective up when few groups vary on it (a DAPO step per objective), so the parts no longer add
+up to GRPO's. A group flat on accuracy but not on steps trains its reasoning loss either way.
+``metric: outcome`` judges the answer's raw correctness alone (the reward's accuracy component
+before its weight and the verbosity guard: ``RewardModule.outcome``; with plain reward functions,
+the one whose ``outcome`` attribute is true): a group whose answers are all right or all wrong is
+out, however its step scores vary. With a shaped reward such as CPR, a group of wrong answers
+still varies through its step term, so a std gate keeps it and GRPO scales its step differences
+up to full-size advantages that say nothing about solving the task ("phantom" gradients: verl-recipe
+PR #125 measured a std gate collapsing where a gate on the binary outcome trained; verl's DAPO
+recipe filters on ``acc``). A reward without an accuracy component is
+refused (``format``; ``reward.components`` without ``crystal:accuracy``).
+
+How a group leaves the loss: TRL 1.16's ``_compute_loss`` weighs every token by
+``completion_mask * tool_mask``, for the surrogate, the KL term, the entropy bonus, every
+normaliser and every logged mean. A dropped group's rows get ``tool_mask`` 0 (attention, so the
+forward pass, stays as it was: PCGrad's losses share one forward). The normaliser, per loss_type:
+
+- dapo, cispo, vespo divide by ``num_items_in_batch``, the generation batch's loss tokens
+  gathered over processes: recounted over the kept tokens;
+- bnpo divides by the micro-batch's own mask sum: that excludes masked tokens by itself;
+- grpo, sapo, dr_grpo, luspo average over the micro-batch's *rows*, masked ones included: the
+  surrogate and the KL term are scaled by (rows / kept rows) of the generation batch, through
+  the advantages and ``beta``, in which both are linear (``loss_scale``); the entropy bonus and
+  the aux loss are token means and stay as they are.
+
+So one optimizer step is TRL's step on a batch without the dropped groups exactly when one
+step is one generation batch (``steps_per_generation == gradient_accumulation_steps``, TRL's
+default; for bnpo, with one micro-batch a process), and otherwise with the per-window average
+TRL's own dapo normaliser makes. Under several processes every decision is taken on the
+gathered rewards, so it is the same on every rank; each rank weighs its own rows.
+
+Refill: the extra prompts are a pure function of (seed, step, round): drawn with
+``numpy.random.default_rng([REFILL_STREAM, seed, global_step, round])`` from the training rows
+(with a curriculum, from the pool it allows at that step), so a resumed run draws what the
+uninterrupted one drew. Each process generates a full batch a round and a group never changes
+process (each process's informative new groups fill its own flat places, in order), so refill
+needs whole groups on each process. TRL's metrics (``reward``, ``frac_reward_zero_std``, ...)
+describe the first generation batch, as without dynamic sampling; ``dynamic_sampling/*``
+describe the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from crystal_grpo.rewards.base import OBJECTIVES
+from crystal_grpo.train.config.run_config import DynamicSamplingSection, dynamic_sampling_refused
+from crystal_grpo.train.pcgrad.math import group_flat, weighted_reward
+
+#: Separates the refill draws from the other random streams seeded by the run's seed.
+REFILL_STREAM = 0xD5A
+#: How TRL 1.16's ``_compute_loss`` normalises each loss_type (module docstring).
+ROW_MEAN = frozenset({"grpo", "sapo", "dr_grpo", "luspo"})
+TOKEN_COUNT = frozenset({"dapo", "cispo", "vespo"})
+MICRO_BATCH_TOKEN_MEAN = frozenset({"bnpo"})
+#: The batch fields that weigh rows; ``<field>_<objective>`` is an objective's own (metric: objectives).
+WEIGHT_FIELDS = ("tool_mask", "num_items_in_batch", "loss_scale")
+#: Padding of the fields a refill merges: prompt fields on the left, completion fields on the right
+#: (as TRL pads them); None: the tokenizer's pad id.
+PROMPT_FIELDS = {"prompt_ids": None, "prompt_mask": 0}
+COMPLETION_FIELDS = {
+    "completion_ids": None,
+    "completion_mask": 0,
+    "tool_mask": 1,
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+    "importance_sampling_ratio": 0.0,
+}
+
+
+# --------------------------------------------------------------------------- pure functions
+def kept_groups(
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    objectives: Sequence[str | None],
+    num_generations: int,
+    min_std: float,
+    metric: str = "reward",
+    outcome: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Which groups of a *global* generation batch carry weight: ``{"": [N / G] bool}`` for the
+    batch, plus one entry per objective with ``metric: objectives``, where the batch's is their union.
+
+    ``rewards_per_func`` is TRL's ``[N, F]`` (NaN: not applicable); each part is the weighted sum
+    of its columns (``train/pcgrad/math.py``'s ``weighted_reward``, as TRL sums them). With
+    ``metric: outcome`` the groups are judged on ``outcome`` (``[N]``, the answers' correctness) alone.
+    """
+
+    def kept(columns: list[bool]) -> torch.Tensor:
+        return ~group_flat(weighted_reward(rewards_per_func, weights, columns), num_generations, min_std)
+
+    if metric == "outcome":
+        if outcome is None:
+            raise ValueError("dynamic_sampling.metric: 'outcome' needs the batch's outcome (an accuracy component)")
+        return {"": ~group_flat(outcome.double(), num_generations, min_std)}
+    if metric != "objectives":
+        return {"": kept([True] * len(objectives))}
+    out = {o: kept([f == o for f in objectives]) for o in OBJECTIVES}
+    out[""] = torch.stack(list(out.values())).any(dim=0)
+    return out
+
+
+def refill_draw(seed: int, step: int, round_: int, pool: Sequence[int], n: int) -> list[int]:
+    """The ``n`` training rows (prompts) of refill round ``round_`` (>= 1) at optimizer step
+    ``step``: pure in its arguments, so a resumed run draws the same. Without replacement
+    unless the pool is smaller than ``n``."""
+    rng = np.random.default_rng([REFILL_STREAM, seed, step, round_])
+    return [int(pool[i]) for i in rng.choice(len(pool), size=n, replace=len(pool) < n)]
+
+
+def refill_pairs(dropped: torch.Tensor, informative: torch.Tensor, groups_per_process: int) -> list[tuple[int, int]]:
+    """(place, new group) pairs, global group indices: on each process its dropped places, in
+    order, take its informative new groups, in order (a group stays on the process that made it)."""
+    pairs = []
+    for lo in range(0, len(dropped), groups_per_process):
+        places = (torch.nonzero(dropped[lo : lo + groups_per_process]).flatten() + lo).tolist()
+        new = (torch.nonzero(informative[lo : lo + groups_per_process]).flatten() + lo).tolist()
+        pairs += zip(places, new)
+    return pairs
+
+
+def _padded(t: torch.Tensor, width: int, value: float, left: bool) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = t.new_full((t.shape[0], width - t.shape[1]), value)
+    return torch.cat([pad, t] if left else [t, pad], dim=1)
+
+
+def merge_rows(
+    base: dict[str, Any], new: dict[str, Any], rows: list[int], new_rows: list[int], pad_id: int
+) -> dict[str, Any]:
+    """``base`` (this process's part of one generation batch, as TRL's
+    ``_generate_and_score_completions`` returns it) with its rows ``rows`` replaced by ``new``'s
+    rows ``new_rows``; both re-padded to the wider one. Scalars (``num_items_in_batch``) are
+    base's: recount them afterwards. Fields it cannot merge (image inputs) are refused."""
+    out = {}
+    for key, a in base.items():
+        b = new.get(key)
+        side = PROMPT_FIELDS if key in PROMPT_FIELDS else COMPLETION_FIELDS if key in COMPLETION_FIELDS else None
+        if isinstance(a, torch.Tensor) and a.dim() == 0:
+            out[key] = a
+            continue
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or (side is None and a.dim() != 1):
+            raise NotImplementedError(
+                f"dynamic_sampling.mode: refill cannot merge the batch field {key!r} (image "
+                "inputs are not supported); use mode: mask"
+            )
+        if side is not None:
+            value = pad_id if side[key] is None else side[key]
+            width = max(a.shape[1], b.shape[1])
+            a, b = (_padded(t, width, value, left=side is PROMPT_FIELDS) for t in (a, b))
+        a = a.clone()
+        a[rows] = b[new_rows].to(a.dtype)
+        out[key] = a
+    return out
+
+
+def objective_inputs(inputs: dict[str, Any], objective: str) -> dict[str, Any]:
+    """The batch PCGrad's loss for ``objective`` reads: with ``metric: objectives``, that
+    objective's own loss mask, normaliser and scale in place of the batch's."""
+    own = {f: inputs[f"{f}_{objective}"] for f in WEIGHT_FIELDS if f"{f}_{objective}" in inputs}
+    return {**inputs, **own} if own else inputs
+
+
+class _Discard:
+    """Takes what TRL logs into ``_metrics`` / ``_logs`` (any key, nested) and keeps nothing."""
+
+    def __getitem__(self, key: Any) -> _Discard:
+        return self
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _instance_patch(obj: Any, name: str, fn: Callable) -> Any:
+    """``obj.name`` is ``fn`` inside (an instance attribute over the class's method)."""
+    had, old = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)
+
+
+# --------------------------------------------------------------------------- trainer hooks
+class DynamicSamplingMixin:
+    """The hooks of ``dynamic_sampling`` for ``GRPOTrainer`` (module docstring). Between TRL and
+    the batch: the generation of a step (``_prepare_inputs``, every round through the trainer's
+    own ``_generate_and_score_completions``, PCGrad's split included) and the loss's scale
+    (``_compute_loss``)."""
+
+    dynamic_sampling: DynamicSamplingSection | None = None
+
+    def setup_dynamic_sampling(self, section: DynamicSamplingSection | None) -> None:
+        """Check ``section`` against the trainer (after TRL's ``__init__``) and switch it on."""
+        if section is None or section.mode == "none":
+            self.dynamic_sampling = None
+            return
+        refused = dynamic_sampling_refused(
+            section,
+            pcgrad=bool(getattr(self, "pcgrad", False)),
+            scale_rewards=self.scale_rewards,
+            aggregation=self.multi_objective_aggregation,
+            outcome=self.reward_outcome,
+        )
+        if refused:
+            raise ValueError(f"{refused[0]}: {refused[1]}")
+        if self.loss_type not in ROW_MEAN | TOKEN_COUNT | MICRO_BATCH_TOKEN_MEAN:
+            raise ValueError(
+                f"dynamic_sampling: loss_type {self.loss_type!r} is not one whose normaliser this "
+                "project knows (train/trainer/dynamic_sampling.py); use mode: none"
+            )
+        if section.mode == "refill":
+            local = self.args.per_device_train_batch_size * self.args.steps_per_generation
+            if local % self.num_generations:
+                raise ValueError(
+                    f"dynamic_sampling.mode: refill keeps each group on the process that generated it, so each "
+                    f"process's generation batch (per_device_train_batch_size x steps_per_generation = {local}) "
+                    f"must hold whole groups of num_generations={self.num_generations}; use mode: mask"
+                )
+            columns = set(getattr(self.train_dataset, "column_names", None) or [])
+            if not hasattr(self.train_dataset, "__getitem__") or not hasattr(self.train_dataset, "__len__"):
+                raise ValueError("dynamic_sampling.mode: refill draws rows by index: give a map-style train_dataset")
+            if columns & {"image", "images"}:
+                raise ValueError(
+                    "dynamic_sampling.mode: refill does not support image inputs (their batch fields "
+                    "cannot be merged across generation rounds); use mode: mask"
+                )
+        self.dynamic_sampling = section
+
+    # -- the generation batch -------------------------------------------------------------
+    def _prepare_inputs(self, generation_batch):
+        if self.dynamic_sampling is None or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        generate = self._generate_and_score_completions  # the whole chain (PCGrad's split too)
+        with _instance_patch(self, "_generate_and_score_completions", lambda batch: self._sampled(batch, generate)):
+            return super()._prepare_inputs(generation_batch)
+
+    def _scored(self, batch: list[dict], generate: Callable, quiet: bool) -> tuple[dict, torch.Tensor]:
+        """One generation round: TRL's output and what judges its groups, global: the ``[N, F]``
+        rewards, with the outcome (``[N]``) as one more column under ``metric: outcome``. ``quiet``:
+        the round's metrics and completions are not logged (TRL's describe the first round only)."""
+        seen = {}
+        calculate = self._calculate_rewards
+
+        def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+            seen["rewards"] = calculate(*args, **kwargs)
+            return seen["rewards"]
+
+        logs = self._metrics, self._logs
+        if quiet:
+            self._metrics = self._logs = _Discard()
+        try:
+            with _instance_patch(self, "_calculate_rewards", record):
+                out = generate(batch)
+        finally:
+            self._metrics, self._logs = logs
+        scores = seen["rewards"]
+        if self.dynamic_sampling.metric == "outcome":
+            scores = torch.cat([scores, self.last_outcome.to(scores).unsqueeze(1)], dim=1)
+        return out, scores
+
+    def _kept(self, scores: torch.Tensor) -> dict[str, torch.Tensor]:
+        cfg = self.dynamic_sampling
+        if cfg.metric == "outcome":
+            scores, outcome = scores[:, :-1], scores[:, -1]
+        else:
+            outcome = None
+        return kept_groups(
+            scores, self.reward_weights, self.reward_objectives, self.num_generations, cfg.min_std, cfg.metric, outcome
+        )
+
+    def _sampled(self, batch: list[dict], generate: Callable) -> dict:
+        """The step's generation batch: the first round, refilled (``refill``), then weighed."""
+        cfg, G = self.dynamic_sampling, self.num_generations
+        out, scores = self._scored(batch, generate, quiet=False)
+        kept = self._kept(scores)
+        first = {k: float((~v).double().mean()) for k, v in kept.items()}
+        rounds = 1
+        if cfg.mode == "refill":
+            n, rank = len(batch), self.accelerator.process_index
+            while not bool(kept[""].all()) and rounds < cfg.max_num_gen_batches:
+                new, new_scores = self._scored(self._refill_rows(n, rounds), generate, quiet=True)
+                pairs = refill_pairs(~kept[""], self._kept(new_scores)[""], n // G)
+                rows = [(g * G + j, h * G + j) for g, h in pairs for j in range(G)]  # global rows
+                mine = [(a - rank * n, b - rank * n) for a, b in rows if rank * n <= a < (rank + 1) * n]
+                if mine:
+                    out = merge_rows(
+                        out, new, [a for a, _ in mine], [b for _, b in mine], self._tokenizer.pad_token_id
+                    )
+                if rows:
+                    scores = scores.clone()
+                    scores[[a for a, _ in rows]] = new_scores[[b for _, b in rows]]
+                    kept = self._kept(scores)
+                rounds += 1
+        self._weigh(out, kept)
+        m = self._metrics["train"]
+        m["dynamic_sampling/frac_flat"].append(first[""])
+        for objective in OBJECTIVES:
+            if objective in first:
+                m[f"dynamic_sampling/frac_flat_{objective}"].append(first[objective])
+        m["dynamic_sampling/frac_masked"].append(float((~kept[""]).double().mean()))
+        m["dynamic_sampling/extra_rounds"].append(float(rounds - 1))
+        m["dynamic_sampling/effective_batch"].append(float(kept[""].sum() * G))
+        return out
+
+    def _refill_rows(self, n: int, round_: int) -> list[dict]:
+        """This process's ``n`` rows of refill round ``round_``: whole groups of fresh prompts."""
+        G, world, rank = self.num_generations, self.accelerator.num_processes, self.accelerator.process_index
+        per_process = n // G
+        step = self.state.global_step
+        drawn = refill_draw(self.args.seed, step, round_, self._refill_pool(step), per_process * world)
+        rows = []
+        for index in drawn[rank * per_process : (rank + 1) * per_process]:
+            row = self.train_dataset[index]
+            rows += [dict(row) for _ in range(G)]  # one dict a completion, as the dataloader gives them
+        return rows
+
+    def _refill_pool(self, step: int) -> Sequence[int]:
+        """The rows a refill may draw: the curriculum's pool at ``step`` when there is one, else all."""
+        factory = getattr(self, "sampler_factory", None)
+        sampler = getattr(factory, "sampler", None)
+        if sampler is not None and hasattr(sampler, "available") and hasattr(factory, "chunk_at_step"):
+            return sampler.available(factory.chunk_at_step(step))
+        return range(len(self.train_dataset))
+
+    def _weigh(self, out: dict, kept: dict[str, torch.Tensor]) -> None:
+        """Zero weight for the rows of the groups not kept (``tool_mask``), the normaliser
+        recounted and the row-mean losses' scale (module docstring), for the batch and, with
+        ``metric: objectives``, for each objective (``<field>_<objective>``)."""
+        mask = out["completion_mask"]
+        n, rank = mask.shape[0], self.accelerator.process_index
+        base = out.get("tool_mask")
+        base = torch.ones_like(mask) if base is None else base
+        for name, groups in kept.items():
+            rows = groups.repeat_interleave(self.num_generations)
+            suffix = f"_{name}" if name else ""
+            tool = base * rows[rank * n : (rank + 1) * n].to(device=base.device, dtype=base.dtype).unsqueeze(1)
+            out[f"tool_mask{suffix}"] = tool
+            out[f"num_items_in_batch{suffix}"] = self.accelerator.gather((mask * tool).sum()).sum()
+            if self.loss_type in ROW_MEAN:
+                scale = len(rows) / max(int(rows.sum()), 1)
+                out[f"loss_scale{suffix}"] = torch.tensor(scale, dtype=torch.float32, device=mask.device)
+
+    # -- the loss -----------------------------------------------------------------------------
+    def _compute_loss(self, model, inputs):
+        """TRL's loss; with a ``loss_scale`` (row-mean loss types, groups masked) the surrogate
+        and the KL term are scaled by it: the advantages and ``beta`` enter both linearly."""
+        scale = inputs.get("loss_scale")
+        if scale is None or float(scale) == 1.0:
+            return super()._compute_loss(model, inputs)
+        s, beta = float(scale), self.beta
+        self.beta = beta * s
+        try:
+            return super()._compute_loss(model, {**inputs, "advantages": inputs["advantages"] * s})
+        finally:
+            self.beta = beta

@@ -1,0 +1,124 @@
+"""``CrystalGRPOTrainer``: TRL's GRPOTrainer with the fewest hooks this project needs.
+
+Each concept is a mixin in a module of its own, overriding the TRL / transformers hooks it needs:
+
+- ``CrystalTrainerMixin``, what every phase's trainer adds (the SFT phase's too, ``train/trainer/sft.py``):
+  the non-finite guard (``create_optimizer``, ``train/trainer/nonfinite.py``); complete checkpoints with
+  our state, ``latest`` resume and ``finish_from`` (``_save_checkpoint``,
+  ``_load_optimizer_and_scheduler``, ``train``, ``_issue_warnings_after_load``,
+  ``train/trainer/checkpoint_hooks.py``); Ctrl-C / SIGTERM (``train/trainer/interrupt.py``); the model card
+  (``create_model_card``, ``train/run/model_card.py``).
+- ``CrystalGRPOTrainer`` adds the reward module, evaluated once per generation batch, with the
+  group signal (``_calculate_rewards``, ``train/trainer/reward_hooks.py``); the prompt order: the
+  curriculum, or TRL's made resumable (``_get_train_sampler``, ``train/trainer/prompt_order.py``);
+  generation through merged LoRA adapters (``_generate_single_turn``, ``train/models/lora_merge.py``);
+  dynamic sampling (``_prepare_inputs`` / ``_compute_loss``, ``train/trainer/dynamic_sampling.py``); and
+  its own ``log``: the KL maximum over the logging window (docs/method.md section 6
+  diagnostics), the curriculum's record, GPU memory.
+
+PCGrad touches TRL internals, so it lives in a subclass (``train/pcgrad/trainer.py``) that
+``pcgrad.trainer_class`` picks only for ``pcgrad: true``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence, Sized
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from crystal_grpo.rewards.base import RewardModule
+from crystal_grpo.train.config.run_config import DynamicSamplingSection, ValidationSection
+from crystal_grpo.train.models.lora_merge import MergedGenerationMixin
+from crystal_grpo.train.run.model_card import ModelCardMixin
+from crystal_grpo.train.trainer.callbacks import ValidationCallback
+from crystal_grpo.train.trainer.checkpoint_hooks import CheckpointMixin
+from crystal_grpo.train.trainer.dynamic_sampling import DynamicSamplingMixin
+from crystal_grpo.train.trainer.interrupt import GracefulStopMixin
+from crystal_grpo.train.trainer.nonfinite import NonFiniteGuardMixin
+from crystal_grpo.train.trainer.prompt_order import PromptOrderMixin
+from crystal_grpo.train.trainer.reward_hooks import RewardModuleMixin
+
+
+class CrystalTrainerMixin(NonFiniteGuardMixin, CheckpointMixin, GracefulStopMixin, ModelCardMixin):
+    """What every trainer of a run adds to its TRL trainer (GRPO and SFT phases alike):
+    the non-finite guard, checkpoints with a completion marker and our state, Ctrl-C /
+    SIGTERM handling and the model card. First base, before the TRL trainer class."""
+
+    def __init__(self, *args: Any, merge_lora_for_generation: bool = True, **kwargs: Any) -> None:
+        self.merge_lora_for_generation = merge_lora_for_generation  # read by generation and ValidationCallback
+        super().__init__(*args, **kwargs)
+
+    @property
+    def stopped_early(self) -> bool:
+        """Stopped by a signal or by non-finite updates (not at max_steps)."""
+        return self.stopped_nonfinite or self.interrupt.stopped_at is not None
+
+
+class CrystalGRPOTrainer(
+    RewardModuleMixin, PromptOrderMixin, CrystalTrainerMixin, MergedGenerationMixin, DynamicSamplingMixin, GRPOTrainer
+):
+    """A drop-in ``trl.GRPOTrainer``: the same constructor, every argument meaning what it
+    means in TRL, plus what this project adds (the non-finite guard, complete-checkpoint
+    markers and ``latest`` resume, Ctrl-C / SIGTERM save, the curriculum sampler, the model
+    card).
+
+    ``reward=`` (a :class:`RewardModule`) replaces ``reward_funcs``: TRL gets one reward
+    function per component, for its names and per-component logs (``rewards/<component>/mean``),
+    but the trainer does not call them; it evaluates the module once per generation batch
+    (``_calculate_rewards``). Without it, ``reward_funcs`` behave exactly as in TRL.
+    ``reward_objectives`` tags each reward function with the objective it serves
+    (``accuracy`` / ``reasoning``; a function's own ``objective`` attribute does too), which
+    PCGrad needs. ``sampler_factory=`` orders the prompts (the curriculum). ``validation=`` (a
+    :class:`ValidationSection`) with ``reward=`` validates greedily on ``eval_dataset`` with the
+    module's metrics (Match F1 included) and records the best checkpoint, as ``train/grpo.py``
+    runs do. ``dynamic_sampling=`` (a :class:`DynamicSamplingSection`) masks or refills the
+    groups whose rewards (or, ``metric: outcome``, answers) do not vary; with ``reward_funcs``
+    the outcome is the function whose ``outcome`` attribute is true.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        *args: Any,
+        reward: RewardModule | None = None,
+        reward_objectives: Sequence[str | None] | None = None,
+        sampler_factory: Callable | None = None,
+        validation: ValidationSection | None = None,
+        dynamic_sampling: DynamicSamplingSection | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            model,
+            reward_funcs,
+            *args,
+            reward=reward,
+            reward_objectives=reward_objectives,
+            sampler_factory=sampler_factory,
+            **kwargs,
+        )
+        self.setup_dynamic_sampling(dynamic_sampling)
+        self.pin_reward_references()  # after every check: the slow part of building the trainer
+        if validation is not None:  # the metrics train/grpo.py runs validate with, for a trainer built by hand
+            if self.reward is None or not isinstance(self.eval_dataset, Sized):
+                raise ValueError(
+                    "validation= reports a reward module's metrics: give reward= (a RewardModule) and "
+                    "one eval_dataset whose rows hold the prompt, answer and reference_steps"
+                )
+            self.add_callback(
+                ValidationCallback(self, self.eval_dataset, validation, self.args.output_dir, self.reward)
+            )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        kl = [v for v in self._metrics[mode].get("kl", []) if not math.isnan(v)]
+        if kl:
+            logs["kl_max"] = max(kl)
+        if mode == "train" and "loss" in logs:
+            logs.update(self.curriculum_logs())
+        if mode == "train" and torch.cuda.is_available():
+            logs["memory/max_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        super().log(logs, start_time)
