@@ -526,3 +526,29 @@ def test_yaml_aliases_that_explode_or_loop_are_one_line(tmp_path, text, said):
     small = tmp_path / "small.yaml"
     small.write_text(_laughs(3) + "data: {train: data/wordproblems/train.jsonl}\n")
     assert load_config(str(small))[0].model.init_kwargs["l1"][0] == ["lol"] * 9  # aliases as such are fine
+
+
+def test_reward_name_help_names_every_registered_reward():
+    """The help is generated from the registry: a reward added to REWARDS is listed."""
+    import dataclasses
+
+    from crystal_grpo.rewards import REWARDS
+    from crystal_grpo.train.config.run_config import RewardSection
+
+    help_text = next(f for f in dataclasses.fields(RewardSection) if f.name == "name").metadata["help"]
+    assert f"REWARDS: {', '.join(REWARDS)};" in help_text and len(REWARDS) >= 7
+
+
+def test_validate_returns_a_normalised_copy_and_leaves_its_input_alone():
+    """load_config's result is validate's copy: the resume path taken out of training, the reward
+    typed; the config it was given keeps what it held."""
+    from crystal_grpo.train.config.run_config import RunConfig, validate
+    from crystal_grpo.typed import from_dict
+
+    _, raw = load_config("tiny", ["--training.resume_from_checkpoint", "latest"])
+    given = from_dict(RunConfig, raw)
+    before = repr(given)
+    checked = validate(given)
+    assert repr(given) == before and given.training["resume_from_checkpoint"] == "latest"
+    assert checked is not given and checked.resume_from_checkpoint == "latest"
+    assert "resume_from_checkpoint" not in checked.training and checked.reward.config is not None

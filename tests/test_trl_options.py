@@ -42,7 +42,9 @@ def test_remove_unused_columns_is_refused_where_it_would_blind_the_reward(tiny_l
     phases = "[{name: w, trainer: sft, overrides: {training: {remove_unused_columns: true}}}, {name: g}]"
     load_config("tiny", ["--phases", phases])  # SFT builds its own columns: TRL's meaning there
     args = GRPOConfig(output_dir=str(tmp_path), remove_unused_columns=True, report_to="none", use_cpu=True)
-    with pytest.raises(ValueError, match="remove_unused_columns=True would drop the columns the reward reads"):
+    with pytest.raises(
+        ValueError, match=r"^training.remove_unused_columns: true would drop the columns the reward reads"
+    ):
         CrystalGRPOTrainer(
             str(tiny_lm_path),
             reward=ANSWER_ONLY(),

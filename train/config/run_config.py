@@ -20,6 +20,7 @@ it) and a key given twice in one mapping is an error instead of a silent overwri
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -35,21 +36,19 @@ from crystal_grpo.curricula.schedule import CurriculumSection
 from crystal_grpo.curricula.schedule import resolve as resolve_curriculum
 from crystal_grpo.metrics import Metric
 from crystal_grpo.metrics import names as metric_names
-from crystal_grpo.rewards import RewardConfig, RewardModule, reward_class
-from crystal_grpo.train.config.training_section import newer_field_type, training_field_types
+from crystal_grpo.rewards import REWARDS, RewardConfig, RewardModule, reward_class
+from crystal_grpo.train.config.training_section import (
+    newer_field_type,
+    remove_unused_columns_refused,
+    training_field_types,
+)
 from crystal_grpo.train.data.splits import DataSection
 from crystal_grpo.train.models.policy import LoraSection, ModelSection  # noqa: F401 - part of the run config
 from crystal_grpo.train.models.vision import VisionSection  # noqa: F401 - part of the run config
+from crystal_grpo.train.pcgrad.memory import aggregation_refused, liger_refused
 from crystal_grpo.typed import ConfigError, Range, check_value, derived, from_dict, option, to_dict
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-#: Why PCGrad refuses ``use_liger_kernel`` (here, before anything loads; train/pcgrad/trainer.py for a trainer
-#: built by hand).
-LIGER_REFUSED = (
-    "pcgrad: true cannot be combined with use_liger_kernel: PCGrad runs several backward passes "
-    "through one retained graph, and Liger's fused Triton kernels are neither verified for that nor "
-    "testable without a GPU here. Set one of them off."
-)
 #: Where a user gets vLLM: the tested set (requirements-vllm.lock; docs/training.md, "Generation in vLLM").
 VLLM_SETUP = "on a CUDA GPU machine, make setup-vllm installs the tested vLLM set into .venv-vllm (docs/training.md)"
 #: What trains a phase: TRL's GRPOTrainer, or its SFTTrainer for a supervised warm start.
@@ -227,9 +226,8 @@ class RewardSection:
 
     name: str = option(
         "cpr",
-        "A reward registered in crystal_grpo.rewards.REWARDS: format, answer_only, "
-        "composite, cpr, authors_code; or your RewardModule subclass as 'package.module:Name' "
-        "or 'path/file.py:Name' (rewards/user.py).",
+        f"A reward registered in crystal_grpo.rewards.REWARDS: {', '.join(REWARDS)}; or your RewardModule "
+        "subclass as 'package.module:Name' or 'path/file.py:Name' (rewards/user.py).",
     )
     params: dict[str, Any] = option(
         default_factory=dict,
@@ -546,8 +544,7 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> tuple[
     raw = deep_merge(raw, cli)
     if isinstance(raw.get("phases"), list):
         raw["phases"] = [_cli_wins(p, cli, raw.get("reward")) for p in raw["phases"]]
-    cfg = from_dict(RunConfig, raw)
-    validate(cfg)
+    cfg = validate(from_dict(RunConfig, raw))
     return cfg, raw
 
 
@@ -633,9 +630,12 @@ def _check_reward_params(reward: RewardSection, where: str) -> None:
         reward.config.components = specs
 
 
-def validate(cfg: RunConfig) -> None:
+def validate(cfg: RunConfig) -> RunConfig:
     """Checks beyond the sections' own types, for every phase: reward parameters,
-    ``training`` against GRPOConfig, required fields and combinations that cannot work."""
+    ``training`` against GRPOConfig, required fields and combinations that cannot work. Returns
+    the normalised copy the run uses (typed reward and phase configs, aliases moved); ``cfg`` is
+    left as it was."""
+    cfg = copy.deepcopy(cfg)
     resume = cfg.training.pop("resume_from_checkpoint", None)
     cfg.resume_from_checkpoint = check_value("training.resume_from_checkpoint", resume, Union[str, None])
     _move_aliases(cfg, "")  # before a phase of another trainer kind takes only its part of training
@@ -651,11 +651,9 @@ def validate(cfg: RunConfig) -> None:
                 )
             c = phase.config = apply_phase(cfg, phase)
         where = "" if phase is None else f"phases[{phase.name}].overrides."
-        if c.trainer == "grpo" and c.training.get("remove_unused_columns"):
-            raise ConfigError(
-                f"{where}training.remove_unused_columns: true would drop the columns the reward reads "
-                "(answer, reference_steps), judging every completion wrong; GRPO keeps them (false)"
-            )
+        refused = c.trainer == "grpo" and remove_unused_columns_refused(c.training.get("remove_unused_columns"))
+        if refused:
+            raise ConfigError(f"{where}{refused[0]}: {refused[1]}")
         if c.training.get("eval_strategy", "no") != "no" and not c.data.validation and not c.data.validation_fraction:
             raise ConfigError(
                 f"{where}training.eval_strategy: {c.training['eval_strategy']!r} evaluates on the "
@@ -680,8 +678,9 @@ def validate(cfg: RunConfig) -> None:
                     )
         check_value(f"{where}validation.metric", c.validation.metric, Literal[metric_names("reward")])  # after the
         # reward's module loaded: a row it registers is a validation metric too
-        if c.pcgrad and c.training.get("use_liger_kernel"):
-            raise ConfigError(f"{where}training.use_liger_kernel: {LIGER_REFUSED}")
+        refused = c.pcgrad and liger_refused(c.training.get("use_liger_kernel"))
+        if refused:
+            raise ConfigError(f"{where}{refused[0]}: {refused[1]}")
         problem = c.trainer == "grpo" and c.training.get("use_vllm") and vllm_problem()
         if problem:
             raise ConfigError(f"{where}training.use_vllm: true, but {problem}")
@@ -705,11 +704,10 @@ def validate(cfg: RunConfig) -> None:
         )
         if refused:
             raise ConfigError(f"{where}{refused[0]}: {refused[1]}")
-        if c.pcgrad and aggregation != "sum_then_normalize":
-            raise ConfigError(
-                f"{where}training.multi_objective_aggregation: {aggregation!r} cannot be combined with pcgrad: "
-                "true (the objective advantages are the parts of TRL's summed advantage, sum_then_normalize)"
-            )
+        refused = c.pcgrad and aggregation_refused(aggregation)
+        if refused:
+            raise ConfigError(f"{where}{refused[0]}: {refused[1]}")
+    return cfg
 
 
 def check_dict_sections(cfg: RunConfig, where: str = "") -> RunConfig:

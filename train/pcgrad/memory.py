@@ -84,6 +84,31 @@ def pcgrad_extra_partitions(
     return pcgrad_plan(gradient_accumulation_steps, rest, fp32_gradients).extra_partitions
 
 
+#: Why PCGrad refuses ``use_liger_kernel`` (the config's check, and the trainer's before TRL patches the model).
+LIGER_REFUSED = (
+    "pcgrad: true cannot be combined with use_liger_kernel: PCGrad runs several backward passes "
+    "through one retained graph, and Liger's fused Triton kernels are neither verified for that nor "
+    "testable without a GPU here. Set one of them off."
+)
+
+
+def liger_refused(use_liger_kernel: object) -> tuple[str, str] | None:
+    """(key, why) when PCGrad cannot run with ``use_liger_kernel``, else None (the config's check
+    and a trainer built by hand share it)."""
+    return ("training.use_liger_kernel", LIGER_REFUSED) if use_liger_kernel else None
+
+
+def aggregation_refused(aggregation: str) -> tuple[str, str] | None:
+    """(key, why) when PCGrad cannot run with this ``multi_objective_aggregation``, else None."""
+    if aggregation == "sum_then_normalize":
+        return None
+    return (
+        "training.multi_objective_aggregation",
+        f"{aggregation!r} cannot be combined with pcgrad: true (the objective advantages are the parts of TRL's "
+        "summed advantage, sum_then_normalize)",
+    )
+
+
 def zero_stage_problem(stage: object) -> str | None:
     """Why PCGrad cannot run under this DeepSpeed ZeRO stage, or None."""
     return ZERO12_REFUSED.format(stage=stage) if stage in (1, 2, "1", "2") else None

@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 
-from crystal_grpo.train.config.run_config import LIGER_REFUSED
 from crystal_grpo.train.pcgrad.gradients import (
     AccumulationWindow,
     is_deepspeed_engine,
@@ -69,6 +68,8 @@ from crystal_grpo.train.pcgrad.memory import (
     ACCURACY,
     REASONING,
     REST,
+    aggregation_refused,
+    liger_refused,
     pcgrad_extra_partitions,  # noqa: F401 - public here
     zero_stage_problem,
 )
@@ -111,8 +112,9 @@ class PCGradMixin:
     def __init__(self, *args: Any, pcgrad_objective_std: bool = False, **kwargs: Any) -> None:
         self.pcgrad, self.pcgrad_objective_std = True, pcgrad_objective_std
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if getattr(training_args, "use_liger_kernel", False):  # before TRL patches the model with them
-            raise ValueError(LIGER_REFUSED)
+        refused = liger_refused(getattr(training_args, "use_liger_kernel", False))
+        if refused:  # before TRL patches the model with them
+            raise ValueError(f"{refused[0]}: {refused[1]}")
         super().__init__(*args, **kwargs)
         self._pcgrad_rewards = None
         self._pcgrad_window: AccumulationWindow | None = None
@@ -145,11 +147,9 @@ class PCGradMixin:
                 TESTED_TRL,
             )
 
-        if self.multi_objective_aggregation != "sum_then_normalize":
-            raise ValueError(
-                "pcgrad: true supports multi_objective_aggregation='sum_then_normalize' only (the objective "
-                f"advantages are defined as parts of that sum); got {self.multi_objective_aggregation!r}."
-            )
+        refused = aggregation_refused(self.multi_objective_aggregation)
+        if refused:
+            raise ValueError(f"{refused[0]}: {refused[1]}")
         objs = self._pcgrad_objectives()
         if len(set(objs)) < 2:
             logger.warning(

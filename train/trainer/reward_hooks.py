@@ -24,6 +24,7 @@ import torch
 from trl.extras.profiling import profiling_decorator
 
 from crystal_grpo.rewards.base import MAX_REWARD, OBJECTIVES, Batch, RewardFunctionError, RewardModule, value_problem
+from crystal_grpo.train.config.training_section import remove_unused_columns_refused
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,9 @@ class RewardModuleMixin:
                 "CrystalGRPOTrainer: give reward= (a RewardModule) or reward_funcs (as for trl.GRPOTrainer), not both"
             )
         args_ = kwargs.get("args", args[0] if args else None)
-        if reward is not None and getattr(args_, "remove_unused_columns", False):
-            raise ValueError(
-                "CrystalGRPOTrainer(reward=...): remove_unused_columns=True would drop the columns the "
-                "reward reads (answer, reference_steps); set it False (TRL's GRPO default)"
-            )
+        refused = reward is not None and remove_unused_columns_refused(getattr(args_, "remove_unused_columns", False))
+        if refused:
+            raise ValueError(f"{refused[0]}: {refused[1]}")
         self.reward = reward
         # No reward at all: TRL's own error (or an environment_factory's get_reward as the reward).
         super().__init__(model, reward.reward_funcs() if reward is not None else reward_funcs, *args, **kwargs)
