@@ -89,6 +89,7 @@ SIGNATURES = {
     (GRPOTrainer, "_log_metric"): ["self", "name", "value"],
     # train/trainer/checkpoint_hooks.py drops tied weights (lm_head of tied embeddings) from the resume warning
     (GRPOTrainer, "_issue_warnings_after_load"): ["self", "load_result"],
+    (GRPOTrainer, "_get_output_dir"): ["self", "trial"],
 }
 
 
@@ -222,7 +223,9 @@ def test_attributes_pcgrad_reads_and_swaps(trainer):
         "_tokenizer",
         "state",
         "train_dataset",
-    ):  # the last four: dynamic sampling
+        "_logs",  # dynamic sampling too
+        "_name",  # the model card
+    ):  # the four before: dynamic sampling
         assert hasattr(trainer, name), name
     assert trainer.multi_objective_aggregation == "sum_then_normalize"  # the default PCGrad splits
     assert set(trainer._metrics) == {"train", "eval"} and trainer._metrics["train"]["x"] == []
@@ -656,3 +659,116 @@ def test_vllm_importance_sampling_weighs_each_pcgrad_loss_as_the_plain_loss(adap
     assert abs(alone - uncorrected) > 1e-3  # the precondition: the ratio changes the loss
     assert float(plain) == pytest.approx(alone, rel=1e-6)
     assert float(sum(losses.values()).detach()) == pytest.approx(alone, rel=1e-5)
+
+
+# -- the seams table (train/trainer/trl_seams.py) ---------------------------------------------
+
+PRIVATE = re.compile(r"^_[a-z][a-z0-9_]*$")
+#: The library's modules whose contact with TRL the table lists (tools and benchmarks measure, and
+#: may wrap TRL for that; they are not the trainer).
+SEAM_SCOPE = (
+    "train/grpo.py",
+    "train/trainer",
+    "train/pcgrad",
+    "train/models",
+    "train/run",
+    "train/config",
+    "train/data",
+)
+
+
+def trl_private_names() -> set[str]:
+    """The private methods and ``self._x`` attributes of TRL's and transformers' trainer classes."""
+    from trl import SFTTrainer
+
+    names = set()
+    for cls in {*GRPOTrainer.__mro__, *SFTTrainer.__mro__}:
+        if cls.__module__.split(".")[0] in ("trl", "transformers"):
+            names |= {n for n in vars(cls) if PRIVATE.match(n)}
+            names |= set(re.findall(r"self\.(_[a-z][a-z0-9_]*)\s*=", inspect.getsource(cls)))
+    return names
+
+
+def touched_private_names(theirs: set[str]) -> set[tuple[str, str]]:
+    """(name, module) for every name of ``theirs`` a module in scope defines, reads, writes or spells
+    as a string (``setattr(self, "_x", ...)``)."""
+    import ast
+
+    files = [REPO / s for s in SEAM_SCOPE if s.endswith(".py")]
+    files += [p for s in SEAM_SCOPE if not s.endswith(".py") for p in sorted((REPO / s).glob("*.py"))]
+    files = [p for p in files if p.name != "trl_seams.py"]  # the table names them all
+    out = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            name = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.name
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                else node.value
+                if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                else None
+            )
+            if name in theirs:
+                out.add((name, path.relative_to(REPO).as_posix()))
+    return out
+
+
+def test_every_private_trl_name_the_trainer_touches_has_a_row_in_the_seams_table():
+    """A new override, read or swap of a TRL / transformers private name gets a row in
+    train/trainer/trl_seams.py (with the test that pins it), and a row whose use is gone goes."""
+    from crystal_grpo.train.trainer.trl_seams import SEAMS
+
+    theirs = trl_private_names()
+    assert {"_calculate_rewards", "_metrics", "_save_checkpoint"} <= theirs
+    rows = {(s.name, s.module) for s in SEAMS}
+    assert len(rows) == len(SEAMS), "one row per name and module"
+    touched = touched_private_names(theirs)
+    assert sorted(touched - rows) == [], "touched without a row in train/trainer/trl_seams.py"
+    assert sorted(rows - touched) == [], "rows whose module no longer touches the name"
+
+
+def test_each_seam_names_a_contract_test_of_this_file_that_exists():
+    from crystal_grpo.train.trainer.trl_seams import SEAMS, SWAPS
+
+    here = {name for name, obj in globals().items() if name.startswith("test_") and callable(obj)}
+    assert sorted({s.test for s in (*SEAMS, *SWAPS)} - here) == []
+    for s in SWAPS:  # a public attribute swapped on an instance, spelled in its module
+        assert f'"{s.name}"' in (REPO / s.module).read_text(encoding="utf-8"), s
+
+
+def test_a_planted_private_override_is_found(tmp_path, monkeypatch):
+    """The scan above can fail: a module in scope overriding TRL's ``_get_eval_sampler``."""
+    planted = "/".join(("train", "x.py"))  # spelled apart: the check of named paths would look for it
+    (tmp_path / "train").mkdir()
+    (tmp_path / planted).write_text("class M:\n    def _get_eval_sampler(self):\n        pass\n")
+    monkeypatch.setattr(f"{__name__}.REPO", tmp_path)
+    monkeypatch.setattr(f"{__name__}.SEAM_SCOPE", (planted,))
+    assert touched_private_names(trl_private_names()) == {("_get_eval_sampler", planted)}
+
+
+def test_the_mixins_come_in_the_order_their_hooks_need():
+    """Each of our hooks runs before TRL's and calls super(); the mixins whose checkpoint state
+    joins crystal_state.json come before CheckpointMixin, where that chain ends; PCGrad wraps
+    the whole CrystalGRPOTrainer."""
+    from trl import SFTTrainer
+
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer, PCGradMixin
+    from crystal_grpo.train.trainer.checkpoint_hooks import CheckpointMixin
+    from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
+    from crystal_grpo.train.trainer.nonfinite import NonFiniteGuardMixin
+    from crystal_grpo.train.trainer.reward_hooks import RewardModuleMixin
+    from crystal_grpo.train.trainer.sft import CrystalSFTTrainer
+
+    for cls, theirs in (
+        (CrystalGRPOTrainer, GRPOTrainer),
+        (PCGradGRPOTrainer, GRPOTrainer),
+        (CrystalSFTTrainer, SFTTrainer),
+    ):
+        at = {c: i for i, c in enumerate(cls.__mro__)}
+        ours = [c for c in cls.__mro__ if c.__module__.startswith("crystal_grpo.")]
+        assert max(at[c] for c in ours) < at[theirs], cls
+        assert at[NonFiniteGuardMixin] < at[CheckpointMixin], cls
+        if RewardModuleMixin in at:
+            assert at[RewardModuleMixin] < at[CheckpointMixin], cls
+    assert PCGradGRPOTrainer.__mro__[1:3] == (PCGradMixin, CrystalGRPOTrainer)

@@ -109,13 +109,20 @@ class PCGradMixin:
     one trainer); off, every hook defers to plain TRL GRPO.
     """
 
-    def __init__(self, *args: Any, pcgrad_objective_std: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any = None,
+        args: Any = None,
+        *rest: Any,
+        pcgrad_objective_std: bool = False,
+        **kwargs: Any,
+    ) -> None:
         self.pcgrad, self.pcgrad_objective_std = True, pcgrad_objective_std
-        training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
-        refused = liger_refused(getattr(training_args, "use_liger_kernel", False))
+        refused = liger_refused(getattr(args, "use_liger_kernel", False))
         if refused:  # before TRL patches the model with them
             raise ValueError(f"{refused[0]}: {refused[1]}")
-        super().__init__(*args, **kwargs)
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
         self._pcgrad_rewards = None
         self._pcgrad_window: AccumulationWindow | None = None
         self._pcgrad_in_step = False

@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 
 class NonFiniteGuardMixin:
     """``create_optimizer`` with the guard (module docstring); ``log`` adds ``nonfinite_skipped_total``.
-    Before :class:`~crystal_grpo.train.trainer.checkpoint_hooks.CheckpointMixin` in the bases: its count
-    joins the checkpoint state."""
+    Before :class:`~crystal_grpo.train.trainer.checkpoint_hooks.CheckpointMixin` in the bases (its count
+    joins the checkpoint state; tests/test_trl_contract.py checks the order)."""
 
     def __init__(self, *args: Any, max_consecutive_nonfinite: int = 5, **kwargs: Any) -> None:
         self.max_consecutive_nonfinite = max_consecutive_nonfinite

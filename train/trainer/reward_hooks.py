@@ -31,14 +31,15 @@ logger = logging.getLogger(__name__)
 
 class RewardModuleMixin:
     """``reward=`` / ``reward_objectives=`` and ``_calculate_rewards`` (module docstring). Before
-    :class:`~crystal_grpo.train.trainer.checkpoint_hooks.CheckpointMixin` in the bases: the module's state
-    joins the checkpoint state."""
+    :class:`~crystal_grpo.train.trainer.checkpoint_hooks.CheckpointMixin` in the bases (the module's state
+    joins the checkpoint state; tests/test_trl_contract.py checks the order)."""
 
     def __init__(
         self,
         model: Any,
         reward_funcs: Any = None,
-        *args: Any,
+        args: Any = None,
+        *rest: Any,
         reward: RewardModule | None = None,
         reward_objectives: Sequence[str | None] | None = None,
         **kwargs: Any,
@@ -49,13 +50,12 @@ class RewardModuleMixin:
             raise ValueError(
                 "CrystalGRPOTrainer: give reward= (a RewardModule) or reward_funcs (as for trl.GRPOTrainer), not both"
             )
-        args_ = kwargs.get("args", args[0] if args else None)
-        refused = reward is not None and remove_unused_columns_refused(getattr(args_, "remove_unused_columns", False))
+        refused = reward is not None and remove_unused_columns_refused(getattr(args, "remove_unused_columns", False))
         if refused:
             raise ValueError(f"{refused[0]}: {refused[1]}")
         self.reward = reward
         # No reward at all: TRL's own error (or an environment_factory's get_reward as the reward).
-        super().__init__(model, reward.reward_funcs() if reward is not None else reward_funcs, *args, **kwargs)
+        super().__init__(model, reward.reward_funcs() if reward is not None else reward_funcs, args, *rest, **kwargs)
         extra = [n for n in self.reward_func_names if n not in reward.objectives] if reward is not None else []
         if extra:  # TRL appended an environment's get_reward as a reward source
             raise ValueError(
