@@ -123,8 +123,8 @@ def test_a_sweep_arm_trained_with_minilm_is_scored_with_the_exact_matcher(tmp_pa
     matcher: completions whose last step states a wrong result score below 1 in the sweep's per-seed table
     although the arm trained with MiniLM, which matches those same steps (F1 1.0, checked here)."""
     from crystal_grpo.rewards import build_reward
-    from crystal_grpo.train.organism.task import write_jsonl
     from crystal_grpo.train.organism.step_diagnosis import per_seed
+    from crystal_grpo.train.organism.task import write_jsonl
     from crystal_grpo.train.tools.sweep import load_sweep
 
     rows = [
