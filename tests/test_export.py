@@ -198,9 +198,11 @@ def test_zero3_shards_are_consolidated_on_one_cpu_process(zero3_run, tmp_path):
     # The trainer's gathered save (fp32 training, so a full-precision copy) is the independent reference.
     assert_same(exported, logits(causal_lm(ckpt), tok), atol=1e-6)
 
-    # The shards win over the consolidated model.safetensors beside them: spoil that file (same size,
-    # so the completion marker still holds) and the export is unchanged.
+    # The shards win over the consolidated model.safetensors beside them: other weights in that file
+    # (marked as saved, so the checkpoint is complete and intact) leave the export unchanged.
     from safetensors.torch import load_file, save_file
+
+    from crystal_grpo.train.run.checkpoints import write_marker
 
     copy = tmp_path / "copied" / "checkpoint-2"  # copied out of its run: no run records either
     shutil.copytree(ckpt, copy)
@@ -209,6 +211,7 @@ def test_zero3_shards_are_consolidated_on_one_cpu_process(zero3_run, tmp_path):
         copy / "model.safetensors",
         metadata={"format": "pt"},
     )
+    write_marker(copy, 2)
     assert (logits(causal_lm(copy), tok) - exported).abs().max() > 1e-2
     export(copy, tmp_path / "z3-copy", say=lambda _: None)
     assert_same(logits(causal_lm(tmp_path / "z3-copy"), tok), exported, atol=1e-6)
