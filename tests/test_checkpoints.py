@@ -446,32 +446,20 @@ def test_a_run_resumed_in_a_later_epoch_trains_the_prompts_of_the_uninterrupted_
         assert resumed == {s: straight[s] for s in range(step + 1, 7)}, step
 
 
+def torchrun_40_steps(run: Path, model: Path, port: int) -> list[str]:
+    """Two CPU processes under torchrun, 40 steps with no checkpoint or validation on the way."""
+    args = ["--cpu_backend", "gloo", "--training.max_steps", "40", "--training.save_steps", "100"]
+    args += ["--validation.eval_steps", "0"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    return [*launcher, *grpo_cmd(run, model, *args)[1:]]
+
+
 @pytest.mark.slow
 def test_ctrl_c_on_a_torchrun_job_stops_gracefully(tmp_path, tiny_lm_path, free_port):
     """A terminal's Ctrl-C reaches the launcher's process group; torchrun forwards it to the
     workers (in sessions of their own) and SIGKILLs them after its shutdown timeout."""
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port),
-        *grpo_cmd(
-            run,
-            tiny_lm_path,
-            "--cpu_backend",
-            "gloo",
-            "--training.max_steps",
-            "40",
-            "--training.save_steps",
-            "100",
-            "--validation.eval_steps",
-            "0",
-        )[1:],
-    ]
+    cmd = torchrun_40_steps(run, tiny_lm_path, free_port)
     run_env = env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -489,27 +477,7 @@ def test_ctrl_c_on_a_torchrun_job_stops_gracefully(tmp_path, tiny_lm_path, free_
 def test_two_processes_stop_at_the_same_step_when_only_one_gets_the_signal(tmp_path, tiny_lm_path, free_port):
     """Only rank 1 receives SIGTERM; both ranks agree (all-reduce) and save one checkpoint."""
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port),
-        *grpo_cmd(
-            run,
-            tiny_lm_path,
-            "--cpu_backend",
-            "gloo",
-            "--training.max_steps",
-            "40",
-            "--training.save_steps",
-            "100",
-            "--validation.eval_steps",
-            "0",
-        )[1:],
-    ]
+    cmd = torchrun_40_steps(run, tiny_lm_path, free_port)
     run_env = env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
     proc = subprocess.Popen(cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(run / "metrics.jsonl", proc)
