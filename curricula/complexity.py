@@ -3,24 +3,8 @@
     c = 0.4 s_steps + 0.2 s_length + 0.2 s_ling + 0.2 s_type,
     easy: c < 0.27, medium: 0.27 <= c < 0.42, hard: c >= 0.42.
 
-The paper names the ingredients of each sub-score but not their normalisation; the
-choices below are ours, each sub-score lies in [0, 1], and all constants live in
-``ComplexityConfig``:
-
-- ``s_steps`` = min(n, step_cap) / step_cap with n the reference step count and
-  step_cap = 30. With typical values of the other terms this puts the easy/medium
-  border near 11 steps and medium/hard near 20, matching the paper's tier means
-  (8.6, 13.3, 20.5 steps).
-- ``s_length`` ("question length and word count") = mean of min(1, chars / 300) and
-  min(1, words / 50), on the question text only (not the appended options).
-- ``s_ling`` = share of the four marker families present in the question:
-  conditionals (if, when, unless, ...), causals (because, therefore, ...), comparisons
-  (than, more, larger, ...) and negations (not, never, n't, ...). A bare "no" is not
-  counted: "yes or no" questions would all look negated.
-- ``s_type`` = a base by answer type, yes/no 0.2 < option letter 0.3 < number 0.4 <
-  free text 0.5 (our order: harder to check, harder to answer), plus the paper's question-type adjustments:
-  counting questions (how many, count, number of) -0.15, "why" questions +0.20;
-  clipped to [0, 1].
+The paper names the ingredients of each sub-score but not their normalisation; ours (each
+sub-score in [0, 1], every constant in ``ComplexityConfig``) and why: docs/method.md section 11.
 """
 
 from __future__ import annotations
@@ -152,7 +136,7 @@ AnswerType = Literal["yes_no", "letter", "number", "text"]
 
 @dataclass(frozen=True)
 class ComplexityConfig:
-    """Normalisation constants (see the module docstring for why these values)."""
+    """Normalisation constants (why these values: docs/method.md section 11)."""
 
     step_cap: int = 30
     char_cap: int = 300

@@ -1,37 +1,12 @@
 """A drop-in for TRL's ``RepeatSampler`` that picks WHICH prompts by difficulty
 (CPR-Curriculum, docs/method.md section 8: simplest reference chains first, harder ones later).
 
-Layout (identical to ``trl.trainer.utils.RepeatSampler``): one *chunk* is ``batch_size``
-distinct indices, i.e. one generation batch; every index is yielded
-``mini_repeat_count`` times in a row (the group of generations of one prompt) and the
-whole chunk ``repeat_count`` times (``num_iterations * steps_per_generation``
-dataloader steps reuse one generation batch). Like RepeatSampler, one iteration
-(= one Trainer epoch) yields ``len(difficulty) // batch_size`` chunks, so ``__len__``
-is the same number and the Trainer's epoch/step arithmetic is unchanged.
-
-Progress is the GLOBAL chunk index ``t = start_chunk + epoch * chunks_per_epoch + i``.
-A chunk is a pure function of (seed, t) and the constructor's arguments, never of the
-rank, the epoch or what was iterated before; every rank therefore yields the same
-order, and a resumed run that skips chunks continues the identical sequence.
-``set_epoch`` (called by the Trainer/accelerate every epoch, and by the trainer's
-``SamplerEpoch`` callback from its state, train/trainer/prompt_order.py) selects the epoch; an
-iteration that runs to its end also moves to the next epoch, as RepeatSampler's
-advancing generator does.
-
-The modes (which examples a chunk may draw from, and the pacing) are the :class:`Schedule`
-subclasses of curricula/schedule.py.
-
-How competence/buckets draw from the pool (our choice; seeding each chunk by (seed, t)
-alone was the obvious alternative). Drawing every chunk independently covers the pool unevenly (some prompts
-come back often, others never), so we walk *passes*: pass k is a permutation of ALL N
-indices, seeded by (seed, k); a chunk takes the next indices of the current pass that
-are in the current pool. Each pool member is therefore drawn exactly once per pass (an
-epoch over the pool), and an example entering the pool mid-pass lands at a uniformly
-random place in the rest of that pass: it becomes available at once, without
-reshuffling. An index met again right after a pass boundary in a chunk that already
-holds it is deferred to the start of the next chunk: no repeats inside a chunk, no
-lost visits. The walk's state depends only on (seed, t), so ``chunk_indices(t)``
-replays it from chunk 0 when needed (O(samples drawn / c0), cached for sequential use).
+The layout is RepeatSampler's (a chunk is one generation batch of distinct indices, each
+repeated for its group), so the Trainer's epoch and step arithmetic is unchanged. A chunk is a
+pure function of (seed, global chunk index): every rank yields the same order and a resumed
+run continues the identical sequence. The modes are the :class:`Schedule` subclasses of
+curricula/schedule.py. The layout and how a pool is walked in passes: docs/training.md,
+"CPR-Curriculum: the modes and the sampler".
 """
 
 from __future__ import annotations
@@ -63,8 +38,9 @@ class _Walk:
 
 
 class CurriculumSampler(Sampler[int]):
-    """RepeatSampler's layout with a difficulty curriculum (see the module docstring); the
-    mode's :class:`Schedule` decides the pool, this class the layout and the draw."""
+    """RepeatSampler's layout with a difficulty curriculum (docs/training.md, "CPR-Curriculum: the
+    modes and the sampler"); the mode's :class:`Schedule` decides the pool, this class the layout
+    and the draw."""
 
     def __init__(
         self,

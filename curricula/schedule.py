@@ -2,29 +2,11 @@
 the pacing; :class:`~crystal_grpo.curricula.sampler.CurriculumSampler` lays the chunks out as
 TRL's RepeatSampler does and draws from the pool.
 
-A mode is one :class:`Schedule` subclass. Its own options are the fields of its nested
-``Options`` dataclass: in a run config they are keys of the ``curriculum:`` section beside
-``mode`` (``curriculum: {mode: buckets, bucket_order: [easy, medium, hard]}``), typed and
-range-checked with the rest of the config, and the schedule reads them as ``self.options``.
-A subclass with a ``mode`` name is usable as ``curriculum.mode: <name>`` once imported; from
-outside this package, ``curriculum.mode: my_pkg.schedules:MySchedule`` (or
-``./my_schedules.py:MySchedule``) imports it (crystal_grpo/user_code.py). So a new mode is one
-class, and a new option of a mode is one field.
-
-Modes:
-
-- ``competence`` (Platanios et al. 2019): at chunk t the pool is the easiest
-  ``c(t) = min(1, c0 + (1 - c0) t / T)`` share of the data (``pacing="sqrt"``:
-  ``min(1, sqrt(c0^2 + (1 - c0^2) t / T))``), sorted by difficulty with ties broken by
-  index, and never fewer than ``batch_size`` items.
-- ``buckets``: labelled buckets (e.g. complexity tiers) open in ``bucket_order``; bucket
-  k (0-based, of K) is available from ``t >= k T / K`` on, so the first is available at
-  once and the last from ``(K-1)/K T``. If the open buckets hold fewer than
-  ``batch_size`` items the next ones open early.
-- ``sorted``: the whole dataset easiest-first (ties by index) as one endless stream
-  cut into chunks: chunk t holds sorted positions ``t*B .. t*B+B-1`` modulo N, so
-  every example is visited once per cycle (RepeatSampler would drop the N mod B
-  hardest every epoch) and a chunk never repeats an index.
+A mode is one :class:`Schedule` subclass, its options the fields of its nested ``Options``
+dataclass (keys of the ``curriculum:`` section beside ``mode``, typed and range-checked with
+the config, read as ``self.options``); a new mode is one class, a new option one field. The
+modes ``competence``, ``buckets`` and ``sorted``: docs/training.md, "CPR-Curriculum: the modes
+and the sampler".
 """
 
 from __future__ import annotations

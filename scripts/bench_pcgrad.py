@@ -1,47 +1,14 @@
 #!/usr/bin/env python
 """Benchmark PCGrad: GRPO step time and peak memory with PCGrad off and on, side by side,
 for full fine-tuning and LoRA on the same tiny model (one table, one run); with ``--memory``,
-the bytes PCGrad allocates per trainable parameter instead (second table, below).
+the bytes PCGrad allocates per trainable parameter instead.
 
     python scripts/bench_pcgrad.py [--model .cache/models/tiny-qwen2] [--pairs 10] [--warmup 2]
                                    [--batch 8] [--completion_length 32] [--beta 0.04] [--threads N]
     python scripts/bench_pcgrad.py --memory [--baseline old_pcgrad.py] [--model ...]
 
-Workload: TRL GRPO steps through ``train.pcgrad.trainer_class`` exactly as ``train/grpo.py``
-builds it (loss_type grpo, beta 0.04 so the KL term and its third backward pass are on,
-scale_rewards group), ``--batch`` completions per step (``num_generations`` 4), prompts
-from data/wordproblems/train.jsonl, sampled completions of ``--completion_length`` tokens.
-The reward is a cheap deterministic hash with one accuracy and one reasoning component,
-so reward scoring does not hide the PCGrad cost (the paper's rewards embed steps with a
-sentence encoder, which would make the relative overhead smaller).
-
-Timing: per setting, ONE process and ONE trainer alternate PCGrad off and on at every
-optimizer step (``trainer.pcgrad`` toggled at step begin; off is plain TRL GRPO), so both
-see the same machine load; the ratio is the median of per-pair ratios (on step / mean of
-the neighbouring off steps). Memory: one extra process per configuration (off only, on
-only), so peaks do not mix. Columns:
-  step s      median wall time of an optimizer step (generation + rewards + loss + backward
-              + PCGrad + optimizer), after ``--warmup`` steps;
-  update s    the same minus generation and scoring (``_generate_and_score_completions``):
-              the forward/backward/optimizer part that PCGrad changes;
-  ratio       on / off for both (median of paired ratios);
-  peak MiB    CUDA: max_memory_allocated; CPU: peak RSS above the RSS before training
-              (sampled every 2 ms); buffers MiB: the fp32 rows PCGrad's plan allocates
-              (train/pcgrad/memory.py; one micro-step per update here: 1 row).
-Targets (issue): step-time ratio <= 1.6 with full fine-tuning, <= 1.3 with LoRA.
-
-Memory (``--memory``): two optimizer steps (AdamW) on a fixed batch of 8 completions
-(generation replaced, train/benchmarks/pcgrad.py), plain GRPO and PCGrad, for 1 and 2
-micro-steps per update and beta 0 and 0.04, in one process and under DeepSpeed ZeRO-3 in two
-CPU processes, or on CUDA one process a GPU, at most 2 (rank 0's figures; ``trainable`` is its
-partition). Columns: the peak of bytes
-allocated during training above what was allocated before it (CUDA: max_memory_allocated;
-CPU: torch's profiler memory events, every allocation and free of the CPU allocator), in MiB;
-``B/param``: PCGrad's peak minus plain GRPO's, per trainable parameter (it includes the
-activations PCGrad keeps for its later backward passes, the same for every version); ``plan``:
-4 x train.pcgrad.pcgrad_extra_partitions. ``--baseline FILE`` measures another version of
-train/pcgrad/trainer.py in the same run (``git show 686a6c0:train/pcgrad/trainer.py > old.py``: the first
-implementation, three fp32 buffers) and prints the ratio of the extra bytes, this / baseline.
+One trainer alternates PCGrad off and on at every step, so both see the same load. The workload,
+the columns and the targets: docs/benchmarks.md, "PCGrad step time" and "PCGrad memory".
 """
 
 from __future__ import annotations

@@ -3,29 +3,10 @@
     python scripts/bench_scorer.py [--encoder packaged:all-MiniLM-L6-v2] [--device cpu]
                                    [--sizes 64,256,1024] [--repeats 3]
 
-Workload: synthetic GRPO batches, 8 completions per prompt, 12 reference steps per prompt,
-~10 predicted steps per completion (8-12), short natural sentences about quantities.
-Realism: the 8 completions of one prompt are sampled from the same policy, so they repeat
-steps. Each completion draws its steps from a per-prompt pool of 20 candidate step texts
-(5 identical to a reference step, 9 paraphrases of reference steps, 6 off-topic, 3 of
-which are generic fillers shared by all prompts), so a batch holds far fewer unique texts
-than texts in total; both counts are printed. Everything is seeded (deterministic).
-
-Columns (seconds, best of --repeats, time.perf_counter):
-  (a) per-example loop: per completion, encode its predicted steps and its reference steps
-      with two separate ``model.encode`` calls (normalised), then a plain Python greedy
-      matching (sort candidate pairs, accept when both are free) and F1. At 1024
-      completions and above (a) runs once (it takes minutes on 2 CPU cores).
-  (b) ``MatchF1Scorer.score`` on the batch, cold cache (cleared before each repeat); the
-      scorer shares the same loaded SentenceTransformer object as every other column.
-  (c) the same batch again with every text cached.
-  (d) floor: one ``model.encode`` call on the batch's unique texts.
-  (e) plain Python greedy matching + F1 over precomputed similarity matrices (nested
-      lists; no encoding at all): the Python matching cost that (c) must beat.
-  (f) (b) with ``step_gate="facts"`` (the same model object; its fact cache cleared too),
-  (g) (c) with ``step_gate="facts"``; ``f/b`` and ``g/c``: the gate's cost against the ungated
-      scorer in the same run (the workload's steps state numbers and operators, so the gate
-      reads every pair).
+Synthetic GRPO batches (8 completions a prompt that repeat steps, as a policy's do), seeded.
+Columns: (a) a per-example loop, (b) the batched scorer with a cold cache, (c) cached, (d) one
+``encode`` of the unique texts (the floor), (e) Python greedy matching alone, (f)/(g) (b)/(c)
+with ``step_gate="facts"``. The workload and the results: docs/benchmarks.md, "Match-F1 scorer".
 """
 
 from __future__ import annotations

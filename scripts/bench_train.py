@@ -4,47 +4,12 @@ DeepSpeed ZeRO-3 against one process (one table, every ratio measured in the sam
 
     python scripts/bench_train.py [--model tiny|organism|mid|PATH] [--device cpu|cuda]
         [--settings trl-full,plain-full-answer,plain-full,plain-full-pcgrad,...] [--rounds 2]
-        [--steps 5] [--warmup 2] [--batch 8] [--completion_length 128] [--learning_rate 0]
-        [--encoder packaged:all-MiniLM-L6-v2] [--dtype bfloat16|float32] [--threads N]
+        [--steps 5] [--warmup 2] [--batch 8] [--completion_length 128] [--threads N]
 
-A setting is ``trl-(full|lora)`` (plain ``trl.GRPOTrainer``, trivial reward: the baseline) or
-``(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad]`` (``train/grpo.py`` in one
-process or under ZeRO-3; LoRA generates through merged adapters, ``-unmerged`` as before; CPR
-by default, answer-only with ``-answer``; the encoder on the device), either with a generation
-suffix: ``-static`` (``cache_implementation: static``) or ``-cb`` (transformers' continuous
-batching, ``use_transformers_continuous_batching: true``);
-``train/benchmarks/training.py`` says exactly what each runs. Every run has the same model,
-data, batch (``--batch`` completions = ``--batch`` / 8 prompts x 8 generations), generation
-length, seed and GRPOConfig, and does ``--warmup + --steps`` optimizer steps. With the
-default learning rate 0 the policy never changes, so every setting samples the same
-completions and the ratios compare equal work (ratios are per generated token anyway).
-``--rounds`` repeats all settings in turn, each round starting one setting later (A B C,
-B C A, ...), so that a machine's load drift and any first-run effect fall on all of them
-alike; ratios pair runs of the same round.
-
-Models: ``tiny`` is the tests' tiny Qwen2 (built if missing); ``organism`` the model
-organism's warm start on its own task and config (docs/organism.md; exact step matching);
-``mid`` a Qwen2.5-0.5B-shaped
-Qwen2 (about 360M parameters, random weights warmed up on the JSON format, built on the
-first use: ``scripts/make_tiny_models.py build_mid_lm``); or any model folder.
-
-Columns (medians over the measured steps of a run, then over rounds):
-  step s     TRL's ``step_time``: generation + rewards + loss + backward (``training_step``);
-  spread     (max - min) / median of step s over rounds;
-  wall s     the whole optimizer step, end to end (also clipping, optimizer, callbacks, logging);
-  tokens     mean completion length (equal across settings when the work is equal);
-  step/trl, wall/trl   per-token step s / wall s over the same weights' ``trl-`` run of the
-             same round: median (min-max over rounds);
-  net/trl    the same for step s less the reward's scoring: the framework's own overhead;
-  cpu/trl    the same for the process CPU time of a whole step (all threads): the work done,
-             steadier than wall time on a shared machine (``--threads 1`` makes it cleaner);
-  lora/full  a ``-lora`` setting's per-token step s over the same setting with full weights;
-  gen/default  a ``-static`` / ``-cb`` setting's per-token step s over the same setting with
-             default generation (the inverse of the tokens-per-second ratio);
-  peak GiB   CUDA max_memory_allocated (not measured on CPU);
-  gen s      time in generation (TRL's ``transformers.generate`` block), part of step s;
-  score s, share   the reward's ``scoring_seconds`` (parsing, answers, embedding, matching)
-             and its share of step s; format, steps: format rate and mean predicted steps.
+Settings are ``trl-(full|lora)`` (the baseline) or ``(plain|zero3)-(full|lora[-unmerged])
+[-cpr|-answer][-pcgrad][-static|-cb]``; every setting runs the same model, data, batch, seed and
+GRPOConfig. The settings, the models and the columns: docs/benchmarks.md, "What
+bench_train.py runs and prints".
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """Loading the policy model and its processing class for the trainer.
 
-``load_policy(model_cfg)`` returns ``(model, processing_class)``:
-
-- causal LMs: ``AutoModelForCausalLM`` + ``AutoTokenizer`` (pad token = eos when missing,
-  left padding, as generation needs);
-- vision-language models (Qwen2-VL, Qwen2.5-VL, and the others transformers maps to
-  ``AutoModelForImageTextToText``): the model and a real *processor*. In transformers 5
-  ``Qwen2_5_VLProcessor`` requires a video processor, which needs torchvision (not
-  installable on CPU-only machines here); when the full processor cannot be built for
-  that reason, an image-only subclass (image processor + tokenizer + chat template) is
-  used instead. ``AutoProcessor.from_pretrained`` on a folder without a processor config
-  silently returns the bare tokenizer: that is detected and the processor built
-  explicitly, or TRL would treat the model as text-only;
-- InternVL's original checkpoints (``model_type: internvl_chat``) run remote code and
-  load only with ``model.trust_remote_code: true``;
-- GGUF (``gguf_file``): dequantised on load and copied into a plain model without
-  ``quantization_config`` (TRL refuses to fine-tune a "purely quantized" model).
-
-Every load goes one way, here: :func:`open_source` (folder or cached hub id, config, remote
-code refused unless allowed), :func:`load_processing` (tokenizer, or processor with the run's
-image resolution, ``model.vision``: train/models/vision.py) and :func:`load_weights` (the class the
-config calls for; missing weights are an error). The policy (:func:`load_policy`, for
-training, validation and the SFT phase), a run's checkpoints (:func:`load_checkpoint`, for
-evaluation) and export (train/tools/export.py) use them. The policy's frozen parts
-(``model.vision.freeze_*``) are set here too.
-
-The model is returned *without* PEFT wrapping: pass ``peft_config(model_cfg, model)`` to TRL's
-``GRPOTrainer(peft_config=...)``, which wraps it. Hub ids load from the local cache only
-when ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` is set; a failure names the path or id
-that was tried and how to point at a local folder.
+``load_policy(model_cfg)`` returns ``(model, processing_class)`` for causal LMs,
+vision-language models (with a real processor) and GGUF files, without PEFT wrapping (TRL's
+``peft_config`` wraps it). Every load, the policy's, a checkpoint's (evaluation) and export's,
+goes through :func:`open_source`, :func:`load_processing` and :func:`load_weights`. What each
+kind of model needs and why: docs/training.md, "Loading models".
 
 ``ModelSection`` (the ``model:`` section of a run config) is defined here, beside the code
 that reads it (its ``vision`` part in train/models/vision.py).

@@ -1,42 +1,12 @@
 """PCGrad (Yu et al. 2020) between the accuracy and the reasoning objectives (docs/method.md section 9).
 
 ``PCGradGRPOTrainer`` (``PCGradMixin`` over ``CrystalGRPOTrainer``) is the trainer of runs with
-``pcgrad: true``; other runs never load these hooks. PCGrad lives in four modules:
-
-- this one: the hooks into TRL's ``GRPOTrainer`` and the public names (importable from here);
-- ``train/pcgrad/math.py``: the projection, its logged statistics, the objective advantages;
-- ``train/pcgrad/gradients.py``: the per-objective gradient sums of an accumulation window, in
-  the model's own gradient storage plus the fewest fp32 rows, projected in place;
-- ``train/pcgrad/memory.py`` (no torch): how many rows that is for a config, and why ZeRO-1/2
-  are refused.
-
-The hooks rely on TRL's private methods, so ``pyproject.toml`` pins TRL's minor version and
-``tests/test_trl_contract.py`` checks every signature, attribute and behaviour used here:
-
-1. ``_calculate_rewards``: keeps TRL's *global* ``rewards_per_func`` (all processes).
-2. ``_generate_and_score_completions``: adds ``advantages_acc`` / ``advantages_reason``
-   for this process's rows (:func:`objective_advantages`): per group, the summed
-   components of each objective (``RewardModule.objectives``), centred by
-   their own group mean and scaled by the group's std of the *total* reward, exactly as
-   TRL scales its advantage, so ``advantages_acc + advantages_reason == advantages``
-   (checked at run time). TRL then shuffles/splits these like every other column.
-3. ``training_step`` is TRL's and transformers' own, with two stand-ins for its duration:
-   ``compute_loss`` returns plain GRPO's loss (logged as usual) and, from the same ONE
-   forward, builds TRL's own surrogate for each objective (same loss_type, clipping,
-   importance sampling, masks; KL, entropy bonus and aux loss switched off) and, when any
-   of these is on, a third loss holding only them; ``accelerator.backward`` runs one
-   backward pass per loss into the window's gradient sums.
-4. At the accumulation boundary the sums are projected (docs/method.md section 9, dot
-   products over every trainable parameter of every rank) and the update is written into
-   the model's gradient storage, so clipping, the optimizer and the non-finite guard run
-   unchanged (under DeepSpeed the engine's step is taken there, as accelerate's backward does).
-
-Topologies: one process; DDP, where the forward and backward passes run under ``no_sync``
-(several backward passes through one DDP forward would confuse its reducer) and the window
-averages its sums across ranks itself (what DDP does); DeepSpeed ZeRO-3, where each backward
-goes through the engine (it reduce-scatters into the rank's gradient partition) and the
-ranks' partial dot products are summed, so every rank applies the *global* projection
-coefficients to its slice.
+``pcgrad: true``; other runs never load these hooks. This module holds the hooks into TRL's
+``GRPOTrainer`` and the public names; the projection is ``train/pcgrad/math.py``, the gradient
+sums of an accumulation window ``train/pcgrad/gradients.py``, their memory plan
+``train/pcgrad/memory.py``. How the hooks split the advantage, take one backward pass per
+objective from one forward and project at the accumulation boundary, under DDP and ZeRO-3:
+docs/method.md section 9, "How it runs inside TRL's GRPOTrainer".
 """
 
 from __future__ import annotations

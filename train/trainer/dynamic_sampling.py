@@ -1,67 +1,15 @@
 """Dynamic sampling (DAPO, Yu et al. 2025, section 3.2): groups whose rewards do not vary.
 
-A group (one prompt's ``num_generations`` completions) whose rewards are all equal has a zero
-advantage everywhere and teaches nothing, yet under TRL it still trains: it pulls through the
-KL term when ``beta > 0`` and dilutes the loss's normaliser. With the step-aware rewards a
-group can also be nearly flat (a tiny but non-zero std), or flat on accuracy and not on steps.
-``dynamic_sampling:`` (:class:`DynamicSamplingSection`, off by default) takes such groups out:
-
-- ``mask``: a flat group gets zero weight: out of the surrogate loss, the KL term and the
-  normaliser, so the step is TRL's step on the batch without it;
-- ``refill`` (DAPO): after the first generation batch of a step, up to
-  ``max_num_gen_batches - 1`` more are generated, and their informative groups take the flat
-  groups' places; the batch keeps TRL's size, and the flat groups left after the last round
-  are masked (a step never waits for luck).
-
-Flat: the group's reward std (TRL's Bessel-corrected ``nanstd``) is at most ``min_std``, or at
-most ``train/pcgrad/math.py``'s ``FLAT_TOTAL_STD`` (1e-6: equal rewards held in float32 differ by
-a few 1e-8, which TRL's ``torch.isclose`` test for ``frac_reward_zero_std`` misses), the same
-rule PCGrad's objective split uses for a flat total. ``metric: reward`` judges the
-total reward, the one TRL's advantage is made of. ``metric: objectives`` (PCGrad only) judges
-each objective's part (its weighted components, as ``train/pcgrad/trainer.py`` splits them): PCGrad's
-accuracy loss leaves out the groups flat on accuracy, its reasoning loss those flat on
-reasoning, and a group is out of the KL term (and refilled) only when flat on both. Why both
-exist: with ``reward`` the two PCGrad gradients still add up to the (masked) GRPO gradient; with
-``objectives`` each objective's loss is averaged over the groups that teach it, which weighs an
-objective up when few groups vary on it (a DAPO step per objective), so the parts no longer add
-up to GRPO's. A group flat on accuracy but not on steps trains its reasoning loss either way.
-``metric: outcome`` judges the answer's raw correctness alone (the reward's accuracy component
-before its weight and the verbosity guard: ``RewardModule.outcome``; with plain reward functions,
-the one whose ``outcome`` attribute is true): a group whose answers are all right or all wrong is
-out, however its step scores vary. With a shaped reward such as CPR, a group of wrong answers
-still varies through its step term, so a std gate keeps it and GRPO scales its step differences
-up to full-size advantages that say nothing about solving the task ("phantom" gradients: verl-recipe
-PR #125 measured a std gate collapsing where a gate on the binary outcome trained; verl's DAPO
-recipe filters on ``acc``). A reward without an accuracy component is
-refused (``format``; ``reward.components`` without ``crystal:accuracy``).
+A flat group (one prompt's completions, all scored alike) teaches nothing yet still trains
+under TRL, through the KL term and the loss's normaliser. ``dynamic_sampling:`` (off by
+default) takes such groups out: ``mask`` gives them zero weight, ``refill`` replaces them with
+informative groups from up to ``max_num_gen_batches - 1`` more generation batches. The modes,
+the ``metric`` (reward, objectives, outcome), the normaliser per loss type and the logged
+metrics: docs/training.md, "Groups whose rewards do not vary".
 
 How a group leaves the loss: TRL 1.16's ``_compute_loss`` weighs every token by
-``completion_mask * tool_mask``, for the surrogate, the KL term, the entropy bonus, every
-normaliser and every logged mean. A dropped group's rows get ``tool_mask`` 0 (attention, so the
-forward pass, stays as it was: PCGrad's losses share one forward). The normaliser, per loss_type:
-
-- dapo, cispo, vespo divide by ``num_items_in_batch``, the generation batch's loss tokens
-  gathered over processes: recounted over the kept tokens;
-- bnpo divides by the micro-batch's own mask sum: that excludes masked tokens by itself;
-- grpo, sapo, dr_grpo, luspo average over the micro-batch's *rows*, masked ones included: the
-  surrogate and the KL term are scaled by (rows / kept rows) of the generation batch, through
-  the advantages and ``beta``, in which both are linear (``loss_scale``); the entropy bonus and
-  the aux loss are token means and stay as they are.
-
-So one optimizer step is TRL's step on a batch without the dropped groups exactly when one
-step is one generation batch (``steps_per_generation == gradient_accumulation_steps``, TRL's
-default; for bnpo, with one micro-batch a process), and otherwise with the per-window average
-TRL's own dapo normaliser makes. Under several processes every decision is taken on the
-gathered rewards, so it is the same on every rank; each rank weighs its own rows.
-
-Refill: the extra prompts are a pure function of (seed, step, round): drawn with
-``numpy.random.default_rng([REFILL_STREAM, seed, global_step, round])`` from the training rows
-(with a curriculum, from the pool it allows at that step), so a resumed run draws what the
-uninterrupted one drew. Each process generates a full batch a round and a group never changes
-process (each process's informative new groups fill its own flat places, in order), so refill
-needs whole groups on each process. TRL's metrics (``reward``, ``frac_reward_zero_std``, ...)
-describe the first generation batch, as without dynamic sampling; ``dynamic_sampling/*``
-describe the rest.
+``completion_mask * tool_mask``; a dropped group's rows get ``tool_mask`` 0 (attention, so the
+forward pass, stays as it was: PCGrad's losses share one forward).
 """
 
 from __future__ import annotations
@@ -79,7 +27,8 @@ from crystal_grpo.train.pcgrad.math import group_flat, weighted_reward
 
 #: Separates the refill draws from the other random streams seeded by the run's seed.
 REFILL_STREAM = 0xD5A
-#: How TRL 1.16's ``_compute_loss`` normalises each loss_type (module docstring).
+#: How TRL 1.16's ``_compute_loss`` normalises each loss_type (docs/training.md, "Groups whose rewards
+#: do not vary", the normaliser).
 ROW_MEAN = frozenset({"grpo", "sapo", "dr_grpo", "luspo"})
 TOKEN_COUNT = frozenset({"dapo", "cispo", "vespo"})
 MICRO_BATCH_TOKEN_MEAN = frozenset({"bnpo"})
@@ -367,7 +316,7 @@ class DynamicSamplingMixin:
 
     def _weigh(self, out: dict, kept: dict[str, torch.Tensor]) -> None:
         """Zero weight for the rows of the groups not kept (``tool_mask``), the normaliser
-        recounted and the row-mean losses' scale (module docstring), for the batch and, with
+        recounted and the row-mean losses' scale (docs/training.md, the normaliser), for the batch and, with
         ``metric: objectives``, for each objective (``<field>_<objective>``)."""
         mask = out["completion_mask"]
         n, rank = mask.shape[0], self.accelerator.process_index
