@@ -1,25 +1,15 @@
 """The locked set of versions (``requirements.lock``): what ``make test``, ``make demo`` and CI
-install, so that an upstream release cannot change a clean clone's environment.
-
-``make lock`` installs the newest versions ``pyproject.toml`` allows into a scratch venv and
-writes them here from ``pip freeze`` (every distribution, pip and setuptools included), with
-local version labels dropped: ``torch==2.13.0`` then takes the CPU wheel on a machine without
-a GPU and the CUDA build of the same release on one with a GPU. ``pyproject.toml`` keeps the
-ranges a library user installs into; the lock is the one set the suite has passed with.
+install, so that an upstream release cannot change a clean clone's environment
+(docs/development.md).
 
     python -m crystal_grpo.lock write requirements.lock   # from the venv to lock (make lock)
     python -m crystal_grpo.lock diff requirements.lock    # this venv against the lock
-
-A set that cannot be installed here is locked from pip's resolver instead (``resolve``): the
-vLLM set (``requirements-vllm.lock``) holds CUDA wheels of several GB and vLLM, which needs a
-GPU. pip resolves it in dry-run as a GPU machine sees the index (:func:`index_env`), reading
-each wheel's metadata by HTTP range requests (``fast-deps``) instead of downloading it; ``check``
-resolves the project against the lock the same way (CI runs it), and tells a set that no longer
-resolves (exit 1) from an index it could not reach (exit 75).
-
     python -m crystal_grpo.lock resolve requirements-vllm.lock -e '.[dev,vllm]' pip setuptools
     python -m crystal_grpo.lock check requirements-vllm.lock -e '.[dev,vllm]' pip setuptools
     python -m crystal_grpo.lock fits requirements-vllm.lock   # this Python is the one it was resolved for
+
+``write`` drops local version labels, so ``torch==2.13.0`` takes the CPU or the CUDA build of one
+release; ``resolve`` / ``check`` lock a set that cannot be installed here from pip's resolver.
 """
 
 from __future__ import annotations

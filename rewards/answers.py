@@ -1,30 +1,11 @@
 """Answer correctness C (docs/method.md section 5): type-adapted comparison of two answers.
 
-Ground-truth answers are numbers, option letters, yes/no, words or phrases, and the
-policy writes them in many surface forms ("$12", "12 sheep", "(B) 12", "Yes."). The
-checks run in this order, and the first that applies decides:
-
-1. Option letters, when the truth is a single letter or ``choices`` are given:
-   "B", "(B)", "B.", "B)", "option B", "the answer is B", "(B) 12" all read B, and so do
-   the usual wrappings: quotes (straight or typographic), brackets of any kind
-   ([B], {B}, <B>, 「B」, 【B】, full-width parentheses) and Markdown emphasis or code
-   (**B**, *B*, __B__, `B`), alone or after "answer:" / "option". With ``choices`` an
-   option's text stands for its letter (both ways).
-2. yes/no/true/false, when the truth is one of them (yes == true, no == false).
-3. Numbers, when the truth holds exactly one number: the prediction must hold exactly
-   one number too, equal within max(rel_tol * max(|a|, |b|), abs_tol). Currency signs,
-   units, thousands separators, unicode minus and fractions ("1/2") are understood.
-   Percentages: when exactly one side is a percentage, "50%" matches both 50 and 0.5;
-   when both are, the numbers before "%" are compared. A text with several numbers is
-   ambiguous and only matches by normalised text.
-4. Normalised exact match (NFKC, case, straight quotes, punctuation, articles, spaces).
-5. An optional judge ``(predicted, truth) -> bool`` for free-form answers only: it is
-   never asked about numbers, letters or yes/no, so it cannot overrule those checks.
-
-A predicted answer is model output of any length, so every pattern here is written to
-run in linear time (no two whitespace runs that can trade characters, no match that
-can start inside a whitespace run), and over-long predictions are refused outright
-(``MAX_ANSWER_CHARS``).
+Ground-truth answers are numbers, option letters, yes/no, words or phrases, and the policy
+writes them in many surface forms ("$12", "12 sheep", "(B) 12", "Yes."). The checks run in
+order, the first that applies deciding: option letters, yes/no, numbers within a tolerance,
+normalised exact match, then an optional judge for free-form answers only (docs/method.md
+section 5 lists each rule). Every pattern runs in linear time on output of any length, and
+over-long predictions are refused (``MAX_ANSWER_CHARS``).
 """
 
 from __future__ import annotations
@@ -242,7 +223,7 @@ def answers_match(
     abs_tol: float = 1e-6,
     judge: Judge | None = None,
 ) -> bool:
-    """True when ``predicted`` gives the answer ``truth`` (see the module docstring).
+    """True when ``predicted`` gives the answer ``truth`` (docs/method.md section 5).
 
     An empty or missing answer on either side never matches. ``judge`` (or the default
     installed with ``set_default_judge``) is consulted only for free-form answers that

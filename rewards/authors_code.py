@@ -1,29 +1,12 @@
 """The reward the CRYSTAL authors' released training code trains with: NOT the paper's Eq. 7.
 
 Their trainer (github.com/waybarrios/crystal: ``training/scripts/train_cpr.sh`` runs
-``training/open_r1/grpo_rec.py --reward_funcs format accuracy reasoning
---use_causal_reasoning_reward true``) sums three reward functions, unweighted: its
-``--reward_weights 2.0 2.0 2.0`` never reaches the sum (``open_r1/trainer/grpo_trainer.py``
-adds ``rewards_per_func.sum(dim=1)``), and ``--use_pcgrad`` only prints a line.
-
-1. **format** = ``Qwen2VLModule.format_reward_vqa`` (``open_r1/vlm_modules/qwen_module.py``):
-   1 when the completion, code fences removed, parses as JSON (else its outermost ``{...}``
-   with trailing commas dropped) with ``reasoning_steps`` a non-empty list of strings and
-   ``answer`` a string. Ported here (it lives in their trainer, not in crystal-metrics).
-2. **accuracy** = ``Qwen2VLModule.vqa_accuracy_reward`` (same file): the answer of that JSON
-   (after their quote and comma repairs) judged by ``crystal_metrics.accuracy.AccuracyCalculator``
-   (numeric tolerance 10%, yes/no, options, text): its confidence when correct, else 0.
-   The JSON extraction is ported; the judgement is crystal-metrics' own.
-3. **CPR** = ``crystal_metrics.rewards.causal_process_reward`` with answer weight 0.6 and step
-   weight 0.4 (``Qwen2VLModule.vqa_causal_reasoning_reward`` calls it): 0.6 + 0.4 F1 when
-   ``check_answer_match``, else 0.4 x 0.3 x F1, where F1 is
-   ``crystal_metrics.similarity.best_match_f1`` at 0.3: word overlap (shared words as a
-   multiset over the geometric mean of the two steps' lengths), pairs strictly above 0.3,
-   greedy 1:1. Called, not re-implemented.
-
-So a correct, well-formed completion earns up to 1 + 1 + (0.6 + 0.4 F1). Validation still
-reports the project's metrics (encoder Match F1, its own answer check) for every arm, so arms
-are compared like with like; only the trained reward is theirs.
+``training/open_r1/grpo_rec.py``) sums three reward functions, unweighted: format and accuracy
+(``Qwen2VLModule.format_reward_vqa`` / ``vqa_accuracy_reward``, their JSON extraction ported,
+the judgement crystal-metrics' own) and crystal-metrics' ``causal_process_reward`` at 0.6/0.4
+(called, not re-implemented). Each function, file by file: docs/rewards.md, "Rewards"
+(``authors_code``). Validation still reports the project's metrics for this arm, so arms are
+compared like with like; only the trained reward is theirs.
 """
 
 from __future__ import annotations

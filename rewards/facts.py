@@ -1,33 +1,11 @@
 """The facts a formal step states, and the step gate built on them (docs/rewards.md, "The step gate").
 
-A sentence encoder cannot see a wrong number: all-MiniLM-L6-v2 scores the model organism's step
-"b is 9 plus 3, which is 2." and the same step with one number changed at cosine 0.82-0.99, far
-above tau (docs/rewards.md). With ``step_gate: facts`` the encoder's similarity stays, but a
-predicted and a reference step can match only when the facts they state agree.
-
-A step's facts are its tokens of three kinds, in reading order, read after NFKC, case folding and
-the answer judge's punctuation (typographic minus and fraction slash as ASCII):
-
-- numbers, with the answer judge's surface forms (rewards/answers.py): thousands separators, a
-  decimal part, an exponent, a currency sign before and a percent sign or word after ("$1,200",
-  "2.5", "1e-3", "50%", "50 percent"); units are words, so not facts. Unlike an answer, a sign
-  is the operator "-" ("-3" and "- 3" read alike) and "1/2" is 1, "/", 2;
-- operators: ``+ - * / ^ < > ≤ ≥ ≠ √`` (``×`` and ``·`` read ``*``, ``÷`` reads ``/``, ``<= >= !=``
-  read ``≤ ≥ ≠``) and the words plus, minus, times, "multiplied by", "divided by" where they join
-  two operands with nothing but spaces between ("9 plus 3", "x times y"; not "3 times bigger").
-  Not facts: ``=``, "is" and arrows, which only separate facts ("b = 9 + 3 = 2" and "b is 9
-  plus 3, which is 2." state the same facts); ``**``, ``__`` and backticks (Markdown); a hyphen
-  inside a word whose parts have two letters or more ("step-by-step");
-- variables: one letter (any script) standing alone, with an optional index ("x", "x1", "x_1",
-  "x'"); "a" and "i" only beside an operator, ``=`` or a bracket ("a + b", "a plus b", "f(i)"):
-  elsewhere they are the article and the pronoun. Words of two letters or more are not facts,
-  nor are brackets, nor a leading label ("Step 2:", "2.", "(2)").
-
-Two steps' facts agree when they are the same sequence: the same operators and variables in the
-same places (order matters: "9 + 2 = 3" does not state "9 + 3 = 2"), and the numbers pairwise
-equal in that order as the answer judge compares two numbers: within
-max(rel_tol * max(|a|, |b|), abs_tol), and a percentage against a plain number either as its
-number or as its fraction. A step without any fact agrees only with another step without any.
+A sentence encoder cannot see a wrong number: all-MiniLM-L6-v2 scores a step and the same step
+with one number changed far above tau. With ``step_gate: facts`` the encoder's similarity stays,
+but a predicted and a reference step can match only when the facts they state agree. A step's
+facts are its numbers (read as the answer judge reads them), operators and variables, in
+reading order; two steps agree when the sequences are equal, numbers within the answer judge's
+tolerance. What counts as a fact, and why: docs/rewards.md, "The step gate".
 """
 
 from __future__ import annotations
@@ -46,7 +24,7 @@ from crystal_grpo.rewards.text import clean_text
 if TYPE_CHECKING:
     import torch
 
-#: ``step_gate`` of the scorer and of ``reward.params``: none (the similarity alone) or facts (module docstring).
+#: ``step_gate`` of the scorer and of ``reward.params``: none (the similarity alone) or facts.
 StepGate = Literal["none", "facts"]
 #: The skeleton's place-holder for a number.
 NUMBER = "#"
@@ -120,7 +98,7 @@ def _operator_words(tokens: list[re.Match], text: str) -> list[bool]:
 
 @functools.lru_cache(maxsize=1 << 16)
 def step_facts(step: str) -> Facts:
-    """The facts ``step`` states (module docstring). Any str reads without raising."""
+    """The facts ``step`` states (docs/rewards.md, "The step gate"). Any str reads without raising."""
     text = unicodedata.normalize("NFKC", clean_text(step)).translate(PLAIN_PUNCTUATION).casefold()
     label = _LABEL.match(text)
     text = text[label.end() :] if label else text

@@ -1,25 +1,11 @@
 """What ``scripts/bench_train.py`` runs: GRPO steps of this framework against plain TRL.
 
 A setting names one run: ``<launcher>-<weights>[-<reward>][-pcgrad][-<generation>]``
-
-- launcher ``trl``: plain ``trl.GRPOTrainer`` with a trivial reward function (the baseline),
-  ``plain``: ``train/grpo.py`` in one process, ``zero3``: ``train/grpo.py`` under DeepSpeed
-  ZeRO-3 (``accelerate launch`` with ``zero3_1x1.yaml`` on CUDA, ``torchrun`` + gloo on CPU);
-- weights ``full`` or ``lora`` (r 16, all linear layers, adapters merged for generation;
-  ``lora-unmerged``: generation through unmerged adapters, as before merging existed);
-- reward ``cpr`` (default) or ``answer`` (answer-only), the sentence encoder on the device;
-- ``pcgrad``: PCGrad on the accuracy and reasoning objectives;
-- generation ``static`` (``cache_implementation: static``) or ``cb`` (transformers' continuous
-  batching); without it, ``generate`` with the dynamic KV cache.
-
-Every run is ``python -m crystal_grpo.train.benchmarks.training ENTRY --config tiny.yaml <overrides>``
-(``organism.yaml`` for the model organism)
-with the same overrides, so model, data, batch, generation length, seed and every
-GRPOConfig value are identical: the baseline builds its GRPOConfig, dataset, model and
-LoRA config with the very functions ``train/grpo.py`` uses, only the trainer and the
-reward differ. :class:`StepClock` records each step's wall time (everything between two
-step ends: generation, rewards, loss, backward, clipping, optimizer, callbacks, logging),
-next to TRL's ``step_time`` (``training_step`` only) in ``metrics.jsonl``.
+(docs/benchmarks.md, "What bench_train.py runs and prints"). Every run is ``python -m
+crystal_grpo.train.benchmarks.training ENTRY --config tiny.yaml <overrides>`` with the same
+overrides, and the baseline builds its GRPOConfig, dataset, model and LoRA config with the very
+functions ``train/grpo.py`` uses: only the trainer and the reward differ. :class:`StepClock`
+records each step's wall time, end to end, next to TRL's ``step_time`` in ``metrics.jsonl``.
 """
 
 from __future__ import annotations

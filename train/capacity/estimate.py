@@ -2,26 +2,11 @@
 
 ``train/grpo.py --check`` prints one line per phase from here, and warns when a phase cannot
 fit; ``scripts/capacity_plan.py`` (``train/capacity/paper_plan.py``) prints the table for the
-paper's model. Nothing here imports torch, TRL or DeepSpeed, so ``--check`` stays fast:
-
-- the model's sizes come from its ``config.json`` (a local folder, the Hugging Face cache, or,
-  for the paper's ``Qwen/Qwen2.5-VL-3B-Instruct``, its published config below); the parameter
-  counts equal those of the model built on the meta device (``tests/test_capacity.py``);
-- model states (weights, gradients, optimizer) under DeepSpeed are DeepSpeed's own estimate,
-  ``estimate_zero3_model_states_mem_needs`` (ZeRO-3) and ``estimate_zero2_...``, copied line for
-  line (:func:`zero3_model_states`; the test checks it equals DeepSpeed's on several sizes);
-- the rest is counted from the code that allocates it: TRL's reference model, PCGrad's fp32
-  rows (``train/pcgrad/memory.py``'s ``pcgrad_extra_partitions``, the plan PCGrad's own
-  gradient window follows, with the gradient storage's dtype as the run gets it:
-  :func:`fp32_gradient_storage`), the weights TRL gathers for generation and the KV cache, the
-  activations of the training forward (:func:`activation_bytes`) and TRL's chunked log-prob head;
-- what the run's config decides, the way the code decides it: LoRA's targets
-  (``train/models/vision.py``'s ``lora_targets``, which the trainer's ``peft_config`` follows) and the
-  image tokens of a prompt (``model.vision``'s bounds on :data:`ASSUMED_IMAGE`, resized as the
-  Qwen2-VL processor does: ``train/models/vision.py``'s ``resized_image_tokens``).
-
-All figures are bytes per GPU; a phase fits when its peak is within ``USABLE`` of the GPU's
-memory (the rest: CUDA context, NCCL buffers, the reward's sentence encoder, fragmentation).
+paper's model. Nothing here imports torch, TRL or DeepSpeed, so ``--check`` stays fast. The
+model's sizes come from its ``config.json``; model states are DeepSpeed's own estimate, copied
+line for line (:func:`zero3_model_states`); the rest is counted from the code that allocates it.
+How each part is counted: docs/benchmarks.md, "Capacity plan". All figures are bytes per GPU; a
+phase fits when its peak is within ``USABLE`` of the GPU's memory.
 """
 
 from __future__ import annotations

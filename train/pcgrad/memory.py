@@ -1,26 +1,11 @@
 """How much memory PCGrad adds, and where it cannot run: answers for a config, without torch.
 
-At the optimizer step PCGrad needs, summed over the accumulation window's micro-steps and kept
-apart, the accuracy gradient and the reasoning gradient (their dot product decides the
-projection), plus the unprojected rest (KL penalty, entropy bonus, aux loss) when there is one.
-The model's own gradient storage (``.grad``, or the ZeRO-3 gradient partition) holds one of
-these sums; every other one is an fp32 row the size of this rank's trainable partition:
-
-- one micro-step (``gradient_accumulation_steps: 1``): two sums (the rest's backward pass runs
-  after the projection, straight onto the update); the storage holds one of them whatever its
-  dtype (a single gradient, not a sum): **1 row**;
-- several micro-steps, no rest (``beta: 0``, no entropy bonus, no aux loss): two sums: **1 row**
-  (2 when the storage is not fp32: a bf16 sum would round what the fp32 rows keep exact);
-- several micro-steps with a rest term (the paper configs: 2 micro-steps, ``beta: 0.04``): three
-  sums, the minimum for an exact result (the projection depends on the final accuracy and
-  reasoning sums, so the earlier micro-steps' rest must wait apart from both): **2 rows** (3
-  when the storage is not fp32).
-
-Besides the rows PCGrad makes no temporary of gradient size (swaps, projection and write-back
-run in place); with a bf16 storage and one micro-step, one chunk of :data:`CHUNK_ELEMENTS`
-converts between the dtypes. The rows live from the window's first backward
-pass to the optimizer step; between steps (generation) PCGrad holds nothing.
-docs/training.md ("PCGrad memory") has the figures; train/pcgrad/gradients.py follows
+At the optimizer step PCGrad needs the accuracy and the reasoning gradient summed over the
+accumulation window and kept apart, plus the unprojected rest (KL penalty, entropy bonus, aux
+loss) when there is one. The model's own gradient storage holds one of these sums; every other
+is an fp32 row the size of this rank's trainable partition: 1 to 3 rows, by the micro-steps,
+the rest term and the storage's dtype (:func:`pcgrad_plan`). The table and why it is the least
+an exact result allows: docs/training.md, "PCGrad memory". train/pcgrad/gradients.py follows
 :func:`pcgrad_plan`, so the code and these answers cannot drift apart.
 """
 
@@ -56,7 +41,7 @@ class PCGradPlan:
 
 
 def pcgrad_plan(gradient_accumulation_steps: int, rest: bool, fp32_gradients: bool = True) -> PCGradPlan:
-    """The plan of one accumulation window (see the module docstring for why)."""
+    """The plan of one accumulation window (why: docs/training.md, "PCGrad memory")."""
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps!r}: expected >= 1")
     single = gradient_accumulation_steps == 1

@@ -1,25 +1,7 @@
 """The figures and the control comparison of a reward ablation (the paper's Table 4 in miniature,
-configs/sweeps/organism_ablation.yaml), read from a finished sweep's run folders:
-
-- ``collapse.png``: the paper's "reasoning collapse" question: steps written and step Match F1
-  over training (the training log, every step), one line an arm (mean over its seeds);
-- ``pcgrad.png``: the cosine between the accuracy and the reasoning gradients and the share of
-  updates PCGrad projected (they conflicted), over training, for the arms that use PCGrad;
-- ``curriculum.png``: held-out accuracy by step count k over training (validation's per-row
-  records), the curriculum arm against the same reward without it;
-- ``vs_control.md``: every arm against the control arm on the evaluation rows, with the
-  two-level interval (seeds, then rows) of train/tools/sweep_report.py;
-- ``variants.png``: held-out accuracy, steps written, step recall and Match F1 of right answers
-  over training, one line an arm, one row of panels a variant of the rows (hinted, plain: the
-  validation samples scored again by train/organism/step_diagnosis.py);
-- ``diagnosis.md``: the step diagnosis of every evaluation of the final weights (``eval`` and
-  each ``eval.also``), by arm and variant, and the sweep's pre-registered ``contrasts`` with
-  Holm's correction;
-- ``training.md``: per arm, mean [seed range]: the validation curves (accuracy, hinted recall and
-  Match F1, steps written), the training KL's maximum (the paper's Table 5 "KL max"), and accuracy
-  by reference step count k over validation and on each evaluation of the final weights.
-
-Global steps: a multi-phase arm's second phase continues its first phase's step count.
+configs/sweeps/organism_ablation.yaml), read from a finished sweep's run folders: ``collapse.png``,
+``pcgrad.png``, ``curriculum.png``, ``variants.png``, ``vs_control.md``, ``diagnosis.md`` and
+``training.md``. What each holds: docs/experiments.md, "Over training".
 """
 
 from __future__ import annotations
@@ -193,7 +175,7 @@ def variant_runs(sweep: Sweep) -> dict[str, list[dict[int, dict[str, dict[str, f
 
 
 def variant_figure(sweep: Sweep, runs: dict[str, list[dict]]) -> Path | None:
-    """``variants.png`` (module docstring) from :func:`variant_runs`; None when no run has validation samples."""
+    """``variants.png`` (docs/experiments.md) from :func:`variant_runs`; None when no run has validation samples."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -367,7 +349,7 @@ def _by_k_lines(title: str, table: dict[str, dict[str, list[dict[int, float]]]])
 
 
 def training_markdown(sweep: Sweep, runs: dict[str, list[dict]]) -> str:
-    """``training.md`` (module docstring)."""
+    """``training.md`` (docs/experiments.md)."""
     folders = ["eval", *(f"eval_{n}" for n in ((sweep.eval or {}).get("also") or {}))] if sweep.eval else []
     lines = [
         f"# {sweep.name}: over training, per arm (mean [min, max] over seeds)",

@@ -2,32 +2,12 @@
 
     python scripts/export.py runs/cpr/checkpoint-2800 --out exports/cpr-2800 [--keep_adapter] [--dtype bfloat16]
 
-Evaluation tools (vLLM, lmms-eval, the CRYSTAL authors' crystal-metrics) load a plain model
-folder; a run leaves three kinds of checkpoint, and none of them should need this repository
-to be read:
-
-- full (``model.safetensors`` + ``config.json``): re-saved in the asked dtype;
-- LoRA (``adapter_model.safetensors`` + ``adapter_config.json``, whose
-  ``base_model_name_or_path`` names the base): merged into the base weights with PEFT's
-  ``merge_and_unload`` (in float32, so the base is rounded once, to the output dtype), or
-  kept as an adapter (``--keep_adapter``) whose config names the base by absolute path;
-- DeepSpeed ZeRO (``latest`` naming ``global_stepN/`` with ``*zero_pp_rank_*optim_states.pt``
-  shards): consolidated by DeepSpeed's own ``zero_to_fp32`` on CPU, in one process, whatever
-  the world size that wrote them. The shards hold the optimizer's fp32 master weights, the
-  true weights; the ``model.safetensors`` the trainer gathers beside them
-  (``stage3_gather_16bit_weights_on_model_save``) is a 16-bit copy when training in
-  bf16/fp16, so it is never used.
-
-The folder gets sharded safetensors with an index, config, generation config, the
-tokenizer or processor with its chat template, and a model card made from the run folder's
-records (``train/run/model_card.py``). It is written under a temporary name beside ``--out``,
-reloaded with transformers (PEFT for an adapter), made to generate once from a training
-prompt, and only then renamed into place: a failed or interrupted export never leaves a
-half-written folder. Every export lists its files in ``crystal_export.json`` (its marker);
-``--overwrite`` replaces only a folder that holds exactly the files its marker lists (any other
-folder is refused), swapped out only after the new folder passed that check, and then only
-those files are deleted. Remote code stays off unless the run's config
-(``model.trust_remote_code``) asked for it; weights are read and written as safetensors only.
+A full checkpoint is re-saved in the asked dtype, a LoRA one merged into its base (or kept with
+``--keep_adapter``), a DeepSpeed ZeRO one consolidated from its fp32 master weights by
+DeepSpeed's ``zero_to_fp32``. The folder is written beside ``--out``, reloaded and made to
+generate once before it is renamed into place, so a failed export leaves nothing; its marker
+``crystal_export.json`` lists its files for ``--overwrite``. Details: docs/evaluation.md,
+"scripts/export.py".
 """
 
 from __future__ import annotations
@@ -403,7 +383,7 @@ def export(
     max_new_tokens: int = 16,
     say=print,
 ) -> ExportResult:
-    """Export ``checkpoint`` to ``out`` as described in the module docstring."""
+    """Export ``checkpoint`` to ``out`` (docs/evaluation.md, "scripts/export.py")."""
     ckpt = inspect_checkpoint(checkpoint)
     out = Path(out)
     here, there = ckpt.path.resolve(), out.resolve()

@@ -1,32 +1,11 @@
 """Sweeps: many runs of train/grpo.py that differ in a few overrides (the paper's Tables 4 and 5).
 
-A sweep file (YAML, see configs/sweeps/) names::
-
-    base: demo_ablation.yaml          # run config of every point (a point may name its own `config`)
-    launcher: python                  # what starts train/grpo.py, e.g. "accelerate launch --config_file ..."
-    init_from: runs/demo/phase1-warm_start   # optional: every point starts from this phase's best checkpoint
-    output_dir: runs/sweeps/NAME      # the sweep folder (default: runs/sweeps/<file stem>)
-    overrides: {training.max_steps: 8}            # every point, in the command line's section.key syntax
-    points:                           # named points ...
-      - {name: cpr, overrides: {reward.name: cpr}}
-    grid:                             # ... and/or the product of lists ("a,b": a list of zipped pairs)
-      reward.params.answer_weight,reward.params.step_weight: [[0.8, 0.2], [0.65, 0.35]]
-    seeds: [1, 2]                     # one more axis (training.seed); each point runs once per seed
-    eval: {data: data/demo/val.jsonl, max_samples: 24}   # score each best checkpoint (scripts/evaluate.py;
-                                      # also batch_size, max_new_tokens, temperature, num_samples, and
-                                      # `also: {greedy: {temperature: 0, num_samples: 1}}`: the final weights
-                                      # scored again with these settings changed, into <point>/eval_greedy)
-    x: reward.params.answer_weight    # a weight sweep: plot the metrics against this key
-
-Every point becomes a run folder ``<sweep folder>/<point>`` holding ``sweep_point.json`` (its
-overrides, command and resolved config) and its ``train.log``. Every point's overrides are
-validated before anything runs. Points run seed by seed (every arm of the first seed, then of
-the second, ...), one at a time or ``--jobs N`` at a time, each with its share of the cores;
-on a machine without CUDA each run is forked from one process that imported the libraries
-(train/tools/launch.py). Re-running skips finished points (their ``summary.json`` exists) and
-evaluates those not yet evaluated, resumes an interrupted one from its last checkpoint, and a
-failed point is reported with the tail of its log without stopping the others. The report
-lives in train/tools/sweep_report.py.
+A sweep file (YAML, configs/sweeps/) names a ``base`` config, a ``launcher``, ``overrides`` for
+every point, named ``points`` and/or a ``grid``, ``seeds``, and optionally ``init_from``,
+``eval`` and ``x`` (a weight sweep's axis). Every point's overrides are validated before
+anything runs; each point is a run folder ``<sweep folder>/<point>``. Re-running skips finished
+points, resumes interrupted ones, and reports a failed point without stopping the others. The
+file's every key: docs/experiments.md; the report: train/tools/sweep_report.py.
 """
 
 from __future__ import annotations
