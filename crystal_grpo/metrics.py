@@ -2,21 +2,12 @@
 plots and the run summary show, with its label, format and which way is better.
 
 Reports look names up here, so a metric missing from the table fails at import or in the tests
-(``tests/test_metrics.py``), never as a KeyError halfway through writing a report. Adding a
-metric is one row: in :data:`TABLE`, or, from your own code, :func:`register` (e.g. at the top
-of the module your config names as its reward, so every process and tool that loads the
-reward has the row). Where its value comes from is the row's ``source``:
-
-- ``"reward"``: a per-completion value of :meth:`RewardModule.per_row` (``rewards/base.py``:
-  the evaluation's fields, the reward, and each of the reward's components and extra fields
-  under its own name), averaged by validation and evaluation; a name the reward has no value
-  for is NaN (not measured), as step metrics are on rows without references;
-- ``"row"``: a per-completion value only evaluation keeps (``train/tools/eval_report.py``);
-- ``"evaluation"``: computed over a row's samples by the evaluation report (pass@k);
-- ``"training"``: a key of the trainer's log (``metrics.jsonl``) or a sweep diagnostic derived
-  from it (``train/tools/sweep_report.py``).
-
-No torch here: configs, reports and the sweep read this table without loading a model stack.
+(``tests/test_metrics.py``), never halfway through writing a report. Adding a metric is one row:
+in :data:`TABLE`, or from your own code :func:`register`. A row's ``source`` says where its value
+comes from: ``"reward"`` (a per-completion value of :meth:`RewardModule.per_row`, NaN where the
+reward has none), ``"row"`` (kept by evaluation only), ``"evaluation"`` (over a row's samples,
+pass@k) or ``"training"`` (the trainer's log, or a sweep diagnostic derived from it). No torch
+here: configs, reports and the sweep read this table without loading a model stack.
 """
 
 from __future__ import annotations

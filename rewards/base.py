@@ -1,20 +1,13 @@
 """What every reward module shares: the base class, :class:`RewardModule`, and its settings.
 
-A reward is a *module* made of named components, each tagged with the objective it serves
-(``accuracy`` or ``reasoning``; PCGrad splits on that tag), whose sum is the reward. A
-batch is evaluated once (:meth:`RewardModule.score`: parse, check answers, embed and match
-steps) and everything reads from that: the training rewards (:meth:`RewardModule.rewards`,
-over the batch of all processes), validation and evaluation metrics
-(:meth:`RewardModule.metrics`) and the scorer CLI. The class is the one place these meet; each
-concept has its own module, whose names are importable from here too:
-
-- the one evaluation, its per-row :class:`Batch` and :class:`Scored`: rewards/batch.py;
-- the reward of a batch (the components' sum) and the step diagnostics: rewards/diagnostics.py;
-- the verbosity guard, the module's only state (saved in checkpoints): rewards/verbosity.py;
-- the module as plain TRL reward functions: rewards/trl_functions.py.
-
-torch is imported where tensors are made, not at the top: a run config is checked against
-the reward's config class (``train/grpo.py --check``) without loading torch.
+A reward is a *module* of named components, each tagged with the objective it serves
+(``accuracy`` or ``reasoning``; PCGrad splits on that tag), whose sum is the reward. A batch is
+evaluated once (:meth:`RewardModule.score`) and everything reads from that: the training rewards,
+validation and evaluation metrics and the scorer CLI. Each concept has its own module, its names
+importable from here too: the evaluation and its :class:`Batch` (rewards/batch.py), the reward
+of a batch and the step diagnostics (rewards/diagnostics.py), the verbosity guard
+(rewards/verbosity.py), the module as TRL reward functions (rewards/trl_functions.py). torch is
+imported where tensors are made, so ``--check`` validates a reward's config without it.
 """
 
 from __future__ import annotations

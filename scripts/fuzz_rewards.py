@@ -3,16 +3,10 @@
     python scripts/fuzz_rewards.py                 # 100,000 completions, seed 0, batches of 16
     python scripts/fuzz_rewards.py --n 2000 --seed 3 --batch 8
 
-Each reward (format, answer_only, composite, cpr) is called the way TRL calls it, one
-generation batch at a time, on completions drawn by ``rewards.fuzz`` in many hostile
-shapes (see that module). The table counts completions, crashes (calls that raised or
-returned anything but one float-or-None per completion), non-finite rewards, the slowest
-call with its shape, and the mean time per completion. Exit code 1 when anything crashed
-or was non-finite.
-
-Step texts are drawn mostly from a fixed pool that includes the hostile strings, so the
-scorer's embedding cache hits and 100,000 completions take minutes on 2 CPU cores
-instead of hours of re-encoding (MiniLM: about 360 short sentences/s there).
+Each reward (format, answer_only, composite, cpr) is called the way TRL calls it on completions
+drawn by ``rewards.fuzz``; the table counts completions, crashes, non-finite rewards, the slowest
+call with its shape and the mean time per completion. Exit code 1 when anything crashed or was
+non-finite. Results: docs/rewards.md, "Hostile model output".
 """
 
 from __future__ import annotations

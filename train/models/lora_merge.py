@@ -1,22 +1,13 @@
 """Generation through merged LoRA adapters, without changing what training sees.
 
-Unmerged, every adapted linear layer runs the base matmul plus the two small adapter
-matmuls for every generated token: on one H100 that made a LoRA GRPO step about 2x a full
-fine-tuning step, generation being 80-95% of it. Merged (W + s BA, PEFT's
-``merge_adapter``), generation costs what the base model costs.
-
-PEFT's own merge adds the delta to W in place and its unmerge subtracts it again, which
-is not exact in floating point (``(W + d) - d != W`` by a rounding step, one bf16 ulp
-at worst), so the frozen base weights would drift a little with every generation. Here
-each adapted base weight is merged into a *copy*, and afterwards the parameter gets its
-original tensor back: the base weights, and so the gradients and the saved adapter, are
-bit for bit what they are without merging. Under DeepSpeed ZeRO-3 the weights are merged
-while gathered for generation; a gathered (non-persistent) parameter's full tensor is a
-temporary buffer that DeepSpeed drops afterwards, so it is merged in place, no copy.
-
-Only the sampling differs: merged logits round differently (fp32: ~1e-7 relative), and
-LoRA dropout, which TRL's generation in train mode applies to the adapter branch, is gone
-(as in TRL's vLLM path, which also merges before syncing weights).
+Unmerged, every adapted layer runs two extra adapter matmuls per generated token; merged
+(W + s BA, PEFT's ``merge_adapter``) generation costs what the base model costs
+(docs/benchmarks.md has the figures). PEFT's unmerge subtracts the delta again, which is not
+exact in floating point, so here each adapted base weight is merged into a *copy* and the
+parameter gets its original tensor back: the gradients and the saved adapter are bit for bit
+what they are without merging. Under ZeRO-3 a gathered parameter's full tensor is a temporary
+buffer, so it is merged in place. Only the sampling differs: merged logits round differently,
+and LoRA dropout on the adapter branch is gone (as in TRL's vLLM path).
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """The vision side of a vision-language model: its image resolution, its parts, which of them train.
 
-- Image resolution (``model.vision.max_pixels`` / ``min_pixels``): Qwen2-VL-family image
-  processors resize every image so that its area lies between the two bounds (aspect ratio
-  kept), and each ``(patch_size * merge_size)^2`` pixels (28 x 28 for Qwen2-VL / Qwen2.5-VL)
-  becomes one image token (:func:`resized_image_tokens`, without transformers, for the
-  capacity plan). Qwen2.5-VL's published processor allows up to 12,845,056 pixels,
-  16,384 tokens an image: a large photo silently costs 20x the tokens of the paper's bound
-  (602,112: 768 tokens). :func:`set_image_resolution` is the one place the bounds are put on a
-  processor; ``train.models.load_processing`` calls it for every processor it loads (the
-  policy, hence training, validation and the SFT phase; evaluation; export).
-- Parts: the vision tower, the projector into the language model, and the language model,
-  found by the module paths each family has in transformers 5 (:data:`VLM_PARTS`). A model
-  type not in the table is still trained and counted, as one piece, with a warning.
-- What trains: ``freeze_vision_tower`` / ``freeze_projector`` for full fine-tuning; LoRA's
-  default targets are the language model's linear layers only (:func:`lora_targets`, the rule
-  the trainer and the capacity plan share; :func:`language_lora_target` names them on a model).
-  :func:`parameter_line` says what trains, per part, when a run starts (under DeepSpeed
-  ZeRO-3 a parameter's full size is its ``ds_numel``).
+- Image resolution (``model.vision.max_pixels`` / ``min_pixels``): :func:`set_image_resolution`
+  is the one place the bounds are put on a processor (every processor ``load_processing``
+  loads); :func:`resized_image_tokens` counts a picture's tokens without transformers, for the
+  capacity plan.
+- Parts: the vision tower, the projector and the language model, found by each family's module
+  paths in transformers 5 (:data:`VLM_PARTS`); an unknown model type trains as one piece.
+- What trains: ``freeze_vision_tower`` / ``freeze_projector``; LoRA's default targets, the
+  language model's linear layers (:func:`lora_targets`); :func:`parameter_line` reports it.
+
+Why these defaults: docs/training.md, "Vision-language models".
 """
 
 from __future__ import annotations

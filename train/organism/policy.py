@@ -1,20 +1,13 @@
-"""The model organism's policy: a task-made tokenizer and a tiny Llama, from scratch.
+"""The model organism's policy: a task-made tokenizer and a tiny Llama, from scratch (docs/organism.md).
 
-Built offline in a second or two and saved as an ordinary HF folder that ``model.name_or_path``
-loads (``AutoModelForCausalLM`` + ``AutoTokenizer``), so the organism exercises the real
-trainer, rewards, checkpoints, export and evaluation with no code path of its own.
-
-- Tokenizer: byte-level BPE trained on the task's own text (questions, steps, the JSON
-  answer format, the project's system prompt and the organism's short one), digits one token each (the arithmetic is
-  per digit), with a small chat template. It is a ``PreTrainedTokenizerFast`` on a Llama
-  config: unlike a ``Qwen2Tokenizer`` (scripts/make_tiny_models.py), transformers re-imposes
-  no normaliser or pre-tokenizer on reload, so the ids after a save and load are the ids
-  that were trained.
-- Model: ``LlamaForCausalLM`` with random weights (default hidden 128, 3 layers, 0.65 M
-  parameters), tied embeddings. Deterministic from the seed.
-- Warm start (``--warm_start``): the SFT phase of configs/organism_warm_start.yaml, run by
-  train/grpo.py, its final weights copied to data/organism/warm_start (committed: the CI
-  learning check starts there, configs/organism.yaml).
+Built offline in seconds and saved as an ordinary HF folder, so the organism exercises the real
+trainer, rewards, checkpoints, export and evaluation with no code path of its own. The
+tokenizer is a byte-level BPE trained on the task's own text, one token a digit; it is a
+``PreTrainedTokenizerFast`` on a Llama config because, unlike a ``Qwen2Tokenizer``, transformers
+re-imposes no normaliser on reload, so the ids after a save and load are the ids that were
+trained. The model is a ``LlamaForCausalLM`` with random weights, deterministic from the seed.
+The warm start (``--warm_start``) is the SFT phase of configs/organism_warm_start.yaml, its
+weights committed in data/organism/warm_start.
 """
 
 from __future__ import annotations

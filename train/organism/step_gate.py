@@ -2,18 +2,10 @@
 
     python scripts/measure_step_gate.py [--encoder packaged:all-MiniLM-L6-v2] [--pairs 2000] [--chains 2000]
 
-Two tables (docs/rewards.md, "The step gate"):
-
-- pairs: a right step ("b is 9 plus 3, which is 2.") against the same step with one part
-  changed (its result, its input value, its operand, its operator), and against another step of
-  a chain; per kind, the encoder's cosine (quantiles) and the share of pairs that would match at
-  tau, with the encoder alone and with ``step_gate: facts``;
-- chains: the organism's demonstrations (30% of steps slipped, each later step computed from
-  the slipped value) scored against the clean reference chain of the same question, with the
-  exact matcher, the encoder, and the encoder gated; Match F1 on every chain, on the slipped
-  ones and on the clean ones; and the same demonstrations written in the equation wording
-  ("b = 9 + 3 = 2") against sentence references, where the exact matcher sees no match at all.
-
+Two tables (docs/rewards.md, "The step gate"): pairs, a right step against the same step with
+one part changed and against another step of its chain (the encoder's cosines, and what would
+match with and without ``step_gate: facts``); chains, the organism's slipped demonstrations
+against the clean reference chain, scored exact, by the encoder and gated, in both wordings.
 Everything is drawn from seeds, so a run prints the same numbers.
 """
 

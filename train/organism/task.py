@@ -1,22 +1,12 @@
-"""The model organism's task: chained modular arithmetic with reference steps.
+"""The model organism's task: chained modular arithmetic with reference steps (docs/organism.md).
 
-A problem names a start value and a chain of k operations, each defining a new quantity
-from the previous one ("Work mod 10. a is 9. b is a plus 3. c is b minus 1. What is c?").
-Its reference steps compute one quantity each, from the value the step before computed
-("b = 9 + 3 = 2", or in words "b is 9 plus 3, which is 2."), so a wrong step makes a wrong answer (a causal chain)
-unless later slips cancel it. Rows are in the project's data format (docs/method.md
-section 1): ``id``, ``question``, ``answer``, ``reference_steps``, ``source``, and
-``difficulty`` = k, the step count the curriculum orders by; every reward, the scorer,
-validation, evaluation and sweeps read them unchanged.
-
-Why this task: a policy of under a million parameters learns it from scratch in minutes
-on a CPU, so GRPO's effect can be measured in hundreds of steps rather than guessed from
-twelve. The knobs (:class:`TaskSpec`) set the difficulty axis (steps, modulus, operand
-range), a *shortcut* (the answer stated in the question, which an answer-only reward can
-exploit without the chain), a second answer type (option letters), and *slips* injected
-into supervised demonstrations, so a warm start imitates mistakes that only the reward
-can remove. Held-out rows never share a question with training rows: each question
-belongs to one partition by a hash of its content, whatever the split's seed.
+A problem names a start value and a chain of k operations, each defining a new quantity from
+the previous one ("Work mod 10. a is 9. b is a plus 3. c is b minus 1. What is c?"); its
+reference steps compute one quantity each ("b = 9 + 3 = 2"), so a wrong step makes a wrong
+answer (a causal chain). Rows are in the project's data format, ``difficulty`` = k. The knobs
+(:class:`TaskSpec`) set the difficulty axis, a shortcut (the answer stated in the question), a
+second answer type and slips in the supervised demonstrations. Held-out rows never share a
+question with training rows: each question belongs to one partition by a hash of its content.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """PCGrad's gradient plumbing: the per-objective gradient sums of an accumulation window,
 kept in the model's own gradient storage plus the fewest fp32 rows, projected in place.
 
-The storage is what the optimizer reads: ``.grad`` (one process, DDP), made here the views of
-one flat tensor per dtype, or DeepSpeed ZeRO-3's flat gradient partition buffer. Each backward
-pass adds its gradient into the storage (ZeRO-3 overwrites it in the window's first micro-step;
-the storage is zero whenever that happens, so both read as "add"). Which sum the storage holds
-and how many rows the others take is :func:`crystal_grpo.train.pcgrad.memory.pcgrad_plan`'s:
-the sum about to receive a gradient is swapped into the storage (in place), or, where the
-storage cannot hold a sum exactly (bf16 over several micro-steps), each gradient is moved out
-into its fp32 row. At the optimizer step the sums are averaged across DDP ranks (ZeRO-3's
-are averaged by DeepSpeed; only the three dot products are summed across its ranks), projected
-(docs/method.md section 9) and combined in place into the storage.
+The storage is what the optimizer reads: ``.grad`` (one process, DDP), made here the views of one
+flat tensor per dtype, or DeepSpeed ZeRO-3's flat gradient partition. Each backward pass adds
+into it; the sum about to receive a gradient is swapped into the storage in place, or, where the
+storage cannot hold a sum exactly (bf16 over several micro-steps), each gradient moves out into
+its fp32 row, as :func:`crystal_grpo.train.pcgrad.memory.pcgrad_plan` says. At the optimizer
+step the sums are averaged across DDP ranks (ZeRO-3 sums only the dot products across its
+ranks), projected (docs/method.md section 9) and combined in place into the storage.
 """
 
 from __future__ import annotations
@@ -180,7 +177,7 @@ class AccumulationWindow:
 
 # --------------------------------------------------------------------------- the model's storage
 def model_gradient_storage(model: Any) -> Vector:
-    """The gradient storage the optimizer reads, as flat tensors (see the module docstring)."""
+    """The gradient storage the optimizer reads, as flat tensors (module docstring)."""
     if is_deepspeed_engine(model):
         flat = getattr(model.optimizer, "grad_partitions_flat_buffer", None)
         if flat is None:

@@ -72,7 +72,7 @@ def reset_attributes(obj: Any, saved: dict[str, Any]) -> None:
 
 
 class PCGradMixin:
-    """PCGrad hooks for ``GRPOTrainer`` (see the module docstring).
+    """PCGrad hooks for ``GRPOTrainer`` (docs/method.md section 9, "How it runs inside TRL's GRPOTrainer").
 
     ``pcgrad_objective_std``: divide each objective's advantage by its own std instead of the
     total's. ``self.pcgrad`` may be switched off between steps (benchmarks compare both in

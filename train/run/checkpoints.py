@@ -1,20 +1,12 @@
 """Checkpoints (and run-folder files) that survive interruption, and resuming from them.
 
-HF's Trainer writes ``checkpoint-N`` file by file, so a run killed while saving leaves a
-folder that looks like a checkpoint but is not one, and ``get_last_checkpoint`` picks it.
-Here every checkpoint gets a completion marker, written last (after every rank has
-written its shards), that lists each file with its size and sha256. A checkpoint is
-complete when its marker exists, every listed file has its recorded size and every
-safetensors file has a valid header; ``latest`` is the newest complete one. The marker is
-removed before a folder is (re)written, so a checkpoint being overwritten never counts as
-complete. The checksums are compared where a checkpoint is resumed or started from (a
-file corrupted at the same size), not on every look at the folder: each comparison reads
-the whole checkpoint (docs/training.md gives the cost).
-
-Resuming also truncates the run folder's logs to the checkpoint's step, so every step is
-logged once, and warns about overrides the restored optimizer state silently undoes. The
-trainer's hooks that use these are in train/trainer/checkpoint_hooks.py; this module imports neither
-torch nor transformers (train/grpo.py imports it at the top, and ``--check`` stays fast).
+HF's Trainer writes ``checkpoint-N`` file by file, so a run killed while saving leaves a folder
+that looks like a checkpoint but is not one. Here every checkpoint gets a completion marker,
+written last (after every rank's shards), listing each file's size and sha256; ``latest`` is
+the newest complete one, and the checksums are compared where a checkpoint is resumed or
+started from (docs/training.md, "Resume"). Resuming also truncates the run folder's logs to
+the checkpoint's step. The trainer's hooks are train/trainer/checkpoint_hooks.py; this module
+imports neither torch nor transformers, so ``--check`` stays fast.
 """
 
 from __future__ import annotations

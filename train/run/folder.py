@@ -1,22 +1,12 @@
 """One run per folder: the lock, the run's record, and what "finished" means.
 
-A run folder (``--output_dir``) holds exactly one run; three files keep it that way.
-
-- ``run.lock``: the live run's lock. ``flock`` on the file, so the kernel releases it when
-  the process dies (SIGKILL, OOM, a lost node); the file names the holder (pid, host,
-  command, start), so a second launch into a busy folder is refused with that name, and a
-  lock whose holder is gone is taken over with one line.
-- ``run.json``: the run's config and every launch of it. A fresh start in a folder that
-  already holds a run is refused, naming what differs, unless ``--overwrite_output_dir``
-  removes that run first (:func:`clear_run`: only what the run wrote); resuming with other
-  settings says what changed. A folder that is not empty and holds no run is refused
-  (:func:`foreign_folder`): a run never writes among someone else's files.
-- finished: each phase folder's ``phase_done.json`` (steps configured and reached) and,
-  written last, the run's ``summary.json``. A finished run launched again, resumed or not,
-  is left as it is with one line; a larger ``training.max_steps`` continues its last phase.
-
-A single-phase run is its own (only) phase folder; a multi-phase run has one
-``phase<i>-<name>`` folder per phase.
+A run folder (``--output_dir``) holds exactly one run; three files keep it that way:
+``run.lock`` (an ``flock`` the kernel releases when the process dies, naming its holder),
+``run.json`` (the run's config and every launch of it: a fresh start over another run is
+refused, naming what differs, unless ``--overwrite_output_dir``) and the finished markers
+(each phase's ``phase_done.json``, then the run's ``summary.json``). A folder that is not empty
+and holds no run is refused (:func:`foreign_folder`). The rules: docs/training.md, "One run per
+folder". A multi-phase run has one ``phase<i>-<name>`` folder per phase.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """A run folder's layout: every file name in it, its phase folders, and typed readers.
 
 The one place these names are spelled; every other module asks here. A run folder
-(``--output_dir``) holds one run (train/run/folder.py says how that is kept):
-
-    run.lock  run.json  summary.json  run_summary.json  training_curves.png
-    phase1-<name>/ ... phase<i>-<name>/      (a multi-phase run; a single-phase run is its
-                                              own only phase folder, with these files at its root)
-        config.json  metrics.jsonl  validation.jsonl  validation_samples_step<N>.jsonl
-        best_checkpoint.json  phase_done.json  training_curves.png  README.md (the model card)
-        checkpoint-<step>/ (complete once checkpoint_complete.json is in it)  final/
-
-A run is *finished* when ``summary.json`` exists: it is written last, after every phase's
-``phase_done.json``. A sweep point (train/tools/sweep.py) adds ``sweep_point.json`` and ``train.log``.
-These names are also all that ``--overwrite_output_dir`` may remove (train/run/folder.py).
+(``--output_dir``, one run: train/run/folder.py) holds ``run.lock run.json summary.json
+run_summary.json training_curves.png`` and, per phase, ``phase<i>-<name>/`` with ``config.json
+metrics.jsonl validation.jsonl validation_samples_step<N>.jsonl best_checkpoint.json
+phase_done.json README.md checkpoint-<step>/ final/`` (a single-phase run is its own phase
+folder). A run is finished when ``summary.json``, written last, exists. A sweep point adds
+``sweep_point.json`` and ``train.log``. These names are all that ``--overwrite_output_dir`` may remove.
 """
 
 from __future__ import annotations

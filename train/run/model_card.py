@@ -1,19 +1,11 @@
 """The model card (``README.md``) in a run folder, and in an exported checkpoint.
 
-TRL's card links the base model as ``https://huggingface.co/<id>`` and, for a model loaded
-from a local folder (every phase-2 start, every converted model), writes "fine-tuned
-version of [None]". This card names the base model either way and says how it was
-trained and where the run's own records are.
-
-A ``README.md`` is the run's card when its YAML header's tags hold ``crystal-grpo``
-(:func:`is_run_card`): only such a file is ever replaced, or removed with the run; a README a
-user put in the run folder stays as it is, and the run then writes no card.
-
-An exported folder (``scripts/export.py``) travels without its run folder, so its card
-carries the records themselves: :func:`read_run_record` gathers what the run folder says
-about one checkpoint (base model, reward, phases, step, validation at that step) and
-:func:`export_card` writes it; a record the run folder lacks reads "unknown" instead of
-failing the export.
+TRL's card writes "fine-tuned version of [None]" for a model loaded from a local folder; this
+card names the base model either way and says how it was trained and where the run's records
+are. A ``README.md`` is the run's card only when its YAML header's tags hold ``crystal-grpo``
+(:func:`is_run_card`): a README a user put in the run folder is never replaced or removed. An
+exported folder travels without its run folder, so its card carries the records themselves
+(:func:`read_run_record`, :func:`export_card`); a record the run folder lacks reads "unknown".
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
-"""Reference steps for a data set that has none: ``scripts/build_references.py``.
+"""Reference steps for a data set that has none: ``scripts/build_references.py`` (docs/references.md).
 
-CPR scores steps against ``reference_steps``; question/answer data rarely has them. This
-builds them the CRYSTAL way (Sec. 3.1, docs/method.md section 11): several generators each write
-``samples`` solutions a row with the training prompt (:mod:`crystal_grpo.train.models.generation`
-through the evaluation's resumable writer, or vLLM), or trajectory files written elsewhere
-are read; solutions whose answer is wrong are dropped (the paper keeps those that reach the
-reference answer); :mod:`crystal_grpo.rewards.references` turns the rest into one chain.
-
-Everything is resumable: each generator's completions go to ``<work_dir>/<generator>/
-predictions.jsonl`` (the evaluation's format and resume rules), and the output is appended
-row by row in data order, so a rerun skips the rows already written. A row that fails is
-reported with its id; the others go on.
+CPR scores steps against ``reference_steps``; question/answer data rarely has them. This builds
+them the CRYSTAL way (Sec. 3.1, docs/method.md section 11): several generators each write
+``samples`` solutions a row (or trajectory files written elsewhere are read); solutions with a
+wrong answer are dropped; :mod:`crystal_grpo.rewards.references` turns the rest into one chain.
+Everything is resumable (each generator's completions and the output are written row by row, so
+a rerun skips what is written), and a row that fails is reported with its id.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The report of a sweep: one row a point (mean and spread over seeds), a CSV, a JSON and plots.
 
-Everything is read from the points' own run folders (train/run/summary.py's reader), so a
-report can be made at any time from whatever has finished:
-
-- the best checkpoint's validation metrics (``best_checkpoint.json`` of the last phase; every
-  reward validates the same METRICS, so arms compare like with like);
-- the reward-weight diagnostics the trainer logs (docs/method.md section 6: discrimination gap, r(F1),
-  KL max), the grad-norm trend (least-squares slope per step) and whether the run diverged
-  (non-finite updates skipped; validation format rate collapsing below half its best);
-- with ``eval.data`` in the sweep, scripts/evaluate.py's scores of the final weights (the primary
-  result) and of the best checkpoint by validation, and every arm against the first, paired by
-  row, with intervals that resample seeds and rows (train/tools/stats.py).
+Everything is read from the points' own run folders (train/run/summary.py's reader), so a report
+can be made at any time from whatever has finished: the best checkpoint's validation metrics,
+the reward-weight diagnostics the trainer logs, the grad-norm trend and whether a run diverged,
+and with ``eval.data`` the evaluation scores of the final weights (the primary result), every
+arm against the first, paired by row, with intervals that resample seeds and rows
+(train/tools/stats.py). The columns: docs/experiments.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """``CrystalGRPOTrainer``: TRL's GRPOTrainer with the fewest hooks this project needs.
 
-Each concept is a mixin in a module of its own, overriding the TRL / transformers hooks it needs:
-
-- ``CrystalTrainerMixin``, what every phase's trainer adds (the SFT phase's too, ``train/trainer/sft.py``):
-  the non-finite guard (``create_optimizer``, ``train/trainer/nonfinite.py``); complete checkpoints with
-  our state, ``latest`` resume and ``finish_from`` (``_save_checkpoint``,
-  ``_load_optimizer_and_scheduler``, ``train``, ``_issue_warnings_after_load``,
-  ``train/trainer/checkpoint_hooks.py``); Ctrl-C / SIGTERM (``train/trainer/interrupt.py``); the model card
-  (``create_model_card``, ``train/run/model_card.py``).
-- ``CrystalGRPOTrainer`` adds the reward module, evaluated once per generation batch, with the
-  group signal (``_calculate_rewards``, ``train/trainer/reward_hooks.py``); the prompt order: the
-  curriculum, or TRL's made resumable (``_get_train_sampler``, ``train/trainer/prompt_order.py``);
-  generation through merged LoRA adapters (``_generate_single_turn``, ``train/models/lora_merge.py``);
-  dynamic sampling (``_prepare_inputs`` / ``_compute_loss``, ``train/trainer/dynamic_sampling.py``); and
-  its own ``log``: the KL maximum over the logging window (docs/method.md section 6
-  diagnostics), the curriculum's record, GPU memory.
-
-PCGrad touches TRL internals, so it lives in a subclass (``train/pcgrad/trainer.py``) that
-``pcgrad.trainer_class`` picks only for ``pcgrad: true``.
+Each concept is a mixin in a module of its own, overriding the TRL / transformers hooks it needs
+(every one listed in train/trainer/trl_seams.py): ``CrystalTrainerMixin`` is what every phase's
+trainer adds (the non-finite guard, complete checkpoints and resume, Ctrl-C / SIGTERM, the model
+card); ``CrystalGRPOTrainer`` adds the reward module (train/trainer/reward_hooks.py), the prompt
+order (train/trainer/prompt_order.py), generation through merged LoRA adapters
+(train/models/lora_merge.py), dynamic sampling (train/trainer/dynamic_sampling.py) and its own
+``log`` (the KL maximum, the curriculum's record, GPU memory). PCGrad touches TRL internals, so
+it lives in a subclass (train/pcgrad/trainer.py) that ``pcgrad.trainer_class`` picks only for
+``pcgrad: true``.
 """
 
 from __future__ import annotations

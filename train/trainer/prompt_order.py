@@ -1,24 +1,13 @@
 """Which prompts each step trains on: the curriculum's order or TRL's, a pure function of the
-seed and the step either way, so a run resumes anywhere.
+seed and the step either way, so a run resumes anywhere (docs/reliability.md).
 
 :class:`PromptOrderMixin` is the trainer's ``_get_train_sampler``: the curriculum sampler
-(``sampler_factory=``, curricula/sampler.py: a pure function of (seed, chunk)) when one is
-configured, else TRL's own order made resumable, below.
-
-TRL's ``RepeatSampler`` draws one permutation per iteration from a generator seeded once:
-epoch e trains on the (e+1)-th permutation of that generator. transformers 5 no longer
-iterates the sampler through the epochs a resumed run skips; it calls the sampler's
-``set_epoch``, which RepeatSampler lacks. So a run resumed in epoch e >= 1 trained on epoch
-0's order again (measured: a run resumed at the epoch boundary trained step 1's prompts at
-step 3, and every later step was an uninterrupted step two earlier). :class:`EpochRepeatSampler`
-is RepeatSampler with ``set_epoch``: epoch e is the (e+1)-th permutation of a generator
-seeded with ``seed``, exactly the order an uninterrupted TRL run trains on, whatever was
-iterated before.
-
-:class:`SamplerEpoch` sets the epoch at every epoch start from the trainer's state.
-transformers and accelerate call ``set_epoch`` themselves, except in a multi-process run
-resumed mid-epoch: accelerate's ``skip_first_batches`` wraps the batch sampler so that neither
-call reaches the sampler, which would then replay epoch 0.
+(``sampler_factory=``, curricula/sampler.py) when one is configured, else
+:class:`EpochRepeatSampler`, TRL's ``RepeatSampler`` with the ``set_epoch`` transformers 5
+calls on resume (without it a run resumed in a later epoch replays epoch 0's order).
+:class:`SamplerEpoch` sets the epoch at every epoch start from the trainer's state, for the
+multi-process resume mid-epoch where accelerate's ``skip_first_batches`` keeps
+transformers' own call from reaching the sampler.
 """
 
 from __future__ import annotations
