@@ -168,10 +168,8 @@ class MatchF1Scorer:
             ``sentence-transformers/all-distilroberta-v1``.
         threshold: minimum cosine for a match (inclusive), the paper's tau = 0.35; with
             ``"exact"`` any value in (0, 1] means "equal strings match".
-        alpha: weight of the order term in Ordered F1.
-        device: ``None`` picks CUDA when available.
-        batch_size: encoder batch size.
-        cache_size: number of text embeddings kept across calls (LRU); 0 disables.
+        alpha: weight of the order term in Ordered F1. device: ``None`` picks CUDA when available.
+        batch_size: encoder batch size. cache_size: text embeddings kept across calls (LRU); 0: none.
         matcher: ``"greedy"`` (the paper) or ``"dp"`` (order-preserving alignment).
         step_gate: ``"none"`` or ``"facts"``: a pair of steps whose facts disagree never
             matches (``rewards.facts``), numbers compared within ``rel_tol`` / ``abs_tol``

@@ -98,21 +98,16 @@ def objective_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-objective advantages of a *global* generation batch (float64).
 
-    ``rewards_per_func``: ``[N, F]`` as gathered by TRL (rows in groups of
-    ``num_generations``, NaN = not applicable); ``objectives[f]`` is ``"accuracy"`` or
-    ``"reasoning"``. Returns ``(adv_acc, adv_reason, adv_total)``: ``adv_total`` is TRL's
-    ``sum_then_normalize`` advantage recomputed; the two parts are each objective's
-    weighted component sum (NaN components count as 0, like TRL's ``nansum``) minus its
-    own group mean, divided by the same ``std + 1e-4`` of the total reward TRL uses
-    (group or batch std per ``scale_rewards``; none: not divided). So
-    ``adv_acc + adv_reason == adv_total``. Rows where every function returned None
-    (unscorable) get 0, as in TRL. A group whose total reward is flat (its std at most
-    :data:`FLAT_TOTAL_STD`) has TRL's zero advantage (up to float rounding), however its
-    objectives vary: where they cancel (accuracy up where reasoning is down), dividing them by
-    the total's ``0 + 1e-4`` would make parts of ~1e4 times their deviations out of a group
-    that teaches nothing, so each part is half the group's total advantage instead (0 when the
-    total is exactly flat). With ``objective_std`` each part is instead divided by its own std
-    (same group/batch choice; flat groups included); the parts then no longer add up to TRL's.
+    ``rewards_per_func``: ``[N, F]`` as gathered by TRL (rows in groups of ``num_generations``,
+    NaN = not applicable); ``objectives[f]`` is ``"accuracy"`` or ``"reasoning"``. Returns
+    ``(adv_acc, adv_reason, adv_total)``: ``adv_total`` is TRL's ``sum_then_normalize``
+    advantage recomputed; each part is its objective's weighted component sum (NaN as 0, like
+    TRL's ``nansum``) minus its group mean, over the total reward's ``std + 1e-4`` as TRL
+    scales (per ``scale_rewards``), so ``adv_acc + adv_reason == adv_total``. Unscorable rows
+    get 0, as in TRL. A group with a flat total (std at most :data:`FLAT_TOTAL_STD`) gets half
+    its total advantage in each part, not parts of ~1e4 times their deviations
+    (docs/training.md, "PCGrad"). With ``objective_std`` each part is divided by its own std
+    instead; the parts then no longer add up to TRL's.
     """
     scale_rewards = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)  # as GRPOConfig reads it
     if scale_rewards not in ("group", "batch", "none"):

@@ -52,22 +52,16 @@ class CrystalGRPOTrainer(
     RewardModuleMixin, PromptOrderMixin, CrystalTrainerMixin, MergedGenerationMixin, DynamicSamplingMixin, GRPOTrainer
 ):
     """A drop-in ``trl.GRPOTrainer``: the same constructor, every argument meaning what it
-    means in TRL, plus what this project adds (the non-finite guard, complete-checkpoint
-    markers and ``latest`` resume, Ctrl-C / SIGTERM save, the curriculum sampler, the model
-    card).
+    means in TRL, plus this project's additions (README.md, "Use it from your own code").
 
-    ``reward=`` (a :class:`RewardModule`) replaces ``reward_funcs``: TRL gets one reward
-    function per component, for its names and per-component logs (``rewards/<component>/mean``),
-    but the trainer does not call them; it evaluates the module once per generation batch
-    (``_calculate_rewards``). Without it, ``reward_funcs`` behave exactly as in TRL.
-    ``reward_objectives`` tags each reward function with the objective it serves
-    (``accuracy`` / ``reasoning``; a function's own ``objective`` attribute does too), which
-    PCGrad needs. ``sampler_factory=`` orders the prompts (the curriculum). ``validation=`` (a
-    :class:`ValidationSection`) with ``reward=`` validates greedily on ``eval_dataset`` with the
-    module's metrics (Match F1 included) and records the best checkpoint, as ``train/grpo.py``
-    runs do. ``dynamic_sampling=`` (a :class:`DynamicSamplingSection`) masks or refills the
-    groups whose rewards (or, ``metric: outcome``, answers) do not vary; with ``reward_funcs``
-    the outcome is the function whose ``outcome`` attribute is true.
+    ``reward=`` (a :class:`RewardModule`) replaces ``reward_funcs``: TRL gets one function per
+    component for its names and logs, but the trainer evaluates the module once per generation
+    batch (``_calculate_rewards``); without it, ``reward_funcs`` behave exactly as in TRL.
+    ``reward_objectives`` tags each reward function with its objective, for PCGrad.
+    ``sampler_factory=`` orders the prompts (the curriculum). ``validation=`` (with ``reward=``)
+    validates on ``eval_dataset`` with the module's metrics and records the best checkpoint.
+    ``dynamic_sampling=`` masks or refills the groups whose rewards do not vary; with
+    ``reward_funcs`` the outcome is the function whose ``outcome`` attribute is true.
     """
 
     def __init__(
