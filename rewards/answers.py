@@ -108,8 +108,7 @@ PERCENT = r"(\s*(?:%|percent\b|per\s+cent\b))?"
 # Written to run in linear time on any text. The lookahead stops a match from starting
 # inside a whitespace run (it could: every piece before the digits is optional), and
 # the whitespace after a sign belongs to the sign's group, so it cannot trade characters
-# with the currency sign's whitespace ("$" + 20,000 spaces took 37 s). Both changes
-# read exactly the numbers the earlier pattern read.
+# with the currency sign's whitespace (docs/rewards.md, "Hostile model output").
 _NUMBER = re.compile(
     r"(?<![\w.])(?=[-+$€£¥₹.\d])"
     + _CUR

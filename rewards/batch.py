@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from crystal_grpo.rewards.match_f1 import MatchF1Scorer, StepScores
 
 #: A completion with more predicted steps than this scores step metrics 0 (F1, precision
-#: and recall) without embedding any of its steps. Measured on 2 CPU cores, one completion
-#: of 20,000 distinct short steps kept a reward call in the encoder for 46 s. References
+#: and recall) without embedding any of its steps (thousands of distinct steps would keep a
+#: reward call in the encoder for tens of seconds: docs/rewards.md, "Hostile model output"). References
 #: have at most 42 steps in CRYSTAL (mean 11.6), so past this cap precision is below
 #: 42/256 = 0.16 and F1 below 0.28 anyway: scoring 0 means the cap can never raise a
 #: reward. The guard still sees the real step count.

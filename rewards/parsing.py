@@ -117,8 +117,8 @@ def _from_object(obj: dict) -> tuple[list[str], str | None]:
 def _unfence(text: str) -> str:
     """The body of at most one surrounding Markdown fence: ``` or ```json (any case).
 
-    String operations, not a regex: the old lazy-body pattern backtracked cubically on
-    "```" followed by a long whitespace run (20 s for 4,000 spaces). The body is
+    String operations, not a regex: a lazy-body pattern backtracks cubically on "```"
+    followed by a long whitespace run (docs/rewards.md, "Hostile model output"). The body is
     everything between the opening ``` (plus an optional "json" tag) and the closing ```;
     the caller strips it, so whitespace around the body needs no handling here.
     """

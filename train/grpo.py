@@ -379,8 +379,7 @@ def limit_prompts(cfg: RunConfig, args, model, processing_class, train, val):
 
 def length_warnings(cfg: RunConfig, args, processing_class, train, val) -> list[str]:
     """Length limits that would cut off more than 5% of the rendered reference answers: a
-    correct completion cut short fails the format check (the demo once capped 96 tokens for
-    targets of 90-97 on average)."""
+    correct completion cut short fails the format check (docs/training.md)."""
     from crystal_grpo.train.data.splits import target_lengths, truncation_warning
 
     def sample(split) -> list[dict]:  # the text of the rows: their images stay unopened paths

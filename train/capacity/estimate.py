@@ -379,7 +379,7 @@ def model_sizes(name_or_path: str, gguf_file: Union[str, None] = None, dtype: st
 
 
 def _hub_cached_config(repo_id: str) -> Union[str, None]:
-    """The cached config.json of a hub id, or None. huggingface_hub (0.2-0.4 s to import) is only
+    """The cached config.json of a hub id, or None. huggingface_hub (slow to import) is only
     asked when the repository has a folder in one of the cache's places."""
     if repo_id.startswith((".", "/", "~")) or repo_id.count("/") != 1:
         return None

@@ -44,7 +44,7 @@ class PolicySpec:
     """The policy's size (default 0.65 M parameters)."""
 
     hidden: int = 128
-    layers: int = 3  # GRPO step 0.43 s; 4 layers: 0.48-0.52 s, 2: 0.30 s, both learn too (configs/organism.yaml)
+    layers: int = 3  # 2 and 4 learn too; 3 for the step time (docs/organism.md, "The policy")
     heads: int = 4
     kv_heads: int = 2
     intermediate: int = 384

@@ -134,8 +134,8 @@ class CheckpointMixin:
     def finish_from(self, checkpoint: str) -> None:
         """End a phase whose ``checkpoint`` already holds its last step: load it (weights,
         state) and run the end-of-training callbacks (final validation, plot) without a step.
-        HF's loop always trains one step after resuming, even at ``max_steps``, which is how
-        a finished run used to train past its end."""
+        HF's loop always trains one step after resuming, even at ``max_steps``, which would
+        train a finished run past its end."""
         stop = _StopBeforeFirstStep()
         self.add_callback(stop)  # last: every other callback has seen on_train_begin
         try:
