@@ -37,9 +37,8 @@ class CurriculumSection:
 
     mode: str = option(
         "competence",
-        "A Schedule's mode: competence (the pool grows from the easiest c0 share), "
-        "buckets (complexity tiers open in turn), sorted (the whole data easiest-first); or your "
-        "Schedule subclass as 'package.module:Name' or 'path/file.py:Name'.",
+        "The mode: competence, buckets, sorted, or your Schedule subclass as 'package.module:Name' or "
+        "'path/file.py:Name' (docs/training.md, CPR-Curriculum).",
     )
     total_steps: Union[int, None] = option(None, "Pacing horizon T in optimizer steps (default: max_steps).", ge=1)
     difficulty: Difficulty = option("steps", "Order by reference step count or by complexity score.")
@@ -47,8 +46,7 @@ class CurriculumSection:
     options: dict[str, Any] = option(
         default_factory=dict,
         rest=True,
-        help="The mode's own options (its Schedule's Options fields), as keys of "
-        "this section: e.g. competence's c0 and pacing, buckets' bucket_order (each mode's are listed below).",
+        help="The mode's own options as keys of this section, e.g. competence's c0 (each mode's are listed below).",
     )
     schedule: Union[type, None] = derived("The mode's Schedule class, found when the config is validated.")
     config: Any = derived("The mode's options, typed (its Schedule's Options), made when the config is validated.")

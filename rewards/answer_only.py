@@ -36,9 +36,7 @@ class AnswerOnlyConfig(RewardConfig):
     format_weight: float = option(0.1, "w_f: reward of a completion in the JSON format.", weight=True)
     score_steps: bool = option(
         False,
-        "Also score the steps of every training batch, for the step diagnostics in "
-        "the training log (not rewarded; the encoder's time in every step). Validation and "
-        "evaluation report Match F1 either way.",
+        "Also score every training batch's steps for the training log's step diagnostics (not rewarded).",
     )
     verbosity_guard: Union[bool, None] = option(False, "Penalise over-long step lists (off: steps earn nothing).")
 

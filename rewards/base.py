@@ -99,18 +99,16 @@ class RewardConfig:
 
     encoder: Any = option(
         PACKAGED_MINILM,
-        "Sentence encoder for Match F1: hub id (local cache only offline), "
-        "local folder, or 'packaged:all-MiniLM-L6-v2'; or 'exact': two steps match when their "
-        "normalised strings are equal (no model; for formal steps). The paper: " + PAPER_ENCODER + ".",
+        "Sentence encoder for Match F1: hub id, local folder, 'packaged:all-MiniLM-L6-v2', or 'exact' "
+        "(equal normalised strings match; the paper used " + PAPER_ENCODER + ").",
     )
     threshold: float = option(0.35, "tau: minimum cosine similarity for two steps to match.", ge=-1, le=1)
     order_alpha: float = option(0.3, "Weight of the order (LIS) term in Ordered Match F1.", ge=0, le=1)
     matcher: Literal["greedy", "dp"] = option("greedy", "greedy 1:1 matching (the paper) or dp (order-preserving).")
     step_gate: StepGate = option(
         "none",
-        "none: steps match on the encoder's similarity alone; facts: a predicted and "
-        "a reference step whose numbers, operators and variables disagree never match "
-        "(numbers within rel_tol/abs_tol; rewards/facts.py), for formal steps.",
+        "facts: steps whose numbers, operators and variables disagree never match (docs/rewards.md); "
+        "none: the encoder's similarity alone.",
     )
     step_metric: StepMetric = option("f1", "The step score rewards use: Match F1 or Ordered Match F1.")
     device: Union[str, None] = option(None, "Encoder device (None: CUDA when available).")
@@ -127,16 +125,12 @@ class RewardConfig:
     abs_tol: float = option(1e-6, "Absolute tolerance of numeric answers (and of the step gate's numbers).", ge=0)
     malformed: Union[Literal["zero", "lenient"], None] = option(
         None,
-        "What a completion that fails the format check earns. zero: its answer and steps count 0, so it "
-        "gets the minimal reward (CRYSTAL S6.3: 'Malformed outputs receive F=0 and minimal reward but still "
-        "contribute gradients'); lenient: the answer and steps read leniently from it count. None: zero for "
-        "rewards with a reasoning component (CPR, composite), lenient for the others. Validation and evaluation "
-        "metrics read leniently either way, so every arm is measured alike.",
+        "What a completion failing the format check earns: zero (the minimal reward, CRYSTAL S6.3) or lenient "
+        "(its leniently read answer and steps count); None: zero for rewards that score steps (docs/rewards.md).",
     )
     negative_weights: bool = option(
         False,
-        "Allow negative reward weights (a penalty term on purpose); without "
-        "this a negative weight is refused as a likely typo.",
+        "Allow negative reward weights (a penalty on purpose), otherwise refused as a likely typo.",
     )
 
 

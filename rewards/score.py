@@ -148,9 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--encoder",
         default=PACKAGED_MINILM,
-        help=f"sentence encoder: hub id (local cache only with HF_HUB_OFFLINE=1), local folder, "
-        f"{PACKAGED_MINILM!r} (default; the paper used {PAPER_ENCODER!r}), or {EXACT!r} "
-        f"(normalised string identity, no model)",
+        help=f"sentence encoder: hub id, local folder, {PACKAGED_MINILM!r} (default; the paper used "
+        f"{PAPER_ENCODER!r}), or {EXACT!r} (equal normalised strings match)",
     )
     p.add_argument(
         "--threshold",

@@ -273,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads",
         type=int,
         default=1,
-        help="torch threads (0: torch's default). 1 by default: on a small shared CPU, "
-        "multi-threaded OpenMP ops stall whenever another process holds a core",
+        help="torch threads (0: torch's default; 1, the default, keeps OpenMP from stalling on a shared CPU)",
     )
     ap.add_argument("--settings", default="full,lora")
     ap.add_argument("--workdir", default=str(REPO_ROOT / ".cache" / "bench_pcgrad"))

@@ -584,9 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--check",
         action="store_true",
-        help="check the config and that everything the run needs "
-        "exists (model, encoder, data, DeepSpeed config), then stop: nothing is loaded or written; also "
-        "prints the predicted memory per GPU of each phase and warns when one cannot fit",
+        help="check the config, the files the run needs and its predicted memory per GPU, then stop "
+        "(nothing is loaded or written)",
     )
     ap.add_argument(
         "--accelerate_config",

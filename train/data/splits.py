@@ -88,11 +88,12 @@ class DataSection:
 
     train: str = option(
         "",
-        "Rows of docs/method.md section 1: a JSONL, JSON (array) or Parquet file, a datasets "
-        "folder (save_to_disk, data files, a Hub repository clone) or a Hub dataset id in the "
-        "local cache.",
+        "Rows of docs/method.md section 1: a JSONL, JSON or Parquet file, a datasets folder or a cached "
+        "Hub dataset id.",
     )
-    validation: Union[str, None] = option(None, "Same formats; when absent a fraction of train is held out.")
+    validation: Union[str, None] = option(
+        None, "Validation rows, in the same formats (absent: a share of train held out)."
+    )
     train_split: str = option("train", "Split of a dataset folder or Hub dataset used for training.")
     validation_split: str = option("validation", "Split used for validation when validation names a dataset.")
     columns: dict[Field, str] = option(
@@ -105,15 +106,14 @@ class DataSection:
     system_prompt: Union[str, None] = option(None, "Overrides the instruction asking for the JSON output.")
     chat_template_kwargs: dict[str, Any] = option(
         default_factory=dict,
-        help="Keyword arguments of the chat template wherever a prompt is rendered: rollouts, "
-        "the SFT phase, validation, evaluation (e.g. {enable_thinking: false}); training.chat_template_kwargs, "
-        "TRL's name, lands here.",
+        help="Keyword arguments of the chat template wherever a prompt is rendered, e.g. "
+        "{enable_thinking: false} (training.chat_template_kwargs lands here).",
     )
     max_train_samples: Union[int, None] = option(None, "Use only the first N training rows (smoke runs).", ge=1)
     long_prompts: Literal["skip", "error", "keep"] = option(
         "skip",
-        "Prompts whose tokens leave no room for the completion in the model's context "
-        "(max_position_embeddings): skip them (counted and named), stop with an error, or keep them.",
+        "Prompts that leave no room for the completion in the model's context: skip (counted and named), "
+        "error, or keep.",
     )
 
 

@@ -51,15 +51,13 @@ class LoraSection:
     dropout: float = option(0.05, "Dropout on the LoRA branch.", ge=0, lt=1)
     target_modules: Union[list[str], str, None] = option(
         None,
-        "Modules to adapt: names, a regex PEFT full-matches, or 'all-linear'. Unset: every linear layer of the "
-        "language model: 'all-linear' for a text model; for a vision-language model its language model's linear "
-        "layers only, not the vision tower's or the projector's (which 'all-linear' would adapt too).",
+        "Modules to adapt: names, a regex PEFT full-matches, or 'all-linear' (unset: the language model's linear "
+        "layers).",
     )
     merge_for_generation: bool = option(
         True,
-        "Generate (training rollouts, validation) through adapters merged into a copy of the base weights: "
-        "as fast as the base model, at the memory of one more copy of the adapted weights while generating "
-        "(none under ZeRO-3). Off: unmerged, with LoRA dropout applied while sampling, as before.",
+        "Generate through adapters merged into a copy of the base weights, as fast as the base model "
+        "(docs/benchmarks.md, LoRA).",
     )
 
 
@@ -70,14 +68,13 @@ class ModelSection:
     name_or_path: str = option("", "HF folder, hub id (local cache only offline), or folder holding a GGUF file.")
     gguf_file: Union[str, None] = option(None, "GGUF file name inside name_or_path (dequantised on load).")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = option("float32", "Weights dtype.")
-    attn_implementation: Union[str, None] = option(None, "e.g. sdpa, eager, flash_attention_2.")
-    trust_remote_code: bool = option(False, "Needed for InternVL3.5; off unless asked for.")
+    attn_implementation: Union[str, None] = option(None, "Attention kernel, e.g. sdpa, eager or flash_attention_2.")
+    trust_remote_code: bool = option(False, "Run the model's own code from its folder (InternVL3.5 needs it).")
     revision: Union[str, None] = option(None, "Hub revision (branch, tag or commit) of a hub id.")
     init_kwargs: dict[str, Any] = option(
         default_factory=dict,
-        help="More keyword arguments of the model's from_pretrained, for the policy, TRL's "
-        "reference model, evaluation and export; training.model_init_kwargs (TRL's name) lands here, its dtype, "
-        "attn_implementation, trust_remote_code and revision in the fields above.",
+        help="More keyword arguments of every from_pretrained of the model (training.model_init_kwargs, TRL's "
+        "name, lands here).",
     )
     gradient_checkpointing: bool = option(False, "Also sets TRL's flag of the same name.")
     lora: Union[LoraSection, None] = option(None, "Set to train a LoRA adapter instead of all weights.")

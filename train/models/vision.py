@@ -82,22 +82,18 @@ class VisionSection:
 
     max_pixels: Union[int, None] = option(
         602112,
-        "Largest image area in pixels (Qwen2-VL-family processors): a larger image is resized down to it, "
-        "its aspect ratio kept. One image token per 28 x 28 pixels for Qwen2-VL / Qwen2.5-VL: at most 768 tokens an "
-        "image at the paper's 602,112. null: the processor's own (Qwen2.5-VL's published processor: 12,845,056, "
-        "up to 16,384 tokens an image).",
+        "Largest image area in pixels, larger images resized down to it (null: the processor's own; "
+        "docs/training.md, vision).",
         ge=1,
     )
     min_pixels: Union[int, None] = option(
         3136,
-        "Smallest image area in pixels: a smaller image is resized up to it (3,136: 4 tokens). null: the "
-        "processor's own.",
+        "Smallest image area in pixels, smaller images resized up to it (null: the processor's own).",
         ge=1,
     )
     freeze_vision_tower: bool = option(
         False,
-        "Keep the vision encoder's weights fixed in full fine-tuning (the CRYSTAL authors' training updates "
-        "them). LoRA adapts the language model only unless model.lora.target_modules says otherwise.",
+        "Keep the vision encoder's weights fixed in full fine-tuning (LoRA leaves it alone by default).",
     )
     freeze_projector: bool = option(False, "Keep the projector (vision encoder -> language model) fixed too.")
 

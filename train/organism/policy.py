@@ -241,8 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--warm_start",
         action="store_true",
-        help=f"then train the warm start (configs/"
-        f"{WARM_START_CONFIG}, about 3 minutes on 2 cores) into --warm_start_dir",
+        help=f"then train the warm start (configs/{WARM_START_CONFIG}; docs/organism.md) into --warm_start_dir",
     )
     ap.add_argument("--warm_start_dir", default=str(WARM_START_DIR), help="(default %(default)s)")
     ap.add_argument("--warm_start_config", default=WARM_START_CONFIG, help="the SFT phase (default %(default)s)")
