@@ -84,6 +84,15 @@ def wait_for_every_process(timeout_s: float = 120) -> None:
         pass
 
 
+def release_process_group() -> None:
+    """Destroy the process group a run made, before the process exits (torch's advice): left to
+    interpreter shutdown, gloo's threads can abort a process whose run finished (SIGABRT,
+    "terminate called without an active exception"). A no-op without one; torch not imported."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def rank_and_world() -> tuple[int, int]:
     """This process's rank and the world size (0, 1 without torch.distributed)."""
     import torch.distributed as dist

@@ -33,11 +33,8 @@ def env(**extra: str) -> dict:
 
 
 def grpo_with(patch: str) -> str:
-    """A ``python -c`` program: ``patch`` (which wraps one method), then train/grpo.py's main."""
-    return (
-        f"import os, signal, sys, time\n{patch}\nfrom crystal_grpo.train import grpo\n"
-        "sys.exit(grpo.main(sys.argv[1:]))\n"
-    )
+    """A ``python -c`` program: ``patch`` (which wraps one method), then the train/grpo.py command."""
+    return f"import os, signal, sys, time\n{patch}\nfrom crystal_grpo.train import grpo\nsys.exit(grpo.cli())\n"
 
 
 def logged_steps(run: Path, name: str = "metrics.jsonl", key: str = "loss") -> list[int]:
@@ -98,11 +95,13 @@ def torchrun_script(script: Path | str, *args: str, nproc: int = 2) -> subproces
 RUNS = """
 import json, sys
 from accelerate.state import AcceleratorState
+from crystal_grpo.distributed import release_process_group
 from crystal_grpo.train import grpo
 for argv in json.loads(sys.argv[1]):
     AcceleratorState._reset_state(reset_partial_state=True)
     if code := grpo.main(argv):
         sys.exit(code)
+release_process_group()
 """
 
 

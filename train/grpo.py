@@ -22,7 +22,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from crystal_grpo.distributed import is_main_process, launch_command, launcher_problem, wait_for_every_process
+from crystal_grpo.distributed import (
+    is_main_process,
+    launch_command,
+    launcher_problem,
+    release_process_group,
+    wait_for_every_process,
+)
 from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.train.config.preflight import preflight
@@ -735,5 +741,13 @@ def resume_command(argv: list[str] | None) -> str:
     return launch_command(argv=[*argv, "--resume_from_checkpoint", "latest"])
 
 
+def cli() -> int:
+    """The command (``python train/grpo.py``, ``crystal-grpo-train``): :func:`main`, then the process
+    group released before the process exits (not in ``main``: a caller may run it again in this group)."""
+    code = main()
+    release_process_group()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())
