@@ -30,7 +30,7 @@ PYTEST := -m pytest -q -p no:cacheprovider
 # module-scoped run stay on one worker (tests/conftest.py); OMP_NUM_THREADS=2 make test overrides.
 XDIST  := -n auto --dist loadgroup
 
-.PHONY: setup setup-vllm check-vllm-set lint test test-fast test-latest test-vllm-set lock latest-venv demo \
+.PHONY: setup setup-vllm check-vllm-set lint test test-all test-fast test-latest test-vllm-set lock latest-venv demo \
 	demo-smollm2 bench clean clean-runs
 
 # The lock constrains every distribution, pip and the build backend included (PIP_CONSTRAINT
@@ -61,14 +61,19 @@ check-vllm-set: setup
 	@$(PY) -m crystal_grpo.lock check $(VLLM_LOCK) $(VLLM_REQS) || { rc=$$?; [ $$rc -eq 75 ] || exit $$rc; \
 	  echo "WARNING: make check-vllm-set: the vLLM set was not checked (package index unreachable)"; }
 
-test test-fast test-latest test-vllm-set: export OMP_NUM_THREADS ?= 1
+test test-all test-fast test-latest test-vllm-set: export OMP_NUM_THREADS ?= 1
 
 # ruff's lint and format check ([tool.ruff] in pyproject.toml; `ruff format .` fixes the format).
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The gating suite (CI): every test but the longest, which test-all adds (tests/conftest.py EXTENDED).
 test: setup lint
+	$(PY) $(PYTEST) $(XDIST) -m "not extended"
+
+# Everything, about twice test's time: before merging a change to the trainer, the run folder or the sweep.
+test-all: setup lint
 	$(PY) $(PYTEST) $(XDIST)
 
 # The inner loop: everything that builds no model and launches no run (tests marked slow, see

@@ -20,6 +20,45 @@ MODEL_FIXTURES = {"tiny_lm_path", "tiny_vlm_path"}  # TINY_MODELS below
 #: Session-wide runs (fixtures below) -> the module that checks each: a test of another module
 #: using one joins that module's pytest-xdist group, so one worker makes the run and none waits for it.
 SESSION_RUNS = {"two_process_runs": "test_distributed"}
+#: The full suite's longest tests (about 10 s of a worker or more each), which ``make test`` (CI)
+#: leaves to ``make test-all`` to keep within its budget: each is a variant (a second signal, a
+#: second fault point, a second arm) or a larger case of a guarantee that a test ``make test`` runs
+#: checks through the same code (docs/development.md, "The suite's two tiers").
+EXTENDED = {
+    "test_learning.py": (
+        "test_cpr_with_pcgrad_raises_accuracy_and_step_match_f1",  # CPR with PCGrad learns: the hinted check
+        "test_pcgrad_projects_a_constructed_conflict_and_ends_above_the_plain_sum",
+        "test_control_no_signal_or_no_step_fails_the_check[constant_reward]",  # the sign-flipped control stays
+        "test_control_no_signal_or_no_step_fails_the_check[learning_rate_0]",
+        "test_the_hinted_regime_pays_for_leaving_the_steps_off",
+        "test_cpr_keeps_the_steps_where_answer_only_drops_them[summed]",  # [pcgrad] stays
+    ),
+    "test_distributed.py": (
+        "test_zero3_resumes_from_shards_and_refuses_another_world_size",
+        "test_zero3_lora_generates_through_merged_adapters_bit_identically",
+    ),
+    "test_sweep.py": (
+        "test_a_forked_point_computes_what_a_new_interpreter_computes",
+        "test_a_signal_to_the_sweep_stops_its_running_point_after_a_checkpoint[SIGTERM]",  # [SIGINT] stays
+        "test_a_point_stopped_while_evaluated_is_evaluated_when_the_sweep_runs_again",
+        "test_a_run_is_forked_with_the_libraries_loaded_or_started_anew[True]",
+    ),
+    "test_run_folder.py": (
+        "test_a_full_disk_is_one_line_and_the_run_resumes[during_the_save]",  # [before_the_save] stays
+        "test_a_run_killed_before_its_first_checkpoint_logs_each_step_once",
+        "test_a_second_live_run_in_the_same_folder_is_refused",
+    ),
+    "test_checkpoints.py": (
+        "test_ctrl_c_on_a_torchrun_job_stops_gracefully",
+        "test_two_processes_stop_at_the_same_step_when_only_one_gets_the_signal",
+        "test_a_signal_stops_after_the_step_saves_and_says_how_to_resume[15]",  # [2] stays
+    ),
+    "test_fuzz.py": ("test_fuzz_runner_finds_nothing_in_the_real_rewards",),
+    "test_dynamic_sampling.py": ("test_two_processes_decide_per_group_globally",),
+    "test_rewards.py": ("test_composite_normalises_over_both_processes",),
+    "test_train.py": ("test_resume_mid_phase_two_continues_the_same_batches",),
+    "test_evaluate.py": ("test_two_processes_split_rows_and_merge_in_data_order",),
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,10 +67,14 @@ def pytest_collection_modifyitems(config, items):
     built wheel), and the tests using a session-wide run with the module that checks it: built
     once, not once per worker. Other tests spread over the workers. The tests that need no model
     run first, while the tiny models build (:func:`pytest_sessionstart`)."""
+    extended = {f"tests/{module}::{name}" for module, names in EXTENDED.items() for name in names}
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if MODEL_FIXTURES & names:
             item.add_marker(pytest.mark.slow)
+        if item.nodeid in extended:
+            item.add_marker(pytest.mark.extended)
+            extended.discard(item.nodeid)
         for run in sorted(SESSION_RUNS.keys() & names):
             if not item.get_closest_marker("xdist_group"):
                 item.add_marker(pytest.mark.xdist_group(SESSION_RUNS[run]))
@@ -44,6 +87,8 @@ def pytest_collection_modifyitems(config, items):
         if shared and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept
+    if extended and config.args_source == pytest.Config.ArgsSource.TESTPATHS:  # the whole suite was collected
+        raise pytest.UsageError(f"tests/conftest.py EXTENDED names tests that do not exist: {sorted(extended)}")
 
 
 #: The session's tiny models: fixture -> (folder name, builder in crystal_grpo.train.fixtures.tiny_models).
