@@ -82,7 +82,6 @@ FIELDS: dict[str, Row] = {
         "repetition_penalty",
         "generation_kwargs",
         "max_tool_calling_iterations",
-        "use_transformers_paged",
     ),
     **_passes(
         _LOSS,
@@ -288,6 +287,7 @@ FIELDS: dict[str, Row] = {
         "cache_implementation",
         "use_transformers_continuous_batching",
         "transformers_continuous_batching_config",
+        "use_transformers_paged",
     ),
     **_adapted(
         "The run folder when --output_dir is not given (each phase writes into its own folder under it); "
