@@ -36,12 +36,21 @@ def _adapted(note: str, test: str, *names: str) -> dict[str, Row]:
     return {name: Row("adapted", note, test) for name in names}
 
 
+def _one_row_each(*parts: dict[str, Row]) -> dict[str, Row]:
+    rows: dict[str, Row] = {}
+    for part in parts:
+        twice = set(rows) & set(part)
+        if twice:
+            raise ValueError(f"train/config/trl_fields.py: more than one row for {sorted(twice)}")
+        rows.update(part)
+    return rows
+
+
 _RUN_CONFIG_TEST = "tests/test_trl_options.py::test_trl_options_reach_every_phase_and_every_load"
 _DYNAMIC_PCGRAD_TEST = "tests/test_dynamic_sampling.py::test_each_loss_type_masks_flat_groups_under_pcgrad"
-_LOSS = "TRL's loss (PCGrad calls it per objective; dynamic sampling masks rows and scales it linearly)"
 
-FIELDS: dict[str, Row] = {
-    **_passes(
+FIELDS: dict[str, Row] = _one_row_each(
+    _passes(
         "Optimizer and schedule",
         "learning_rate",
         "lr_scheduler_type",
@@ -58,7 +67,7 @@ FIELDS: dict[str, Row] = {
         "num_train_epochs",
         "max_steps",
     ),
-    **_passes(
+    _passes(
         "Batch and generation sizes (whole groups checked at --check)",
         "per_device_train_batch_size",
         "gradient_accumulation_steps",
@@ -73,7 +82,7 @@ FIELDS: dict[str, Row] = {
         "per_device_eval_batch_size",
         "eval_accumulation_steps",
     ),
-    **_passes(
+    _passes(
         "Sampling (TRL's generation)",
         "temperature",
         "top_p",
@@ -83,8 +92,8 @@ FIELDS: dict[str, Row] = {
         "generation_kwargs",
         "max_tool_calling_iterations",
     ),
-    **_passes(
-        _LOSS,
+    _passes(
+        "TRL's loss (PCGrad calls it per objective; dynamic sampling masks rows and scales it linearly)",
         "epsilon",
         "epsilon_high",
         "delta",
@@ -99,13 +108,13 @@ FIELDS: dict[str, Row] = {
         "vespo_k_neg",
         "vespo_lambda_neg",
     ),
-    **_passes(
+    _passes(
         "TRL's reference-model sync (TRL saves no reference model: a resumed run's starts again from the initial "
         "weights)",
         "ref_model_mixup_alpha",
         "ref_model_sync_steps",
     ),
-    **_passes(
+    _passes(
         "vLLM (docs/training.md, Generation in vLLM; its paths through PCGrad and refill: tests/test_trl_contract.py)",
         "vllm_mode",
         "vllm_model_impl",
@@ -125,7 +134,7 @@ FIELDS: dict[str, Row] = {
         "vllm_importance_sampling_clip_min",
         "vllm_importance_sampling_cap",
     ),
-    **_passes(
+    _passes(
         "Model, precision and memory",
         "bf16",
         "fp16",
@@ -149,7 +158,7 @@ FIELDS: dict[str, Row] = {
         "pad_to_multiple_of",
         "fsdp_config",
     ),
-    **_passes(
+    _passes(
         "Logging and tracking",
         "logging_strategy",
         "logging_steps",
@@ -173,7 +182,7 @@ FIELDS: dict[str, Row] = {
         "log_completions_hub_repo",
         "skip_memory_metrics",
     ),
-    **_passes(
+    _passes(
         "TRL's evaluation (beside the project's validation)",
         "eval_steps",
         "eval_delay",
@@ -189,7 +198,7 @@ FIELDS: dict[str, Row] = {
         "greater_is_better",
         "load_best_model_at_end",
     ),
-    **_passes(
+    _passes(
         "Checkpoints and the Hub",
         "save_strategy",
         "save_steps",
@@ -207,7 +216,7 @@ FIELDS: dict[str, Row] = {
         "hub_always_push",
         "hub_revision",
     ),
-    **_passes(
+    _passes(
         "Processes, data loading and seeds",
         "seed",
         "data_seed",
@@ -236,25 +245,25 @@ FIELDS: dict[str, Row] = {
         "do_predict",
         "local_rank",
     ),
-    **_adapted(
+    _adapted(
         "Default grpo (the paper's recipe; TRL's is dapo); PCGrad builds each objective's loss with it, and "
         "dynamic sampling recounts its normaliser over the kept groups (train/trainer/dynamic_sampling.py).",
         _DYNAMIC_PCGRAD_TEST,
         "loss_type",
     ),
-    **_adapted(
+    _adapted(
         "Default 0.04 (the paper's); under PCGrad the KL term is added after the projection, not projected, and "
         "dynamic sampling scales it with the surrogate for the row-mean loss types.",
         _DYNAMIC_PCGRAD_TEST,
         "beta",
     ),
-    **_adapted(
+    _adapted(
         "Under PCGrad the entropy bonus joins the KL term outside the projection; under dynamic sampling it is a "
         "mean over the kept groups' tokens.",
         _DYNAMIC_PCGRAD_TEST,
         "entropy_coef",
     ),
-    **_adapted(
+    _adapted(
         "The adaptive entropy controller: under PCGrad it moves once per optimizer step, from the plain loss.",
         "tests/test_trl_contract.py::test_pcgrad_losses_see_and_leave_the_trainer_as_the_plain_loss_does",
         "use_adaptive_entropy",
@@ -263,25 +272,25 @@ FIELDS: dict[str, Row] = {
         "entropy_coef_max",
         "entropy_coef_delta",
     ),
-    **_adapted(
+    _adapted(
         "A mixture-of-experts router's aux loss: under PCGrad it joins the KL term outside the projection.",
         "tests/test_trl_contract.py::test_pcgrad_losses_see_and_leave_the_trainer_as_the_plain_loss_does",
         "router_aux_loss_coef",
     ),
-    **_adapted(
+    _adapted(
         "Moved into the model section (model.trust_remote_code, model.dtype, model.init_kwargs, ...), which every "
         "load reads: the policy, TRL's reference model, evaluation and export.",
         _RUN_CONFIG_TEST,
         "trust_remote_code",
         "model_init_kwargs",
     ),
-    **_adapted(
+    _adapted(
         "Moved into data.chat_template_kwargs, which every prompt reads: rollouts, the SFT phase, validation, "
         "evaluation.",
         _RUN_CONFIG_TEST,
         "chat_template_kwargs",
     ),
-    **_adapted(
+    _adapted(
         "Validation generates the same way as training (train/models/generation.py's Engine).",
         "tests/test_generation.py::test_validation_generates_with_the_training_cache",
         "cache_implementation",
@@ -289,62 +298,64 @@ FIELDS: dict[str, Row] = {
         "transformers_continuous_batching_config",
         "use_transformers_paged",
     ),
-    **_adapted(
+    _adapted(
         "The run folder when --output_dir is not given (each phase writes into its own folder under it); "
         "refused inside a phase's overrides.",
         "tests/test_config.py::test_an_empty_output_dir_is_an_error_not_the_default_folder",
         "output_dir",
     ),
-    **_adapted(
+    _adapted(
         "Resumes the whole run, as the --resume_from_checkpoint flag does ('latest': its newest complete "
         "checkpoint); refused inside a phase's overrides.",
         "tests/test_trl_options.py::test_resume_from_checkpoint_in_the_config_resumes_like_the_flag",
         "resume_from_checkpoint",
     ),
-    "remove_unused_columns": Row(
-        "refused", "True, for GRPO: it would drop the columns the reward reads and judge every completion wrong."
-    ),
-    "reward_weights": Row(
-        "refused", "A negative weight unless reward.params.negative_weights says the penalty is meant."
-    ),
-    "scale_rewards": Row(
-        "refused",
-        "'batch' with dynamic sampling: a std over the whole batch would change every kept group's advantage when "
-        "flat groups are dropped (TRL's booleans are read as group / none, PCGrad's split scales as TRL does).",
-    ),
-    "multi_objective_aggregation": Row(
-        "refused",
-        "normalize_then_sum with PCGrad (the objective advantages are the parts of TRL's summed advantage) or with "
-        "dynamic sampling (a batch-wide std, as for scale_rewards).",
-    ),
-    "use_liger_kernel": Row(
-        "refused",
-        "With PCGrad: its fused kernels are not verified for several backward passes through one retained graph.",
-    ),
-    "off_policy_mask_threshold": Row(
-        "refused",
-        "With PCGrad: the mask drops a sequence by its advantage's sign, and an objective's part of a sequence's "
-        "advantage can have the other sign than the total, so each objective would drop other sequences.",
-    ),
-    "sync_ref_model": Row(
-        "refused",
-        "With beta 0 (no reference model to sync) or model.lora (the reference is the base model under the "
-        "adapter): TRL refuses both only after the model loads.",
-    ),
-    "shuffle_dataset": Row(
-        "refused",
-        "False with a curriculum, which orders the prompts itself; without one, TRL's order is kept and made "
-        "resumable mid-epoch (train/trainer/prompt_order.py).",
-    ),
-    "eval_strategy": Row("refused", "Other than 'no' without a validation split (data.validation or a fraction)."),
-    "use_vllm": Row("refused", "True where vLLM is missing or outside the installed TRL's supported range."),
-    "fsdp": Row("refused", "With PCGrad, which runs on one process, DDP and DeepSpeed ZeRO-3."),
-    "deepspeed": Row(
-        "refused",
-        "ZeRO-1/2 with PCGrad (at --check): they expose a rank's gradient partition only at the accumulation "
-        "boundary, so the objectives' gradients cannot be kept apart.",
-    ),
-}
+    {
+        "remove_unused_columns": Row(
+            "refused", "True, for GRPO: it would drop the columns the reward reads and judge every completion wrong."
+        ),
+        "reward_weights": Row(
+            "refused", "A negative weight unless reward.params.negative_weights says the penalty is meant."
+        ),
+        "scale_rewards": Row(
+            "refused",
+            "'batch' with dynamic sampling: a std over the whole batch would change every kept group's advantage when "
+            "flat groups are dropped (TRL's booleans are read as group / none, PCGrad's split scales as TRL does).",
+        ),
+        "multi_objective_aggregation": Row(
+            "refused",
+            "normalize_then_sum with PCGrad (the objective advantages are the parts of TRL's summed advantage) or "
+            "with dynamic sampling (a batch-wide std, as for scale_rewards).",
+        ),
+        "use_liger_kernel": Row(
+            "refused",
+            "With PCGrad: its fused kernels are not verified for several backward passes through one retained graph.",
+        ),
+        "off_policy_mask_threshold": Row(
+            "refused",
+            "With PCGrad: the mask drops a sequence by its advantage's sign, and an objective's part of a sequence's "
+            "advantage can have the other sign than the total, so each objective would drop other sequences.",
+        ),
+        "sync_ref_model": Row(
+            "refused",
+            "With beta 0 (no reference model to sync) or model.lora (the reference is the base model under the "
+            "adapter): TRL refuses both only after the model loads.",
+        ),
+        "shuffle_dataset": Row(
+            "refused",
+            "False with a curriculum, which orders the prompts itself; without one, TRL's order is kept and made "
+            "resumable mid-epoch (train/trainer/prompt_order.py).",
+        ),
+        "eval_strategy": Row("refused", "Other than 'no' without a validation split (data.validation or a fraction)."),
+        "use_vllm": Row("refused", "True where vLLM is missing or outside the installed TRL's supported range."),
+        "fsdp": Row("refused", "With PCGrad, which runs on one process, DDP and DeepSpeed ZeRO-3."),
+        "deepspeed": Row(
+            "refused",
+            "ZeRO-1/2 with PCGrad (at --check): they expose a rank's gradient partition only at the accumulation "
+            "boundary, so the objectives' gradients cannot be kept apart.",
+        ),
+    },
+)
 
 
 def off_policy_mask_refused(threshold: object) -> tuple[str, str] | None:
