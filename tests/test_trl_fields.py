@@ -45,7 +45,7 @@ REFUSALS = [
     (
         "sync_ref_model",
         ["--training.sync_ref_model", "true", "--model.lora", "{}"],
-        "training.sync_ref_model: true, but model.lora",
+        "training.sync_ref_model: true, but with model.lora",
     ),
     ("shuffle_dataset", [*CURRICULUM, "--training.shuffle_dataset", "false"], "training.shuffle_dataset: false"),
     (

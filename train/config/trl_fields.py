@@ -380,8 +380,12 @@ def training_refused(
     if refused:
         return refused
     if training.get("sync_ref_model") and (beta == 0 or lora):
-        why = "beta is 0: there is no reference model" if beta == 0 else "model.lora: the reference is the base model"
-        return "training.sync_ref_model", f"true, but {why} to sync (TRL would refuse it after the model loads)"
+        why = (
+            "beta is 0, so there is no reference model to sync"
+            if beta == 0
+            else "with model.lora the reference is the base model under the adapter, which TRL cannot sync"
+        )
+        return "training.sync_ref_model", f"true, but {why} (TRL refuses it once the model has loaded)"
     if training.get("shuffle_dataset") is False and curriculum:
         return "training.shuffle_dataset", "false, but the curriculum orders the prompts; remove it"
     if pcgrad and training.get("fsdp"):
@@ -396,22 +400,15 @@ END = "<!-- /trl-fields -->"
 
 
 def render() -> str:
-    """The table in docs/training.md: the adapted and refused fields one a row, the fields passing
-    through by group."""
+    """The table in docs/training.md: the fields with one note a row (adapted, refused, then those
+    passing through, by group)."""
     lines = [BEGIN, "", "| Field | Treatment | How / when and why |", "|---|---|---|"]
-    for kind in ("adapted", "refused"):
+    for kind, label in (("adapted", "adapted"), ("refused", "refused"), ("passes", "passes through")):
         notes: dict[str, list[str]] = {}
         for name, row in FIELDS.items():
             if row.kind == kind:
                 notes.setdefault(row.note, []).append(name)
-        lines += [f"| {', '.join(f'`{n}`' for n in names)} | {kind} | {note} |" for note, names in notes.items()]
-    groups: dict[str, list[str]] = {}
-    for name, row in FIELDS.items():
-        if row.kind == "passes":
-            groups.setdefault(row.note, []).append(name)
-    lines += [
-        f"| {', '.join(f'`{n}`' for n in names)} | passes through | {group} |" for group, names in groups.items()
-    ]
+        lines += [f"| {', '.join(f'`{n}`' for n in names)} | {label} | {note} |" for note, names in notes.items()]
     return "\n".join([*lines, "", END])
 
 
