@@ -329,6 +329,8 @@ accuracy_by_position.objective, reasoning_by_position.objective = "accuracy", "r
 @pytest.mark.parametrize(
     "loss_type, options",
     [
+        ("grpo", {"scale_rewards": "none"}),
+        ("dapo", {}),
         ("sapo", {}),
         ("luspo", {"importance_sampling_level": "sequence"}),
         ("cispo", {"top_entropy_quantile": 0.5}),
@@ -336,9 +338,10 @@ accuracy_by_position.objective, reasoning_by_position.objective = "accuracy", "r
     ],
 )
 def test_each_loss_type_masks_flat_groups_under_pcgrad(tmp_path, tiny_lm_path, loss_type, options, one_thread):
-    """The loss types the test above leaves out, under PCGrad (objectives in conflict) with TRL options of
-    their own: 2 flat prompts of 4 masked give PCGrad's update on the 2 informative prompts alone (beta 0.1
-    against a moved policy and an entropy bonus: the terms PCGrad keeps out of its projection pull too)."""
+    """The test above under PCGrad (objectives in conflict), for the default loss types and those it leaves
+    out, with TRL options of their own: 2 flat prompts of 4 masked give PCGrad's update on the 2 informative
+    prompts alone (beta 0.1 against a moved policy, an entropy bonus: the terms PCGrad keeps out of its
+    projection pull too)."""
     from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer
 
     kw = dict(trainer_class=PCGradGRPOTrainer, reward_funcs=[accuracy_by_position, reasoning_by_position])
