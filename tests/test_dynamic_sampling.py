@@ -314,6 +314,50 @@ def test_masked_flat_groups_give_the_update_of_a_batch_without_them(tmp_path, ti
     assert log["kl"] > 0
 
 
+def accuracy_by_position(completions, flat, **kwargs):
+    return by_position(completions, flat)
+
+
+def reasoning_by_position(completions, flat, **kwargs):
+    """0, 2, 1 within each group (against accuracy's order); a constant for a flat prompt's rows."""
+    return [0.5 if f else float(2 * i % G) for i, f in enumerate(flat)]
+
+
+accuracy_by_position.objective, reasoning_by_position.objective = "accuracy", "reasoning"
+
+
+@pytest.mark.parametrize(
+    "loss_type, options",
+    [
+        ("grpo", {"scale_rewards": "none"}),
+        ("dapo", {}),
+        ("sapo", {}),
+        ("luspo", {"importance_sampling_level": "sequence"}),
+        ("cispo", {"top_entropy_quantile": 0.5}),
+        ("vespo", {"entropy_coef": 0.05}),
+    ],
+)
+def test_each_loss_type_masks_flat_groups_under_pcgrad(tmp_path, tiny_lm_path, loss_type, options, one_thread):
+    """The test above under PCGrad (objectives in conflict), for the default loss types and those it leaves
+    out, with TRL options of their own: 2 flat prompts of 4 masked give PCGrad's update on the 2 informative
+    prompts alone (beta 0.1 against a moved policy, an entropy bonus: the terms PCGrad keeps out of its
+    projection pull too)."""
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer
+
+    kw = dict(trainer_class=PCGradGRPOTrainer, reward_funcs=[accuracy_by_position, reasoning_by_position])
+    kw.update(loss_type=loss_type, **options)
+    mixed = rows([True, False, True, False])
+    masked, got = one_step(tiny_lm_path, tmp_path, "masked", mixed, DynamicSamplingSection(mode="mask"), **kw)
+    without = mixed.filter(lambda row: not row["flat"])
+    _, want = one_step(tiny_lm_path, tmp_path, "without", without, per_device_train_batch_size=6, **kw)
+    _, plain = one_step(tiny_lm_path, tmp_path, "plain", mixed, **kw)
+    assert rel(got, want) < 1e-5
+    assert rel(plain, want) > 1e-2, "the flat groups change the update (else this test could not fail)"
+    log = masked.state.log_history[0]
+    assert log["dynamic_sampling/frac_masked"] == 0.5 and log["kl"] > 0
+    assert log["pcgrad/norm_acc"] > 0 and log["pcgrad/norm_reason"] > 0
+
+
 # ----------------------------------------------------------------------------- (3) PCGrad per objective
 def test_pcgrad_with_a_flat_accuracy_objective_still_applies_the_reasoning_gradient(
     tmp_path, tiny_lm_path, one_thread

@@ -634,7 +634,14 @@ def test_end_to_end_with_pcgrad(tmp_path, pcg_model, monkeypatch, lora, one_thre
     assert any(r["pcgrad/norm_acc"] > 0 and r["pcgrad/norm_reason"] > 0 for r in rows)
 
 
-def test_unsupported_aggregation_is_refused(pcg_model, tmp_path):
+@pytest.mark.parametrize(
+    "option, says",
+    [
+        ({"multi_objective_aggregation": "normalize_then_sum"}, "sum_then_normalize"),
+        ({"off_policy_mask_threshold": 0.5}, r"^training.off_policy_mask_threshold: 0.5 cannot be combined"),
+    ],
+)
+def test_options_pcgrad_cannot_honour_are_refused(pcg_model, tmp_path, option, says):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -644,13 +651,13 @@ def test_unsupported_aggregation_is_refused(pcg_model, tmp_path):
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
         num_generations=4,
-        multi_objective_aggregation="normalize_then_sum",
         report_to="none",
         bf16=False,
         use_cpu=True,
         max_steps=1,
+        **option,
     )
-    with pytest.raises(ValueError, match="sum_then_normalize"):
+    with pytest.raises(ValueError, match=says):
         PCGradGRPOTrainer(
             model=str(pcg_model),
             reward=HashReward(),

@@ -42,6 +42,7 @@ from crystal_grpo.train.config.training_section import (
     remove_unused_columns_refused,
     training_field_types,
 )
+from crystal_grpo.train.config.trl_fields import training_refused
 from crystal_grpo.train.data.splits import DataSection
 from crystal_grpo.train.models.policy import LoraSection, ModelSection  # noqa: F401 - part of the run config
 from crystal_grpo.train.models.vision import VisionSection  # noqa: F401 - part of the run config
@@ -649,9 +650,22 @@ def validate(cfg: RunConfig) -> RunConfig:
                     "as a whole (into the phase it stopped in): set it at the top level, or use "
                     "--resume_from_checkpoint"
                 )
+            if "output_dir" in (phase.overrides.get("training") or {}):
+                raise ConfigError(
+                    f"phases[{phase.name}].overrides.training.output_dir: a phase writes into its own folder "
+                    "of the run folder (phase<i>-<name>): set the run folder at the top level, or use --output_dir"
+                )
             c = phase.config = apply_phase(cfg, phase)
         where = "" if phase is None else f"phases[{phase.name}].overrides."
-        refused = c.trainer == "grpo" and remove_unused_columns_refused(c.training.get("remove_unused_columns"))
+        refused = (c.trainer == "grpo" and remove_unused_columns_refused(c.training.get("remove_unused_columns"))) or (
+            training_refused(
+                c.training,
+                pcgrad=c.pcgrad,
+                beta=c.training.get("beta", PaperRecipe.beta),
+                lora=c.model.lora is not None,
+                curriculum=c.curriculum is not None,
+            )
+        )
         if refused:
             raise ConfigError(f"{where}{refused[0]}: {refused[1]}")
         if c.training.get("eval_strategy", "no") != "no" and not c.data.validation and not c.data.validation_fraction:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from crystal_grpo.train.config.trl_fields import off_policy_mask_refused
 from crystal_grpo.train.pcgrad.gradients import (
     AccumulationWindow,
     is_deepspeed_engine,
@@ -124,7 +125,9 @@ class PCGradMixin:
                 TESTED_TRL,
             )
 
-        refused = aggregation_refused(self.multi_objective_aggregation)
+        refused = aggregation_refused(self.multi_objective_aggregation) or off_policy_mask_refused(
+            self.off_policy_mask_threshold
+        )
         if refused:
             raise ValueError(f"{refused[0]}: {refused[1]}")
         objs = self._pcgrad_objectives()
