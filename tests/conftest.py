@@ -65,8 +65,8 @@ def pytest_collection_modifyitems(config, items):
     """Mark the tests ``make test-fast`` leaves out, and keep together on one pytest-xdist worker
     the tests of a module that share a module-scoped fixture (a training run, an export, a
     built wheel), and the tests using a session-wide run with the module that checks it: built
-    once, not once per worker. Other tests spread over the workers. The tests that need no model
-    run first, while the tiny models build (:func:`pytest_sessionstart`)."""
+    once, not once per worker; mark the tests EXTENDED names. Other tests spread over the workers,
+    in :func:`order`."""
     extended = {f"tests/{module}::{name}" for module, names in EXTENDED.items() for name in names}
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
@@ -86,9 +86,21 @@ def pytest_collection_modifyitems(config, items):
         )
         if shared and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)  # stable: file order kept
+    items.sort(key=order)  # stable: file order kept within each kind
     if extended and config.args_source == pytest.Config.ArgsSource.TESTPATHS:  # the whole suite was collected
         raise pytest.UsageError(f"tests/conftest.py EXTENDED names tests that do not exist: {sorted(extended)}")
+
+
+#: The longest gating tests, GRPO runs of the committed model organism (no tiny model): started
+#: first, while the tiny models build, so that no worker ends the session alone on one of them.
+FIRST = ("tests/test_learning.py::",)
+
+
+def order(item) -> int:
+    """The learning runs, then the tests that need no model (while the models build), then the rest."""
+    if item.nodeid.startswith(FIRST):
+        return 0
+    return 1 if item.get_closest_marker("slow") is None else 2
 
 
 #: The session's tiny models: fixture -> (folder name, builder in crystal_grpo.train.fixtures.tiny_models).
