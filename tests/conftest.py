@@ -61,6 +61,7 @@ EXTENDED = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker writes the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Mark the tests ``make test-fast`` leaves out, and keep together on one pytest-xdist worker
     the tests of a module that share a module-scoped fixture (a training run, an export, a
