@@ -184,6 +184,8 @@ def test_sampled_validation_keeps_every_scored_completion_and_leaves_training_al
     val = [json.loads(x) for x in (sampled / "validation.jsonl").read_text().splitlines()]
     assert val[1]["accuracy"] == pytest.approx(sum(x["correct"] for x in lines) / len(lines))
     assert len({x["completion"] for x in lines}) > 4, "sampled, not greedy: a row's samples differ"
+    page = (sampled / "validation_steps_step1.html").read_text()  # the alignment viewer of that round
+    assert page.count('<section class="row') == 12 and page.count("advantage ") == 12  # 3 samples a row: a group
     rewards = lambda run: [r["reward"] for r in metrics(run) if "loss" in r]
     assert rewards(sampled) == rewards(plain)
 
@@ -410,6 +412,7 @@ def test_vision_language_run_with_images(tmp_path, tiny_vlm_path):
     assert (run / "checkpoint-2" / "model.safetensors").exists()
     vals = [json.loads(x) for x in (run / "validation.jsonl").read_text().splitlines()]
     assert vals[-1]["step"] == 2 and "f1" in vals[-1]
+    assert "data:image/png;base64," in (run / "validation_steps_step2.html").read_text()  # thumbnails
 
 
 def phases(p2_steps: int) -> str:
