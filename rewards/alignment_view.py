@@ -18,6 +18,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.rewards.batch import reference_chains
@@ -341,9 +342,9 @@ def render_page(rows: Sequence[ViewRow], threshold: float, title: str, matcher: 
     )
 
 
-def write_page(path, rows: Sequence[ViewRow], threshold: float, title: str, matcher: str = "greedy") -> None:
-    from pathlib import Path
-
+def write_page(
+    path: str | Path, rows: Sequence[ViewRow], threshold: float, title: str, matcher: str = "greedy"
+) -> None:
     Path(path).write_text(render_page(rows, threshold, title, matcher), encoding="utf-8")
 
 

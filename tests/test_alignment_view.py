@@ -139,3 +139,18 @@ def test_rows_are_a_wandb_table_in_an_offline_run(view, tmp_path, monkeypatch):
     (written,) = Path(run.dir).glob("media/table/validation_steps_*.table.json")
     logged = json.loads(written.read_text())
     assert logged["columns"] == table.columns and len(logged["data"]) == 3
+
+
+def test_an_evaluation_of_vlm_rows_shows_their_images(tmp_path):
+    """scripts/evaluate.py on image rows (a predictions file: no model) writes steps.html with a
+    thumbnail a row."""
+    from crystal_grpo.train.tools.evaluate import EvalRequest, EvalSetup, evaluate
+
+    rows = [json.loads(x) for x in Path("data/shapes/shapes.jsonl").read_text().splitlines()[:2]]
+    preds = tmp_path / "preds.jsonl"
+    preds.write_text("".join(json.dumps({"id": r["id"], "completion": ATTACK}) + "\n" for r in rows))
+    setup = EvalSetup(reward_params={"encoder": "exact"})
+    req = EvalRequest(data="data/shapes/shapes.jsonl", out=tmp_path / "eval", predictions=str(preds), setup=setup)
+    evaluate(EvalRequest(**{**vars(req), "max_samples": 2, "bootstrap": 10}))
+    page = (tmp_path / "eval" / "steps.html").read_text()
+    assert page.count('<section class="row') == 2 and page.count('src="data:image/png;base64,') == 2

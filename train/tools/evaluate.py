@@ -273,9 +273,6 @@ def evaluate(req: EvalRequest) -> dict | None:
     if req.max_samples is not None:
         ds = ds.select(range(min(req.max_samples, len(ds))))
     rows = ds.with_format(None).remove_columns([c for c in ("images",) if c in ds.column_names]).to_list()
-    thumbnails = (
-        {r["id"]: thumbnail(ds[i]["images"]) for i, r in enumerate(rows)} if "images" in ds.column_names else {}
-    )
     if req.predictions is not None:
         predictions = read_predictions(Path(req.predictions))
         check_ids(predictions, all_ids, req.predictions, req.data, complete=False)
@@ -331,6 +328,9 @@ def evaluate(req: EvalRequest) -> dict | None:
     if rank != 0:
         return None
     module = build_reward(req.setup.reward, **req.setup.reward_params)
+    thumbnails = (
+        {r["id"]: thumbnail(ds[i]["images"]) for i, r in enumerate(rows)} if "images" in ds.column_names else {}
+    )
     scored, view = score_predictions(module, rows, predictions, thumbnails)
     write_scored(out, scored, rows)
     cfg = module.config
