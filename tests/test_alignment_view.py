@@ -96,8 +96,9 @@ def test_thumbnail_is_a_small_png_data_uri():
 CHROMIUM = shutil.which("chromium")
 
 
-def chromium(*args: str) -> str:
+def chromium(profile: Path, *args: str) -> str:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--hide-scrollbars"]
+    flags.append(f"--user-data-dir={profile}")  # nothing written to $HOME
     done = subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
@@ -109,16 +110,16 @@ def test_page_renders_and_filters_in_a_headless_browser(view, tmp_path):
     applied, no model string executed; and a screenshot."""
     page = tmp_path / "steps.html"
     page.write_text(render_page(view[2], 0.35, "validation at step 3"))
-    dom = chromium("--dump-dom", page.as_uri())
+    dom = chromium(tmp_path / "profile", "--dump-dom", page.as_uri())
     assert 'data-ready="1"' in dom and "<title>validation at step 3</title>" in dom  # title not 'pwned'
     assert dom.count('<section class="row') == 3 and "3 of 3 completions shown" in dom
     assert "&lt;script&gt;document.title=" in dom  # shown as text
-    filtered = chromium("--dump-dom", page.as_uri() + "#source=gsm8k&verdict=wrong")
+    filtered = chromium(tmp_path / "profile", "--dump-dom", page.as_uri() + "#source=gsm8k&verdict=wrong")
     assert "1 of 3 completions shown" in filtered
     sections = [s.split(">", 1)[0] for s in filtered.split("<section")[1:]]
     assert [" hidden" in s for s in sections] == [True, False, True]  # only row a #1 (gsm8k, wrong) shown
     shot = tmp_path / "shot.png"
-    chromium("--window-size=900,600", f"--screenshot={shot}", page.as_uri())
+    chromium(tmp_path / "profile", "--window-size=900,600", f"--screenshot={shot}", page.as_uri())
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
