@@ -30,8 +30,8 @@ PYTEST := -m pytest -q -p no:cacheprovider
 # module-scoped run stay on one worker (tests/conftest.py); OMP_NUM_THREADS=2 make test overrides.
 XDIST  := -n auto --dist loadgroup
 
-.PHONY: setup setup-vllm check-vllm-set lint test test-all test-fast test-latest test-vllm-set lock latest-venv demo \
-	demo-smollm2 bench clean clean-runs
+.PHONY: setup setup-browser setup-vllm check-vllm-set lint test test-all test-fast test-latest test-vllm-set lock \
+	latest-venv demo demo-smollm2 bench clean clean-runs
 
 # The lock constrains every distribution, pip and the build backend included (PIP_CONSTRAINT
 # reaches pip's isolated build environment too). torch is pinned by version only, so a CPU
@@ -43,6 +43,13 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Debian's chromium, for the alignment viewer's headless-browser test (tests/test_alignment_view.py,
+# which skips without it). Needs root and apt; .ci/run calls it.
+setup-browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  { echo "make setup-browser: could not install Debian's chromium (needs root and apt)"; exit 2; }
 
 # vLLM and TRL's vLLM mode on a CUDA GPU machine, in their own venv: requirements-vllm.lock, the
 # newest versions TRL's vllm range allows (vLLM pins transformers below requirements.lock's).

@@ -45,6 +45,8 @@ class StepScores:
     pairs: list[torch.Tensor] = field(repr=False)
     #: Which reference chain won for each example (0 when there is only one).
     best_reference: torch.Tensor = field(repr=False, default=None)
+    #: The similarity of each accepted pair, in the order of ``pairs`` (float ``[r]`` each).
+    pair_similarity: list[torch.Tensor] = field(repr=False, default_factory=list)
 
     def __len__(self) -> int:
         return len(self.f1)
@@ -78,8 +80,11 @@ def _padded_index(lists: Sequence[Sequence[int]], device: torch.device) -> tuple
     return out.to(device), lengths.to(device)
 
 
-def metrics_from_matches(matched: torch.Tensor, n_pred: torch.Tensor, n_ref: torch.Tensor, alpha: float) -> StepScores:
-    """Precision/recall/F1 (with every empty-side rule), LIS ratio and Ordered F1."""
+def metrics_from_matches(
+    matched: torch.Tensor, n_pred: torch.Tensor, n_ref: torch.Tensor, alpha: float, sim: torch.Tensor | None = None
+) -> StepScores:
+    """Precision/recall/F1 (with every empty-side rule), LIS ratio and Ordered F1; with ``sim``
+    (the ``[B, N, M]`` similarities matched on) each accepted pair's similarity too."""
     tp = matched.sum(dim=(1, 2))
     tpf, npf, nrf = tp.double(), n_pred.double(), n_ref.double()
     precision = tpf / npf.clamp(min=1)
@@ -91,7 +96,9 @@ def metrics_from_matches(matched: torch.Tensor, n_pred: torch.Tensor, n_ref: tor
     lis_ratio = torch.where(tp >= 2, lis / tpf.clamp(min=1), torch.ones_like(lis))
     ordered = f1 * ((1 - alpha) + alpha * lis_ratio)
     nz = matched.nonzero()
-    pairs = list(torch.split(nz[:, 1:].cpu(), tp.cpu().tolist())) if len(tp) else []
+    counts = tp.cpu().tolist()
+    pairs = list(torch.split(nz[:, 1:].cpu(), counts)) if len(tp) else []
+    pair_sim = [] if sim is None or not len(tp) else list(torch.split(sim[matched].float().cpu(), counts))
     cpu = lambda t: t.float().cpu()
     return StepScores(
         precision=cpu(precision),
@@ -104,6 +111,7 @@ def metrics_from_matches(matched: torch.Tensor, n_pred: torch.Tensor, n_ref: tor
         n_matched=tp.cpu(),
         pairs=pairs,
         best_reference=torch.zeros(len(tp), dtype=torch.long),
+        pair_similarity=pair_sim,
     )
 
 
@@ -120,7 +128,7 @@ def match_similarities(
     rows = torch.arange(N, device=sim.device).view(1, N, 1) < n_pred.view(B, 1, 1)
     cols = torch.arange(M, device=sim.device).view(1, 1, M) < n_ref.view(B, 1, 1)
     match = greedy_match if matcher == "greedy" else dp_match
-    return metrics_from_matches(match(sim, rows & cols, threshold), n_pred, n_ref, alpha)
+    return metrics_from_matches(match(sim, rows & cols, threshold), n_pred, n_ref, alpha, sim)
 
 
 def _select(scores: StepScores, rows: torch.Tensor) -> StepScores:
@@ -136,6 +144,7 @@ def _select(scores: StepScores, rows: torch.Tensor) -> StepScores:
         n_matched=pick(scores.n_matched),
         pairs=[scores.pairs[i] for i in rows.tolist()],
         best_reference=scores.best_reference,
+        pair_similarity=[scores.pair_similarity[i] for i in rows.tolist()] if scores.pair_similarity else [],
     )
 
 

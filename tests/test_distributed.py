@@ -73,6 +73,7 @@ def test_zero3_validates_fewer_rows_than_processes(zero3_run, repo_root):
     for step in (0, 2):
         (line,) = (zero3_run / f"validation_samples_step{step}.jsonl").read_text().splitlines()
         assert json.loads(line)["id"] == first
+        assert (zero3_run / f"validation_steps_step{step}.html").read_text().count('<section class="row') == 1
 
 
 def test_even_share_gives_every_process_as_many_rows_and_drops_the_repeats():

@@ -62,6 +62,7 @@ def test_model_evaluation_writes_every_output(model_eval):
     assert set(report["breakdowns"]) >= {"source", "complexity tier", "reference steps"}
     assert "| Match F1 |" in (model_eval / "report.md").read_text()
     assert (model_eval / "report.png").stat().st_size > 0
+    assert (model_eval / "steps.html").read_text().count('<section class="row') == N  # the alignment viewer
     # The per-row numbers are the report's numbers.
     mean_f1 = sum(r["f1"] for r in rows) / N
     assert f1["value"] == pytest.approx(mean_f1)

@@ -113,7 +113,7 @@ def test_a_metric_is_one_row(user_file, tmp_path):
     shipped = answer_only.metrics(answer_only.score(completions, ROWS).batch)
     assert shipped["answer_only_format"] == pytest.approx(0.1) and math.isnan(shipped["short"])
 
-    scored = score_predictions(module, ROWS, PREDICTIONS)
+    scored, _ = score_predictions(module, ROWS, PREDICTIONS)
     assert [s["short"] for s in scored] == [0.5, 0.25]
     report = build_report(ROWS, scored, {}, bootstrap=20)
     assert report["overall"]["short"]["value"] == pytest.approx(0.375)

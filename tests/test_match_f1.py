@@ -410,3 +410,20 @@ def test_lone_surrogates_are_embedded_as_replacement_characters(scorer):
     assert torch.allclose(emb, same, atol=1e-5)
     s = scorer.score([["a cat \ud800 sat", "\udfff"]], [["a cat sat", "\ud83d"]])
     assert s.n_pred.item() == 2 and s.n_ref.item() == 2 and s.f1.item() == 1.0
+
+
+def test_each_accepted_pair_carries_the_similarity_it_was_matched_on():
+    """``pair_similarity`` (what the alignment viewer shows) is the similarity of each pair in
+    ``pairs``, also after the best of several reference chains is picked."""
+    gen = torch.Generator().manual_seed(3)
+    matrices = [torch.rand(n, m, generator=gen).tolist() for n, m in ((3, 4), (5, 2), (1, 1), (4, 4))]
+    for matcher in ("greedy", "dp"):
+        s = score(*matrices, matcher=matcher)
+        for i, m in enumerate(matrices):
+            assert s.pair_similarity[i].tolist() == pytest.approx([m[p][r] for p, r in s.pairs[i].tolist()])
+    scorer = MatchF1Scorer(encoder="exact", device="cpu")
+    pred = torch.tensor([[1.0, 0.0], [0.6, 0.8]])
+    chains = [torch.tensor([[0.0, 1.0]]), torch.tensor([[1.0, 0.0], [0.8, 0.6]])]  # the second wins
+    best = scorer.score_embeddings([pred], [chains])
+    assert int(best.best_reference[0]) == 1 and best.pairs[0].tolist() == [[0, 0], [1, 1]]
+    assert best.pair_similarity[0].tolist() == pytest.approx([1.0, 0.96])

@@ -37,6 +37,7 @@ from crystal_grpo.train.run.layout import (
     RECORD,
     RUN_MARKERS,
     SAMPLES_GLOB,
+    STEPS_GLOB,
     SUMMARY,
     checkpoint_folders,
     is_finished,
@@ -211,7 +212,7 @@ def clear_attempt(folder: Path) -> list[str]:
     gone = [name for name in ATTEMPT_FILES if (folder / name).exists()]
     for name in gone:
         (folder / name).unlink()
-    for p in folder.glob(SAMPLES_GLOB):
+    for p in [*folder.glob(SAMPLES_GLOB), *folder.glob(STEPS_GLOB)]:
         p.unlink()
     return gone
 

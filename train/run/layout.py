@@ -3,9 +3,9 @@
 The one place these names are spelled; every other module asks here. A run folder
 (``--output_dir``, one run: train/run/folder.py) holds ``run.lock run.json summary.json
 run_summary.json training_curves.png`` and, per phase, ``phase<i>-<name>/`` with ``config.json
-metrics.jsonl validation.jsonl validation_samples_step<N>.jsonl best_checkpoint.json
-phase_done.json README.md checkpoint-<step>/ final/`` (a single-phase run is its own phase
-folder). A run is finished when ``summary.json``, written last, exists. A sweep point adds
+metrics.jsonl validation.jsonl validation_samples_step<N>.jsonl validation_steps_step<N>.html
+best_checkpoint.json phase_done.json README.md checkpoint-<step>/ final/`` (a single-phase run is
+its own phase folder). A run is finished when ``summary.json``, written last, exists. A sweep point adds
 ``sweep_point.json`` and ``train.log``. These names are all that ``--overwrite_output_dir`` may remove.
 """
 
@@ -46,7 +46,7 @@ MODEL_CARD = "README.md"  # a phase's model card: the run's only when train/run/
 #: sweep writes ``sweep_point.json`` before the point's log, so a lone ``train.log`` marks nothing).
 RUN_MARKERS = (RECORD, LOCK, SWEEP_POINT)
 #: The files a run writes at the top of its folder and of each phase folder (besides the samples
-#: files, the model card, and the folders of :func:`run_entry`).
+#: files and steps pages, the model card, and the folders of :func:`run_entry`).
 RUN_FILES = frozenset(
     {LOCK, RECORD, SUMMARY, RUN_SUMMARY, CURVES, CONFIG, METRICS_LOG, VALIDATION_LOG, BEST, PHASE_DONE}
 )
@@ -81,8 +81,14 @@ def samples_file(step: int | str) -> str:
     return f"validation_samples_step{step}.jsonl"
 
 
+def steps_page(step: int | str) -> str:
+    """Validation's alignment viewer at ``step``: each completion's steps against the references."""
+    return f"validation_steps_step{step}.html"
+
+
 SAMPLES_GLOB = samples_file("*")
-_SAMPLES = re.compile(re.escape(samples_file("@")).replace("@", r"\d+"))
+STEPS_GLOB = steps_page("*")
+_SAMPLES = re.compile("|".join(re.escape(f("@")).replace("@", r"\d+") for f in (samples_file, steps_page)))
 
 
 def run_entry(path: Path) -> str | None:

@@ -25,6 +25,7 @@ from crystal_grpo.errors import CrystalError, some_of, traceback_if_asked
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.metrics import per_completion
 from crystal_grpo.rewards import build_reward
+from crystal_grpo.rewards.alignment_view import ViewRow, alignment_rows, question_text, thumbnail, write_page
 from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.models.generation import Sampling
 from crystal_grpo.train.models.policy import from_pretrained_kwargs, recorded_model
@@ -50,9 +51,11 @@ CRYSTAL_METRICS = "crystal_metrics_predictions.jsonl"
 #: The inputs of the authors' own CLI (``crystal-metrics evaluate PREDICTIONS REFERENCES``): one
 #: JSON object each, keyed by row id (its ``cli.py``): the first sample of each row, the references.
 CRYSTAL_CLI = ("crystal_metrics/predictions.json", "crystal_metrics/references.json")
+#: The alignment viewer: each completion's steps against the references (rewards/alignment_view.py).
+STEPS_PAGE = "steps.html"
 #: What an evaluation writes in its folder; the first is its marker, written before anything else.
 IDENTITY = "evaluation.json"
-WRITES = (IDENTITY, PREDICTIONS, REPORT, "report.md", "report.png", CRYSTAL_METRICS, *CRYSTAL_CLI)
+WRITES = (IDENTITY, PREDICTIONS, REPORT, "report.md", "report.png", STEPS_PAGE, CRYSTAL_METRICS, *CRYSTAL_CLI)
 
 
 class EvalError(CrystalError, ValueError):
@@ -114,14 +117,20 @@ def find_run_config(checkpoint: str | Path) -> Path | None:
 
 
 # --------------------------------------------------------------------------------- scoring
-def score_predictions(module: RewardModule, rows: Sequence[dict], predictions: Sequence[dict]) -> list[dict]:
+def score_predictions(
+    module: RewardModule, rows: Sequence[dict], predictions: Sequence[dict], thumbnails: dict[str, str] | None = None
+) -> tuple[list[dict], list[ViewRow]]:
     """Per-example results (one per prediction, in the data's order, then by sample): what
-    the completion says, the metrics, the reward of ``module`` and the matched step pairs."""
+    the completion says, the metrics, the reward of ``module`` and the matched step pairs; and
+    the same completions as the alignment viewer's rows (``thumbnails``: a data URI by row id)."""
     by_id = {r["id"]: r for r in rows}
     order = {r["id"]: n for n, r in enumerate(rows)}
     preds = sorted(predictions, key=lambda p: (order[p["id"]], p["sample"]))
     data_rows = [by_id[p["id"]] for p in preds]
-    scored = module.score([as_completion(p) for p in preds], data_rows, with_steps=True)
+    completions = [as_completion(p) for p in preds]
+    scored = module.score(completions, data_rows, with_steps=True)
+    view_rows = [{**r, "image": (thumbnails or {}).get(r["id"])} for r in data_rows]
+    view = alignment_rows(module, scored, view_rows, completions, [p["sample"] for p in preds])
     b = scored.batch
     values = module.per_row(b)
     pairs: dict[int, tuple[list, int]] = {}
@@ -145,7 +154,7 @@ def score_predictions(module: RewardModule, rows: Sequence[dict], predictions: S
                 "reference_chain": chain,
             }
         )
-    return out
+    return out, view
 
 
 def write_scored(out_dir: Path, scored: Sequence[dict], rows: Sequence[dict]) -> None:
@@ -168,7 +177,7 @@ def write_scored(out_dir: Path, scored: Sequence[dict], rows: Sequence[dict]) ->
     by_id = {r["id"]: r for r in rows}
     predictions = {
         r["id"]: {
-            "question": _question(by_id[r["id"]]),
+            "question": question_text(by_id[r["id"]]),
             "reasoning_steps": r["reasoning_steps"],
             "answer": r["answer"] or "",
         }
@@ -180,16 +189,6 @@ def write_scored(out_dir: Path, scored: Sequence[dict], rows: Sequence[dict]) ->
     (out_dir / CRYSTAL_CLI[0]).parent.mkdir(exist_ok=True)
     for name, data in zip(CRYSTAL_CLI, (predictions, references)):
         atomic_write_text(out_dir / name, json.dumps(data, ensure_ascii=False, indent=1))
-
-
-def _question(row: dict) -> str:
-    """The question as the model saw it (the prompt's last user text: options included)."""
-    content = (row.get("prompt") or [{}])[-1].get("content", "")
-    return (
-        content
-        if isinstance(content, str)
-        else " ".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    )
 
 
 # ------------------------------------------------------------------------------- one call
@@ -254,7 +253,7 @@ def evaluate(req: EvalRequest) -> dict | None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if req.force:
-            for name in (PREDICTIONS, REPORT, CRYSTAL_METRICS, *CRYSTAL_CLI):
+            for name in (PREDICTIONS, REPORT, STEPS_PAGE, CRYSTAL_METRICS, *CRYSTAL_CLI):
                 (out / name).unlink(missing_ok=True)
         atomic_write_text(out / IDENTITY, json.dumps(identity, indent=2))
     barrier()
@@ -329,8 +328,13 @@ def evaluate(req: EvalRequest) -> dict | None:
     if rank != 0:
         return None
     module = build_reward(req.setup.reward, **req.setup.reward_params)
-    scored = score_predictions(module, rows, predictions)
+    thumbnails = (
+        {r["id"]: thumbnail(ds[i]["images"]) for i, r in enumerate(rows)} if "images" in ds.column_names else {}
+    )
+    scored, view = score_predictions(module, rows, predictions, thumbnails)
     write_scored(out, scored, rows)
+    cfg = module.config
+    write_page(out / STEPS_PAGE, view, cfg.threshold, f"{req.model or req.predictions} on {req.data}", cfg.matcher)
     report = build_report(rows, scored, identity, bootstrap=req.bootstrap, seed=req.seed)
     report["generation_seconds"] = seconds
     write_report(out, report)

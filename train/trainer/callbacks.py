@@ -15,6 +15,7 @@ from crystal_grpo.distributed import even_share, gather_objects, rank_and_world
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.metrics import better
 from crystal_grpo.metrics import names as metric_names
+from crystal_grpo.rewards.alignment_view import alignment_rows, log_wandb, question_text, thumbnail, write_page
 from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.train.config.run_config import ValidationSection
 from crystal_grpo.train.models.generation import Engine, Sampling, generate
@@ -27,6 +28,7 @@ from crystal_grpo.train.run.layout import (
     checkpoint_name,
     read_best,
     samples_file,
+    steps_page,
     write_best,
 )
 
@@ -117,21 +119,25 @@ class ValidationCallback(TrainerCallback):
             ]
         model.train(was_training)
         completions, _ = gather_objects(completions[: own * k])  # the padding's completions dropped
+        shown = [{"question": question_text(r), "image": thumbnail(r.get("images"))} for r in rows[:own]]
         rows, _ = gather_objects(
             [
-                {k: r.get(k) for k in ("answer", "reference_steps", "choices", "id", "difficulty")}
+                {k: r.get(k) for k in ("answer", "reference_steps", "choices", "id", "difficulty", "source")}
                 | ({"reference_sets": r["reference_sets"]} if "reference_sets" in r else {})
-                for r in rows[:own]
+                | s
+                for r, s in zip(rows[:own], shown)
                 for _ in range(k)
             ]
         )
-        batch = self.module.score(completions, rows, with_steps=True).batch
+        scored = self.module.score(completions, rows, with_steps=True)
+        batch = scored.batch
         metrics = self.module.metrics(batch)
         self.last_step = state.global_step
         if trainer.is_world_process_zero():
             with open(self.run_dir / VALIDATION_LOG, "a") as fh:
                 fh.write(json.dumps({"step": state.global_step, **metrics}) + "\n")
             write_samples(self.run_dir / samples_file(state.global_step), rows, completions, batch, k)
+            self.show_steps(state.global_step, scored, rows, completions)
         logged = {f"val_{k}": v for k, v in metrics.items() if math.isfinite(v)}
         if when == "step":  # joins this step's own log line instead of stealing its training metrics
             for k, v in logged.items():
@@ -146,6 +152,15 @@ class ValidationCallback(TrainerCallback):
             if trainer.is_world_process_zero():
                 write_best(self.run_dir, self.best)
         return metrics
+
+    def show_steps(self, step: int, scored, rows: list[dict], completions: list[str]) -> None:
+        """The alignment viewer of this round (rewards/alignment_view.py), and the same rows as a
+        wandb Table when ``report_to`` names wandb."""
+        k = self.cfg.num_samples
+        view = alignment_rows(self.module, scored, rows, completions, [i % k for i in range(len(rows))])
+        cfg = self.module.config
+        write_page(self.run_dir / steps_page(step), view, cfg.threshold, f"validation at step {step}", cfg.matcher)
+        log_wandb(view, self.trainer.args.report_to, "validation_steps")
 
     def _record(self, step: int, metrics: dict[str, float]) -> bool:
         """Make this step the best one if its metric beats the record; True when it does."""
