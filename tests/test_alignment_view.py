@@ -5,8 +5,11 @@ browser (Debian's chromium), and the rows reach an offline wandb run as a Table.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,21 +126,38 @@ def test_page_renders_and_filters_in_a_headless_browser(view, tmp_path):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_rows_are_a_wandb_table_in_an_offline_run(view, tmp_path, monkeypatch):
-    """TRL's log_completions convention: a Table logged when report_to names wandb and a run is open."""
-    import wandb
+#: An offline wandb run that logs the pickled rows ``sys.argv[1]``, in its own process: wandb.init
+#: hooks sys.exit and keeps a service running, which would leak into the tests after it.
+LOG_OFFLINE = """
+import pickle, sys
+import wandb
+from crystal_grpo.rewards.alignment_view import log_wandb
+rows = pickle.loads(open(sys.argv[1], "rb").read())
+run = wandb.init(project="viewer", dir=sys.argv[2], mode="offline")
+logged = log_wandb(rows, ["wandb"], "validation_steps")
+run.finish()
+print(logged, run.dir)
+"""
 
+
+def test_rows_are_a_wandb_table_in_an_offline_run(view, tmp_path):
+    """TRL's log_completions convention: a Table logged when report_to names wandb and a run is open."""
     table = wandb_table(view[2])
     assert table.columns[-4:] == ["cpr_accuracy", "cpr_reasoning", "reward", "advantage"]
     assert table.data[0][7] == "P3-R1 (1.00); P1-R2 (1.00)"
     assert not log_wandb(view[2], ["tensorboard"], "validation_steps")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run = wandb.init(project="viewer", dir=str(tmp_path), mode="offline")
-    try:
-        assert log_wandb(view[2], ["wandb"], "validation_steps")
-    finally:
-        run.finish()
-    (written,) = Path(run.dir).glob("media/table/validation_steps_*.table.json")
+    (tmp_path / "rows.pkl").write_bytes(pickle.dumps(view[2]))
+    proc = subprocess.run(
+        [sys.executable, "-c", LOG_OFFLINE, str(tmp_path / "rows.pkl"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged, run_dir = proc.stdout.split()[-2:]
+    assert logged == "True"
+    (written,) = Path(run_dir).glob("media/table/validation_steps_*.table.json")
     logged = json.loads(written.read_text())
     assert logged["columns"] == table.columns and len(logged["data"]) == 3
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, wait_for
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
@@ -30,6 +29,8 @@ from crystal_grpo.train.run.checkpoints import (
 )
 from crystal_grpo.train.run.layout import MARKER, checkpoint_folders, checkpoint_name, step_of
 from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
+
+from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, wait_for
 
 
 # --- the marker and what "complete" means ------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from runs import ONE_VALIDATION_ROW, ZERO3, grpo_cmd, torchrun, torchrun_runs
 
 

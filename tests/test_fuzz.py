@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import encodable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +24,8 @@ from crystal_grpo.rewards.base import Batch
 from crystal_grpo.rewards.fuzz import MIXED, SHAPES, format_table, fuzz, hostile_batches
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 from crystal_grpo.train.data.splits import row_problems
+
+from conftest import encodable
 
 FAST = settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 

@@ -17,9 +17,10 @@ import sys
 import threading
 
 import pytest
-from runs import REPO, torchrun_script
 
 from crystal_grpo.train import grpo
+
+from runs import REPO, torchrun_script
 
 #: tiny.yaml on the committed organism policy: everything the run needs is there.
 READY = ["--config", "tiny.yaml", "--model.name_or_path", str(REPO / "data/organism/warm_start")]

@@ -7,11 +7,12 @@ import re
 import time
 
 import pytest
-from conftest import encodable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
+
+from conftest import encodable
 
 GOOD = '{"reasoning_steps": ["Count the sheep.", "There are 12."], "answer": "12"}'
 STEPS = ["Count the sheep.", "There are 12."]

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
 
 from crystal_grpo.train import grpo
 from crystal_grpo.train.config.run_config import apply_phase, load_config
@@ -24,6 +23,8 @@ from crystal_grpo.train.run.checkpoints import checkpoint_problem
 from crystal_grpo.train.run.folder import RunFolderError, RunLock, clear_run, config_diff, data_digests, foreign_folder
 from crystal_grpo.train.run.layout import LOCK, MARKER, POINT_LOG, RECORD, SWEEP_POINT
 from crystal_grpo.train.tools import sweep
+
+from runs import REPO, env, grpo_cmd, grpo_with, logged_steps, snapshot, wait_for
 
 QUICK = ["--validation.eval_steps", "2", "--validation.max_samples", "2", "--training.save_steps", "2"]
 

@@ -10,6 +10,7 @@ import sys
 
 SHARING = """
 import os
+from pathlib import Path
 
 import pytest
 

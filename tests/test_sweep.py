@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runs import REPO, wait_for
 
 from crystal_grpo.train.run.checkpoints import checkpoint_problem
 from crystal_grpo.train.run.folder import RunLock
@@ -21,6 +20,8 @@ from crystal_grpo.train.run.layout import PHASE_DONE, POINT_LOG, SUMMARY, SWEEP_
 from crystal_grpo.train.tools import launch, sweep_report
 from crystal_grpo.train.tools import sweep as sw
 from crystal_grpo.train.tools.sweep_report import build, markdown, point_metrics
+
+from runs import REPO, wait_for
 
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
 

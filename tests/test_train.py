@@ -153,16 +153,10 @@ def test_validation_metrics_and_best_checkpoint(tmp_path, tiny_lm_path):
     assert any("val_accuracy" in r for r in metrics(run))
 
 
-def test_sampled_validation_keeps_every_scored_completion_and_leaves_training_alone(
-    tmp_path, tiny_lm_path, monkeypatch
-):
+def test_sampled_validation_keeps_every_scored_completion_and_leaves_training_alone(tmp_path, tiny_lm_path):
     """validation.temperature > 0: num_samples completions a row, each written with its scores;
     drawn from a seed fixed per step, so the training rollouts are those of a run without it.
-    Each round's alignment viewer is written, and logged as a wandb Table (an offline run)."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    (tmp_path / "wandb").mkdir()
+    Each round's alignment viewer is written."""
     sampled = run_main(
         tmp_path / "a",
         tiny_lm_path,
@@ -174,8 +168,6 @@ def test_sampled_validation_keeps_every_scored_completion_and_leaves_training_al
         "1",
         "--training.log_completions",
         "true",
-        "--training.report_to",
-        "wandb",
     )
     plain = run_main(
         tmp_path / "b",
@@ -195,8 +187,6 @@ def test_sampled_validation_keeps_every_scored_completion_and_leaves_training_al
     assert len({x["completion"] for x in lines}) > 4, "sampled, not greedy: a row's samples differ"
     page = (sampled / "validation_steps_step1.html").read_text()  # the alignment viewer of that round
     assert page.count('<section class="row') == 12 and page.count("advantage ") == 12  # 3 samples a row: a group
-    tables = sorted(p.name for p in (tmp_path / "wandb").rglob("validation_steps_*.table.json"))
-    assert len(tables) == 3, tables  # at the start and after steps 1 and 2
     rewards = lambda run: [r["reward"] for r in metrics(run) if "loss" in r]
     assert rewards(sampled) == rewards(plain)
 
