@@ -47,8 +47,38 @@ def test_the_3b_model_is_the_published_configuration_with_the_project_tokens():
     assert ours.total == published.total and 3.7e9 < ours.total < 3.8e9
 
 
-def summary(wall: float, gen: float, tokens: float, peak: float = math.nan) -> dict[str, float]:
-    return {"wall": wall, "gen": gen, "tokens": tokens, "peak": peak}
+def test_a_random_vlm_from_a_config_loads_and_reads_an_image(tmp_path):
+    """build_random_vlm (what builds the 3B on the GPU) on a shrunk 3B config, on CPU: the run's
+    loader takes it, the image tokens are the tokenizer's, and a forward pass reads a picture."""
+    from PIL import Image
+
+    from crystal_grpo.train.fixtures.tiny_models import build_random_vlm
+    from crystal_grpo.train.models.policy import ModelSection, load_policy
+
+    def shrunk(ids, eos, pad):
+        small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        vision["fullatt_block_indexes"] = [0]
+        return {
+            **gpu_check.qwen25_vl_3b_config(ids, eos, pad),
+            **small,
+            "vocab_size": 1000,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+            "vision_config": {**QWEN25_VL_3B_CONFIG["vision_config"], **vision},
+        }
+
+    path = build_random_vlm(tmp_path / "vlm", shrunk)
+    model, processor = load_policy(ModelSection(name_or_path=str(path), dtype="float32"))
+    assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[Image.new("RGB", (224, 168), (200, 30, 30))], return_tensors="pt")
+    assert (inputs["input_ids"] == model.config.image_token_id).sum() == 48  # 224 x 168 pixels: 8 x 6 tokens
+    assert torch.isfinite(model(**inputs).logits).all()
+
+
+def summary(wall: float, gen: float, tokens: float, peak: float = math.nan) -> dict:
+    return {"wall": wall, "gen": gen, "tokens": tokens, "peak": peak, "zero3": True}
 
 
 def test_report_rows_ratios_per_token_and_mark_what_was_not_measured():
@@ -66,14 +96,32 @@ def test_report_rows_ratios_per_token_and_mark_what_was_not_measured():
     assert trl["step_over_trl"] is None and full["step_over_trl"] is None  # no full-weights TRL arm ran
     lines = gpu_check.table(rows).splitlines()
     assert lines[0].split() == list(gpu_check.COLUMNS) and len(lines) == 4
-    assert lines[2].split()[1:4] == ["n/m", "16.00", "n/m"]
+    assert lines[2].split()[1:5] == ["yes", "n/m", "16.00", "n/m"]
+
+
+def test_the_step_clock_says_whether_the_parameters_are_zero3_partitions(tmp_path):
+    """A model outside DeepSpeed is recorded as such (the CPU check below sees the other side)."""
+    from types import SimpleNamespace
+
+    from crystal_grpo.train.benchmarks.training import CLOCK_FILE, StepClock
+
+    clock, state = StepClock(tmp_path), SimpleNamespace(is_world_process_zero=True)
+    clock.on_train_begin(None, state, None, model=torch.nn.Linear(2, 2))
+    clock.on_step_end(None, state, None)
+    clock.on_train_end(None, state, None)
+    record = json.loads((tmp_path / CLOCK_FILE).read_text())
+    assert record["zero3"] is False and len(record["wall"]) == 1
+    assert record["peak_gib"] is None if not torch.cuda.is_available() else record["peak_gib"] > 0
 
 
 def test_the_3b_model_without_cuda_is_one_line_before_anything_loads(tmp_path):
+    def never(*args):
+        raise AssertionError("nothing is built before the arguments are checked")
+
     with pytest.raises(SystemExit, match="--model 3b needs a CUDA GPU; --model tiny runs the same check on CPU"):
-        gpu_check.main(["--model", "3b", "--device", "cpu", "--out", str(tmp_path)])
+        gpu_check.main(never, never, ["--model", "3b", "--device", "cpu", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--arms: unknown \['zero3-lora'\]"):
-        gpu_check.main(["--arms", "zero3-lora", "--out", str(tmp_path)])
+        gpu_check.main(never, never, ["--arms", "zero3-lora", "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())
 
 
@@ -96,6 +144,7 @@ def check_report(report: dict, stdout: str) -> None:
     assert list(report["arms"]) == list(gpu_check.ARMS) and not report["skipped"]
     for name, row in report["arms"].items():
         assert list(row) == list(gpu_check.COLUMNS[:-1]) + ["step_over_trl"], name
+        assert row["zero3"] is True, f"{name} did not run under ZeRO-3"
         assert row["step_s"] > 0 and 0 < row["generation_share"] < 1, row
         assert 0 < row["completion_tokens"] <= 16 and row["predicted_gib"] > 0, row
         assert math.isclose(row["tokens_per_s"], row["completion_tokens"] * 8 / row["step_s"])

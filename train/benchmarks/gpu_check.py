@@ -22,20 +22,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from crystal_grpo.train.benchmarks.training import Setting, command, summarise
-from crystal_grpo.train.capacity.estimate import (
-    ASSUMED_IMAGE,
-    GIB,
-    QWEN25_VL_3B_CONFIG,
-    USABLE,
-    launch_from,
-    model_sizes,
-    plan,
-    workload,
-)
 from crystal_grpo.train.config.run_config import CONFIG_DIR
 
 REPO_ROOT = CONFIG_DIR.parent
@@ -44,6 +35,7 @@ ARMS = ("zero3-lora-pcgrad", "trl-zero3-lora-cpr", "zero3-full-pcgrad", "trl-zer
 #: The report's columns, in order (``None``: not measured, e.g. GPU memory on CPU).
 COLUMNS = (
     "arm",
+    "zero3",
     "peak_gib",
     "predicted_gib",
     "peak_over_predicted",
@@ -53,9 +45,10 @@ COLUMNS = (
     "tokens_per_s",
     "step_over_trl",
 )
-#: (height, width) of the rows' images: the capacity plan's assumed picture for the 3B model (768
-#: image tokens at the default bounds), a small one for the tiny VLM (or any other folder given).
-IMAGE_SIZE = {"3b": ASSUMED_IMAGE, "tiny": (168, 224)}
+#: (height, width) of the rows' images for a model other than the 3B, which gets the capacity
+#: plan's assumed picture (``ASSUMED_IMAGE``: 768 image tokens at the default bounds).
+SMALL_IMAGE = (168, 224)
+GIB = 2**30
 ZERO3_JSON = "configs/accelerate/zero3.json"
 REPORT = "gpu_check.json"
 
@@ -63,6 +56,8 @@ REPORT = "gpu_check.json"
 def qwen25_vl_3b_config(ids: dict[str, int], eos: int, pad: int) -> dict[str, Any]:
     """The published Qwen2.5-VL-3B config.json with the project tokenizer's special-token ids
     (the sizes, vocabulary included, stay the published ones)."""
+    from crystal_grpo.train.capacity.estimate import QWEN25_VL_3B_CONFIG
+
     return {
         **QWEN25_VL_3B_CONFIG,
         "bos_token_id": None,
@@ -76,48 +71,12 @@ def qwen25_vl_3b_config(ids: dict[str, int], eos: int, pad: int) -> dict[str, An
     }
 
 
-def build_qwen25_vl_3b(path: Path, device: str) -> Path:
-    """Qwen2.5-VL-3B with seeded random bf16 weights, the project tokenizer and an image-only
-    processor, saved in ``path`` (skipped when there). Generates random tokens: for time and memory only."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
-
-    from crystal_grpo.train.fixtures import tiny_models as mk
-    from crystal_grpo.train.models.vision import PUBLISHED_QWEN_PIXELS
-
-    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
-        return path
-    tok, ids = mk.vlm_tokenizer()
-    config = AutoConfig.for_model(**qwen25_vl_3b_config(ids, tok.eos_token_id, tok.pad_token_id))
-    torch.manual_seed(mk.SEED)
-    with torch.device(device):
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
-    )
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    mk.vlm_processor(tok, *PUBLISHED_QWEN_PIXELS).save_pretrained(path)
-    return path
-
-
-def write_rows(folder: Path, size: tuple[int, int]) -> Path:
-    """The shapes set (train/fixtures/shapes.py) with its pictures enlarged to ``size`` (height, width)."""
-    from PIL import Image
-
-    from crystal_grpo.train.fixtures import shapes
-
-    rows = shapes.generate(folder)
-    for png in (folder / "images").glob("*.png"):
-        Image.open(png).convert("RGB").resize(size[::-1], Image.Resampling.NEAREST).save(png)
-    return rows
-
-
 def predicted_gib(cmd: list[str]) -> float:
     """The capacity plan's peak for one GPU under ZeRO-3, for the run config ``cmd`` launches."""
-    from crystal_grpo.train.benchmarks.training import _config_and_folder
+    from crystal_grpo.train.benchmarks.training import config_and_folder
+    from crystal_grpo.train.capacity.estimate import launch_from, model_sizes, plan, workload
 
-    cfg, _ = _config_and_folder(cmd[cmd.index("--config") :])
+    cfg, _ = config_and_folder(cmd[cmd.index("--config") :])
     sizes = model_sizes(cfg.model.name_or_path, None, cfg.model.dtype)
     launch = launch_from(deepspeed=str(REPO_ROOT / ZERO3_JSON), gpus=1)
     return plan(sizes, launch, workload(cfg, sizes, launch)).total / GIB
@@ -128,6 +87,7 @@ def arm_row(name: str, r: dict[str, float], predicted: float, batch: int) -> dic
     peak = None if math.isnan(r["peak"]) else r["peak"]
     return {
         "arm": name,
+        "zero3": r["zero3"],
         "peak_gib": peak,
         "predicted_gib": predicted,
         "peak_over_predicted": None if peak is None else peak / predicted,
@@ -151,8 +111,8 @@ def with_trl_ratios(rows: dict[str, dict]) -> dict[str, dict]:
 
 def table(rows: dict[str, dict]) -> str:
     """The report as a fixed-width table; ``n/m``: not measured."""
-    fmt = lambda v, spec: "n/m" if v is None else format(v, spec)
-    specs = ("", ".2f", ".2f", ".2f", ".2f", ".0%", ".0f", ".0f", ".2f")
+    fmt = lambda v, spec: "n/m" if v is None else ("yes" if v else "no") if isinstance(v, bool) else format(v, spec)
+    specs = ("", "", ".2f", ".2f", ".2f", ".2f", ".0%", ".0f", ".0f", ".2f")
     widths = [max(len(c), 20 if i == 0 else 8) for i, c in enumerate(COLUMNS)]
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(COLUMNS, widths)))]
     for row in rows.values():
@@ -161,7 +121,14 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    build_model: Callable[[str, Path], Path],
+    write_rows: Callable[[Path, tuple[int, int]], Path],
+    argv: list[str] | None = None,
+) -> int:
+    """The check; ``build_model(name, models_dir)`` gives the model's folder (``3b`` built on the
+    GPU, ``tiny``, or the folder named) and ``write_rows(folder, (height, width))`` the rows' file:
+    the script passes the builders of ``train/fixtures``, which the library does not import."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="3b", help="3b, tiny (the tests' VLM) or the folder of a built VLM")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
@@ -192,20 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }
-    models = REPO_ROOT / ".cache" / "models"
-    if a.model == "3b":
-        model = build_qwen25_vl_3b(models / "qwen2.5-vl-3b-random", "cuda")
-    elif a.model == "tiny":
-        from crystal_grpo.train.fixtures.tiny_models import VLM_NAME, build_tiny_vlm
+    from crystal_grpo.train.capacity.estimate import ASSUMED_IMAGE, USABLE
 
-        model = build_tiny_vlm(models / VLM_NAME)
-    else:
-        model = Path(a.model)
+    model = build_model(a.model, REPO_ROOT / ".cache" / "models")
     if cuda:
         device, capacity = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / GIB
     else:
         device, capacity = f"CPU ({os.cpu_count()} cores, {platform.machine()})", None
-    image = IMAGE_SIZE["3b" if a.model == "3b" else "tiny"]
+    image = ASSUMED_IMAGE if a.model == "3b" else SMALL_IMAGE
     rows_file = write_rows(a.out / "data", image)
     extra = ["--data.train", str(rows_file), "--training.gradient_checkpointing", "true"]
     print(

@@ -171,7 +171,8 @@ class StepClock(TrainerCallback):
     varies less than wall time. Generation is timed by TRL's own profiling contexts
     (``transformers.generate``, ``vLLM.generate``, ...), which TRL hands only to experiment
     trackers: their ``_log_metrics`` is wrapped for the run. On CUDA it also records the
-    process's peak allocated GPU memory (``peak_gib``, for any trainer; null on CPU)."""
+    process's peak allocated GPU memory (``peak_gib``, for any trainer; null on CPU), and
+    whether the model's parameters are ZeRO-3 partitions (``zero3``)."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / CLOCK_FILE
@@ -179,9 +180,10 @@ class StepClock(TrainerCallback):
         self.gen: list[float] = []
         self._pending = 0.0
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
         from trl.extras.profiling import ProfilingContext
 
+        self.zero3 = model is not None and any(hasattr(p, "ds_id") for p in model.parameters())
         self.ends, self.gen, self._pending = [(time.perf_counter(), time.process_time())], [], 0.0
         original = self._original = ProfilingContext._log_metrics
         clock = self
@@ -208,7 +210,7 @@ class StepClock(TrainerCallback):
             pairs = list(zip(self.ends, self.ends[1:]))
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
             times = {"wall": [b[0] - a[0] for a, b in pairs], "cpu": [b[1] - a[1] for a, b in pairs], "gen": self.gen}
-            self.path.write_text(json.dumps({**times, "peak_gib": peak}))
+            self.path.write_text(json.dumps({**times, "peak_gib": peak, "zero3": self.zero3}))
 
 
 def trivial_reward(completions, **kwargs) -> list[float]:
@@ -226,7 +228,7 @@ def run_trl(argv: list[str], configured_reward: bool = False) -> None:
     from crystal_grpo.train.models.policy import load_policy, peft_config
     from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback
 
-    cfg, out = _config_and_folder(argv)
+    cfg, out = config_and_folder(argv)
     out.mkdir(parents=True, exist_ok=True)
     args = training_args(cfg, out, setup_distributed(cfg))
     reward_funcs = cfg.reward.build().reward_funcs() if configured_reward else trivial_reward
@@ -249,12 +251,12 @@ def run_grpo(argv: list[str]) -> int:
     """``train/grpo.py`` with the :class:`StepClock`."""
     from crystal_grpo.train import grpo
 
-    cfg, out = _config_and_folder(argv)
+    cfg, out = config_and_folder(argv)
     grpo.run(cfg, out, callbacks=[StepClock(out)])
     return 0
 
 
-def _config_and_folder(argv: list[str]):
+def config_and_folder(argv: list[str]):
     """``--config NAME --output_dir DIR [--section.key value ...]``, as train/grpo.py reads them."""
     from crystal_grpo.train.config.run_config import load_config
 
@@ -293,6 +295,7 @@ def summarise(out: Path, warmup: int) -> dict[str, float]:
         "format": med(prefix + "format_rate"),
         "steps": med(prefix + "steps_mean"),
         "peak": max(peak, default=math.nan),
+        "zero3": clock.get("zero3"),
     }
 
 
