@@ -12,18 +12,27 @@ What it runs and prints: docs/benchmarks.md, "The true-scale GPU check".
 import sys
 from pathlib import Path
 
-from crystal_grpo.train.benchmarks import gpu_check
-from crystal_grpo.train.fixtures import shapes, tiny_models
-
 
 def build_model(name: str, models: Path) -> Path:
     """The 3B model (built on the GPU on first use), the tests' tiny VLM, or the folder given."""
+    from crystal_grpo.train.benchmarks.gpu_check import qwen25_vl_3b_config
+    from crystal_grpo.train.fixtures import tiny_models
+
     if name == "3b":
-        return tiny_models.build_random_vlm(models / "qwen2.5-vl-3b-random", gpu_check.qwen25_vl_3b_config, "cuda")
+        return tiny_models.build_random_vlm(models / "qwen2.5-vl-3b-random", qwen25_vl_3b_config, "cuda")
     if name == "tiny":
         return tiny_models.build_tiny_vlm(models / tiny_models.VLM_NAME)
     return Path(name)
 
 
+def write_rows(folder: Path, size: tuple[int, int]) -> Path:
+    """The shapes rows with their pictures at ``size`` (height, width)."""
+    from crystal_grpo.train.fixtures import shapes
+
+    return shapes.generate(folder, size=size)
+
+
 if __name__ == "__main__":
-    sys.exit(gpu_check.main(build_model, lambda folder, size: shapes.generate(folder, size=size)))
+    from crystal_grpo.train.benchmarks.gpu_check import main
+
+    sys.exit(main(build_model, write_rows))

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from crystal_grpo.train.benchmarks.training import Setting, command, summarise
 from crystal_grpo.train.config.run_config import CONFIG_DIR
 
 REPO_ROOT = CONFIG_DIR.parent
@@ -101,6 +100,8 @@ def arm_row(name: str, r: dict[str, float], predicted: float, batch: int) -> dic
 def with_trl_ratios(rows: dict[str, dict]) -> dict[str, dict]:
     """Each arm's step time over plain TRL's with the same weights, per completion token (None
     for TRL's own arms and where that arm did not run)."""
+    from crystal_grpo.train.benchmarks.training import Setting
+
     for name, row in rows.items():
         s = Setting.parse(name)
         base = rows.get(f"trl-zero3-{s.weights}-cpr")
@@ -147,7 +148,10 @@ def main(
     unknown = [x for x in arms if x not in ARMS]
     if unknown:
         raise SystemExit(f"--arms: unknown {unknown}; allowed: {', '.join(ARMS)}")
-    import torch
+    import torch  # after the arguments: --help answers at once
+
+    from crystal_grpo.train.benchmarks.training import command, summarise
+    from crystal_grpo.train.capacity.estimate import ASSUMED_IMAGE, USABLE
 
     cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
     if a.model == "3b" and not cuda:
@@ -159,8 +163,6 @@ def main(
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }
-    from crystal_grpo.train.capacity.estimate import ASSUMED_IMAGE, USABLE
-
     model = build_model(a.model, REPO_ROOT / ".cache" / "models")
     if cuda:
         device, capacity = torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory / GIB
