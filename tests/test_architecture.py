@@ -125,9 +125,12 @@ def importers(prefix: str, module_level: bool = False) -> set[str]:
 
 
 def test_the_capacity_planner_is_off_the_run_path():
-    """Only ``--check`` (inside grpo.py's main) imports the capacity planner; no module of a run
-    imports it when it is imported."""
-    assert importers("crystal_grpo.train.capacity") == {"crystal_grpo.train.grpo"}
+    """Only ``--check`` (inside grpo.py's main) and the GPU check, which compares the measured peak
+    with the plan, import the capacity planner; no module of a run imports it when it is imported."""
+    assert importers("crystal_grpo.train.capacity") == {
+        "crystal_grpo.train.grpo",
+        "crystal_grpo.train.benchmarks.gpu_check",
+    }
     assert importers("crystal_grpo.train.capacity", module_level=True) == set()
 
 

@@ -531,12 +531,15 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
         "plain-full-static",
         "trl-lora-cb",
         "plain-lora-answer-pcgrad-cb",
+        "trl-zero3-lora",
+        "trl-zero3-full-cpr",
     )
     configs = {}
     for setting in names:
         cmd = bench.command(setting, "some/model", tmp_path / setting, a, cuda)
         at = cmd.index("crystal_grpo.train.benchmarks.training")
-        assert cmd[at + 1] == ("trl" if setting.startswith("trl") else "grpo")
+        entry = "grpo" if not setting.startswith("trl") else "trl-reward" if setting.endswith("-cpr") else "trl"
+        assert cmd[at + 1] == entry
         overrides = cmd[at + 2 :]
         for flag in ("--config", "--output_dir"):  # the entry's own arguments, not config keys
             i = overrides.index(flag)
@@ -553,7 +556,7 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
         assert cfg.training.get("use_transformers_continuous_batching", False) == setting.endswith("-cb")
         assert bench.Setting.parse(setting).name() == setting
         assert cfg.training["use_cpu"] is (not cuda) and cfg.reward.params["device"] == ("cuda" if cuda else "cpu")
-        zero3 = setting.startswith("zero3")
+        zero3 = "zero3" in setting
         assert ("zero3_1x1.yaml" in " ".join(cmd[:at])) == (zero3 and cuda)
         assert (cfg.training.get("deepspeed") == "configs/accelerate/zero3.json") == (zero3 and not cuda)
     assert configs["trl-full"].training == configs["plain-full"].training

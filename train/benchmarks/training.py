@@ -31,6 +31,7 @@ GENERATION_BLOCKS = ("transformers.generate", "transformers.generate_batch", "vL
 LORA = "{r: 16, alpha: 32, dropout: 0.0, target_modules: all-linear}"
 
 
+LAUNCHERS = ("trl", "trl-zero3", "plain", "zero3")
 ENGINES = {
     "static": ["--training.cache_implementation", "static"],
     "cb": ["--training.use_transformers_continuous_batching", "true"],
@@ -41,28 +42,40 @@ ENGINES = {
 class Setting:
     """One benchmarked configuration, parsed from its name."""
 
-    launcher: str  # trl | plain | zero3
+    launcher: str  # trl | trl-zero3 | plain | zero3
     weights: str  # full | lora
-    reward: str  # cpr | answer | trivial (trl)
+    reward: str  # cpr | answer | trivial (trl's default)
     pcgrad: bool
     unmerged: bool = False
     engine: str = ""  # "" (generate, dynamic KV cache) | static | cb (continuous batching)
 
+    @property
+    def trl(self) -> bool:
+        """Plain ``trl.GRPOTrainer`` (the baseline) rather than this framework's trainer."""
+        return self.launcher.startswith("trl")
+
+    @property
+    def zero3(self) -> bool:
+        return self.launcher.endswith("zero3")
+
     @classmethod
     def parse(cls, name: str) -> Setting:
         parts = name.split("-")
-        ok = len(parts) >= 2 and parts[0] in ("trl", "plain", "zero3") and parts[1] in ("full", "lora")
+        if parts[:2] == ["trl", "zero3"]:
+            parts = ["trl-zero3"] + parts[2:]
+        ok = len(parts) >= 2 and parts[0] in LAUNCHERS and parts[1] in ("full", "lora")
+        trl = ok and parts[0].startswith("trl")
         rest = parts[2:] if ok else []
         engine = rest.pop() if rest and rest[-1] in ENGINES else ""
         unmerged = ok and parts[1] == "lora" and rest[:1] == ["unmerged"]
         rest = rest[1:] if unmerged else rest
-        reward = "trivial" if ok and parts[0] == "trl" else "cpr"
-        if rest and rest[0] in ("cpr", "answer") and reward != "trivial":
+        reward = "trivial" if trl else "cpr"
+        if rest and rest[0] in (("cpr",) if trl else ("cpr", "answer")):
             reward, rest = rest[0], rest[1:]
-        pcgrad = rest == ["pcgrad"] and reward != "trivial"
-        if not ok or (rest and not pcgrad) or (unmerged and parts[0] == "trl"):
+        pcgrad = rest == ["pcgrad"] and not trl
+        if not ok or (rest and not pcgrad) or (unmerged and trl):
             raise SystemExit(
-                f"setting {name!r}: allowed are trl-(full|lora)[-static|-cb] and "
+                f"setting {name!r}: allowed are trl[-zero3]-(full|lora)[-cpr][-static|-cb] and "
                 "(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad][-static|-cb]"
             )
         return cls(parts[0], parts[1], reward, pcgrad, unmerged, engine)
@@ -79,17 +92,21 @@ class Setting:
         engine = self.engine if engine is None else engine
         return "-".join(
             [self.launcher, weights]
-            + ([] if self.reward in ("cpr", "trivial") else [self.reward])
+            + ([self.reward] if self.reward != ("trivial" if self.trl else "cpr") else [])
             + (["pcgrad"] if self.pcgrad else [])
             + ([engine] if engine else [])
         )
+
+
+#: The plain-TRL entry per reward: the trivial one, or the configured reward's functions.
+TRL_ENTRIES = {"trivial": "trl", "cpr": "trl-reward"}
 
 
 def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool) -> list[str]:
     """The command line of one run (from the repository root)."""
     s = Setting.parse(name)
     py = [sys.executable]
-    if s.launcher != "zero3":
+    if not s.zero3:
         launch, extra = py, []
     elif cuda:
         launch = py + ["-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/zero3_1x1.yaml"]
@@ -98,7 +115,7 @@ def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool)
         launch = py + ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
         extra = ["--cpu_backend", "gloo", "--training.deepspeed", "configs/accelerate/zero3.json"]
     device = "cuda" if cuda else "cpu"
-    reward = {"cpr": "cpr", "answer": "answer_only", "trivial": "cpr"}[s.reward]  # trl: config only, never built
+    reward = {"cpr": "cpr", "answer": "answer_only", "trivial": "cpr"}[s.reward]  # trivial: config only, never built
     args = [
         "--config",
         a.config,
@@ -144,7 +161,7 @@ def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool)
     if s.pcgrad:
         args += ["--pcgrad", "true"]
     args += ENGINES.get(s.engine, [])
-    entry = ["-m", "crystal_grpo.train.benchmarks.training", "trl" if s.launcher == "trl" else "grpo"]
+    entry = ["-m", "crystal_grpo.train.benchmarks.training", TRL_ENTRIES[s.reward] if s.trl else "grpo"]
     return launch + entry + args + extra
 
 
@@ -153,7 +170,9 @@ class StepClock(TrainerCallback):
     (``step_clock.json``). CPU time (all threads) is the work done, which on a loaded machine
     varies less than wall time. Generation is timed by TRL's own profiling contexts
     (``transformers.generate``, ``vLLM.generate``, ...), which TRL hands only to experiment
-    trackers: their ``_log_metrics`` is wrapped for the run."""
+    trackers: their ``_log_metrics`` is wrapped for the run. On CUDA it also records the
+    process's peak allocated GPU memory (``peak_gib``, for any trainer; null on CPU), and
+    whether the model's parameters are ZeRO-3 partitions (``zero3``)."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / CLOCK_FILE
@@ -161,9 +180,10 @@ class StepClock(TrainerCallback):
         self.gen: list[float] = []
         self._pending = 0.0
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
         from trl.extras.profiling import ProfilingContext
 
+        self.zero3 = model is not None and any(hasattr(p, "ds_id") for p in model.parameters())
         self.ends, self.gen, self._pending = [(time.perf_counter(), time.process_time())], [], 0.0
         original = self._original = ProfilingContext._log_metrics
         clock = self
@@ -185,12 +205,12 @@ class StepClock(TrainerCallback):
 
         ProfilingContext._log_metrics = self._original
         if state.is_world_process_zero:
+            import torch
+
             pairs = list(zip(self.ends, self.ends[1:]))
-            self.path.write_text(
-                json.dumps(
-                    {"wall": [b[0] - a[0] for a, b in pairs], "cpu": [b[1] - a[1] for a, b in pairs], "gen": self.gen}
-                )
-            )
+            peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+            times = {"wall": [b[0] - a[0] for a, b in pairs], "cpu": [b[1] - a[1] for a, b in pairs], "gen": self.gen}
+            self.path.write_text(json.dumps({**times, "peak_gib": peak, "zero3": self.zero3}))
 
 
 def trivial_reward(completions, **kwargs) -> list[float]:
@@ -198,23 +218,25 @@ def trivial_reward(completions, **kwargs) -> list[float]:
     return [float(len(c if isinstance(c, str) else str(c)) % 2) for c in completions]
 
 
-def run_trl(argv: list[str]) -> None:
-    """Plain ``trl.GRPOTrainer`` on exactly what ``train/grpo.py`` would build from ``argv``."""
+def run_trl(argv: list[str], configured_reward: bool = False) -> None:
+    """Plain ``trl.GRPOTrainer`` on exactly what ``train/grpo.py`` would build from ``argv``, with
+    the trivial reward or the configured reward module's TRL functions (``reward_funcs()``)."""
     from trl import GRPOTrainer
 
     from crystal_grpo.train.data.splits import load_datasets
-    from crystal_grpo.train.grpo import training_args
+    from crystal_grpo.train.grpo import setup_distributed, training_args
     from crystal_grpo.train.models.policy import load_policy, peft_config
     from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback
 
-    cfg, out = _config_and_folder(argv)
+    cfg, out = config_and_folder(argv)
     out.mkdir(parents=True, exist_ok=True)
-    args = training_args(cfg, out, {})
+    args = training_args(cfg, out, setup_distributed(cfg))
+    reward_funcs = cfg.reward.build().reward_funcs() if configured_reward else trivial_reward
     train, _ = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
     model, processing_class = load_policy(cfg.model)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=trivial_reward,
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=train.dataset,
         processing_class=processing_class,
@@ -229,12 +251,12 @@ def run_grpo(argv: list[str]) -> int:
     """``train/grpo.py`` with the :class:`StepClock`."""
     from crystal_grpo.train import grpo
 
-    cfg, out = _config_and_folder(argv)
+    cfg, out = config_and_folder(argv)
     grpo.run(cfg, out, callbacks=[StepClock(out)])
     return 0
 
 
-def _config_and_folder(argv: list[str]):
+def config_and_folder(argv: list[str]):
     """``--config NAME --output_dir DIR [--section.key value ...]``, as train/grpo.py reads them."""
     from crystal_grpo.train.config.run_config import load_config
 
@@ -257,8 +279,9 @@ def summarise(out: Path, warmup: int) -> dict[str, float]:
 
     score = next((k for k in steps[0] if k.endswith("/scoring_seconds")), "")
     prefix = score.removesuffix("scoring_seconds")
-    peak = [r["memory/max_allocated_gb"] for r in rows if "memory/max_allocated_gb" in r]
     clock = json.loads((out / CLOCK_FILE).read_text()) if (out / CLOCK_FILE).exists() else {}
+    peak = [r["memory/max_allocated_gb"] for r in rows if "memory/max_allocated_gb" in r]
+    peak += [clock["peak_gib"]] if clock.get("peak_gib") is not None else []
     wall, cpu, gen = (clock.get(k, [])[warmup:] for k in ("wall", "cpu", "gen"))
     net = [r["step_time"] - r.get(score, 0.0) for r in steps]  # the step without the reward's scoring
     return {
@@ -272,6 +295,7 @@ def summarise(out: Path, warmup: int) -> dict[str, float]:
         "format": med(prefix + "format_rate"),
         "steps": med(prefix + "steps_mean"),
         "peak": max(peak, default=math.nan),
+        "zero3": clock.get("zero3"),
     }
 
 
@@ -320,12 +344,14 @@ def table(results: dict[str, list[dict]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     entry, rest = argv[0], argv[1:]
-    if entry == "trl":
-        run_trl(rest)
+    if entry in TRL_ENTRIES.values():
+        run_trl(rest, configured_reward=entry != TRL_ENTRIES["trivial"])
         return 0
     if entry == "grpo":
         return run_grpo(rest)
-    raise SystemExit(f"usage: python -m crystal_grpo.train.benchmarks.training trl|grpo --config ... (got {entry!r})")
+    raise SystemExit(
+        f"usage: python -m crystal_grpo.train.benchmarks.training trl|trl-reward|grpo --config ... (got {entry!r})"
+    )
 
 
 if __name__ == "__main__":
