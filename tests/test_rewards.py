@@ -546,12 +546,14 @@ HOSTILE_COMPLETIONS = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_COMPLETIONS))
-def test_hostile_completion_scores_within_two_seconds(name):
+def test_hostile_completion_scores_within_two_cpu_seconds(name):
+    """A guard against quadratic parsing or regex backtracking, not a timing: it counts this
+    process's CPU time, which a busy machine does not inflate as it does the wall clock."""
     comps = [HOSTILE_COMPLETIONS[name], completion(REFS, "9")]
     for module_name in ("answer_only", "cpr"):
-        start = time.perf_counter()
+        start = time.process_time()
         out = call_module(MODULES[module_name], comps, ["9", "9"])
-        assert time.perf_counter() - start < 2.0, (name, module_name)
+        assert time.process_time() - start < 2.0, (name, module_name)
         assert all(v is None or math.isfinite(v) for vals in out.values() for v in vals)
     assert total(out)[1].item() == pytest.approx(1.0)  # the honest neighbour is unaffected
 
