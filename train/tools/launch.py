@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from crystal_grpo.signals import routed
+
 #: What a training run and an evaluation import, loaded once into the fork server.
 PRELOAD = (
     "crystal_grpo.train.grpo",
@@ -166,15 +168,8 @@ def interrupt_on_signals() -> Iterator[None]:
     """Inside, SIGINT and SIGTERM raise KeyboardInterrupt, so that the runs save a checkpoint and
     stop, even where this process's launcher left SIGINT ignored (a shell does for a background
     job). Enter it before the first run: the fork server inherits it."""
-    if threading.current_thread() is not threading.main_thread():
+    with routed(_raise_interrupt):
         yield
-        return
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
@@ -23,8 +22,8 @@ import torch
 from transformers import TrainerCallback
 
 from crystal_grpo.distributed import is_main_process, rank_and_world
+from crystal_grpo.signals import routed
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: Signals this close together count as one: a terminal's Ctrl-C reaches every process of
 #: a torchrun / accelerate job AND is forwarded to the workers by the launcher.
 SAME_INTERRUPT_S = 1.0
@@ -68,17 +67,8 @@ class GracefulStop(TrainerCallback):
     @contextlib.contextmanager
     def handling(self) -> Iterator[GracefulStop]:
         """Route SIGINT/SIGTERM to this object for the duration (main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
+        with routed(self._handler):
             yield self
-            return
-        previous = {s: signal.getsignal(s) for s in SIGNALS}
-        for s in SIGNALS:
-            signal.signal(s, self._handler)
-        try:
-            yield self
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
 
     def _agreed_signal(self, device) -> int:
         """The signal any rank received (0: none); collective, so every rank calls it."""
