@@ -196,7 +196,9 @@ class ComposedReward(RewardModule):
             if v is None:
                 values.append(math.nan)  # not applicable, as in TRL
                 continue
-            if not isinstance(v, numbers.Real) or isinstance(v, bool):  # numpy's scalars are numbers.Real
+            if isinstance(v, bool) or type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"):
+                v = float(v)  # True/False are 1/0, as TRL's float tensor of the values reads them
+            if not isinstance(v, numbers.Real):  # numpy's number scalars are numbers.Real
                 raise RewardFunctionError(
                     f"reward component {spec.fn!r} returned {v!r} {where}; expected a number or None"
                 )

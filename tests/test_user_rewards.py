@@ -79,6 +79,10 @@ def numpy_array(completions, **kwargs):
     import numpy as np
     return np.arange(len(completions), dtype=np.float32)
 
+def booleans(completions, **kwargs):
+    import numpy as np
+    return [True, False, np.bool_(True)][:len(completions)]
+
 def tensor_values(completions, **kwargs):
     import torch
     return torch.arange(len(completions), dtype=torch.float32)
@@ -263,11 +267,17 @@ def test_a_function_that_raises_or_cannot_take_the_columns_is_one_line_naming_it
 
 @pytest.mark.parametrize(
     "fn, values",
-    [("numpy_scalars", [0.5, 1.0, 0.25]), ("numpy_array", [0.0, 1.0, 2.0]), ("tensor_values", [0.0, 1.0, 2.0])],
+    [
+        ("numpy_scalars", [0.5, 1.0, 0.25]),
+        ("numpy_array", [0.0, 1.0, 2.0]),
+        ("tensor_values", [0.0, 1.0, 2.0]),
+        ("booleans", [1.0, 0.0, 1.0]),
+    ],
 )
 def test_numbers_numpy_and_torch_return_are_numbers_as_in_trl(user_file, fn, values):
     """np.float32(0.5) and np.int64(1) were refused as "not a number", a numpy array or a torch
-    tensor as "not a list"; TRL takes them all (second hostile set)."""
+    tensor as "not a list", True and False as "not a number" (`[c == a for ...]`); TRL takes them
+    all (second hostile set)."""
     module = build_reward("composed", components=[{"fn": f"{user_file}:{fn}"}])
     assert module.components(module.score(COMPLETIONS, ROWS).batch)[fn].tolist() == values
 
