@@ -339,6 +339,14 @@ def test_sampling_outside_its_range_is_one_line(tmp_path, capsys, flag, value, e
     assert capsys.readouterr().err.strip() == f"error: {flag} {float(value)}: {expected}"
 
 
+def test_a_bootstrap_past_its_bound_is_one_line_before_anything_loads(tmp_path, capsys):
+    """--bootstrap 1000000000 was taken: the evaluation ran, then resampled without end."""
+    out = tmp_path / "o"
+    assert ev.main(["--model", str(tmp_path), "--out", str(out), *COMMON, "--bootstrap", "1000000000"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --bootstrap 1000000000: expected an integer from 0 to 100000"
+    assert not out.exists()
+
+
 def test_rows_that_share_an_id_are_refused_naming_both_lines(tmp_path, capsys):
     """Completions are matched to rows by id: two rows of one id were both scored against the
     second row's answer (8 right answers scored 0.125); training needs no unique ids."""

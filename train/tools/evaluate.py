@@ -55,6 +55,8 @@ CRYSTAL_CLI = ("crystal_metrics/predictions.json", "crystal_metrics/references.j
 STEPS_PAGE = "steps.html"
 #: What an evaluation writes in its folder; the first is its marker, written before anything else.
 IDENTITY = "evaluation.json"
+#: The most bootstrap resamples asked for: a 95% interval's percentiles settle long before; more only takes time.
+MAX_BOOTSTRAP = 100_000
 WRITES = (IDENTITY, PREDICTIONS, REPORT, "report.md", "report.png", STEPS_PAGE, CRYSTAL_METRICS, *CRYSTAL_CLI)
 
 
@@ -477,6 +479,8 @@ def _check_numbers(args) -> None:
         v = getattr(args, key)
         if v is not None and v < low:
             raise EvalError(f"--{key} {v}: expected an integer >= {low}")
+    if args.bootstrap > MAX_BOOTSTRAP:
+        raise EvalError(f"--bootstrap {args.bootstrap}: expected an integer from 0 to {MAX_BOOTSTRAP}")
     if args.num_samples > 1 and args.temperature <= 0:
         raise EvalError(
             f"--num_samples {args.num_samples} with greedy decoding gives identical samples: set --temperature > 0"
