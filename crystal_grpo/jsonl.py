@@ -9,6 +9,7 @@ cut off when the run was killed).
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterator
@@ -40,10 +41,20 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def open_bytes(path: str | Path):
+    """The file's bytes, decompressed when it is gzip (``train.jsonl.gz``, as ``datasets`` reads it)."""
+    with open(path, "rb") as fh:
+        compressed = fh.read(2) == GZIP_MAGIC
+    return gzip.open(path, "rb") if compressed else open(path, "rb")
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value or :class:`Unreadable`) for each non-blank line; a UTF-8 byte
     order mark before the first line is read past, as Python's ``utf-8-sig`` does."""
-    with open(path, "rb") as fh:
+    with open_bytes(path) as fh:
         for no, raw in enumerate(fh, 1):
             try:
                 line = raw.decode("utf-8-sig" if no == 1 else "utf-8")

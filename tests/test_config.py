@@ -323,6 +323,8 @@ def test_config_name_resolution_and_overrides(repo_root):
     assert cfg.training["max_steps"] == 7 and cfg.reward.params["threshold"] == 0.5
     with pytest.raises(ConfigError, match="not found"):
         load_config("no_such_config.yaml")
+    with pytest.raises(ConfigError, match=r"^config 'configs' is a folder; give one YAML file in it, or in configs/"):
+        load_config("configs")  # was "not found", of a folder that is there
     for name in ("cpr_curriculum", "cpr", "composite", "answer_only", "demo", "tiny"):
         load_config(name)
 

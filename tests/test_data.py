@@ -131,6 +131,18 @@ def test_a_key_given_twice_in_a_row_is_a_bad_row_and_a_byte_order_mark_is_read_p
     assert _seen(load_split(marked)) == _seen(load_split("data/wordproblems/train.jsonl", limit=6))
 
 
+def test_gzip_compressed_rows_load_as_the_same_rows(tmp_path):
+    """train.jsonl.gz (as ``datasets`` reads it) was every line "not UTF-8 text" (third hostile set)."""
+    import gzip
+
+    plain = _seen(load_split("data/wordproblems/train.jsonl", limit=6))
+    lines = gzip.compress("".join(json.dumps(r) + "\n" for r in ROWS).encode())
+    (tmp_path / "train.jsonl.gz").write_bytes(lines)
+    (tmp_path / "train.json.gz").write_bytes(gzip.compress(json.dumps(ROWS).encode()))
+    assert _seen(load_split(tmp_path / "train.jsonl.gz")) == plain
+    assert _seen(load_split(tmp_path / "train.json.gz")) == plain
+
+
 def test_images_stored_in_the_data_load_like_image_files(tmp_path):
     from PIL import Image as PILImage
 

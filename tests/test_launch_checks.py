@@ -206,13 +206,23 @@ def _empty(path):
     path.write_text("")
 
 
+def _utf16(path):
+    path.write_text('{"question": "q", "answer": "1", "reference_steps": ["a = 1"]}\n', encoding="utf-16")
+
+
 @pytest.mark.parametrize(
     "make, kind, check",
     [
         (_empty, "an empty file (0 bytes), no rows", False),
         (os.mkfifo, "a named pipe, not a file of rows; write the rows to a file and give that", True),
+        (
+            _utf16,
+            "UTF-16 text (its byte order mark says so); data files are UTF-8: save it as UTF-8 "
+            "(e.g. iconv -f UTF-16 -t UTF-8)",
+            True,
+        ),
     ],
-    ids=["empty", "named_pipe"],
+    ids=["empty", "named_pipe", "utf16"],
 )
 def test_a_data_file_without_rows_is_one_line_before_anything_loads(tmp_path, capsys, make, kind, check):
     data = tmp_path / "train.jsonl"

@@ -483,6 +483,8 @@ def resolve_config_path(name_or_path: str) -> Path:
         if candidate.is_file():
             return candidate
     shipped = ", ".join(sorted(x.name for x in CONFIG_DIR.glob("*.yaml")))
+    if p.is_dir():
+        raise ConfigError(f"config {name_or_path!r} is a folder; give one YAML file in it, or in configs/: {shipped}")
     raise ConfigError(f"config {name_or_path!r} not found (as a path or in configs/: {shipped})")
 
 

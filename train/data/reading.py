@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.errors import CrystalError
-from crystal_grpo.jsonl import iter_jsonl, unique_keys
+from crystal_grpo.jsonl import iter_jsonl, open_bytes, unique_keys
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -73,7 +73,25 @@ def _readable(path: Path) -> Path:
         raise DataError(f"{path}: {kind}, not a file of rows; write the rows to a file and give that")
     if stat.S_ISREG(mode) and path.stat().st_size == 0:
         raise DataError(f"{path}: an empty file (0 bytes), no rows")
+    if stat.S_ISREG(mode):
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+        wide = next((name for mark, name in _WIDE_TEXT if head.startswith(mark)), None)
+        if wide:
+            raise DataError(
+                f"{path}: {wide} text (its byte order mark says so); data files are UTF-8: save it as UTF-8 "
+                f"(e.g. iconv -f {wide} -t UTF-8)"
+            )
     return path
+
+
+#: Byte order marks of text that is not UTF-8 (what Windows PowerShell's ``>`` writes), longest first.
+_WIDE_TEXT = (
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
+)
 
 
 def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | None = None) -> list[tuple[int, Any]]:
@@ -87,7 +105,7 @@ def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | Non
             rows = list(enumerate(pq.read_table(path).to_pylist(), 1))
         except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a damaged file
             raise DataError(f"{path}: not a readable Parquet file ({type(err).__name__}: {err})") from None
-    elif path.suffix == ".json" and _first_char(path) == "[":
+    elif ".json" in path.suffixes[-2:] and _first_char(path) == "[":
         rows = _json_array(path)
     else:
         rows = list(iter_jsonl(path))
@@ -104,14 +122,15 @@ def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | Non
 
 
 def _first_char(path: Path) -> str:
-    with open(path, "rb") as fh:
+    with open_bytes(path) as fh:
         head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
     return head[:1].decode("latin-1")
 
 
 def _json_array(path: Path) -> list[tuple[int, Any]]:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8-sig"), object_pairs_hook=unique_keys)
+        with open_bytes(path) as fh:
+            rows = json.loads(fh.read().decode("utf-8-sig"), object_pairs_hook=unique_keys)
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except (json.JSONDecodeError, RecursionError, ValueError) as err:
