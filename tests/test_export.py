@@ -303,6 +303,29 @@ def test_a_marker_naming_a_file_outside_its_folder_is_no_export_s(tmp_path):
     assert overwrite_problem(forged) is None  # the same export, its marker its own
 
 
+def test_a_killed_export_s_partial_folder_is_removed_by_the_next_export_to_its_out(run, tmp_path):
+    """kill -9 during an export left .e.partial-* beside --out for ever, a model's worth of disk; a
+    later export to the same --out did not notice it (third hostile set). One still in use stays."""
+    import fcntl
+
+    out = tmp_path / "e"
+    killed = tmp_path / ".e.partial-killed"
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"0" * 1000)
+    live = tmp_path / ".e.partial-live"
+    live.mkdir()
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running export holds its own
+    (tmp_path / ".other.partial-x").mkdir()  # another --out's
+    said = []
+    try:
+        export(run / "phase1-grpo" / "checkpoint-2", out, say=said.append)
+    finally:
+        os.close(held)
+    assert f"  removed {killed} (0.0 MB), left by an export to {out} that was stopped before its end" in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".e.partial-live", ".other.partial-x", "e"]
+
+
 def test_not_a_checkpoint_is_one_line_and_exit_2(run, repo_root, tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/export.py", str(run / "phase1-grpo"), "--out", str(tmp_path / "x")],

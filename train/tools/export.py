@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import glob
 import io
 import json
 import os
@@ -352,6 +353,36 @@ def _remove_export(folder: Path) -> None:
     folder.rmdir()
 
 
+def _new_partial(out: Path, say) -> tuple[Path, int]:
+    """The folder beside ``out`` that the export is written into, and the descriptor whose lock
+    marks it as in use for this process's life. The partial folders of exports to ``out`` that
+    were killed (their lock gone with their process) are removed first: a model's worth of disk."""
+    prefix = f".{out.name}.partial-"
+    for old in sorted(out.parent.glob(glob.escape(prefix) + "*")):
+        if old.is_dir() and not old.is_symlink():
+            fd = _locked(old)
+            if fd is not None:
+                size = _size(old)
+                shutil.rmtree(old, ignore_errors=True)
+                os.close(fd)
+                say(f"  removed {old} ({size}), left by an export to {out} that was stopped before its end")
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    return tmp, _locked(tmp)
+
+
+def _locked(folder: Path) -> int | None:
+    """A descriptor of ``folder`` holding its exclusive lock, or None when a live process holds it."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _swap_in(tmp: Path, out: Path) -> None:
     """Rename the finished folder to ``out`` (a fresh name for os.replace); an existing
     ``out`` (an export, or empty) is moved aside first and deleted only once the new one is in place."""
@@ -422,7 +453,7 @@ def export(
     )
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]  # removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp, held = _new_partial(out, say)
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would become --out's mode
         how = _write(ckpt, tmp, base, dtype, section, keep_adapter, max_shard_size, say)
@@ -452,6 +483,8 @@ def export(
             with contextlib.suppress(OSError):
                 folder.rmdir()
         raise
+    finally:
+        os.close(held)
     say(f"exported {out} ({kind}, {dtype}, {_size(out)})")
     return ExportResult(out, kind, dtype, files, source_desc, completion)
 
