@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from crystal_grpo.errors import CrystalError
 
@@ -44,7 +44,7 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 GZIP_MAGIC = b"\x1f\x8b"
 
 
-def open_bytes(path: str | Path):
+def open_bytes(path: str | Path) -> IO[bytes]:
     """The file's bytes, decompressed when it is gzip (``train.jsonl.gz``, as ``datasets`` reads it)."""
     with open(path, "rb") as fh:
         compressed = fh.read(2) == GZIP_MAGIC
