@@ -162,6 +162,29 @@ def test_rows_are_a_wandb_table_in_an_offline_run(view, tmp_path):
     assert logged["columns"] == table.columns and len(logged["data"]) == 3
 
 
+def test_a_run_reporting_to_wandb_logs_each_validation_s_rows_as_a_table(tmp_path, tiny_lm_path):
+    """The validation callback hands its rows to the wandb run TRL's WandbCallback opened, at every
+    validation (steps 0, 1 and 2 here), in a real training run in its own process."""
+    from runs import REPO, env, grpo_cmd
+
+    run = tmp_path / "run"
+    extra = ("--training.report_to", "wandb", "--validation.eval_steps", "1", "--training.save_steps", "2")
+    proc = subprocess.run(
+        grpo_cmd(run, tiny_lm_path, *extra),
+        cwd=REPO,
+        env=env(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tables = list(tmp_path.glob("wandb/offline-run-*/files/media/table/validation_steps_*.table.json"))
+    samples = sorted(run.glob("validation_samples_step*.jsonl"))
+    assert len(tables) == len(samples) == 3
+    rows = [len(f.read_text().splitlines()) for f in samples]
+    assert sorted(len(json.loads(t.read_text())["data"]) for t in tables) == sorted(rows)
+
+
 def test_an_evaluation_of_vlm_rows_shows_their_images(tmp_path):
     """scripts/evaluate.py on image rows (a predictions file: no model) writes steps.html with a
     thumbnail a row."""
