@@ -157,3 +157,24 @@ def test_zero3_lora_generates_through_merged_adapters_bit_identically(tiny_lm_pa
     a, b = (load_file(r / "final" / "adapter_model.safetensors") for r in (on, off))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (on / "validation.jsonl").read_text() == (off / "validation.jsonl").read_text()
+
+
+def test_the_command_releases_the_process_group_before_the_process_exits(tmp_path, monkeypatch):
+    """`python train/grpo.py` (grpo.cli) destroys the process group once main returns: left to
+    interpreter shutdown, gloo's threads aborted a rank of a finished torchrun job (SIGABRT,
+    "terminate called without an active exception"), intermittently. Here a one-process gloo group
+    and a run refused at its config (exit 2): the group must be gone when cli returns."""
+    import sys
+
+    import torch.distributed as dist
+
+    from crystal_grpo.train import grpo
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(sys, "argv", ["train/grpo.py", "--config", "tiny.yaml", "--training.max_steps", "-5"])
+        assert grpo.cli() == 2
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
