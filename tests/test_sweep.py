@@ -498,3 +498,13 @@ def test_eval_also_scores_the_final_weights_again_with_some_settings_changed(tmp
     }
     calls.clear()
     assert sw.evaluate_point(sweep, point, say=lambda _: None) and calls == []
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_sweep_file_loads_with_each_point_s_config_valid(path, tmp_path):
+    """The experiments the docs cite are these files: each must expand into points whose configs
+    (a point's own, its overrides applied) pass the same checks a run's do, and its contrasts name arms."""
+    sweep = sw.load_sweep(path, output_dir=tmp_path, resolve_init=False)
+    assert sweep.points
+    for point in sweep.points:
+        assert sw.resolved(point)["training"]
