@@ -195,24 +195,27 @@ class PCGradMixin:
         return out
 
     # -- 2. losses from one forward -------------------------------------------------------
+    _pcgrad_forward: dict[str, Any] | None = None
+
     @contextlib.contextmanager
     def _pcgrad_one_forward(self):
         """Every ``_get_per_token_logps_and_entropies`` call inside returns the first one's
         result (graph included), so several losses share one forward."""
-        cache: dict[str, Any] = {}
-        original = self._get_per_token_logps_and_entropies
-
-        def shared(*args: Any, **kwargs: Any):
-            if "out" not in cache:
-                with torch.enable_grad():
-                    cache["out"] = original(*args, **kwargs)
-            return cache["out"]
-
-        self._get_per_token_logps_and_entropies = shared
+        self._pcgrad_forward = {}
         try:
-            yield cache
+            yield self._pcgrad_forward
         finally:
-            del self._get_per_token_logps_and_entropies
+            self._pcgrad_forward = None
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any):
+        """TRL's, or inside :meth:`_pcgrad_one_forward` the first call's result again."""
+        cache = self._pcgrad_forward
+        if cache is None:
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if "out" not in cache:
+            with torch.enable_grad():
+                cache["out"] = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        return cache["out"]
 
     def pcgrad_losses(self, model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(plain GRPO loss, detached, with TRL's metrics logged; {accuracy, reasoning(, rest): loss}).

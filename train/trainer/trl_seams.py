@@ -82,7 +82,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(
         "_get_per_token_logps_and_entropies",
         "train/pcgrad/trainer.py",
-        "swap",
+        "override",
         "one forward pass shared by the objective losses of a micro-batch",
         "test_compute_loss_uses_one_logps_call_and_reads_beta_and_advantages_at_call_time",
     ),
