@@ -26,6 +26,8 @@ from crystal_grpo.rewards.alignment_view import (
     wandb_table,
 )
 
+from runs import REPO, env, grpo_cmd
+
 REF = ["Add 2 and 3 to get 5.", "Multiply 5 by 4 to get 20."]
 ATTACK = "<script>document.title='pwned'</script><img src=x onerror=\"document.title='pwned'\">"
 ROWS = [
@@ -165,8 +167,6 @@ def test_rows_are_a_wandb_table_in_an_offline_run(view, tmp_path):
 def test_a_run_reporting_to_wandb_logs_each_validation_s_rows_as_a_table(tmp_path, tiny_lm_path):
     """The validation callback hands its rows to the wandb run TRL's WandbCallback opened, at every
     validation (steps 0, 1 and 2 here), in a real training run in its own process."""
-    from runs import REPO, env, grpo_cmd
-
     run = tmp_path / "run"
     extra = ("--training.report_to", "wandb", "--validation.eval_steps", "1", "--training.save_steps", "2")
     proc = subprocess.run(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,8 +165,6 @@ def test_the_command_releases_the_process_group_before_the_process_exits(tmp_pat
     interpreter shutdown, gloo's threads aborted a rank of a finished torchrun job (SIGABRT,
     "terminate called without an active exception"), intermittently. Here a one-process gloo group
     and a run refused at its config (exit 2): the group must be gone when cli returns."""
-    import sys
-
     import torch.distributed as dist
 
     from crystal_grpo.train import grpo
