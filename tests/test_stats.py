@@ -9,7 +9,17 @@ import math
 import numpy as np
 import pytest
 
-from crystal_grpo.train.tools.stats import bootstrap_ci, detectable_difference, seed_test, seeds_needed, two_level_ci
+from crystal_grpo.train.tools.stats import (
+    bootstrap_ci,
+    detectable_difference,
+    fisher_power,
+    fisher_test,
+    permutation_test,
+    rate_interval,
+    seed_test,
+    seeds_needed,
+    two_level_ci,
+)
 
 
 def test_identical_arms_cover_zero_at_about_the_nominal_rate_and_rows_alone_do_not():
@@ -98,3 +108,42 @@ def test_the_detectable_difference_is_found_about_as_often_as_the_power_asked_fo
     assert detectable_difference(0.1, 0.1, 10_000) == pytest.approx(normal, rel=1e-3)
     with pytest.raises(ValueError, match="seeds >= 2"):
         detectable_difference(0.1, 0.1, 1)
+
+
+def test_an_adjusted_threshold_widens_the_interval_and_asks_for_more_seeds():
+    a, b = [0.61, 0.58, 0.66, 0.60, 0.63], [0.70, 0.64, 0.73, 0.69, 0.66]
+    plain, adjusted = seed_test(a, b), seed_test(a, b, alpha=0.05 / 6)
+    assert plain.p == adjusted.p and plain.diff == adjusted.diff
+    assert adjusted.low < plain.low < plain.diff < plain.high < adjusted.high
+    assert adjusted.seeds_needed > plain.seeds_needed
+    assert seeds_needed(0.1, 0.1) == math.ceil(2 * ((1.959964 + 0.841621) * 1.0) ** 2)
+
+
+def test_the_permutation_test_counts_every_split_of_the_pooled_seeds():
+    # 2 + 2 seeds: 6 splits; |diff| of the observed split (0, 1 | 10, 11) is 10, reached by it and its mirror
+    assert permutation_test([0, 1], [10, 11]) == pytest.approx(2 / 6)
+    assert permutation_test([0, 1, 2], [0, 1, 2]) == 1.0
+    # 10 + 10 well separated seeds: only the observed split and its mirror are as extreme
+    assert permutation_test(list(range(10)), list(range(100, 110))) == pytest.approx(2 / math.comb(20, 10))
+    assert permutation_test([0.5], [0.6, 0.7]) is None
+    rng = np.random.default_rng(3)  # above EXACT_SPLITS it samples; still near the exact answer's order
+    a, b = rng.normal(0, 1, 12).tolist(), rng.normal(1.5, 1, 12).tolist()
+    assert permutation_test(a, b, resamples=20_000) < 0.01
+
+
+def test_fisher_reads_per_seed_outcomes_with_exact_rate_intervals():
+    test = fisher_test([0, 0, 1, 0, 0, 0, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1, 0])
+    assert (test.yes_a, test.n_a, test.yes_b, test.n_b) == (2, 10, 9, 10)
+    assert test.diff == pytest.approx(0.7) and test.p == pytest.approx(0.00547, abs=1e-4)
+    assert test.interval_a[0] < 0.2 < test.interval_a[1] and test.interval_b[1] <= 1.0
+    low, high = rate_interval(0, 10)
+    assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / 10))  # Clopper-Pearson at 0 of n
+    assert fisher_test([1, 1, math.nan], [0, 0]).n_a == 2
+
+
+def test_fishers_power_is_its_rejection_rate():
+    assert fisher_power(0.5, 0.5, 10) <= 0.05  # exact: never above alpha when nothing differs
+    assert fisher_power(0.0, 1.0, 10, alpha=0.05 / 6) == pytest.approx(1.0)
+    rng = np.random.default_rng(0)
+    sims = [fisher_test(rng.random(10) < 0.2, rng.random(10) < 0.9).p < 0.05 for _ in range(400)]
+    assert abs(np.mean(sims) - fisher_power(0.2, 0.9, 10)) < 0.06

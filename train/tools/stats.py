@@ -9,6 +9,9 @@ its t-interval (near its nominal coverage with few seeds, where the percentile b
 seeds runs short), :func:`holm` corrects a family of such tests, :func:`seeds_needed` says
 how many seeds a difference of the observed size would need, and :func:`detectable_difference`
 the smallest difference a planned number of seeds can find (a power analysis before a sweep).
+With 5-10 seeds an arm the normal theory behind Welch is a hope: :func:`permutation_test` is exact
+on the per-seed values, and :func:`fisher_test` / :func:`fisher_power` read a per-seed yes/no outcome
+(does this run hold the chain?) by Fisher's exact test.
 """
 
 from __future__ import annotations
@@ -81,12 +84,16 @@ class SeedTest:
     high: float | None = None
 
 
-def seeds_needed(diff: float, sd: float, z_alpha: float = 1.959964, z_power: float = 0.841621) -> int | None:
-    """Seeds per arm for a two-sample test to find ``diff`` with 80% power at 5%, given the
-    seed-to-seed standard deviation ``sd`` (normal approximation)."""
+def seeds_needed(diff: float, sd: float, alpha: float = 0.05, power: float = 0.8) -> int | None:
+    """Seeds per arm for a two-sided two-sample test at ``alpha`` to find ``diff`` with chance
+    ``power``, given the seed-to-seed standard deviation ``sd`` (normal approximation). In a family
+    read with Holm, ``alpha`` is the threshold the contrast faces (0.05 / m at the first step)."""
+    from scipy.stats import norm
+
     if not (math.isfinite(diff) and math.isfinite(sd)) or diff == 0:
         return None
-    return max(2, math.ceil(2 * ((z_alpha + z_power) * sd / diff) ** 2))
+    z = norm.ppf(1 - alpha / 2) + norm.ppf(power)
+    return max(2, math.ceil(2 * (z * sd / diff) ** 2))
 
 
 def detectable_difference(sd_a: float, sd_b: float, seeds: int, alpha: float = 0.05, power: float = 0.8) -> float:
@@ -104,8 +111,11 @@ def detectable_difference(sd_a: float, sd_b: float, seeds: int, alpha: float = 0
     return float((t.ppf(1 - alpha / 2, df) + t.ppf(power, df)) * math.sqrt(va + vb))
 
 
-def seed_test(a: Sequence[float], b: Sequence[float]) -> SeedTest:
-    """Welch's test of mean(b) - mean(a) over per-seed values (e.g. each seed's test accuracy)."""
+def seed_test(a: Sequence[float], b: Sequence[float], alpha: float = 0.05) -> SeedTest:
+    """Welch's test of mean(b) - mean(a) over per-seed values (e.g. each seed's test accuracy); the
+    interval is at level 1 - ``alpha`` and the seeds needed are for a test at ``alpha`` (give the
+    adjusted threshold in a family: 0.05 / m gives Bonferroni's simultaneous interval, which covers
+    what Holm rejects)."""
     from scipy.stats import ttest_ind
 
     a, b = np.asarray([x for x in a if math.isfinite(x)]), np.asarray([x for x in b if math.isfinite(x)])
@@ -114,15 +124,94 @@ def seed_test(a: Sequence[float], b: Sequence[float]) -> SeedTest:
         return SeedTest(diff, None, None, None, None)
     res = ttest_ind(b, a, equal_var=False)
     pooled = math.sqrt((a.var(ddof=1) + b.var(ddof=1)) / 2)
-    ci = res.confidence_interval(0.95)
+    ci = res.confidence_interval(1 - alpha)
     return SeedTest(
         diff,
         float(res.statistic),
         float(res.df),
         float(res.pvalue),
-        seeds_needed(diff, pooled),
+        seeds_needed(diff, pooled, alpha),
         float(ci.low),
         float(ci.high),
+    )
+
+
+#: Above this many ways to split the pooled seeds, :func:`permutation_test` samples them.
+EXACT_SPLITS = 200_000
+
+
+def permutation_test(a: Sequence[float], b: Sequence[float], resamples: int = 100_000, seed: int = 0) -> float | None:
+    """Two-sided p of mean(b) - mean(a) under exchangeable seeds: the share of the ways to split the
+    pooled per-seed values into arms of these sizes whose difference is at least as far from 0 (every
+    split when there are at most :data:`EXACT_SPLITS`, 184,756 for 10 + 10 seeds; else a seeded sample)."""
+    from itertools import combinations
+
+    a, b = [x for x in a if math.isfinite(x)], [x for x in b if math.isfinite(x)]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    pooled = np.asarray(a + b, dtype=float)
+    n, k, total = len(pooled), len(b), pooled.sum()
+    observed = abs(float(np.mean(b) - np.mean(a)))
+    if math.comb(n, k) <= EXACT_SPLITS:
+        sums = np.fromiter((pooled[list(c)].sum() for c in combinations(range(n), k)), float, math.comb(n, k))
+    else:
+        rng = np.random.default_rng(seed)
+        sums = np.stack([pooled[rng.permutation(n)[:k]].sum() for _ in range(resamples)])
+    diffs = np.abs(sums / k - (total - sums) / (n - k))
+    return float(np.mean(diffs >= observed - 1e-12))
+
+
+@dataclass
+class FisherTest:
+    """Per-seed yes/no outcomes of two arms: the counts, the rates with their exact (Clopper-Pearson)
+    intervals, and Fisher's exact two-sided p of rate(b) vs rate(a)."""
+
+    yes_a: int
+    n_a: int
+    yes_b: int
+    n_b: int
+    p: float | None
+    interval_a: tuple[float, float]
+    interval_b: tuple[float, float]
+
+    @property
+    def diff(self) -> float:
+        return self.yes_b / self.n_b - self.yes_a / self.n_a if self.n_a and self.n_b else math.nan
+
+
+def rate_interval(yes: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
+    """Clopper-Pearson interval of a rate (exact: it covers at least 1 - alpha for every true rate)."""
+    from scipy.stats import binomtest
+
+    if n == 0:
+        return math.nan, math.nan
+    ci = binomtest(yes, n).proportion_ci(1 - alpha, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+def fisher_test(a: Sequence[float], b: Sequence[float], alpha: float = 0.05) -> FisherTest:
+    """Fisher's exact test on per-seed outcomes (1: yes, 0: no; NaN left out); intervals at 1 - ``alpha``."""
+    from scipy.stats import fisher_exact
+
+    a, b = [bool(x) for x in a if math.isfinite(x)], [bool(x) for x in b if math.isfinite(x)]
+    ya, yb = sum(a), sum(b)
+    p = float(fisher_exact([[yb, len(b) - yb], [ya, len(a) - ya]]).pvalue) if a and b else None
+    return FisherTest(ya, len(a), yb, len(b), p, rate_interval(ya, len(a), alpha), rate_interval(yb, len(b), alpha))
+
+
+def fisher_power(rate_a: float, rate_b: float, seeds: int, alpha: float = 0.05) -> float:
+    """The chance that Fisher's two-sided test at ``alpha`` rejects when each arm's ``seeds`` runs hold
+    with the true rates given (exact: every pair of counts, weighted by its binomial chance)."""
+    from scipy.stats import binom, fisher_exact
+
+    pa, pb = binom.pmf(range(seeds + 1), seeds, rate_a), binom.pmf(range(seeds + 1), seeds, rate_b)
+    return float(
+        sum(
+            pa[i] * pb[j]
+            for i in range(seeds + 1)
+            for j in range(seeds + 1)
+            if fisher_exact([[j, seeds - j], [i, seeds - i]]).pvalue < alpha
+        )
     )
 
 
