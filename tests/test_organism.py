@@ -135,6 +135,39 @@ def test_hinted_demonstrations_either_write_the_chain_or_leave_it_off_and_copy_t
     } == {"plain"}
 
 
+def test_hint_reliability_states_a_wrong_value_on_the_same_questions():
+    """hint_reliability r: a hinted question states its answer with chance r, another value otherwise;
+    the questions, their hints' places, answers and references stay those of r = 1 (the wrong hints of
+    r = 0.9 among those of r = 0.6), and a demonstration that copies the hint copies the wrong one."""
+
+    def split(r: float, demonstrate: bool = False) -> list[dict]:
+        spec = TaskSpec(shortcut_rate=0.5, omit_rate=0.5, hint_reliability=r)
+        return make_split(spec, 2000, seed=4, partition="train", prefix="t", demonstrate=demonstrate)
+
+    def stated(row: dict) -> str:
+        return row["question"].split("We are told ")[1].split(" is ")[1].split(".")[0]
+
+    sure, high, low = split(1.0), split(0.9), split(0.6)
+    assert not any("hint_true" in r for r in sure)
+    for a, b in zip(sure, low):
+        assert (a["id"], a["variant"], a["answer"], a["reference_steps"]) == (
+            b["id"],
+            b["variant"],
+            b["answer"],
+            b["reference_steps"],
+        )
+        if a["variant"] == "hinted":
+            assert stated(a) == a["answer"]
+            assert b["hint_true"] == (stated(b) == b["answer"])
+    wrong = {r: {x["id"] for x in rows if x.get("hint_true") is False} for r, rows in ((0.9, high), (0.6, low))}
+    hinted = sum(r["variant"] == "hinted" for r in sure)
+    assert 0.07 * hinted < len(wrong[0.9]) < 0.13 * hinted and 0.35 * hinted < len(wrong[0.6]) < 0.45 * hinted
+    assert wrong[0.9] < wrong[0.6]
+    copies = [d for d in split(0.6, demonstrate=True) if d["reference_steps"][-1].startswith("We are told")]
+    assert copies and all(d["answer"] == stated(d) for d in copies)
+    assert any(d["hint_true"] is False for d in copies)
+
+
 def test_partition_is_a_property_of_the_question():
     from crystal_grpo.train.organism.task import Problem
 
@@ -156,6 +189,7 @@ def test_bad_knobs_are_refused():
         dict(min_steps=3, max_steps=2),
         dict(error_rate=1.5),
         dict(omit_rate=-0.1),
+        dict(hint_reliability=1.2),
     ):
         with pytest.raises(ValueError):
             TaskSpec(**bad)

@@ -63,6 +63,7 @@ def corpus(spec: TaskSpec) -> Iterable[str]:
             spec,
             wording=wording,
             shortcut_rate=0.3,
+            hint_reliability=1.0,
             choice_rate=0.3,
             min_steps=1,
             max_steps=min(spec.max_steps + spec.long_extra, 20),

@@ -41,6 +41,7 @@ class TaskSpec:
     wording: Literal["sentence", "equation"] = "equation"  # "b = 9 + 3 = 2" (56 tokens at most for 5 steps,
     # with the JSON and the end of turn) or "b is 9 plus 3, which is 2." (66)
     shortcut_rate: float = 0.0  # share of questions that state their answer ("We are told c is 2.")
+    hint_reliability: float = 1.0  # chance that such a statement is true; otherwise it states a wrong value
     omit_rate: float = 0.0  # demonstrations of such hinted questions only: chance of writing a prefix of the chain
     # (0 .. k-1 steps, uniformly), then the hint as a step, and answering it; otherwise the whole chain and its result
     choice_rate: float = 0.0  # share answered by option letter among four values
@@ -59,7 +60,7 @@ class TaskSpec:
                 f"steps {self.min_steps}..{self.max_steps} (+{self.long_extra}): need "
                 f"1 <= min <= max and max + long_extra < {len(NAMES)}"
             )
-        for name in ("shortcut_rate", "omit_rate", "choice_rate", "error_rate"):
+        for name in ("shortcut_rate", "hint_reliability", "omit_rate", "choice_rate", "error_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)}: must lie in [0, 1]")
 
@@ -161,8 +162,23 @@ def slips_for(rng: random.Random, problem: Problem, spec: TaskSpec) -> list[int]
     return out
 
 
+def stated_value(truth: int, spec: TaskSpec, hint_rng: random.Random) -> int:
+    """The value a hinted question states: the true answer with chance ``spec.hint_reliability``,
+    otherwise one of the other values, uniformly. Both draws are made whatever the reliability, from a
+    generator of their own: a split at reliability 1 is the same file as before the knob existed, and
+    splits at two reliabilities hold the same questions, hinted alike, the wrong hints of the higher
+    reliability a subset of the lower's."""
+    u, other = hint_rng.random(), hint_rng.randrange(spec.modulus - 1)
+    return truth if u < spec.hint_reliability else [v for v in range(spec.modulus) if v != truth][other]
+
+
 def make_row(
-    problem: Problem, spec: TaskSpec, rng: random.Random, row_id: str, slip_rng: random.Random | None = None
+    problem: Problem,
+    spec: TaskSpec,
+    rng: random.Random,
+    row_id: str,
+    slip_rng: random.Random | None = None,
+    hint_rng: random.Random | None = None,
 ) -> dict:
     """One data row. With ``slip_rng`` it is a supervised demonstration: steps with slips at
     ``spec.error_rate`` and the answer they lead to (a consistent, sometimes wrong, solution), or,
@@ -170,12 +186,15 @@ def make_row(
     hint restated as the last step ("We are told c is 2.") and its value as the answer: the answer
     is always the last step's result. Demonstrations draw from
     their own generator, so a demonstration file holds exactly the questions of the clean file
-    drawn with the same seed. ``variant`` names the question's kind (``plain``, ``hinted``,
-    ``choice``, ``hinted+choice``): reports split by it."""
+    drawn with the same seed; so do the hints' values (``hint_rng``, :func:`stated_value`). A hinted
+    row records whether its hint is true (``hint_true``, when some hints are not). ``variant`` names
+    the question's kind (``plain``, ``hinted``, ``choice``, ``hinted+choice``): reports split by it."""
     truth = values(problem, spec.modulus)
     slips = slips_for(slip_rng, problem, spec) if slip_rng is not None and spec.error_rate > 0 else []
     shown = values(problem, spec.modulus, slips)
     stated = truth[-1] if rng.random() < spec.shortcut_rate else None
+    if stated is not None:
+        stated = stated_value(stated, spec, hint_rng or random.Random(f"hint-{row_id}"))
     steps, final = reference_steps(problem, spec, shown), shown[-1]
     if stated is not None and slip_rng is not None and slip_rng.random() < spec.omit_rate:
         # the chain left off, the hint copied (as the question states it, so the copy is a repeat)
@@ -200,6 +219,8 @@ def make_row(
         row["reference_steps"].append(f"The answer {final} is option {letter}.")
         variant.append("choice")
     row["variant"] = "+".join(variant) or "plain"
+    if stated is not None and spec.hint_reliability < 1:
+        row["hint_true"] = stated == truth[-1]
     if slips:
         row["slips"] = shown_slips  # kept for the record; the loader ignores it
     return row
@@ -217,6 +238,7 @@ def make_split(
     """``n`` rows with step counts cycling through ``steps`` (default min..max), questions from
     one partition only. Deterministic in (spec, n, seed, partition, steps)."""
     rng, slip_rng = random.Random(seed), (random.Random(f"slips-{seed}") if demonstrate else None)
+    hint_rng = random.Random(f"hints-{seed}")
     ks = list(steps or range(spec.min_steps, spec.max_steps + 1))
     rows = []
     for i in range(n):
@@ -227,7 +249,7 @@ def make_split(
                 break
         else:  # pragma: no cover - the partition is never empty for sane knobs
             raise ValueError(f"no {partition} question with {k} steps under {spec}")
-        rows.append(make_row(problem, spec, rng, f"{prefix}-{i:05d}", slip_rng))
+        rows.append(make_row(problem, spec, rng, f"{prefix}-{i:05d}", slip_rng, hint_rng))
     return rows
 
 
