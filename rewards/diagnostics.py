@@ -1,6 +1,7 @@
 """What a reward's numbers say about a batch (docs/method.md section 6): the reward as the sum of
 its components, and the diagnostics logged every training step (accuracy, format rate, step
-counts, the guard's rate, the discrimination gap, the reward's correlation with Match F1)."""
+counts, the guard's rate, the discrimination gap, the reward's correlation with Match F1, the
+spread of the step scores)."""
 
 from __future__ import annotations
 
@@ -51,5 +52,7 @@ def diagnostics(batch: Batch, comps: dict[str, torch.Tensor], flagged: torch.Ten
     if bool(refs.any()):
         for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1"):
             out[f] = mean(getattr(batch, f)[refs])
+        # the batch's spread of step scores: the composite's step term weighs F1 by alpha / f1_std
+        out["f1_std"] = float(batch.step[refs].std(unbiased=False))
         out["r_f1"] = pearson(reward[refs], batch.step[refs])
     return out

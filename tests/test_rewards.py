@@ -334,6 +334,7 @@ def test_diagnostics_on_known_batch():
     R, x = torch.tensor([1.4, 1.2, 0.1, 0.0]), torch.tensor([1.0, 0.5, 0.5, 0.0])
     assert d["r_f1"] == pytest.approx(float(torch.corrcoef(torch.stack([R, x]))[0, 1]), abs=1e-6)
     assert d["f1"] == pytest.approx(0.5) and d["steps_median"] == 3.0
+    assert d["f1_std"] == pytest.approx(float(x.double().std(unbiased=False)))  # 0.354: the composite's alpha / it
 
 
 def test_diagnostics_logged_through_trl_hook():
@@ -360,6 +361,7 @@ def test_diagnostics_logged_through_trl_hook():
         "guard_rate",
         "discrimination_gap",
         "r_f1",
+        "f1_std",
         "scoring_seconds",
     ):
         assert f"cpr/{key}" in logged, key

@@ -115,7 +115,69 @@ contrasts:
     assert recall["seeds"] == (3, 3) and recall["diff"] > 0.4 and recall["low"] > 0 and recall["p"] < 0.01
     assert accuracy["diff"] == 0 and accuracy["p"] is None  # both arms always right: no spread, no test
     assert recall["p_holm"] == pytest.approx(recall["p"])  # the only test in the family
-    assert "| eval | all | recall | short | full | 3, 3 |" in contrasts_markdown(table)
+    assert "| primary | eval | all | recall | welch | short | full | 3, 3 |" in contrasts_markdown(table)
+
+
+def test_fisher_contrasts_read_whether_each_seed_holds_the_chain_on_its_own_points_data(tmp_path):
+    """A run holds the chain when under 10% of its hinted completions restate the hint. Arm ``copy``
+    restates it in every seed, arm ``chain`` in none; each point is evaluated on its own data file (the
+    false hints of r < 1 beside the true ones): the Fisher contrast counts 0/4 against 4/4, p 0.029,
+    Holm within its family only, and the hinted rows split by whether their hint is true."""
+    from crystal_grpo.train.organism.step_diagnosis import contrast_table, contrasts_markdown, per_seed
+    from crystal_grpo.train.organism.task import write_jsonl
+    from crystal_grpo.train.tools.sweep import load_sweep
+
+    def rows(r: float) -> list[dict]:
+        spec = TaskSpec(shortcut_rate=1.0, omit_rate=1.0, hint_reliability=r)
+        return make_split(spec, 40, seed=3, partition="held_out", prefix="h")[:8]
+
+    sure, unsure = rows(1.0), rows(0.5)
+    assert any(r["hint_true"] is False for r in unsure)
+    write_jsonl(sure, tmp_path / "sure.jsonl")
+    write_jsonl(unsure, tmp_path / "unsure.jsonl")
+    sweep_file = tmp_path / "s.yaml"
+    sweep_file.write_text(f"""
+base: organism.yaml
+points: [{{name: copy, eval: {{data: {tmp_path / "unsure.jsonl"}}}}}, {{name: chain}}]
+seeds: [1, 2, 3, 4]
+eval: {{data: {tmp_path / "sure.jsonl"}}}
+contrasts:
+  - {{a: copy, b: chain, metric: holds, variant: hinted, eval: eval, test: fisher}}
+  - {{a: copy, b: chain, metric: f1, variant: hinted, eval: eval, family: secondary}}
+  - {{a: copy, b: chain, metric: accuracy, variant: hinted, eval: eval, family: secondary}}
+""")
+    sweep = load_sweep(sweep_file, tmp_path / "out")
+    for p in sweep.points:
+        out = tmp_path / "out" / p.name / "eval"
+        out.mkdir(parents=True)
+        (out / "report.json").write_text("{}")
+        data = unsure if p.arm == "copy" else sure
+        hint = lambda r: "We are told" + r["question"].split("We are told")[1].split("?")[0].rsplit(".", 1)[0] + "."
+        preds = [
+            {
+                "id": r["id"],
+                "sample": 0,
+                "completion": (
+                    completion([hint(r)], stated_result(hint(r)))
+                    if p.arm == "copy"
+                    else completion(r["reference_steps"][: 1 + (p.seed + i) % 2], r["answer"])
+                ),
+            }
+            for i, r in enumerate(data)
+        ]
+        write_jsonl(preds, out / "predictions.jsonl")
+    runs = per_seed(sweep)
+    assert [run["hinted"]["holds"] for run in runs["copy"]] == [0.0] * 4
+    assert [run["hinted"]["holds"] for run in runs["chain"]] == [1.0] * 4
+    copy = runs["copy"][0]
+    assert copy["hinted (false hint)"]["accuracy"] == 0.0 and copy["hinted (true hint)"]["accuracy"] == 1.0
+    holds, f1, accuracy = contrast_table(sweep)
+    assert holds["yes"] == (0, 4) and holds["p"] == pytest.approx(2 / 70) and holds["p_holm"] == holds["p"]
+    assert holds["m"] == 1 and f1["m"] == accuracy["m"] == 2
+    assert f1["low_adjusted"] < f1["low"] and f1["p_perm"] == pytest.approx(2 / 70)
+    assert accuracy["p"] is None and f1["p_holm"] == pytest.approx(f1["p"])  # no spread: no test, none to correct
+    table = contrasts_markdown([holds, f1])
+    assert "| primary | eval | hinted | holds the chain | fisher | copy | chain | 4, 4 | 0/4 [" in table
 
 
 def test_a_sweep_arm_trained_with_minilm_is_scored_with_the_exact_matcher(tmp_path):

@@ -34,9 +34,14 @@ SUMMARY = (
     "steps_per_ref",
     "answer_is_last",
     "copies_hint",
+    "holds",
     "slip_f1",
     "f1_over_slip",
 )
+#: A run "holds the chain" on a set of rows when fewer than this share of its completions restate the hint.
+HOLD_BELOW = 0.10
+#: Numbers that are 0 or 1 for one run, read across seeds by Fisher's exact test.
+BINARY = ("holds",)
 LABELS = {
     "n": "completions",
     "accuracy": "accuracy",
@@ -49,6 +54,7 @@ LABELS = {
     "steps_per_ref": "steps / k",
     "answer_is_last": "answer = last step",
     "copies_hint": "hint copied",
+    "holds": "holds the chain",
     "slip_f1": "slip-model F1",
     "f1_over_slip": "F1 − slip model",
 }
@@ -93,6 +99,7 @@ def score(texts: Sequence[str], rows: Sequence[Mapping]) -> list[dict]:
         out.append(
             {
                 "variant": row.get("variant", "plain"),
+                "hint_true": row.get("hint_true"),
                 "k": len(row["reference_steps"]),
                 "correct": values["accuracy"][i],
                 "f1": values["f1"][i],
@@ -119,6 +126,7 @@ def summarize(scored: Sequence[dict]) -> dict[str, float]:
     acc = _mean(s["correct"] for s in scored)
     model = slip_model_f1(acc, [s["k"] for s in scored])
     f1 = _mean(s["f1"] for s in scored)
+    copies = _mean(s["copies_hint"] for s in scored)
     return {
         "n": len(scored),
         "accuracy": acc,
@@ -130,20 +138,25 @@ def summarize(scored: Sequence[dict]) -> dict[str, float]:
         "steps": _mean(s["steps"] for s in scored),
         "steps_per_ref": _mean(s["steps"] / s["k"] for s in scored),
         "answer_is_last": _mean(s["answer_is_last"] for s in scored),
-        "copies_hint": _mean(s["copies_hint"] for s in scored),
+        "copies_hint": copies,
+        "holds": float(copies < HOLD_BELOW) if math.isfinite(copies) else math.nan,
         "slip_f1": model,
         "f1_over_slip": f1 - model,
     }
 
 
 def by_variant(scored: Sequence[dict]) -> dict[str, dict[str, float]]:
-    """:func:`summarize` over all completions (``all``) and over each variant."""
+    """:func:`summarize` over all completions (``all``), over each variant, and where some hints
+    state a wrong value (the task's ``hint_reliability``) over the true and the false hints apart."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for s in scored:
         groups[s["variant"]].append(s)
+    if any(s.get("hint_true") is False for s in scored):
+        for s in scored:
+            if s.get("hint_true") is not None:
+                groups[f"{s['variant']} ({'true' if s['hint_true'] else 'false'} hint)"].append(s)
     out = {"all": summarize(scored)}
-    if len(groups) > 1:
-        out.update({v: summarize(groups[v]) for v in sorted(groups)})
+    out.update({v: summarize(groups[v]) for v in sorted(groups)})
     return out
 
 
@@ -207,14 +220,15 @@ def markdown(
 
 
 def per_seed(sweep, folder: str = "eval") -> dict[str, list[dict[str, dict[str, float]]]]:
-    """Per arm of a sweep (train/tools/sweep.py): each evaluated seed's ``folder`` on the sweep's
-    ``eval.data``, by variant (seeds in the sweep's order)."""
-    data = rows_by_id(sweep.eval["data"])
+    """Per arm of a sweep (train/tools/sweep.py): each evaluated seed's ``folder`` on the data it was
+    evaluated on (the sweep's ``eval.data``, or the point's own), by variant (seeds in the sweep's order)."""
+    data: dict[str, dict] = {}
     out: dict[str, list] = defaultdict(list)
     for p in sweep.points:
         ev = sweep.output_dir / p.name / folder
         if (ev / "report.json").is_file():
-            out[p.arm].append(diagnose_eval(ev, data))
+            path = str(sweep.eval_for(p)["data"])
+            out[p.arm].append(diagnose_eval(ev, data.setdefault(path, rows_by_id(path))))
     return dict(out)
 
 
@@ -223,52 +237,87 @@ def sweep_table(sweep, folder: str = "eval") -> dict[str, dict[str, dict[str, tu
     return {arm: across_seeds(runs) for arm, runs in per_seed(sweep, folder).items()}
 
 
-def contrast_table(sweep) -> list[dict]:
-    """The sweep's pre-registered ``contrasts`` (b minus a, per seed: Welch's t-interval and p on
-    the seed values), with Holm's adjusted p over the whole list."""
-    from crystal_grpo.train.tools.stats import holm, seed_test
+def contrast_table(sweep, alpha: float = 0.05) -> list[dict]:
+    """The sweep's pre-registered ``contrasts`` (b minus a over the per-seed values), Holm-corrected
+    within each ``family``. A Welch contrast has its t-interval at 95% and at 1 - alpha/m (Bonferroni
+    over the family's m contrasts: simultaneous, so it covers what Holm rejects), the exact
+    permutation p beside Welch's, and the seeds per arm a difference of its size needs at alpha/m
+    (Holm's first threshold). A Fisher contrast reads a yes/no number per seed (:data:`BINARY`):
+    the counts, each rate's exact interval at 1 - alpha/m, and Fisher's exact p."""
+    from crystal_grpo.train.tools.stats import fisher_test, holm, permutation_test, seed_test
 
     cache: dict[str, dict] = {}
+    sizes = {f: sum(c.get("family", "primary") == f for c in sweep.contrasts) for f in _families(sweep.contrasts)}
     rows = []
     for c in sweep.contrasts:
+        family = c.get("family", "primary")
+        level = alpha / sizes[family]
         seeds = cache.setdefault(c["eval"], per_seed(sweep, c["eval"]))
         a, b = (
             [run[c["variant"]][c["metric"]] for run in seeds.get(arm, []) if c["variant"] in run]
             for arm in (c["a"], c["b"])
         )
-        test = seed_test(a, b)
-        rows.append(
-            {
-                **c,
-                "seeds": (len(a), len(b)),
-                "mean_a": _mean(a),
-                "mean_b": _mean(b),
-                "diff": test.diff,
-                "low": test.low,
-                "high": test.high,
-                "p": test.p,
-                "seeds_needed": test.seeds_needed,
-            }
-        )
-    for row, adjusted in zip(rows, holm([r["p"] for r in rows])):
-        row["p_holm"] = adjusted
+        row = {**c, "family": family, "test": c.get("test", "welch"), "seeds": (len(a), len(b))}
+        row.update({"mean_a": _mean(a), "mean_b": _mean(b), "m": sizes[family], "alpha_adjusted": level})
+        if row["test"] == "fisher":
+            test = fisher_test(a, b, level)
+            row.update(
+                diff=test.diff, p=test.p, yes=(test.yes_a, test.yes_b), rate_a=test.interval_a, rate_b=test.interval_b
+            )
+            row["seeds_needed"] = _rate_seeds_needed(row["mean_a"], row["mean_b"], level)
+        else:
+            test, wide = seed_test(a, b), seed_test(a, b, level)
+            row.update(diff=test.diff, low=test.low, high=test.high, p=test.p, p_perm=permutation_test(a, b))
+            row.update(low_adjusted=wide.low, high_adjusted=wide.high, seeds_needed=wide.seeds_needed)
+        rows.append(row)
+    for family in sizes:
+        members = [r for r in rows if r["family"] == family]
+        for row, adjusted in zip(members, holm([r["p"] for r in members])):
+            row["p_holm"] = adjusted
     return rows
 
 
+def _families(contrasts: Sequence[Mapping]) -> list[str]:
+    return list(dict.fromkeys(c.get("family", "primary") for c in contrasts))
+
+
+def _rate_seeds_needed(rate_a: float, rate_b: float, alpha: float, power: float = 0.8) -> int | None:
+    """Seeds per arm to tell two rates apart (the arcsine approximation; with 0 or 1 it is rough)."""
+    from scipy.stats import norm
+
+    if not (math.isfinite(rate_a) and math.isfinite(rate_b)) or rate_a == rate_b:
+        return None
+    h = abs(2 * math.asin(math.sqrt(rate_b)) - 2 * math.asin(math.sqrt(rate_a)))
+    return max(2, math.ceil(((norm.ppf(1 - alpha / 2) + norm.ppf(power)) / h) ** 2))
+
+
 def contrasts_markdown(rows: Sequence[Mapping]) -> str:
-    """One line a contrast: the two arms' seed means, b − a with its 95% t-interval, Welch's p,
-    Holm's p, and the seeds per arm a difference of this size would need (80% power)."""
+    """One line a contrast: its family, the two arms' seed means (for Fisher: how many seeds hold, and
+    the rate's exact interval at the family's adjusted level), b − a with its 95% t-interval (not
+    adjusted) and the interval at the adjusted level, Welch's or Fisher's p, the permutation p, Holm's
+    p within the family, and the seeds per arm a difference of this size needs at Holm's first threshold."""
     num = lambda x, f=".3f": "-" if x is None or not math.isfinite(x) else format(x, f)
     lines = [
-        "| evaluation | variant | metric | a | b | seeds | a | b | b − a [95% t-interval] | p | p (Holm) "
-        "| seeds needed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| family | evaluation | variant | metric | test | a | b | seeds | a | b | b − a [95%, not adjusted] "
+        "| [adjusted] | p | p (permutation) | p (Holm) | seeds needed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if r["test"] == "fisher":
+            ya, yb = r["yes"]
+            means = [
+                f"{y}/{n} [{num(lo, '.2f')}, {num(hi, '.2f')}]"
+                for y, n, (lo, hi) in ((ya, r["seeds"][0], r["rate_a"]), (yb, r["seeds"][1], r["rate_b"]))
+            ]
+            interval, adjusted, perm = num(r["diff"], "+.3f"), "-", "-"
+        else:
+            means = [num(r["mean_a"]), num(r["mean_b"])]
+            interval = f"{num(r['diff'], '+.3f')} [{num(r['low'], '+.3f')}, {num(r['high'], '+.3f')}]"
+            adjusted = f"[{num(r['low_adjusted'], '+.3f')}, {num(r['high_adjusted'], '+.3f')}]"
+            perm = num(r["p_perm"])
         lines.append(
-            f"| {r['eval']} | {r['variant']} | {LABELS[r['metric']]} | {r['a']} | {r['b']} | "
-            f"{r['seeds'][0]}, {r['seeds'][1]} | {num(r['mean_a'])} | {num(r['mean_b'])} | "
-            f"{num(r['diff'], '+.3f')} [{num(r['low'], '+.3f')}, {num(r['high'], '+.3f')}] | {num(r['p'])} "
-            f"| {num(r['p_holm'])} | {r['seeds_needed'] or '-'} |"
+            f"| {r['family']} | {r['eval']} | {r['variant']} | {LABELS[r['metric']]} | {r['test']} | {r['a']} | "
+            f"{r['b']} | {r['seeds'][0]}, {r['seeds'][1]} | {means[0]} | {means[1]} | {interval} | {adjusted} | "
+            f"{num(r['p'])} | {perm} | {num(r['p_holm'])} | {r['seeds_needed'] or '-'} |"
         )
     return "\n".join(lines) + "\n"

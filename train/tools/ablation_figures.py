@@ -247,7 +247,11 @@ def diagnosis_markdown(sweep: Sweep, runs: dict[str, list[dict]] | None = None) 
             table_markdown(sweep_table(sweep, name)),
         ]
     if sweep.contrasts:
-        lines += ["## Pre-registered contrasts (Holm over all of them)", "", contrasts_markdown(contrast_table(sweep))]
+        lines += [
+            "## Pre-registered contrasts (Holm within each family)",
+            "",
+            contrasts_markdown(contrast_table(sweep)),
+        ]
     if runs:
         lines += [
             "## Held-out validation over training, by variant (sampled; mean ± sd over seeds)",

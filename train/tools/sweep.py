@@ -54,8 +54,10 @@ KEYS = {
     "contrasts",
 }
 #: A pre-registered contrast: arm ``b`` minus arm ``a`` on ``metric`` of ``variant``'s rows in each seed's ``eval``
-#: folder (train/organism/step_diagnosis.py); the report corrects the whole list with Holm.
+#: folder (train/organism/step_diagnosis.py), by ``test`` (welch: per-seed values; fisher: a per-seed yes/no);
+#: the report corrects each ``family`` (default: primary) with Holm.
 CONTRAST_KEYS = ("a", "b", "metric", "variant", "eval")
+CONTRAST_OPTIONAL = {"test": ("welch", "fisher"), "family": None}
 EVAL_KEYS = {"data", "max_samples", "batch_size", "max_new_tokens", "temperature", "num_samples"}
 #: ``eval.also``: more evaluations of the final weights, each the primary one with some settings changed.
 ALSO = "also"
@@ -75,6 +77,7 @@ class Point:
     overrides: dict[str, Any]
     seed: int | None = None
     run_config: dict | None = field(default=None, repr=False)  # set once by resolved()
+    eval: dict[str, Any] = field(default_factory=dict)  #: the point's own evaluation settings (e.g. its data)
 
     def overrides_argv(self) -> list[str]:
         """``--section.key value`` pairs, each value as the config reader parses it back (YAML)."""
@@ -99,6 +102,10 @@ class Sweep:
     eval: dict[str, Any] = field(default_factory=dict)
     x: str | None = None
     contrasts: list[dict[str, str]] = field(default_factory=list)
+
+    def eval_for(self, point: Point) -> dict[str, Any]:
+        """The sweep's ``eval`` with the point's own settings over it (a point on other data)."""
+        return {**self.eval, **point.eval}
 
 
 def _flat(overrides: Any, where: str) -> dict[str, Any]:
@@ -184,8 +191,15 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
         raise SweepError("points: expected a list of {name, overrides, config}")
     points: list[Point] = []
     for i, p in enumerate(named):
-        if not isinstance(p, dict) or set(p) - {"name", "overrides", "config"}:
-            raise SweepError(f"points[{i}]: expected a mapping with name, overrides and optional config, got {p!r}")
+        if not isinstance(p, dict) or set(p) - {"name", "overrides", "config", "eval"}:
+            raise SweepError(
+                f"points[{i}]: expected a mapping with name, overrides and optional config and eval, got {p!r}"
+            )
+        own_eval = p.get("eval") or {}
+        if not isinstance(own_eval, dict) or set(own_eval) - EVAL_KEYS:
+            raise SweepError(
+                f"points[{i}].eval: expected a mapping of {', '.join(sorted(EVAL_KEYS))}, got {own_eval!r}"
+            )
         if raw.get("points") and not p.get("name"):
             raise SweepError(f"points[{i}]: `name` is required")
         config = p.get("config") or base
@@ -197,7 +211,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
             for seed in seeds:
                 over = {**overrides, **({"training.seed": seed} if seed is not None else {})}
                 name = arm if seed is None else f"{arm}_seed{seed}"
-                points.append(Point(name, arm, str(config), over, seed))
+                points.append(Point(name, arm, str(config), over, seed, eval=dict(own_eval)))
     points.sort(key=lambda p: seeds.index(p.seed))  # seed by seed: a stopped sweep leaves its arms balanced
     names = [p.name for p in points]
     for name in names:  # a point's run folder is <sweep folder>/<name>: one folder, never one elsewhere
@@ -210,7 +224,12 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
     if dupes:
         raise SweepError(f"points named more than once: {', '.join(dupes)}")
     ev = raw.get("eval") or {}
-    if not isinstance(ev, dict) or set(ev) - EVAL_KEYS - {ALSO} or (ev and not ev.get("data")):
+    if (
+        not isinstance(ev, dict)
+        or set(ev) - EVAL_KEYS - {ALSO}
+        or (ev and not ev.get("data"))
+        or (not ev and any(p.eval for p in points))
+    ):
         optional = ", ".join(sorted(EVAL_KEYS - {"data"} | {ALSO}))
         raise SweepError(f"eval: expected a mapping with `data` and optional {optional}, got {ev!r}")
     also = ev.get(ALSO) or {}
@@ -245,26 +264,37 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
 
 
 def _contrasts(raw: Any, points: list[Point], ev: dict) -> list[dict[str, str]]:
-    """``contrasts:`` checked: each names two arms of the sweep, a metric, a variant and an evaluation."""
-    from crystal_grpo.train.organism.step_diagnosis import SUMMARY
+    """``contrasts:`` checked: each names two arms of the sweep, a metric, a variant and an evaluation,
+    and optionally its test and family."""
+    from crystal_grpo.train.organism.step_diagnosis import BINARY, SUMMARY
 
     if raw is None:
         return []
     arms = {p.arm for p in points}
     folders = {"eval", *(f"eval_{n}" for n in (ev.get(ALSO) or {}))}
     if not isinstance(raw, list):
-        raise SweepError("contrasts: expected a list of {a, b, metric, variant, eval}")
+        raise SweepError("contrasts: expected a list of {a, b, metric, variant, eval[, test, family]}")
     for i, c in enumerate(raw):
-        if not isinstance(c, dict) or set(c) != set(CONTRAST_KEYS):
-            raise SweepError(f"contrasts[{i}]: expected the keys {', '.join(CONTRAST_KEYS)}, got {c!r}")
+        if not isinstance(c, dict) or not set(CONTRAST_KEYS) <= set(c) <= set(CONTRAST_KEYS) | set(CONTRAST_OPTIONAL):
+            raise SweepError(
+                f"contrasts[{i}]: expected the keys {', '.join(CONTRAST_KEYS)} (and optional "
+                f"{', '.join(CONTRAST_OPTIONAL)}), got {c!r}"
+            )
+        test = c.get("test", "welch")
         bad = (
             [f"arm {c[k]!r}" for k in ("a", "b") if c[k] not in arms]
             + ([f"metric {c['metric']!r} (one of {', '.join(SUMMARY)})"] if c["metric"] not in SUMMARY else [])
             + ([f"eval {c['eval']!r} (one of {', '.join(sorted(folders))})"] if c["eval"] not in folders else [])
+            + ([f"test {test!r} (one of welch, fisher)"] if test not in CONTRAST_OPTIONAL["test"] else [])
+            + (
+                [f"yes/no metric {c['metric']!r} for test fisher (one of {', '.join(BINARY)})"]
+                if test == "fisher" and c["metric"] not in BINARY
+                else []
+            )
         )
         if bad:
             raise SweepError(f"contrasts[{i}]: no {'; no '.join(bad)}")
-    return [{k: str(c[k]) for k in CONTRAST_KEYS} for c in raw]
+    return [{k: str(v) for k, v in c.items()} for c in raw]
 
 
 def start_checkpoint(folder: Path) -> Path:
@@ -461,11 +491,12 @@ def evaluate_point(
     """Score the point's final weights (and its best checkpoint, when another) on ``eval.data``
     into ``<point>/eval`` (and ``<point>/eval_best``); resumable."""
     folder = sweep.output_dir / point.name
-    targets = {out: (ckpt, sweep.eval) for out, ckpt in eval_targets(folder).items()}
+    settings_of = sweep.eval_for(point)
+    targets = {out: (ckpt, settings_of) for out, ckpt in eval_targets(folder).items()}
     if "eval" in targets:
         targets.update(
             {
-                f"eval_{name}": (targets["eval"][0], {**sweep.eval, **changed})
+                f"eval_{name}": (targets["eval"][0], {**settings_of, **changed})
                 for name, changed in (sweep.eval.get(ALSO) or {}).items()
             }
         )
