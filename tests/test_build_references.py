@@ -215,7 +215,7 @@ def test_bad_input_is_one_line(inputs, tmp_path, capsys):
 
 @pytest.mark.parametrize("same", ["data", "a"])
 def test_out_naming_an_input_file_is_refused_and_the_file_left_as_it_is(inputs, capsys, same):
-    """--out = --data said "0 rows built, 8 already written" and exited 0 (issue 43 item 12)."""
+    """--out = --data said "0 rows built, 8 already written" and exited 0."""
     before = inputs[same].read_bytes()
     assert run(inputs, out=inputs[same]) == 2
     flag = {"data": "--data", "a": "--trajectories"}[same]
@@ -227,7 +227,7 @@ def test_out_naming_an_input_file_is_refused_and_the_file_left_as_it_is(inputs, 
 
 
 def test_sampling_outside_its_range_is_one_line(inputs, tmp_path, capsys):
-    """--temperature -1 ran greedy while the report said -1 (issue 43 item 12)."""
+    """--temperature -1 ran greedy while the report said -1."""
     args = ["--data", str(inputs["data"]), "--out", str(tmp_path / "x.jsonl"), "--generator", "m"]
     for flag, value, expected in (
         ("--temperature", "-1", "expected a number >= 0 (0: greedy decoding)"),

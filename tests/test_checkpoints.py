@@ -82,7 +82,7 @@ def test_latest_is_the_newest_complete_checkpoint_and_says_what_it_skipped(tmp_p
 
 def test_a_checkpoint_corrupted_at_the_same_size_is_not_resumed(tmp_path):
     """model.safetensors corrupted at the same size, marker intact: resumed, and the accuracy fell
-    from 0.375 to 0 (issue 43 item 11). The marker's sha256 finds it where a run resumes: latest
+    from 0.375 to 0. The marker's sha256 finds it where a run resumes: latest
     falls back to the previous complete checkpoint and says so; an explicit path is refused."""
     good = _fake_checkpoint(tmp_path, 2)
     bad = _fake_checkpoint(tmp_path, 4)

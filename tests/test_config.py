@@ -260,7 +260,7 @@ def test_duplicate_keys_are_an_error(tmp_path, text, line, key):
     ],
 )
 def test_an_override_given_twice_is_an_error_as_a_key_given_twice_in_yaml(override, first, capsys):
-    """The last one won without a word (issue 43 item 12)."""
+    """The last one won without a word."""
     assert grpo.main(["--config", "tiny.yaml", *override]) == 2
     err = capsys.readouterr().err.strip()
     assert (

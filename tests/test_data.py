@@ -175,7 +175,7 @@ def test_images_stored_in_the_data_load_like_image_files(tmp_path):
 
 
 def test_a_column_mapping_naming_a_column_the_file_lacks_is_an_error(tmp_path):
-    """The row's own field of that name was read instead, without a word (issue 43 item 12)."""
+    """The row's own field of that name was read instead, without a word."""
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     with pytest.raises(DataError) as err:
@@ -190,7 +190,7 @@ def test_training_data_smaller_than_one_batch_is_refused_before_the_model_loads(
     tmp_path, tiny_lm_path, capsys, monkeypatch
 ):
     """3 prompts, a batch of 4 (16 completions of 4 generations): "steps 0", exit 0, final/ = the
-    starting weights (issue 43 item 9)."""
+    starting weights."""
 
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -344,8 +344,8 @@ class CountingTokenizer:
 
 
 def test_a_prompt_too_long_by_its_size_alone_is_skipped_without_tokenising_it(tmp_path):
-    """A 50 MB row took 110-232 s and 9.95 GB to tokenise before it was skipped (issue 43 item
-    16): a prompt longer than room x the longest token (in characters) cannot fit, so it is
+    """A 50 MB row took 110-232 s and 9.95 GB to tokenise before it was skipped: a prompt longer
+    than room x the longest token (in characters) cannot fit, so it is
     skipped unread by the tokenizer, with the same warning."""
     from crystal_grpo.train.data.splits import limit_prompt_lengths
 

@@ -334,7 +334,7 @@ GREEDY = "expected a number >= 0 (0: greedy decoding)"
     ],
 )
 def test_sampling_outside_its_range_is_one_line(tmp_path, capsys, flag, value, expected):
-    """--temperature -1 ran greedy while the report said -1 (issue 43 item 12)."""
+    """--temperature -1 ran greedy while the report said -1."""
     assert ev.main(["--model", str(tmp_path), "--out", str(tmp_path / "o"), *COMMON, flag, value]) == 2
     assert capsys.readouterr().err.strip() == f"error: {flag} {float(value)}: {expected}"
 

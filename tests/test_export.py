@@ -262,7 +262,7 @@ def test_failed_export_leaves_no_folder_and_keeps_the_good_one(run, full_export,
 
 
 def test_overwrite_replaces_only_an_export(run, full_export, tmp_path, capsys):
-    """Lost files (issue 43 item 3): --overwrite on a folder that is no export, or an export holding
+    """Lost files: --overwrite on a folder that is no export, or an export holding
     a user's file, is refused in one line and loses nothing; an export carries its marker."""
     ckpt = str(run / "phase1-grpo" / "checkpoint-2")
     mine = tmp_path / "mine"

@@ -1,12 +1,9 @@
-"""What a launch can know before anything loads is said then, in one line (issue 43 items 13-15,
-18, 21): an --output_dir that cannot be made, a launcher's variables without a launcher, a
-generation batch num_generations does not divide, a Hub id the hub cannot answer for, a data
-file that is empty or not a regular file, and the command that makes a missing shipped input.
-
-The runs here use the committed organism warm start as the model (a real model folder that
-needs no build), so that every check before it passes and the one under test is the first to
-speak: each test fails if the launch goes on to load anything.
-"""
+"""What a launch can know before anything loads is said then, in one line: an --output_dir that cannot
+be made, a launcher's variables without a launcher, a generation batch num_generations does not
+divide, a Hub id the hub cannot answer for, a data file that is empty or not a regular file, and the
+command that makes a missing shipped input. The runs here use the committed organism warm start as
+the model (a real model folder that needs no build), so that every check before it passes and the
+one under test is the first to speak: each test fails if the launch goes on to load anything."""
 
 from __future__ import annotations
 
@@ -34,7 +31,7 @@ def refused(capsys, *argv: str) -> list[str]:
     return err.strip().splitlines()
 
 
-# --- item 13: an --output_dir that cannot be made -------------------------------------------------
+# --- an --output_dir that cannot be made -------------------------------------------------
 @pytest.mark.parametrize(
     "where, reason",
     [
@@ -56,7 +53,7 @@ def test_an_output_dir_that_cannot_be_made_is_one_line_before_anything_loads(tmp
     assert sorted(os.listdir(tmp_path)) == ["a_file"]  # the probe left nothing
 
 
-# --- item 13: a launcher's variables without a launcher ---------------------------------------------
+# --- a launcher's variables without a launcher ---------------------------------------------
 @pytest.mark.parametrize(
     "variables, said",
     [
@@ -114,7 +111,7 @@ def test_a_process_group_that_failed_to_start_leaves_the_rank_readable(monkeypat
         PartialState._reset_state()
 
 
-# --- item 18: the main process's message under torchrun ---------------------------------------------
+# --- the main process's message under torchrun ---------------------------------------------
 #: rank 0 reaches the message a few seconds after rank 1 (a loaded node): rank 1 must not exit first,
 #: or torchrun stops rank 0 before it prints.
 SLOW_MAIN_PROCESS = """
@@ -153,7 +150,7 @@ def test_two_processes_report_missing_pieces_once_however_late_the_main_process(
     assert not (tmp_path / "r").exists()
 
 
-# --- item 14: what --check could have caught ---------------------------------------------------------
+# --- what --check could have caught ---------------------------------------------------------
 @pytest.mark.parametrize(
     "argv, problem",
     [
@@ -292,7 +289,7 @@ def test_a_hub_id_online_is_asked_of_the_hub_once_before_anything_loads(tmp_path
     assert lines[1].startswith(f"  model.name_or_path: {said.format(port=free_port)}"), proc.stderr[-3000:]
 
 
-# --- item 21: a shipped config's missing inputs name the command that makes them ------------------------
+# --- a shipped config's missing inputs name the command that makes them ------------------------
 #: The shipped configs whose every input is committed or made by a command of this repository.
 MADE_HERE = (
     "tiny.yaml",

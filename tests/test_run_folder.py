@@ -70,7 +70,7 @@ def _user_files(run: Path, outside: Path) -> dict[str, bytes]:
     return files
 
 
-# --- item 1: a finished run stays finished ----------------------------------------------------------
+# --- a finished run stays finished ----------------------------------------------------------
 @pytest.mark.parametrize("kind, extra", [("single", ["--training.max_steps", "4"]), ("multi", ["--phases", phases()])])
 @pytest.mark.parametrize("resume", [True, False], ids=["resumed", "launched_again"])
 def test_a_finished_run_launched_again_changes_nothing(finished, tmp_path, capsys, kind, extra, resume):
@@ -108,9 +108,9 @@ def test_a_finished_sweep_point_run_by_its_emitted_command_changes_nothing(tmp_p
 
 
 def test_a_larger_max_steps_continues_the_run_and_says_so(finished, tmp_path, capsys, caplog):
-    """...on transformers' schedule for the new max_steps (linear here: 1e-4 x (5 - 4) / 5 at step
-    5), said in one line; step 5 trained at the checkpoint's rate, 0, and changed no weight (issue
-    43 item 5). And a user's files beside the run (their own README.md too) stay as they are."""
+    """...on transformers' schedule for the new max_steps (linear here: 1e-4 x (5 - 4) / 5 at step 5), said
+    in one line; step 5 trained at the checkpoint's rate, 0, and changed no weight. And a user's files
+    beside the run (their own README.md too) stay as they are."""
     from safetensors.torch import load_file
 
     run = _copy(finished["single"], tmp_path / "single")
@@ -160,7 +160,7 @@ def test_a_run_killed_after_its_last_step_finishes_without_training_past_it(fini
 
 def test_an_explicit_checkpoint_is_resumed_or_refused_in_one_line(finished, tmp_path, capsys):
     """--resume_from_checkpoint PATH: a missing path or another run's checkpoint started a fresh
-    run; an older checkpoint-2 resumed the newest instead (issue 43 item 10)."""
+    run; an older checkpoint-2 resumed the newest instead."""
     run = _copy(finished["single"], tmp_path / "single")
     argv = [*finished["common"], "--training.max_steps", "4", "--resume_from_checkpoint"]
     for path, where, message in (
@@ -195,7 +195,7 @@ def test_an_explicit_checkpoint_is_resumed_or_refused_in_one_line(finished, tmp_
 
 
 def test_a_data_file_changed_since_the_last_launch_is_named_on_resume(finished, tmp_path, capsys):
-    """The training file replaced between a run and its resume: no word (issue 43 item 9). Here
+    """The training file replaced between a run and its resume: no word. Here
     run.json says it had other content at the last launch; data_digests reads the content."""
     run = _copy(finished["single"], tmp_path / "single")
     for name in ("final", "phase_done.json", "summary.json"):  # killed after its last checkpoint
@@ -228,7 +228,7 @@ def test_data_digests_follow_a_file_s_content_and_a_folder_s_names_and_sizes(tmp
 
 
 def test_an_unreadable_run_json_is_kept_aside_not_rewritten(finished, tmp_path, capsys):
-    """A corrupted run.json was rewritten, its launch history lost (issue 43 item 12). Resumed
+    """A corrupted run.json was rewritten, its launch history lost. Resumed
     after its last checkpoint (a launch that writes the record and trains no step)."""
     run = _copy(finished["single"], tmp_path / "single")
     for name in ("final", "phase_done.json", "summary.json"):
@@ -255,7 +255,7 @@ def test_more_steps_for_a_phase_that_later_phases_started_from_is_refused(finish
     assert f"{run / 'phase1-warmup'} finished at step 2, and later phases started from it" in err
 
 
-# --- item 2: killed before the first complete checkpoint ------------------------------------------
+# --- killed before the first complete checkpoint ------------------------------------------
 KILL_IN_FIRST_SAVE = grpo_with("""
 from transformers import Trainer
 original = Trainer._save_optimizer_and_scheduler
@@ -297,7 +297,7 @@ def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path, 
     assert "taking over the lock of a run that is gone" in out  # the killed run held it
 
 
-# --- item 3: one run per folder ------------------------------------------------------------------
+# --- one run per folder ------------------------------------------------------------------
 def test_a_second_live_run_in_the_same_folder_is_refused(tmp_path, tiny_lm_path, capsys):
     run = tmp_path / "run"
     first = subprocess.Popen(
@@ -376,7 +376,7 @@ def test_a_fresh_start_in_a_folder_holding_a_run_is_refused_naming_what_differs(
     assert "--overwrite_output_dir" in err and after == before  # (test_overwrite_removes_only_what_the_run_wrote)
 
 
-# --- lost files (issue 43 items 1, 2, 4): a run removes only what it wrote, and writes only into its own folder --
+# --- lost files: a run removes only what it wrote, and writes only into its own folder --
 def test_overwrite_removes_only_what_the_run_wrote(finished, tmp_path, capsys):
     run = _copy(finished["single"], tmp_path / "single")
     files = _user_files(run, tmp_path / "outside")
@@ -470,7 +470,7 @@ def test_config_diff_names_each_changed_key():
     assert config_diff(a, a) == []
 
 
-# --- item 4: disk full ----------------------------------------------------------------------------
+# --- disk full ----------------------------------------------------------------------------
 ENOSPC_AT_STEP_2 = grpo_with("""
 import errno
 from transformers import Trainer
@@ -522,7 +522,7 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, tiny_lm_path, cap
     assert "missing keys" not in caplog.text  # the tied lm_head is expected to be absent: not reported
 
 
-# --- item 5: everything a run needs, checked first ---------------------------------------------------
+# --- everything a run needs, checked first ---------------------------------------------------
 def test_the_paper_command_without_its_model_lists_every_missing_piece_once(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "paper"

@@ -1,4 +1,4 @@
-"""Every script in scripts/ answers ``--help`` with its usage and nothing else (issue 43 item 20):
+"""Every script in scripts/ answers ``--help`` with its usage and nothing else:
 no model built (``make_tiny_models.py --help`` built into ``./--help/``), no data written
 (``demo.py --help`` wrote the organism's data first), and nothing heavy loaded on the way (torch
 and the model stack load after the arguments are parsed, so the answer comes at once)."""

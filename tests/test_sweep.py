@@ -167,7 +167,7 @@ def test_a_point_folder_holding_someone_elses_files_is_refused(tmp_path):
 
 def test_a_second_sweep_into_a_folder_a_live_sweep_runs_in_is_refused_before_any_point(tmp_path, capsys):
     """Two sweeps into one folder at once: each found the other's point in use, and both exited 1
-    with "1 point(s) failed" although every point finished (issue 43 item 12)."""
+    with "1 point(s) failed" although every point finished."""
     out = tmp_path / "w"
     with RunLock(out, "python scripts/sweep.py configs/sweeps/tiny.yaml", name=SWEEP_LOCK, what="sweep"):
         assert sw.main([str(TINY_SWEEP), "--output_dir", str(out)]) == 2

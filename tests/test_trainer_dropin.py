@@ -106,7 +106,7 @@ def test_several_plain_reward_functions_with_weights_eval_and_num_iterations(tmp
 
 
 def test_a_plain_reward_function_returning_an_unusable_value_is_named(tmp_path, tiny_lm_path):
-    """1e308 (inf in TRL's float32) made every advantage NaN: no update, no word (issue 43 item 7)."""
+    """1e308 (inf in TRL's float32) made every advantage NaN: no update, no word."""
     from crystal_grpo.rewards.user import RewardFunctionError
 
     def huge(completions, **kwargs):

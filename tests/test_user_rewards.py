@@ -308,7 +308,7 @@ UNUSABLE = (
 def test_a_value_no_advantage_can_be_made_of_is_an_error_naming_function_row_and_value(user_file, fn, message):
     """inf or 1e308 trained nothing (grad norm 0) without a word; -inf in one completion, from the
     next step on; NaN was read as None, so a weight-1.0 term vanished; sys.exit(0) ended the run
-    with exit status 0 (issue 43 items 7, 8). None stays "not applicable", as in TRL."""
+    with exit status 0. None stays "not applicable", as in TRL."""
     module = build_reward("composed", components=[{"fn": f"{user_file}:{fn}"}])
     rows = [{**r, "id": i} for r, i in zip(ROWS, "abc")]
     with pytest.raises(RewardFunctionError) as err:
@@ -415,8 +415,8 @@ def _user_run(user_file, tmp_path, tiny_lm_path, reward: dict) -> list[str]:
 
 
 def test_runs_with_an_unusable_reward_stop_with_one_line(user_file, tmp_path, tiny_lm_path, capsys):
-    """Before: exit 0, "steps 2", validation "inf -> inf", nothing learnt (issue 43 item 7); a
-    reward calling sys.exit(0): exit 0, no word, no run folder (item 8)."""
+    """Before: exit 0, "steps 2", validation "inf -> inf", nothing learnt; a
+    reward calling sys.exit(0): exit 0, no word, no run folder."""
 
     def fn(name):
         return {"params": ENC, "components": [{"fn": f"{user_file}:{name}", "objective": "accuracy"}]}
