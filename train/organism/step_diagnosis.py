@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from crystal_grpo.jsonl import read_jsonl
@@ -219,16 +219,25 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
-def per_seed(sweep, folder: str = "eval") -> dict[str, list[dict[str, dict[str, float]]]]:
-    """Per arm of a sweep (train/tools/sweep.py): each evaluated seed's ``folder`` on the data it was
-    evaluated on (the sweep's ``eval.data``, or the point's own), by variant (seeds in the sweep's order)."""
+def per_seed_named(sweep, folder: str = "eval") -> list[tuple[str, int | None, dict[str, dict[str, float]]]]:
+    """(arm, seed, numbers by variant) of each point of a sweep (train/tools/sweep.py) whose ``folder``
+    is evaluated, on the data it was evaluated on (the sweep's ``eval.data``, or the point's own), in
+    the sweep's order."""
     data: dict[str, dict] = {}
-    out: dict[str, list] = defaultdict(list)
+    out = []
     for p in sweep.points:
         ev = sweep.output_dir / p.name / folder
         if (ev / "report.json").is_file():
             path = str(sweep.eval_for(p)["data"])
-            out[p.arm].append(diagnose_eval(ev, data.setdefault(path, rows_by_id(path))))
+            out.append((p.arm, p.seed, diagnose_eval(ev, data.setdefault(path, rows_by_id(path)))))
+    return out
+
+
+def per_seed(sweep, folder: str = "eval") -> dict[str, list[dict[str, dict[str, float]]]]:
+    """Per arm of a sweep: each evaluated seed's numbers by variant (:func:`per_seed_named`)."""
+    out: dict[str, list] = defaultdict(list)
+    for arm, _, numbers in per_seed_named(sweep, folder):
+        out[arm].append(numbers)
     return dict(out)
 
 
@@ -238,21 +247,29 @@ def sweep_table(sweep, folder: str = "eval") -> dict[str, dict[str, dict[str, tu
 
 
 def contrast_table(sweep, alpha: float = 0.05) -> list[dict]:
-    """The sweep's pre-registered ``contrasts`` (b minus a over the per-seed values), Holm-corrected
-    within each ``family``. A Welch contrast has its t-interval at 95% and at 1 - alpha/m (Bonferroni
-    over the family's m contrasts: simultaneous, so it covers what Holm rejects), the exact
-    permutation p beside Welch's, and the seeds per arm a difference of its size needs at alpha/m
-    (Holm's first threshold). A Fisher contrast reads a yes/no number per seed (:data:`BINARY`):
-    the counts, each rate's exact interval at 1 - alpha/m, and Fisher's exact p."""
+    """The sweep's pre-registered ``contrasts`` read from its points' evaluations (:func:`contrast_rows`)."""
+    return contrast_rows(sweep.contrasts, lambda folder: per_seed(sweep, folder), alpha)
+
+
+def contrast_rows(
+    contrasts: Sequence[Mapping[str, str]], seeds_of: Callable[[str], Mapping[str, list]], alpha: float = 0.05
+) -> list[dict]:
+    """Pre-registered contrasts (b minus a over the per-seed values; ``seeds_of(eval)`` gives each arm's
+    runs by variant, as :func:`per_seed`), Holm-corrected within each ``family``. A Welch contrast has its
+    t-interval at 95% and at 1 - alpha/m (Bonferroni over the family's m contrasts: simultaneous, so it
+    covers what Holm rejects), the exact permutation p beside Welch's, and the seeds per arm a
+    difference of its size needs at alpha/m (Holm's first threshold). A Fisher contrast reads a yes/no
+    number per seed (:data:`BINARY`): the counts, each rate's exact interval at 1 - alpha/m, and
+    Fisher's exact p."""
     from crystal_grpo.train.tools.stats import fisher_test, holm, permutation_test, seed_test
 
-    cache: dict[str, dict] = {}
-    sizes = {f: sum(c.get("family", "primary") == f for c in sweep.contrasts) for f in _families(sweep.contrasts)}
+    cache: dict[str, Mapping[str, list]] = {}
+    sizes = {f: sum(c.get("family", "primary") == f for c in contrasts) for f in _families(contrasts)}
     rows = []
-    for c in sweep.contrasts:
+    for c in contrasts:
         family = c.get("family", "primary")
         level = alpha / sizes[family]
-        seeds = cache.setdefault(c["eval"], per_seed(sweep, c["eval"]))
+        seeds = cache.setdefault(c["eval"], seeds_of(c["eval"]))
         a, b = (
             [run[c["variant"]][c["metric"]] for run in seeds.get(arm, []) if c["variant"] in run]
             for arm in (c["a"], c["b"])
