@@ -82,6 +82,27 @@ def test_points_run_seed_by_seed(tmp_path):
     assert [line.split("--output_dir ")[1].split()[0].rsplit("/", 1)[1] for line in lines] == expected
 
 
+def test_a_point_with_its_own_seeds_and_data_joins_the_seed_order(tmp_path):
+    """A point's own ``seeds`` (more seeds for some arms) keep the sweep seed by seed: after the common
+    seeds' arms, its extra seeds; its own ``eval`` settings go over the sweep's for its evaluations."""
+    path = write(
+        tmp_path,
+        "base: tiny.yaml\npoints: [{name: a, seeds: [1, 2, 3, 4], eval: {data: other.jsonl, max_samples: 3}},"
+        " {name: b}]\nseeds: [1, 2]\neval: {data: d.jsonl, max_samples: 5, also: {g: {temperature: 0.0}}}\n",
+    )
+    sweep = sw.load_sweep(path, tmp_path / "out")
+    assert [p.name for p in sweep.points] == ["a_seed1", "b_seed1", "a_seed2", "b_seed2", "a_seed3", "a_seed4"]
+    a, b = sweep.points[0], sweep.points[1]
+    assert sweep.eval_for(a) == {"data": "other.jsonl", "max_samples": 3, "also": {"g": {"temperature": 0.0}}}
+    assert sweep.eval_for(b)["data"] == "d.jsonl"
+    for bad, message in (
+        ("seeds: [-1]", r"points\[0\].seeds: expected a list of integers >= 0"),
+        ("eval: {dat: x}", r"points\[0\].eval: expected a mapping of"),
+    ):
+        with pytest.raises(sw.SweepError, match=message):
+            sw.load_sweep(write(tmp_path, f"base: tiny.yaml\npoints: [{{name: a, {bad}}}]\neval: {{data: d}}\n"))
+
+
 def test_bench_sweep_modes_are_sweep_command_lines():
     from crystal_grpo.train.benchmarks.sweep import sweep_argv
 

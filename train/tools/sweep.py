@@ -191,10 +191,15 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
         raise SweepError("points: expected a list of {name, overrides, config}")
     points: list[Point] = []
     for i, p in enumerate(named):
-        if not isinstance(p, dict) or set(p) - {"name", "overrides", "config", "eval"}:
+        if not isinstance(p, dict) or set(p) - {"name", "overrides", "config", "eval", "seeds"}:
             raise SweepError(
-                f"points[{i}]: expected a mapping with name, overrides and optional config and eval, got {p!r}"
+                f"points[{i}]: expected a mapping with name, overrides and optional config, eval and seeds, got {p!r}"
             )
+        own_seeds = p.get("seeds") or seeds
+        if "seeds" in p and not (
+            isinstance(own_seeds, list) and all(isinstance(x, int) and x >= 0 for x in own_seeds)
+        ):
+            raise SweepError(f"points[{i}].seeds: expected a list of integers >= 0, got {p['seeds']!r}")
         own_eval = p.get("eval") or {}
         if not isinstance(own_eval, dict) or set(own_eval) - EVAL_KEYS:
             raise SweepError(
@@ -208,11 +213,12 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
         for gname, gover in _grid(raw.get("grid"), "grid"):
             arm = "_".join(x for x in (str(p.get("name") or ""), gname) if x)
             overrides = {**common, **_flat(p.get("overrides"), f"points[{i}].overrides"), **gover}
-            for seed in seeds:
+            for seed in own_seeds:
                 over = {**overrides, **({"training.seed": seed} if seed is not None else {})}
                 name = arm if seed is None else f"{arm}_seed{seed}"
                 points.append(Point(name, arm, str(config), over, seed, eval=dict(own_eval)))
-    points.sort(key=lambda p: seeds.index(p.seed))  # seed by seed: a stopped sweep leaves its arms balanced
+    order = list(dict.fromkeys([*seeds, *(x for p in named if isinstance(p, dict) for x in p.get("seeds") or [])]))
+    points.sort(key=lambda p: order.index(p.seed))  # seed by seed: a stopped sweep leaves its arms balanced
     names = [p.name for p in points]
     for name in names:  # a point's run folder is <sweep folder>/<name>: one folder, never one elsewhere
         if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
