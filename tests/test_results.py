@@ -66,6 +66,7 @@ def test_the_csv_round_trips_and_the_tables_read_it(experiment):
     assert "| method A | 0/5 [0.00, 0.52] | 1/1 [0.03, 1.00] |" in got["holds"]
     assert "| method B | 4/5 [0.28, 0.99] | - |" in got["holds"]
     assert "| method B | 5 | 0.900 ± 0.000 | 0.830 ± 0.016 |" in got["metrics_r1"]
+    assert "| b_r1 | 5 | 0.500 | no | 0.900 | 0.850 |" in got["seeds"] and got["seeds"].count("\n") == 2 + 11
     # Fisher 0/5 against 4/5: p = 0.048; alone in its family, so Holm leaves it
     assert (
         "| primary | eval_greedy | hinted | holds the chain | fisher | a_r1 | b_r1 | 5, 5 | 0/5 [" in got["contrasts"]

@@ -199,13 +199,45 @@ def metrics_table(experiment: Experiment, rows: Sequence[Mapping], value: str) -
     return "\n".join(lines) + "\n"
 
 
+def seeds_table(experiment: Experiment, rows: Sequence[Mapping]) -> str:
+    """One line a run: the hint restated, whether it holds the chain and the accuracy (greedy), the
+    hinted Match F1 (sampled)."""
+    at = {(r["arm"], r["seed"], r["eval"], r["variant"]): r for r in rows}
+    order = [experiment.arm(m, v) for v in experiment.values for m in experiment.methods]
+    runs = sorted(
+        {(r["arm"], r["seed"]) for r in rows}, key=lambda x: (order.index(x[0]) if x[0] in order else -1, x[1])
+    )
+    lines = [
+        "| arm | seed | hint restated (hinted, greedy) | holds the chain | accuracy (greedy) "
+        "| Match F1 (hinted, sampled) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, seed in runs:
+        hinted, every, sampled = (
+            at.get((arm, seed, e, v))
+            for e, v in (("eval_greedy", "hinted"), ("eval_greedy", "all"), ("eval", "hinted"))
+        )
+        cells = [
+            _num(hinted["copies_hint"]) if hinted else "-",
+            ("yes" if hinted["holds"] else "no") if hinted else "-",
+            _num(every["accuracy"]) if every else "-",
+            _num(sampled["f1"]) if sampled else "-",
+        ]
+        lines.append(f"| {arm} | {seed} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def contrasts_table(experiment: Experiment, rows: Sequence[Mapping]) -> str:
     return contrasts_markdown(contrast_rows(experiment.contrasts, lambda folder: seeds_by_arm(rows, folder)))
 
 
 def tables(experiment: Experiment, rows: Sequence[Mapping]) -> dict[str, str]:
     """Every table a doc may show from this experiment, by the name its marker gives."""
-    out = {"holds": hold_table(experiment, rows), "contrasts": contrasts_table(experiment, rows)}
+    out = {
+        "holds": hold_table(experiment, rows),
+        "contrasts": contrasts_table(experiment, rows),
+        "seeds": seeds_table(experiment, rows),
+    }
     for v in experiment.values:
         out[f"metrics_{experiment.axis}{v}"] = metrics_table(experiment, rows, v)
     return out
@@ -292,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.check and stale:
             print(f"results blocks differ from the committed CSVs in: {', '.join(stale)} (scripts/results.py tables)")
             return 1
-        print(("differs: " if stale else "up to date: ") + ", ".join(stale or map(str, paths)))
+        print(("rewritten: " if stale else "up to date: ") + ", ".join(stale or map(str, paths)))
         return 0
     except ResultsError as err:
         print(f"error: {err}")
