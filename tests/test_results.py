@@ -116,3 +116,10 @@ def test_check_fails_on_a_stale_block_and_tables_rewrites_it(experiment, tmp_pat
     assert main(["tables", "--root", str(root)]) == 0
     assert "| method A | 0/5" in (root / "README.md").read_text()
     assert main(["tables", "--check", "--root", str(root)]) == 0
+
+
+def test_the_figure_is_drawn_from_the_csv(experiment, tmp_path):
+    from crystal_grpo.train.tools.results import figure
+
+    path = figure(experiment, read_csv(experiment.csv), tmp_path / "holds.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5_000

@@ -256,6 +256,49 @@ def check_contrasts(experiment: Experiment) -> None:
             raise ResultsError(f"{experiment.path}: contrasts[{i}]: no {'; no '.join(bad)}")
 
 
+def figure(experiment: Experiment, rows: Sequence[Mapping], path: Path) -> Path:
+    """Left: each method's hold rate at each value of the axis, with its exact 95% interval; right:
+    each run's greedy share of hinted answers restating the hint (a dot a seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in experiment.methods if any(r["arm"].startswith(m + "_") for r in rows)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.55 * len(methods) + 1.6), sharey=True)
+    width = 0.8 / len(experiment.values)
+    for k, v in enumerate(experiment.values):
+        ys, rates, lows, highs, dots_x, dots_y = [], [], [], [], [], []
+        for i, m in enumerate(methods):
+            xs = _values(rows, "eval_greedy", experiment.arm(m, v), "hinted", "holds")
+            copies = _values(rows, "eval_greedy", experiment.arm(m, v), "hinted", "copies_hint")
+            y = i + (k - (len(experiment.values) - 1) / 2) * width
+            dots_x += copies
+            dots_y += [y] * len(copies)
+            if xs:
+                yes = int(sum(xs))
+                lo, hi = rate_interval(yes, len(xs))
+                ys.append(y)
+                rates.append(yes / len(xs))
+                lows.append(yes / len(xs) - lo)
+                highs.append(hi - yes / len(xs))
+        label = f"{experiment.axis} = {v}"
+        left.barh(ys, rates, height=width * 0.9, xerr=[lows, highs], capsize=3, label=label, color=f"C{k}")
+        right.scatter(dots_x, dots_y, s=14, alpha=0.6, color=f"C{k}", label=label)
+    left.set_yticks(range(len(methods)), [experiment.methods[m] for m in methods])
+    left.invert_yaxis()
+    left.set_xlim(0, 1)
+    left.set_xlabel("share of seeds holding the chain (95% exact interval)")
+    right.axvline(0.10, color="grey", lw=0.8, ls="--")
+    right.set_xlim(-0.02, 1.02)
+    right.set_xlabel("hinted test questions answered with the hint restated (greedy), one dot a seed")
+    left.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # ------------------------------------------------------------------------------- the docs
 def render(text: str, generated: Mapping[str, Mapping[str, str]]) -> str:
     """``text`` with every results block replaced by its generated table (a block naming an unknown
@@ -298,6 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     c = sub.add_parser("collect", help="write docs/results/NAME.csv from the experiment's sweeps' run folders")
     c.add_argument("experiment", help="docs/results/NAME.yaml")
+    f = sub.add_parser("figure", help="the hold rates and each run's hint copying, from the committed CSV")
+    f.add_argument("experiment", help="docs/results/NAME.yaml")
+    f.add_argument("--out", required=True, help="the PNG to write")
     w = sub.add_parser("tables", help="regenerate every results block of the docs from the committed CSVs")
     w.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block differs")
     w.add_argument("--root", default=".", help="the repository (default: here)")
@@ -309,6 +355,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = collect(experiment)
             write_csv(rows, experiment.csv)
             print(f"{experiment.csv}: {len(rows)} rows, {len({(r['arm'], r['seed']) for r in rows})} runs")
+            return 0
+        if a.command == "figure":
+            experiment = load_experiment(a.experiment)
+            print(figure(experiment, read_csv(experiment.csv), Path(a.out)))
             return 0
         root = Path(a.root)
         paths = [root / p for p in DOCS if (root / p).is_file()]
