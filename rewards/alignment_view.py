@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.rewards.batch import reference_chains
 from crystal_grpo.rewards.diagnostics import total
+from crystal_grpo.rewards.parsing import prompt_text
 
 if TYPE_CHECKING:
     from crystal_grpo.rewards.base import RewardModule
@@ -88,11 +89,7 @@ class SourceSummary:
 # ----------------------------------------------------------------------------- the rows
 def question_text(row: Mapping[str, Any]) -> str:
     """The question as the model saw it: the prompt's last user text (options included)."""
-    prompt = row.get("prompt") or [{}]
-    content = prompt[-1].get("content", "") if isinstance(prompt, list) and isinstance(prompt[-1], dict) else prompt
-    if isinstance(content, str):
-        return content
-    return " ".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return prompt_text(row.get("prompt") or [{}])
 
 
 def thumbnail(images: Any, size: int = THUMBNAIL) -> str | None:

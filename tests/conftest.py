@@ -227,12 +227,13 @@ def tiny_vlm_path(tmp_path_factory) -> Path:
 def two_process_runs(tmp_path_factory, tiny_lm_path) -> dict[str, Path]:
     """Two-process runs of tiny.yaml (2 steps, a checkpoint at each), made once per session in one
     torchrun launch: ``ddp`` (DDP over gloo, its completions logged) and ``zero3`` (DeepSpeed
-    ZeRO-3, one validation row at steps 0 and 2). tests/test_distributed.py checks them,
+    ZeRO-3, one validation row at steps 0 and 2), both with step credit (per-token advantages from
+    steps normalised over both processes). tests/test_distributed.py checks them,
     tests/test_export.py consolidates the ZeRO-3 shards. Read-only: a test that changes one works
     on a copy."""
     from runs import ONE_VALIDATION_ROW, ZERO3, grpo_cmd, torchrun_runs
 
-    common = ["--cpu_backend", "gloo", "--validation.eval_steps", "0"]
+    common = ["--cpu_backend", "gloo", "--validation.eval_steps", "0", "--reward.step_credit.weight", "0.5"]
     extra = {"ddp": ["--training.log_completions", "true"], "zero3": [*ZERO3, *ONE_VALIDATION_ROW]}
 
     def build(folder: Path) -> None:

@@ -37,6 +37,7 @@ from crystal_grpo.curricula.schedule import resolve as resolve_curriculum
 from crystal_grpo.metrics import Metric
 from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.rewards import REWARDS, RewardConfig, RewardModule, reward_class
+from crystal_grpo.rewards.step_credit import StepCreditConfig
 from crystal_grpo.train.config.training_section import (
     newer_field_type,
     remove_unused_columns_refused,
@@ -240,6 +241,11 @@ class RewardSection:
         help="Instead of a name: a weighted sum of reward functions, each {fn: "
         "'package.module:name' or crystal:<term>, weight, objective: accuracy|reasoning} (rewards/user.py).",
     )
+    step_credit: StepCreditConfig = option(
+        default_factory=StepCreditConfig,
+        help="Per-token advantages from the matched steps, with any reward: {weight: W} (docs/method.md, "
+        '"Step credit"; weight 0: off).',
+    )
     config: Union[RewardConfig, None] = derived(
         "The reward's typed config, made from params once when the "
         "config is validated; the reward module is built from it."
@@ -249,7 +255,9 @@ class RewardSection:
         """The reward module this section describes (after validation)."""
         if self.config is None:
             raise ValueError("reward section not validated yet: load it with load_config (or validate)")
-        return reward_class(self.name)(self.config)
+        # step_credit only when on: a reward module of your own whose __init__ does not take it still builds
+        credit = {"step_credit": self.step_credit} if self.step_credit.on else {}
+        return reward_class(self.name)(self.config, **credit)
 
 
 @dataclass
@@ -664,8 +672,10 @@ def validate(cfg: RunConfig) -> RunConfig:
                 c.training,
                 pcgrad=c.pcgrad,
                 beta=c.training.get("beta", PaperRecipe.beta),
+                loss_type=c.training.get("loss_type", PaperRecipe.loss_type),
                 lora=c.model.lora is not None,
                 curriculum=c.curriculum is not None,
+                step_credit=c.reward.step_credit.on,
             )
         )
         if refused:
