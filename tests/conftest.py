@@ -33,6 +33,10 @@ EXTENDED = {
         "test_control_no_signal_or_no_step_fails_the_check[learning_rate_0]",
         "test_the_hinted_regime_pays_for_leaving_the_steps_off",
         "test_cpr_keeps_the_steps_where_answer_only_drops_them[summed]",  # [pcgrad] stays
+        # 100-step runs of the hinted regime; test_step_credit_keeps_the_steps_where_answer_only_drops_them stays
+        "test_step_credit_holds_the_chain_where_cpr_does_not",
+        "test_step_credit_with_its_term_sabotaged_fails_the_check[weight_0]",
+        "test_step_credit_with_its_term_sabotaged_fails_the_check[spans_shifted]",
     ),
     "test_distributed.py": (
         "test_zero3_resumes_from_shards_and_refuses_another_world_size",
