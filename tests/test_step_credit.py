@@ -192,6 +192,11 @@ def test_a_refill_pads_the_step_term_with_zeros():
             ["--reward.step_credit.weight", "1", "--training.importance_sampling_level", "sequence"],
             "training.importance_sampling_level: 'sequence' cannot be combined with reward.step_credit",
         ),
+        (
+            ["--reward.step_credit.weight", "1", "--pcgrad", "true", "--dynamic_sampling.mode", "mask"]
+            + ["--dynamic_sampling.metric", "objectives"],
+            "dynamic_sampling.metric: 'objectives' cannot be combined with reward.step_credit",
+        ),
     ],
 )
 def test_config_errors_are_one_line(overrides, message):
@@ -396,7 +401,13 @@ def test_pcgrad_gives_the_step_term_to_the_reasoning_objective_and_the_parts_add
     assert rest.dim() == 1 and not bool(rest.any())  # the KL term: no advantage, no step term
 
 
-def test_sequence_level_importance_sampling_is_refused_for_a_trainer_built_by_hand(tmp_path, tiny_lm_path):
+def test_refused_combinations_are_one_line_for_a_trainer_built_by_hand(tmp_path, tiny_lm_path):
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer
+
     with pytest.raises(ValueError, match="training.importance_sampling_level: 'sequence' cannot be combined"):
         trainer_for(tiny_lm_path, tmp_path, ["mixed"], importance_sampling_level="sequence")
     trainer_for(tiny_lm_path, tmp_path, ["mixed"], weight=0.0, importance_sampling_level="sequence")  # off: TRL's
+    trainer_for(tiny_lm_path, tmp_path, ["mixed"], importance_sampling_level="sequence", loss_type="cispo")
+    objectives = DynamicSamplingSection("mask", metric="objectives")
+    with pytest.raises(ValueError, match="dynamic_sampling.metric: 'objectives' cannot be combined with reward.step"):
+        trainer_for(tiny_lm_path, tmp_path, ["mixed"], trainer_class=PCGradGRPOTrainer, dynamic_sampling=objectives)

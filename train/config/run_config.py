@@ -161,10 +161,17 @@ def vllm_problem() -> str | None:
 
 
 def dynamic_sampling_refused(
-    section: DynamicSamplingSection, *, pcgrad: bool, scale_rewards: Any, aggregation: str, outcome: str | None
+    section: DynamicSamplingSection,
+    *,
+    pcgrad: bool,
+    scale_rewards: Any,
+    aggregation: str,
+    outcome: str | None,
+    step_credit: bool = False,
 ) -> tuple[str, str] | None:
     """(key, why) when ``section`` cannot work with these settings, else None (the config's
-    check and a trainer built by hand share it). ``outcome``: the reward's outcome component."""
+    check and a trainer built by hand share it). ``outcome``: the reward's outcome component;
+    ``step_credit``: reward.step_credit is on."""
     if section.mode == "none":
         return None
     if section.metric == "outcome" and outcome is None:
@@ -179,6 +186,13 @@ def dynamic_sampling_refused(
             "dynamic_sampling.metric",
             "'objectives' filters each of PCGrad's two losses on its own objective and "
             "needs pcgrad: true; without PCGrad there is one loss, on the total reward (metric: reward)",
+        )
+    if section.metric == "objectives" and step_credit:
+        return (
+            "dynamic_sampling.metric",
+            "'objectives' cannot be combined with reward.step_credit: it judges the reasoning objective's "
+            "groups on its reward components alone, so the groups whose steps vary where those do not (every "
+            "group, with answer-only) would lose the step term; use metric: reward or outcome",
         )
     if scale_rewards == "batch" or aggregation == "normalize_then_sum":
         key, value = (
@@ -726,7 +740,12 @@ def validate(cfg: RunConfig) -> RunConfig:
         scale = {True: "group", False: "none"}.get(c.training.get("scale_rewards"), c.training.get("scale_rewards"))
         outcome = reward_class(c.reward.name).outcome_name(c.reward.config)
         refused = c.trainer == "grpo" and dynamic_sampling_refused(
-            c.dynamic_sampling, pcgrad=c.pcgrad, scale_rewards=scale, aggregation=aggregation, outcome=outcome
+            c.dynamic_sampling,
+            pcgrad=c.pcgrad,
+            scale_rewards=scale,
+            aggregation=aggregation,
+            outcome=outcome,
+            step_credit=c.reward.step_credit.on,
         )
         if refused:
             raise ConfigError(f"{where}{refused[0]}: {refused[1]}")

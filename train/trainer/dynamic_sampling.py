@@ -194,6 +194,7 @@ class DynamicSamplingMixin:
             scale_rewards=self.scale_rewards,
             aggregation=self.multi_objective_aggregation,
             outcome=self.reward_outcome,
+            step_credit=bool(getattr(self, "step_credit_weight", 0.0)),
         )
         if refused:
             raise ValueError(f"{refused[0]}: {refused[1]}")
