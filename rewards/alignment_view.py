@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.rewards.batch import reference_chains
 from crystal_grpo.rewards.diagnostics import total
+from crystal_grpo.rewards.parsing import prompt_text
+from crystal_grpo.rewards.step_credit import credit_scale, moments, scored_step_scores, step_terms
 
 if TYPE_CHECKING:
     from crystal_grpo.rewards.base import RewardModule
@@ -64,6 +66,8 @@ class ViewRow:
     advantage: float | None = None
     source: str = "-"
     image: str | None = None  # a data URI
+    #: Each predicted step's step credit (reward.step_credit on): (raw score, its term W x normalised score).
+    credit: list[tuple[float, float]] | None = None
 
 
 @dataclass
@@ -88,11 +92,7 @@ class SourceSummary:
 # ----------------------------------------------------------------------------- the rows
 def question_text(row: Mapping[str, Any]) -> str:
     """The question as the model saw it: the prompt's last user text (options included)."""
-    prompt = row.get("prompt") or [{}]
-    content = prompt[-1].get("content", "") if isinstance(prompt, list) and isinstance(prompt[-1], dict) else prompt
-    if isinstance(content, str):
-        return content
-    return " ".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return prompt_text(row.get("prompt") or [{}])
 
 
 def thumbnail(images: Any, size: int = THUMBNAIL) -> str | None:
@@ -151,6 +151,7 @@ def alignment_rows(
     step_of = {row: n for n, row in enumerate(scored.step_rows)}
     samples = list(samples) if samples is not None else [0] * len(rows)
     advantages = group_advantages(rewards, [r.get("id") for r in rows])
+    credit = step_credit(module, scored, rows)
     out = []
     for i, (row, text, parsed) in enumerate(zip(rows, completions, scored.parsed)):
         chains = reference_chains(row.get("reference_steps"), row.get("reference_sets")) or [[]]
@@ -181,9 +182,25 @@ def alignment_rows(
                 advantage=advantages[i],
                 source=str(row.get("source") or "-"),
                 image=row.get("image"),
+                credit=credit[i],
             )
         )
     return out
+
+
+def step_credit(module: RewardModule, scored: Scored, rows: Sequence[Mapping[str, Any]]) -> list:
+    """Each completion's ``(raw score, term)`` per predicted step when the module's step credit is on
+    (rewards/step_credit.py; groups: the samples of one id, scaled as ``scale_rewards: group``), else None."""
+    if not module.step_credit.on:
+        return [None] * len(rows)
+    import torch
+
+    raw = scored_step_scores(scored, [prompt_text(r.get("prompt") or r.get("question") or "") for r in rows])
+    ids: dict[Any, int] = {}
+    groups = torch.tensor([ids.setdefault(r.get("id"), len(ids)) for r in rows], dtype=torch.long)
+    terms = step_terms(raw, *credit_scale(moments(raw), groups, "group"))
+    w = module.step_credit.weight
+    return [None if s is None else [(x, w * t) for x, t in zip(s, ts)] for s, ts in zip(raw, terms)]
 
 
 def alignment_lines(row: ViewRow) -> list[AlignmentLine]:
@@ -252,10 +269,16 @@ def _alignment_html(row: ViewRow) -> str:
         pred = f"<b>P{line.pred + 1}</b> {_e(row.predicted[line.pred])}" if line.pred is not None else "—"
         ref = f"<b>R{line.ref + 1}</b> {_e(row.reference[line.ref])}" if line.ref is not None else "—"
         kind = "pair" if line.similarity is not None else ("miss" if line.pred is None else "extra")
+        credit = ""
+        if row.credit is not None:
+            score, term = row.credit[line.pred] if line.pred is not None else (None, None)
+            credit = f'<td class="credit">{"–" if score is None else f"{score:+.0f} · {term:+.2f}"}</td>'
         out.append(
-            f'<tr class="{kind}"><td>{pred}</td><td class="sim">{_fmt(line.similarity)}</td><td>{ref}</td></tr>'
+            f'<tr class="{kind}"><td>{pred}</td>{credit}<td class="sim">{_fmt(line.similarity)}</td>'
+            f"<td>{ref}</td></tr>"
         )
-    head = "<tr><th>predicted</th><th>similarity</th><th>reference</th></tr>"
+    credit = "" if row.credit is None else "<th>step credit (score · term)</th>"
+    head = f"<tr><th>predicted</th>{credit}<th>similarity</th><th>reference</th></tr>"
     return f'<table class="align">{head}{"".join(out)}</table>'
 
 
@@ -288,7 +311,7 @@ table{border-collapse:collapse;margin:.4em 0}td,th{border:1px solid #ccc;padding
 .row.correct{border-left:6px solid #2a2}.row.wrong{border-left:6px solid #c33}
 .verdict{font-weight:bold}.correct .verdict{color:#2a2}.wrong .verdict{color:#c33}
 .reward{color:#555}.question{margin:.3em 0;display:flex;gap:.5em}.thumb{max-width:96px;max-height:96px}
-.align td{width:45%}.align td.sim{width:10%;text-align:center}
+.align td{width:45%}.align td.sim,.align td.credit{width:10%;text-align:center}
 tr.pair{background:#eefbe9}tr.miss{background:#fdecec}tr.extra{background:#fff7e0}
 pre{white-space:pre-wrap;background:#f6f6f6;padding:.3em}#filters label{margin-right:1em}
 """

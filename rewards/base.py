@@ -38,6 +38,7 @@ from crystal_grpo.rewards.batch import (  # noqa: F401 - the evaluation's names,
 from crystal_grpo.rewards.diagnostics import diagnostics, nanmean, total
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM, PAPER_ENCODER
 from crystal_grpo.rewards.facts import StepGate
+from crystal_grpo.rewards.step_credit import StepCreditConfig
 from crystal_grpo.rewards.trl_functions import TRLRewardFunctions
 from crystal_grpo.rewards.verbosity import VerbosityGuard
 from crystal_grpo.typed import ConfigError, from_dict, option
@@ -157,11 +158,19 @@ class RewardModule:
     outcome_component: str | None = None
 
     def __init__(
-        self, config: RewardConfig | None = None, *, judge: Callable[[str, str], bool] | None = None, **params: Any
+        self,
+        config: RewardConfig | None = None,
+        *,
+        judge: Callable[[str, str], bool] | None = None,
+        step_credit: StepCreditConfig | None = None,
+        **params: Any,
     ) -> None:
         """``config`` (this class's ``config_class``) or its fields as keyword parameters;
-        ``judge`` is an optional ``(predicted, truth) -> bool`` for free-form answers."""
+        ``judge`` is an optional ``(predicted, truth) -> bool`` for free-form answers;
+        ``step_credit`` credits each step's tokens in the trainer (``reward.step_credit``), which
+        scores the steps whatever the reward pays for."""
         self.config = config if config is not None else self.make_config(params)
+        self.step_credit = step_credit or StepCreditConfig()
         cfg = self.config
         bad = {c: o for c, o in self.objectives.items() if o not in OBJECTIVES}
         if bad:
@@ -179,7 +188,7 @@ class RewardModule:
             rel_tol=cfg.rel_tol,
             abs_tol=cfg.abs_tol,
         )
-        self.scorer = shared_scorer(**self._scorer_settings) if self.uses_steps else None
+        self.scorer = shared_scorer(**self._scorer_settings) if self.scores_steps else None
         use_guard = self.uses_steps if cfg.verbosity_guard is None else cfg.verbosity_guard
         self.guard = (
             VerbosityGuard(cfg.guard_k, cfg.guard_window, cfg.guard_factor, cfg.guard_min_history)
@@ -230,10 +239,11 @@ class RewardModule:
         ``completions``: model output (text, TRL's message lists, anything: it never
         raises) or already parsed :class:`ParsedOutput`. ``rows``: one mapping per
         completion with the data columns (``answer``, ``reference_steps``, optional
-        ``reference_sets`` and ``choices``). Steps are scored when the reward uses them, or
-        when ``with_steps`` asks (validation reports Match F1 for every reward).
+        ``reference_sets`` and ``choices``). Steps are scored when the reward or its step credit
+        uses them (:attr:`scores_steps`), or when ``with_steps`` asks (validation reports Match F1
+        for every reward).
         """
-        scorer = self._scorer() if (self.uses_steps if with_steps is None else with_steps) else None
+        scorer = self._scorer() if (self.scores_steps if with_steps is None else with_steps) else None
         return evaluate(
             completions, rows, scorer=scorer, step_metric=self.step_metric, answer_options=self.answer_options
         )
@@ -242,7 +252,7 @@ class RewardModule:
         """Embed every reference step of ``rows`` (a ``datasets.Dataset`` or a list of
         mappings) once, before training, when this reward scores steps
         (:meth:`MatchF1Scorer.pin`). Returns how many texts were encoded."""
-        if not self.uses_steps:
+        if not self.scores_steps:
             return 0
         names = getattr(rows, "column_names", None)
         column = (
@@ -252,6 +262,11 @@ class RewardModule:
         )
         chains = map(reference_chains, column("reference_steps"), column("reference_sets"))
         return self._scorer().pin(step for cs in chains for chain in cs or [] for step in chain)
+
+    @property
+    def scores_steps(self) -> bool:
+        """Whether every evaluation matches the steps: the reward pays for them, or step credit is on."""
+        return self.uses_steps or self.step_credit.on
 
     def _scorer(self) -> MatchF1Scorer:
         if self.scorer is None:  # a reward without step terms, asked for Match F1 (validation)

@@ -81,6 +81,18 @@ def _completion_text(completion: Any) -> str:
     return ""
 
 
+def prompt_text(prompt: Any) -> str:
+    """The question as the model saw it: a text prompt itself, or the text of a conversation's last
+    message (its text parts, with a multimodal message)."""
+    if isinstance(prompt, (list, tuple)):
+        prompt = prompt[-1].get("content", "") if prompt and isinstance(prompt[-1], dict) else ""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, (list, tuple)):
+        return ""
+    return " ".join(p.get("text", "") for p in prompt if isinstance(p, dict) and p.get("type") == "text")
+
+
 def _number_text(value: int | float) -> str | None:
     """str of a number; None for an int too long for str() (over 4,300 digits)."""
     try:
@@ -89,7 +101,7 @@ def _number_text(value: int | float) -> str | None:
         return None
 
 
-def _clean_steps(steps: list[Any]) -> list[str]:
+def clean_steps(steps: list[Any]) -> list[str]:
     """String (or number) items, stripped and encodable (lone surrogates -> U+FFFD), empty ones dropped."""
     out = []
     for step in steps:
@@ -111,11 +123,12 @@ def _clean_answer(answer: Any) -> str | None:
 
 def _from_object(obj: dict) -> tuple[list[str], str | None]:
     steps = obj.get("reasoning_steps")
-    return (_clean_steps(steps) if isinstance(steps, list) else []), _clean_answer(obj.get("answer"))
+    return (clean_steps(steps) if isinstance(steps, list) else []), _clean_answer(obj.get("answer"))
 
 
-def _unfence(text: str) -> str:
-    """The body of at most one surrounding Markdown fence: ``` or ```json (any case).
+def _unfence(text: str) -> tuple[str, int]:
+    """The body of at most one surrounding Markdown fence: ``` or ```json (any case), and where
+    it starts in ``text``.
 
     String operations, not a regex: a lazy-body pattern backtracks cubically on "```"
     followed by a long whitespace run (docs/rewards.md, "Hostile model output"). The body is
@@ -123,42 +136,57 @@ def _unfence(text: str) -> str:
     the caller strips it, so whitespace around the body needs no handling here.
     """
     if len(text) < 2 * len(_FENCE) or not (text.startswith(_FENCE) and text.endswith(_FENCE)):
-        return text
+        return text, 0
     body = text[len(_FENCE) : -len(_FENCE)]
-    return body[4:] if body[:4].casefold() == "json" else body
+    return (body[4:], len(_FENCE) + 4) if body[:4].casefold() == "json" else (body, len(_FENCE))
 
 
-def _strict(text: str) -> dict | None:
-    """The object if the text is exactly the required JSON (optionally in one fence), else None."""
+def _strict(text: str) -> tuple[dict | None, int]:
+    """The object if the text is exactly the required JSON (optionally in one fence), else None;
+    and where it starts in ``text``."""
+    body, start = _unfence(text)
     try:
-        obj = _STRICT_DECODER.decode(_unfence(text).strip())
+        obj = _STRICT_DECODER.decode(body.strip())
     except (ValueError, RecursionError):
-        return None
+        return None, 0
     if not isinstance(obj, dict):
-        return None
+        return None, 0
     steps, answer = obj.get("reasoning_steps"), obj.get("answer")
     if not (isinstance(steps, list) and all(isinstance(s, str) for s in steps)):
-        return None
+        return None, 0
     if not (isinstance(answer, str) or _is_number(answer)):
-        return None
-    return obj
+        return None, 0
+    return obj, start + len(body) - len(body.lstrip())
 
 
-def _first_object(text: str) -> dict | None:
-    """The first JSON object that decodes from one of the first few '{' positions."""
+def _first_object(text: str) -> tuple[dict | None, int]:
+    """The first JSON object that decodes from one of the first few '{' positions, and that position."""
     text = text[:MAX_SCAN_CHARS]
     start = text.find("{")
     for _ in range(MAX_SCAN_STARTS):
         if start < 0:
-            return None
+            return None, 0
         try:
             obj, _end = _DECODER.raw_decode(text, start)
         except (ValueError, RecursionError):
             obj = None
         if isinstance(obj, dict):
-            return obj
+            return obj, start
         start = text.find("{", start + 1)
-    return None
+    return None, 0
+
+
+def locate_object(text: str) -> tuple[dict | None, int, bool]:
+    """The JSON object :func:`parse_completion` reads in a completion's ``text``, the index in
+    ``text`` where it starts (its ``{``), and F. (None, 0, False) when there is none; may raise
+    on junk that :func:`parse_completion` survives."""
+    stripped = text.strip()
+    lead = len(text) - len(text.lstrip())
+    obj, start = _strict(stripped)
+    format_ok = obj is not None
+    if obj is None:
+        obj, start = _first_object(stripped)
+    return obj, lead + start, format_ok
 
 
 def parse_completion(completion: Any) -> ParsedOutput:
@@ -168,11 +196,7 @@ def parse_completion(completion: Any) -> ParsedOutput:
     first JSON object in the text when the format is wrong, and are empty/None without one.
     """
     try:
-        text = _completion_text(completion).strip()
-        obj = _strict(text)
-        format_ok = obj is not None
-        if obj is None:
-            obj = _first_object(text)
+        obj, _start, format_ok = locate_object(_completion_text(completion))
         if obj is None:
             return ParsedOutput([], None, False)
         steps, answer = _from_object(obj)

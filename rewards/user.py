@@ -36,6 +36,7 @@ from crystal_grpo.rewards.base import (
     value_problem,
 )
 from crystal_grpo.rewards.cpr import CPRConfig
+from crystal_grpo.rewards.step_credit import StepCreditConfig
 from crystal_grpo.typed import ConfigError, option
 from crystal_grpo.user_code import ImportPathError, load_object
 
@@ -119,7 +120,9 @@ class ComposedReward(RewardModule):
     config_class = ComposedConfig
     config: ComposedConfig
 
-    def __init__(self, config: ComposedConfig | None = None, **params: Any) -> None:
+    def __init__(
+        self, config: ComposedConfig | None = None, *, step_credit: StepCreditConfig | None = None, **params: Any
+    ) -> None:
         cfg = config if config is not None else self.make_config(params)
         if not cfg.components:
             raise ConfigError("reward.components: empty; a composed reward needs at least one component")
@@ -131,7 +134,7 @@ class ComposedReward(RewardModule):
         self.extra_fields = tuple(n for n, f in zip(self.component_names, self.functions) if f is not None)
         self.uses_steps = any(s.fn in ("crystal:steps", "crystal:cpr_steps") for s in self.specs)
         self.outcome_component = self.outcome_name(cfg)
-        super().__init__(cfg)
+        super().__init__(cfg, step_credit=step_credit)
 
     @classmethod
     def outcome_name(cls, config: ComposedConfig) -> str | None:

@@ -33,6 +33,10 @@ EXTENDED = {
         "test_control_no_signal_or_no_step_fails_the_check[learning_rate_0]",
         "test_the_hinted_regime_pays_for_leaving_the_steps_off",
         "test_cpr_keeps_the_steps_where_answer_only_drops_them[summed]",  # [pcgrad] stays
+        # 100-step runs of the hinted regime; test_step_credit_keeps_the_steps_where_answer_only_drops_them stays
+        "test_step_credit_holds_the_chain_where_cpr_does_not",
+        "test_step_credit_with_its_term_sabotaged_fails_the_check[weight_0]",
+        "test_step_credit_with_its_term_sabotaged_fails_the_check[spans_shifted]",
     ),
     "test_distributed.py": (
         "test_zero3_resumes_from_shards_and_refuses_another_world_size",
@@ -227,12 +231,13 @@ def tiny_vlm_path(tmp_path_factory) -> Path:
 def two_process_runs(tmp_path_factory, tiny_lm_path) -> dict[str, Path]:
     """Two-process runs of tiny.yaml (2 steps, a checkpoint at each), made once per session in one
     torchrun launch: ``ddp`` (DDP over gloo, its completions logged) and ``zero3`` (DeepSpeed
-    ZeRO-3, one validation row at steps 0 and 2). tests/test_distributed.py checks them,
+    ZeRO-3, one validation row at steps 0 and 2), both with step credit (per-token advantages from
+    steps normalised over both processes). tests/test_distributed.py checks them,
     tests/test_export.py consolidates the ZeRO-3 shards. Read-only: a test that changes one works
     on a copy."""
     from runs import ONE_VALIDATION_ROW, ZERO3, grpo_cmd, torchrun_runs
 
-    common = ["--cpu_backend", "gloo", "--validation.eval_steps", "0"]
+    common = ["--cpu_backend", "gloo", "--validation.eval_steps", "0", "--reward.step_credit.weight", "0.5"]
     extra = {"ddp": ["--training.log_completions", "true"], "zero3": [*ZERO3, *ONE_VALIDATION_ROW]}
 
     def build(folder: Path) -> None:

@@ -92,6 +92,26 @@ def test_model_strings_are_text_not_markup(view):
     assert page.count("<script>") == 1  # the page's own filter script only
 
 
+def test_with_step_credit_each_step_shows_its_score_and_term(view):
+    """Step credit on: each predicted step's raw score (+1 matched, -1 otherwise) and its term, W x the
+    score normalised within the samples of one id; off (the fixture's module), no credit column."""
+    from crystal_grpo.rewards.step_credit import StepCreditConfig
+
+    module = build_reward("cpr", encoder="exact", step_credit=StepCreditConfig(weight=0.5))
+    scored = module.score(COMPLETIONS, ROWS)
+    first, second, third = alignment_rows(module, scored, ROWS, COMPLETIONS, samples=[0, 1, 0])
+    pooled = [1.0, -1.0, 1.0, -1.0]  # id a: its two samples' four steps
+    mean = sum(pooled) / 4
+    std = (sum((x - mean) ** 2 for x in pooled) / 3) ** 0.5  # Bessel-corrected
+    term = lambda x: 0.5 * (x - mean) / (std + 1e-4)
+    assert first.credit == pytest.approx([(1.0, term(1)), (-1.0, term(-1)), (1.0, term(1))])
+    assert second.credit == pytest.approx([(-1.0, term(-1))])
+    assert third.credit == []  # id b: no steps
+    page = render_page([first], 0.35, "t")
+    assert "step credit (score · term)" in page and f"+1 · {term(1):+.2f}" in page and f"-1 · {term(-1):+.2f}" in page
+    assert view[2][0].credit is None and "step credit" not in render_page(view[2], 0.35, "t")
+
+
 def test_thumbnail_is_a_small_png_data_uri():
     uri = thumbnail([str(next(Path("data/shapes/images").glob("*.png")))])
     assert uri.startswith("data:image/png;base64,") and len(uri) < 20_000

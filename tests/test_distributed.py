@@ -19,9 +19,12 @@ import torch
 from runs import ONE_VALIDATION_ROW, ZERO3, grpo_cmd, torchrun, torchrun_runs
 
 
+def rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(run: Path) -> list[tuple[float, float]]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+    return [(r["loss"], r["grad_norm"]) for r in rows(run) if "loss" in r]
 
 
 # ddp_run, zero3_run: the session's two-process runs (tests/conftest.py); tests/test_export.py exports zero3_run.
@@ -62,6 +65,9 @@ def test_zero3_shards_weights_and_matches_ddp(zero3_run, ddp_run):
     assert opt["partition_count"] == 2 and abs(local - total / 2) <= 64, (local, total)
     for (l1, g1), (l2, g2) in zip(losses(ddp_run), losses(zero3_run)):
         assert l1 == pytest.approx(l2, abs=1e-6) and g1 == pytest.approx(g2, rel=1e-4)
+    # step credit ran in both (its per-token advantages are in the losses compared above), alike
+    credit = [[r["step_credit/token_share"] for r in rows(run) if "loss" in r] for run in (ddp_run, zero3_run)]
+    assert len(credit[0]) == 2 and credit[0] == pytest.approx(credit[1])
 
 
 def test_zero3_validates_fewer_rows_than_processes(zero3_run, repo_root):

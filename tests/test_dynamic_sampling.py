@@ -26,6 +26,8 @@ from crystal_grpo.train.config.run_config import DynamicSamplingSection
 from crystal_grpo.train.trainer.dynamic_sampling import kept_groups, merge_rows, refill_draw, refill_pairs
 from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
 
+from one_step import one_step_args
+
 G = 3
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16
 
@@ -78,28 +80,7 @@ def rows(flat: list[bool], **columns) -> Dataset:
 
 
 def args(tmp_path: Path, name: str, **kw) -> GRPOConfig:
-    base = dict(
-        output_dir=str(tmp_path / name),
-        per_device_train_batch_size=12,
-        num_generations=G,
-        max_steps=1,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        beta=0.1,
-        loss_type="grpo",
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        max_completion_length=8,
-        seed=0,
-        disable_tqdm=True,
-        gradient_checkpointing=False,
-    )
-    return GRPOConfig(**{**base, **kw})
+    return one_step_args(tmp_path, name, **{"num_generations": G, **kw})
 
 
 def perturbed_policy(path: Path):

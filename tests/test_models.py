@@ -533,6 +533,8 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
         "plain-lora-answer-pcgrad-cb",
         "trl-zero3-lora",
         "trl-zero3-full-cpr",
+        "plain-full-answer-credit",
+        "zero3-lora-credit-pcgrad",
     )
     configs = {}
     for setting in names:
@@ -555,6 +557,7 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
         assert cfg.training.get("cache_implementation") == ("static" if setting.endswith("-static") else None)
         assert cfg.training.get("use_transformers_continuous_batching", False) == setting.endswith("-cb")
         assert bench.Setting.parse(setting).name() == setting
+        assert cfg.reward.step_credit.weight == (bench.STEP_CREDIT_WEIGHT if "credit" in setting else 0.0)
         assert cfg.training["use_cpu"] is (not cuda) and cfg.reward.params["device"] == ("cuda" if cuda else "cpu")
         zero3 = "zero3" in setting
         assert ("zero3_1x1.yaml" in " ".join(cmd[:at])) == (zero3 and cuda)
@@ -563,6 +566,7 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
     assert configs["trl-lora"].model == configs["plain-lora"].model
     assert configs["trl-full-static"].training == configs["plain-full-static"].training
     assert bench.Setting.parse("plain-lora-answer-cb").baseline == "trl-lora-cb"
+    assert bench.Setting.parse("plain-full-answer-credit").name(reward="cpr", credit=False) == "plain-full"
     # --model organism: the organism's own config (its data and prompt), exact step matching
     org = argparse.Namespace(**{**vars(a), "config": "organism.yaml", "encoder": "exact"})
     cmd = bench.command("plain-full", "data/organism/warm_start", tmp_path / "org", org, cuda)
@@ -580,6 +584,8 @@ def test_bench_train_settings_are_valid_configs(cuda, tmp_path):
         "plain-full-unmerged",
         "plain-full-static-pcgrad",
         "trl-full-cb-static",
+        "trl-full-credit",
+        "plain-full-pcgrad-credit",
     ):
         with pytest.raises(SystemExit, match="allowed are"):
             bench.command(bad, "m", tmp_path, a, cuda)

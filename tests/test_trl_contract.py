@@ -23,6 +23,7 @@ from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
 from crystal_grpo.train.config.training_section import TABLES
+from crystal_grpo.train.config.trl_fields import DETACHED_RATIO
 from crystal_grpo.train.pcgrad.trainer import TESTED_TRL
 from crystal_grpo.train.trainer.dynamic_sampling import MICRO_BATCH_TOKEN_MEAN, ROW_MEAN, TOKEN_COUNT
 
@@ -448,6 +449,47 @@ def test_each_loss_type_weighs_rows_by_tool_mask_as_dynamic_sampling_assumes(tra
     assert got == pytest.approx(want, rel=1e-5) and abs(want) > 1e-4
 
 
+@pytest.mark.parametrize("loss_type", sorted(ROW_MEAN | TOKEN_COUNT | MICRO_BATCH_TOKEN_MEAN))
+def test_compute_loss_takes_per_token_advantages_token_by_token(trainer, monkeypatch, loss_type):
+    """What train/trainer/step_credit.py relies on: TRL's loss reads ``(B, T)`` advantages token by
+    token. A row's advantage at each of its tokens gives the loss and the gradient (with respect to
+    each token's log-probability) of the ``(B,)`` advantage, and one token's own advantage moves that
+    token's gradient alone; with sequence-level importance sampling it moves every token of its row
+    (why reward.step_credit refuses it), unless the loss detaches the ratio."""
+    batch = _batch(trainer)
+    adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    monkeypatch.setattr(trainer, "loss_type", loss_type)
+    trainer.model.train()
+    original = trainer._get_per_token_logps_and_entropies
+
+    def kept(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out[0].retain_grad()
+        kept.logps = out[0]
+        return out
+
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", kept)
+
+    def run(advantages: torch.Tensor) -> tuple[float, torch.Tensor]:
+        loss = trainer.compute_loss(trainer.model, {**batch, "advantages": advantages})
+        loss.backward()
+        trainer.model.zero_grad()
+        return float(loss), kept.logps.grad.detach().clone()
+
+    per_row, per_token = run(adv), run(adv.unsqueeze(1).expand_as(batch["completion_mask"]).clone())
+    assert per_token[0] == pytest.approx(per_row[0], rel=1e-6) and torch.allclose(per_token[1], per_row[1])
+    moved = adv.unsqueeze(1).expand_as(batch["completion_mask"]).clone()
+    moved[0, 1] = -4.0
+    changed = run(moved)[1] != per_row[1]
+    assert changed[0, 1] and int(changed.sum()) == 1
+    monkeypatch.setattr(trainer, "importance_sampling_level", "sequence")
+    changed = run(moved)[1] != run(adv)[1]
+    if loss_type in DETACHED_RATIO:
+        assert changed[0, 1] and int(changed.sum()) == 1
+    else:
+        assert bool(changed[0, : int(batch["completion_mask"][0].sum())].all())
+
+
 def test_the_calls_dynamic_sampling_intercepts():
     """It swaps two methods on the instance for one generation: they must be called through self."""
     assert "self._generate_and_score_completions(generation_batch)" in inspect.getsource(GRPOTrainer._prepare_inputs)
@@ -755,10 +797,12 @@ def test_the_mixins_come_in_the_order_their_hooks_need():
 
     from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer, PCGradMixin
     from crystal_grpo.train.trainer.checkpoint_hooks import CheckpointMixin
+    from crystal_grpo.train.trainer.dynamic_sampling import DynamicSamplingMixin
     from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
     from crystal_grpo.train.trainer.nonfinite import NonFiniteGuardMixin
     from crystal_grpo.train.trainer.reward_hooks import RewardModuleMixin
     from crystal_grpo.train.trainer.sft import CrystalSFTTrainer
+    from crystal_grpo.train.trainer.step_credit import StepCreditMixin
 
     for cls, theirs in (
         (CrystalGRPOTrainer, GRPOTrainer),
@@ -771,4 +815,7 @@ def test_the_mixins_come_in_the_order_their_hooks_need():
         assert at[NonFiniteGuardMixin] < at[CheckpointMixin], cls
         if RewardModuleMixin in at:
             assert at[RewardModuleMixin] < at[CheckpointMixin], cls
+            # step credit reads the evaluation the reward hook leaves, and dynamic sampling's loss scale
+            # applies to the whole per-token advantage
+            assert at[StepCreditMixin] < at[RewardModuleMixin] and at[StepCreditMixin] < at[DynamicSamplingMixin]
     assert PCGradGRPOTrainer.__mro__[1:3] == (PCGradMixin, CrystalGRPOTrainer)

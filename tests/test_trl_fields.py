@@ -55,6 +55,11 @@ REFUSALS = [
     ),
     ("use_vllm", ["--training.use_vllm", "true"], "training.use_vllm: true, but vLLM"),
     ("fsdp", [*PCGRAD, "--training.fsdp", "full_shard"], "training.fsdp: 'full_shard': pcgrad"),
+    (
+        "importance_sampling_level",
+        ["--reward.step_credit.weight", "1", "--training.importance_sampling_level", "sequence"],
+        "training.importance_sampling_level: 'sequence' cannot be combined with reward.step_credit",
+    ),
     ("deepspeed", [*PCGRAD, "--training.deepspeed", "{zero_optimization: {stage: 2}}"], "DeepSpeed ZeRO-2"),
 ]
 
@@ -106,6 +111,9 @@ def test_each_refused_field_is_refused_at_check(field, args, says, capsys):
         ["--training.shuffle_dataset", "false"],
         ["--training.fsdp", "full_shard"],
         [*CURRICULUM, *PCGRAD, "--training.shuffle_dataset", "true", "--training.off_policy_mask_threshold", "null"],
+        ["--training.importance_sampling_level", "sequence"],
+        ["--reward.step_credit.weight", "1", "--training.importance_sampling_level", "sequence"]
+        + ["--training.loss_type", "cispo"],
     ],
 )
 def test_the_new_refusals_leave_their_values_alone_in_other_runs(args):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import statistics
 import sys
 import time
@@ -48,6 +49,7 @@ class Setting:
     pcgrad: bool
     unmerged: bool = False
     engine: str = ""  # "" (generate, dynamic KV cache) | static | cb (continuous batching)
+    credit: bool = False  # reward.step_credit on (weight STEP_CREDIT_WEIGHT)
 
     @property
     def trl(self) -> bool:
@@ -72,32 +74,45 @@ class Setting:
         reward = "trivial" if trl else "cpr"
         if rest and rest[0] in (("cpr",) if trl else ("cpr", "answer")):
             reward, rest = rest[0], rest[1:]
+        credit = rest[:1] == ["credit"] and not trl
+        rest = rest[1:] if credit else rest
         pcgrad = rest == ["pcgrad"] and not trl
         if not ok or (rest and not pcgrad) or (unmerged and trl):
             raise SystemExit(
                 f"setting {name!r}: allowed are trl[-zero3]-(full|lora)[-cpr][-static|-cb] and "
-                "(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-pcgrad][-static|-cb]"
+                "(plain|zero3)-(full|lora[-unmerged])[-cpr|-answer][-credit][-pcgrad][-static|-cb]"
             )
-        return cls(parts[0], parts[1], reward, pcgrad, unmerged, engine)
+        return cls(parts[0], parts[1], reward, pcgrad, unmerged, engine, credit)
 
     @property
     def baseline(self) -> str:
         """The plain-TRL setting this one is compared with (same weights, same generation)."""
         return "-".join(["trl", self.weights] + ([self.engine] if self.engine else []))
 
-    def name(self, weights: str | None = None, engine: str | None = None) -> str:
-        """This setting's name with other weights (``full``, ``lora``, ``lora-unmerged``) or
-        another generation engine (``""``: default ``generate``)."""
+    def name(
+        self,
+        weights: str | None = None,
+        engine: str | None = None,
+        reward: str | None = None,
+        credit: bool | None = None,
+    ) -> str:
+        """This setting's name with other weights (``full``, ``lora``, ``lora-unmerged``), another
+        generation engine (``""``: default ``generate``), another reward or step credit on or off."""
         weights = weights or (self.weights + ("-unmerged" if self.unmerged else ""))
         engine = self.engine if engine is None else engine
+        reward = reward or self.reward
+        credit = self.credit if credit is None else credit
         return "-".join(
             [self.launcher, weights]
-            + ([self.reward] if self.reward != ("trivial" if self.trl else "cpr") else [])
+            + ([reward] if reward != ("trivial" if self.trl else "cpr") else [])
+            + (["credit"] if credit else [])
             + (["pcgrad"] if self.pcgrad else [])
             + ([engine] if engine else [])
         )
 
 
+#: W of the ``-credit`` settings (its cost does not depend on it).
+STEP_CREDIT_WEIGHT = 1.0
 #: The plain-TRL entry per reward: the trivial one, or the configured reward's functions.
 TRL_ENTRIES = {"trivial": "trl", "cpr": "trl-reward"}
 
@@ -160,6 +175,8 @@ def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool)
         args += ["--model.lora", LORA.replace("}", f", merge_for_generation: {str(not s.unmerged).lower()}}}")]
     if s.pcgrad:
         args += ["--pcgrad", "true"]
+    if s.credit:
+        args += ["--reward.step_credit.weight", str(STEP_CREDIT_WEIGHT)]
     args += ENGINES.get(s.engine, [])
     entry = ["-m", "crystal_grpo.train.benchmarks.training", TRL_ENTRIES[s.reward] if s.trl else "grpo"]
     return launch + entry + args + extra
@@ -172,7 +189,8 @@ class StepClock(TrainerCallback):
     (``transformers.generate``, ``vLLM.generate``, ...), which TRL hands only to experiment
     trackers: their ``_log_metrics`` is wrapped for the run. On CUDA it also records the
     process's peak allocated GPU memory (``peak_gib``, for any trainer; null on CPU), and
-    whether the model's parameters are ZeRO-3 partitions (``zero3``)."""
+    whether the model's parameters are ZeRO-3 partitions (``zero3``); and the process's peak resident set
+    (``rss_gib``), the memory a CPU run has."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / CLOCK_FILE
@@ -209,8 +227,9 @@ class StepClock(TrainerCallback):
 
             pairs = list(zip(self.ends, self.ends[1:]))
             peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
             times = {"wall": [b[0] - a[0] for a, b in pairs], "cpu": [b[1] - a[1] for a, b in pairs], "gen": self.gen}
-            self.path.write_text(json.dumps({**times, "peak_gib": peak, "zero3": self.zero3}))
+            self.path.write_text(json.dumps({**times, "peak_gib": peak, "rss_gib": rss, "zero3": self.zero3}))
 
 
 def trivial_reward(completions, **kwargs) -> list[float]:
@@ -295,16 +314,20 @@ def summarise(out: Path, warmup: int) -> dict[str, float]:
         "format": med(prefix + "format_rate"),
         "steps": med(prefix + "steps_mean"),
         "peak": max(peak, default=math.nan),
+        "rss": clock.get("rss_gib") or math.nan,
         "zero3": clock.get("zero3"),
     }
 
 
-def ratio(results: dict[str, list[dict]], name: str, other: str | None, key: str) -> tuple[float, float, float]:
-    """Median and range over rounds of this run's per-token ``key`` over ``other``'s in the same round."""
+def ratio(
+    results: dict[str, list[dict]], name: str, other: str | None, key: str, per_token: bool = True
+) -> tuple[float, float, float]:
+    """Median and range over rounds of this run's ``key`` (per token: equal work when completions differ
+    in length) over ``other``'s in the same round."""
     if other is None or other not in results or name == other:
         return math.nan, math.nan, math.nan
-    per_token = lambda r: r[key] / r["tokens"]  # equal work when completions differ in length
-    rs = [per_token(a) / per_token(b) for a, b in zip(results[name], results[other])]
+    norm = (lambda r: r[key] / r["tokens"]) if per_token else (lambda r: r[key])
+    rs = [norm(a) / norm(b) for a, b in zip(results[name], results[other])]
     return statistics.median(rs), min(rs), max(rs)
 
 
@@ -317,10 +340,12 @@ def table(results: dict[str, list[dict]]) -> str:
 
     head = (
         f"{'setting':<24}{'step s':>8}{'spread':>8}{'wall s':>8}{'tokens':>8}{'step/trl':>18}"
-        f"{'net/trl':>18}{'wall/trl':>18}{'cpu/trl':>18}{'lora/full':>18}{'gen/default':>18}{'peak GiB':>9}"
+        f"{'net/trl':>18}{'wall/trl':>18}{'cpu/trl':>18}{'lora/full':>18}{'gen/default':>18}{'credit/cpr':>18}"
+        f"{'mem/cpr':>18}{'peak GiB':>9}{'rss GiB':>8}"
         f"{'gen s':>7}{'score s':>9}{'share':>7}{'format':>7}{'steps':>6}"
     )
     lines = [head, "-" * len(head)]
+    cuda_peak = any(not math.isnan(r["peak"]) for runs in results.values() for r in runs)  # else the CPU's rss
     for name, runs in results.items():
         s = Setting.parse(name)
         med = lambda k: statistics.median([r[k] for r in runs])
@@ -328,14 +353,18 @@ def table(results: dict[str, list[dict]]) -> str:
         spread = (max(steps) - min(steps)) / med("step") if len(runs) > 1 else 0.0
         lora_vs = ratio(results, name, s.name(weights="full"), "step") if s.weights == "lora" else (math.nan,) * 3
         gen_vs = ratio(results, name, s.name(engine=""), "step") if s.engine else (math.nan,) * 3
+        cpr = s.name(reward="cpr", credit=False) if s.credit else None  # the same setting with CPR, no credit
+        credit_vs = ratio(results, name, cpr, "step")
+        memory_vs = ratio(results, name, cpr, "peak" if cuda_peak else "rss", per_token=False)
         lines.append(
             f"{name:<24}{med('step'):>8.3f}{spread:>8.1%}{med('wall'):>8.3f}{med('tokens'):>8.1f}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'step')):>18}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'net')):>18}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'wall')):>18}"
             f"{fmt_ratio(ratio(results, name, s.baseline, 'cpu')):>18}{fmt_ratio(lora_vs):>18}{fmt_ratio(gen_vs):>18}"
-            f"{med('peak'):>9.2f}{med('gen'):>7.3f}{med('score'):>9.3f}{med('score') / med('step'):>7.1%}"
-            f"{med('format'):>7.2f}"
+            f"{fmt_ratio(credit_vs):>18}{fmt_ratio(memory_vs):>18}"
+            f"{med('peak'):>9.2f}{med('rss'):>8.2f}{med('gen'):>7.3f}{med('score'):>9.3f}"
+            f"{med('score') / med('step'):>7.1%}{med('format'):>7.2f}"
             f"{med('steps'):>6.1f}"
         )
     return "\n".join(lines)

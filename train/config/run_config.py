@@ -37,6 +37,7 @@ from crystal_grpo.curricula.schedule import resolve as resolve_curriculum
 from crystal_grpo.metrics import Metric
 from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.rewards import REWARDS, RewardConfig, RewardModule, reward_class
+from crystal_grpo.rewards.step_credit import StepCreditConfig
 from crystal_grpo.train.config.training_section import (
     newer_field_type,
     remove_unused_columns_refused,
@@ -160,10 +161,17 @@ def vllm_problem() -> str | None:
 
 
 def dynamic_sampling_refused(
-    section: DynamicSamplingSection, *, pcgrad: bool, scale_rewards: Any, aggregation: str, outcome: str | None
+    section: DynamicSamplingSection,
+    *,
+    pcgrad: bool,
+    scale_rewards: Any,
+    aggregation: str,
+    outcome: str | None,
+    step_credit: bool = False,
 ) -> tuple[str, str] | None:
     """(key, why) when ``section`` cannot work with these settings, else None (the config's
-    check and a trainer built by hand share it). ``outcome``: the reward's outcome component."""
+    check and a trainer built by hand share it). ``outcome``: the reward's outcome component;
+    ``step_credit``: reward.step_credit is on."""
     if section.mode == "none":
         return None
     if section.metric == "outcome" and outcome is None:
@@ -178,6 +186,13 @@ def dynamic_sampling_refused(
             "dynamic_sampling.metric",
             "'objectives' filters each of PCGrad's two losses on its own objective and "
             "needs pcgrad: true; without PCGrad there is one loss, on the total reward (metric: reward)",
+        )
+    if section.metric == "objectives" and step_credit:
+        return (
+            "dynamic_sampling.metric",
+            "'objectives' cannot be combined with reward.step_credit: it judges the reasoning objective's "
+            "groups on its reward components alone, so the groups whose steps vary where those do not (every "
+            "group, with answer-only) would lose the step term; use metric: reward or outcome",
         )
     if scale_rewards == "batch" or aggregation == "normalize_then_sum":
         key, value = (
@@ -240,6 +255,11 @@ class RewardSection:
         help="Instead of a name: a weighted sum of reward functions, each {fn: "
         "'package.module:name' or crystal:<term>, weight, objective: accuracy|reasoning} (rewards/user.py).",
     )
+    step_credit: StepCreditConfig = option(
+        default_factory=StepCreditConfig,
+        help="Per-token advantages from the matched steps, with any reward: {weight: W} (docs/method.md, "
+        '"Step credit"; weight 0: off).',
+    )
     config: Union[RewardConfig, None] = derived(
         "The reward's typed config, made from params once when the "
         "config is validated; the reward module is built from it."
@@ -249,7 +269,9 @@ class RewardSection:
         """The reward module this section describes (after validation)."""
         if self.config is None:
             raise ValueError("reward section not validated yet: load it with load_config (or validate)")
-        return reward_class(self.name)(self.config)
+        # step_credit only when on: a reward module of your own whose __init__ does not take it still builds
+        credit = {"step_credit": self.step_credit} if self.step_credit.on else {}
+        return reward_class(self.name)(self.config, **credit)
 
 
 @dataclass
@@ -664,8 +686,10 @@ def validate(cfg: RunConfig) -> RunConfig:
                 c.training,
                 pcgrad=c.pcgrad,
                 beta=c.training.get("beta", PaperRecipe.beta),
+                loss_type=c.training.get("loss_type", PaperRecipe.loss_type),
                 lora=c.model.lora is not None,
                 curriculum=c.curriculum is not None,
+                step_credit=c.reward.step_credit.on,
             )
         )
         if refused:
@@ -716,7 +740,12 @@ def validate(cfg: RunConfig) -> RunConfig:
         scale = {True: "group", False: "none"}.get(c.training.get("scale_rewards"), c.training.get("scale_rewards"))
         outcome = reward_class(c.reward.name).outcome_name(c.reward.config)
         refused = c.trainer == "grpo" and dynamic_sampling_refused(
-            c.dynamic_sampling, pcgrad=c.pcgrad, scale_rewards=scale, aggregation=aggregation, outcome=outcome
+            c.dynamic_sampling,
+            pcgrad=c.pcgrad,
+            scale_rewards=scale,
+            aggregation=aggregation,
+            outcome=outcome,
+            step_credit=c.reward.step_credit.on,
         )
         if refused:
             raise ConfigError(f"{where}{refused[0]}: {refused[1]}")

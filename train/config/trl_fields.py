@@ -97,7 +97,6 @@ FIELDS: dict[str, Row] = _one_row_each(
         "epsilon",
         "epsilon_high",
         "delta",
-        "importance_sampling_level",
         "mask_truncated_completions",
         "top_entropy_quantile",
         "use_bias_correction_kl",
@@ -346,6 +345,11 @@ FIELDS: dict[str, Row] = _one_row_each(
             "False with a curriculum, which orders the prompts itself; without one, TRL's order is kept and made "
             "resumable mid-epoch (train/trainer/prompt_order.py).",
         ),
+        "importance_sampling_level": Row(
+            "refused",
+            "'sequence' with reward.step_credit, unless loss_type is cispo or vespo: the gradient through one ratio "
+            "a sequence weighs every token by the mean of its advantages, so every token would get the same credit.",
+        ),
         "eval_strategy": Row("refused", "Other than 'no' without a validation split (data.validation or a fraction)."),
         "use_vllm": Row("refused", "True where vLLM is missing or outside the installed TRL's supported range."),
         "fsdp": Row("refused", "With PCGrad, which runs on one process, DDP and DeepSpeed ZeRO-3."),
@@ -371,12 +375,40 @@ def off_policy_mask_refused(threshold: object) -> tuple[str, str] | None:
     )
 
 
+#: TRL loss types whose gradient is each token's advantage times its log-probability's gradient with the
+#: importance ratio detached, so that a sequence-level ratio still leaves each token its own advantage.
+DETACHED_RATIO = frozenset({"cispo", "vespo"})
+
+
+def step_credit_refused(importance_sampling_level: object, loss_type: object) -> tuple[str, str] | None:
+    """(key, why) when TRL's loss cannot give each token its own advantage (``reward.step_credit``),
+    else None (the config's check and the trainer share it)."""
+    if importance_sampling_level != "sequence" or loss_type in DETACHED_RATIO:
+        return None
+    return (
+        "training.importance_sampling_level",
+        f"'sequence' cannot be combined with reward.step_credit and loss_type {loss_type!r}: the loss's gradient "
+        "then flows through one importance ratio a sequence, which weighs every token by the mean of the "
+        "sequence's advantages, so a step's credit would reach every token of its completion alike; use 'token', "
+        f"a loss_type of {sorted(DETACHED_RATIO)}, or set reward.step_credit.weight: 0",
+    )
+
+
 def training_refused(
-    training: dict[str, Any], *, pcgrad: bool, beta: float, lora: bool, curriculum: bool
+    training: dict[str, Any],
+    *,
+    pcgrad: bool,
+    beta: float,
+    loss_type: str,
+    lora: bool,
+    curriculum: bool,
+    step_credit: bool = False,
 ) -> tuple[str, str] | None:
     """(key, why) for a ``training`` value of a GRPO phase that this trainer cannot honour with the
     run's other settings (the table's refused rows that have no older home), else None."""
-    refused = pcgrad and off_policy_mask_refused(training.get("off_policy_mask_threshold"))
+    refused = (pcgrad and off_policy_mask_refused(training.get("off_policy_mask_threshold"))) or (
+        step_credit and step_credit_refused(training.get("importance_sampling_level"), loss_type)
+    )
     if refused:
         return refused
     if training.get("sync_ref_model") and (beta == 0 or lora):

@@ -46,6 +46,7 @@ from crystal_grpo.train.pcgrad.memory import (
 )
 from crystal_grpo.train.trainer.dynamic_sampling import objective_inputs
 from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
+from crystal_grpo.train.trainer.step_credit import STEP_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class PCGradMixin:
         if refused:
             raise ValueError(f"{refused[0]}: {refused[1]}")
         objs = self._pcgrad_objectives()
-        if len(set(objs)) < 2:
+        if len(set(objs) | ({REASONING} if self.step_credit_weight else set())) < 2:  # step credit: reasoning's
             logger.warning(
                 "pcgrad: every reward function serves %r; the other objective's gradient is zero "
                 "and PCGrad reduces to plain GRPO",
@@ -236,16 +237,26 @@ class PCGradMixin:
                 plain = super().compute_loss(model, inputs)
             after = dict(vars(self))  # what the plain call moved (the adaptive-entropy state) is the step's
             quiet = {"beta": 0.0, "_entropy_bonus_enabled": False, "aux_loss_enabled": False}
-            # objective_inputs: the objective's own loss mask under dynamic_sampling.metric: objectives
+            # objective_inputs: the objective's own loss mask under dynamic_sampling.metric: objectives;
+            # the per-token step term (reward.step_credit) is the reasoning objective's alone
             losses = {
                 name: self._pcgrad_quiet_loss(
-                    model, {**objective_inputs(inputs, name), "advantages": inputs[key]}, before, quiet
+                    model,
+                    {
+                        **objective_inputs(inputs, name),
+                        "advantages": inputs[key],
+                        STEP_FIELD: inputs.get(STEP_FIELD) if name == REASONING else None,
+                    },
+                    before,
+                    quiet,
                 )
                 for name, key in OBJECTIVE_ADVANTAGES.items()
             }
             if rest:
                 zeros = torch.zeros_like(inputs["advantages"])
-                losses[REST] = self._pcgrad_quiet_loss(model, {**inputs, "advantages": zeros}, before, {})
+                losses[REST] = self._pcgrad_quiet_loss(
+                    model, {**inputs, "advantages": zeros, STEP_FIELD: None}, before, {}
+                )
             reset_attributes(self, after)
         return plain.detach(), losses
 

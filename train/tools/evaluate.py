@@ -27,6 +27,7 @@ from crystal_grpo.metrics import per_completion
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.alignment_view import ViewRow, alignment_rows, question_text, thumbnail, write_page
 from crystal_grpo.rewards.base import RewardModule
+from crystal_grpo.rewards.step_credit import StepCreditConfig
 from crystal_grpo.train.models.generation import Sampling
 from crystal_grpo.train.models.policy import from_pretrained_kwargs, recorded_model
 from crystal_grpo.train.models.predictions import (
@@ -42,7 +43,7 @@ from crystal_grpo.train.models.predictions import (
 )
 from crystal_grpo.train.models.vision import VisionSection
 from crystal_grpo.train.run.layout import CONFIG, read_config, run_targets
-from crystal_grpo.typed import to_dict
+from crystal_grpo.typed import from_dict, to_dict
 
 REPORT = "report.json"
 #: The per-example format of the scorer CLI (``crystal-grpo-score``) and of CRYSTAL's
@@ -70,6 +71,7 @@ class EvalSetup:
 
     reward: str = "cpr"
     reward_params: dict[str, Any] = field(default_factory=dict)
+    step_credit: dict[str, Any] = field(default_factory=dict)  # reward.step_credit of the run: the viewer shows it
     system_prompt: str | None = None
     data: str | None = None
     data_split: str = "validation"  # of data, when it names a dataset with splits
@@ -94,6 +96,7 @@ class EvalSetup:
         return cls(
             reward=reward.get("name", "cpr"),
             reward_params=dict(reward.get("params") or {}),
+            step_credit=dict(reward.get("step_credit") or {}),
             system_prompt=data.get("system_prompt"),
             data=data.get("validation"),
             data_split=data.get("validation_split") or "validation",
@@ -329,7 +332,8 @@ def evaluate(req: EvalRequest) -> dict | None:
         check_ids(predictions, [r["id"] for r in rows], str(out / PREDICTIONS), req.data)
     if rank != 0:
         return None
-    module = build_reward(req.setup.reward, **req.setup.reward_params)
+    credit = from_dict(StepCreditConfig, req.setup.step_credit, "reward.step_credit")
+    module = build_reward(req.setup.reward, step_credit=credit, **req.setup.reward_params)
     thumbnails = (
         {r["id"]: thumbnail(ds[i]["images"]) for i, r in enumerate(rows)} if "images" in ds.column_names else {}
     )

@@ -24,6 +24,7 @@ import torch
 from crystal_grpo.rewards.base import OBJECTIVES
 from crystal_grpo.train.config.run_config import DynamicSamplingSection, dynamic_sampling_refused
 from crystal_grpo.train.pcgrad.math import group_flat, weighted_reward
+from crystal_grpo.train.trainer.step_credit import STEP_FIELD
 
 #: Separates the refill draws from the other random streams seeded by the run's seed.
 REFILL_STREAM = 0xD5A
@@ -45,6 +46,7 @@ COMPLETION_FIELDS = {
     "ref_per_token_logps": 0.0,
     "sampling_per_token_logps": 0.0,
     "importance_sampling_ratio": 0.0,
+    STEP_FIELD: 0.0,
 }
 
 
@@ -192,6 +194,7 @@ class DynamicSamplingMixin:
             scale_rewards=self.scale_rewards,
             aggregation=self.multi_objective_aggregation,
             outcome=self.reward_outcome,
+            step_credit=bool(getattr(self, "step_credit_weight", 0.0)),
         )
         if refused:
             raise ValueError(f"{refused[0]}: {refused[1]}")
@@ -315,8 +318,8 @@ class DynamicSamplingMixin:
         return range(len(self.train_dataset))
 
     def _weigh(self, out: dict, kept: dict[str, torch.Tensor]) -> None:
-        """Zero weight for the rows of the groups not kept (``tool_mask``), the normaliser
-        recounted and the row-mean losses' scale (docs/training.md, the normaliser), for the batch and, with
+        """Zero weight for the rows of the groups not kept (``tool_mask``, and no step term), the
+        normaliser recounted and the row-mean losses' scale (docs/training.md, the normaliser), for the batch and, with
         ``metric: objectives``, for each objective (``<field>_<objective>``)."""
         mask = out["completion_mask"]
         n, rank = mask.shape[0], self.accelerator.process_index
@@ -331,6 +334,9 @@ class DynamicSamplingMixin:
             if self.loss_type in ROW_MEAN:
                 scale = len(rows) / max(int(rows.sum()), 1)
                 out[f"loss_scale{suffix}"] = torch.tensor(scale, dtype=torch.float32, device=mask.device)
+        if out.get(STEP_FIELD) is not None:  # a masked group's step term is zero too (reward.step_credit)
+            rows = kept[""].repeat_interleave(self.num_generations)[rank * n : (rank + 1) * n]
+            out[STEP_FIELD] = out[STEP_FIELD] * rows.to(out[STEP_FIELD]).unsqueeze(1)
 
     # -- the loss -----------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):

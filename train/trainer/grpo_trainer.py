@@ -4,7 +4,8 @@ Each concept is a mixin in a module of its own, overriding the TRL / transformer
 (every one listed in train/trainer/trl_seams.py): ``CrystalTrainerMixin`` is what every phase's
 trainer adds (the non-finite guard, complete checkpoints and resume, Ctrl-C / SIGTERM, the model
 card); ``CrystalGRPOTrainer`` adds the reward module (train/trainer/reward_hooks.py), the prompt
-order (train/trainer/prompt_order.py), generation through merged LoRA adapters
+order (train/trainer/prompt_order.py), its step credit's per-token advantages
+(train/trainer/step_credit.py), generation through merged LoRA adapters
 (train/models/lora_merge.py), dynamic sampling (train/trainer/dynamic_sampling.py) and its own
 ``log`` (the KL maximum, the curriculum's record, GPU memory). PCGrad touches TRL internals, so
 it lives in a subclass (train/pcgrad/trainer.py) that ``pcgrad.trainer_class`` picks only for
@@ -31,6 +32,7 @@ from crystal_grpo.train.trainer.interrupt import GracefulStopMixin
 from crystal_grpo.train.trainer.nonfinite import NonFiniteGuardMixin
 from crystal_grpo.train.trainer.prompt_order import PromptOrderMixin
 from crystal_grpo.train.trainer.reward_hooks import RewardModuleMixin
+from crystal_grpo.train.trainer.step_credit import StepCreditMixin
 
 
 class CrystalTrainerMixin(NonFiniteGuardMixin, CheckpointMixin, GracefulStopMixin, ModelCardMixin):
@@ -49,7 +51,13 @@ class CrystalTrainerMixin(NonFiniteGuardMixin, CheckpointMixin, GracefulStopMixi
 
 
 class CrystalGRPOTrainer(
-    RewardModuleMixin, PromptOrderMixin, CrystalTrainerMixin, MergedGenerationMixin, DynamicSamplingMixin, GRPOTrainer
+    StepCreditMixin,
+    RewardModuleMixin,
+    PromptOrderMixin,
+    CrystalTrainerMixin,
+    MergedGenerationMixin,
+    DynamicSamplingMixin,
+    GRPOTrainer,
 ):
     """A drop-in ``trl.GRPOTrainer``: the same constructor, every argument meaning what it
     means in TRL, plus this project's additions (README.md, "Use it from your own code").
@@ -61,7 +69,8 @@ class CrystalGRPOTrainer(
     ``sampler_factory=`` orders the prompts (the curriculum). ``validation=`` (with ``reward=``)
     validates on ``eval_dataset`` with the module's metrics and records the best checkpoint.
     ``dynamic_sampling=`` masks or refills the groups whose rewards do not vary; with
-    ``reward_funcs`` the outcome is the function whose ``outcome`` attribute is true.
+    ``reward_funcs`` the outcome is the function whose ``outcome`` attribute is true. A reward
+    module's ``step_credit`` gives each step's tokens its own advantage term.
     """
 
     def __init__(
@@ -86,6 +95,7 @@ class CrystalGRPOTrainer(
             **kwargs,
         )
         self.setup_dynamic_sampling(dynamic_sampling)
+        self.setup_step_credit()
         self.pin_reward_references()  # after every check: the slow part of building the trainer
         if validation is not None:  # the metrics train/grpo.py runs validate with, for a trainer built by hand
             if self.reward is None or not isinstance(self.eval_dataset, Sized):

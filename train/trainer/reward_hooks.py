@@ -23,7 +23,15 @@ from typing import Any
 import torch
 from trl.extras.profiling import profiling_decorator
 
-from crystal_grpo.rewards.base import MAX_REWARD, OBJECTIVES, Batch, RewardFunctionError, RewardModule, value_problem
+from crystal_grpo.rewards.base import (
+    MAX_REWARD,
+    OBJECTIVES,
+    Batch,
+    RewardFunctionError,
+    RewardModule,
+    Scored,
+    value_problem,
+)
 from crystal_grpo.train.config.training_section import remove_unused_columns_refused
 
 logger = logging.getLogger(__name__)
@@ -76,6 +84,8 @@ class RewardModuleMixin:
         )
         #: The last generation batch's outcome, ``[N]`` over all processes (None without a source).
         self.last_outcome: torch.Tensor | None = None
+        #: This process's part of the last generation batch's evaluation (None without ``reward=``).
+        self.last_scored: Scored | None = None
 
     def _objectives(self, given: Sequence[str | None] | None) -> list[str | None]:
         """Each of TRL's reward functions' objective (None: untagged)."""
@@ -131,7 +141,8 @@ class RewardModuleMixin:
             return rewards
         start = time.perf_counter()
         device = self.accelerator.device
-        local = self.reward.score(completions, inputs).batch
+        self.last_scored = self.reward.score(completions, inputs)
+        local = self.last_scored.batch
         batch = Batch.from_tensor(
             self.accelerator.gather(local.as_tensor().to(device)).cpu(), len(self.reward.extra_fields)
         )

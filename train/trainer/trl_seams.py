@@ -45,6 +45,20 @@ SEAMS: tuple[Seam, ...] = (
         "test_the_calls_dynamic_sampling_intercepts",
     ),
     Seam(
+        "_calculate_rewards",
+        "train/trainer/step_credit.py",
+        "override",
+        "scores each step of the reward module's evaluation and finds its tokens in completion_ids_list",
+        "test_calculate_rewards_is_one_global_column_per_function_with_none_as_nan",
+    ),
+    Seam(
+        "_generate_and_score_completions",
+        "train/trainer/step_credit.py",
+        "override",
+        "adds the per-token step term (step_advantages) beside TRL's advantages",
+        "test_generation_output_carries_advantages_of_local_rows",
+    ),
+    Seam(
         "_generate_and_score_completions",
         "train/pcgrad/trainer.py",
         "override",
@@ -71,6 +85,13 @@ SEAMS: tuple[Seam, ...] = (
         "override",
         "rescales the advantages so that masked groups leave the loss's normaliser",
         "test_each_loss_type_weighs_rows_by_tool_mask_as_dynamic_sampling_assumes",
+    ),
+    Seam(
+        "_compute_loss",
+        "train/trainer/step_credit.py",
+        "override",
+        "passes advantages + step_advantages, (B, T), which TRL's loss reads token by token",
+        "test_compute_loss_takes_per_token_advantages_token_by_token",
     ),
     Seam(
         "_compute_loss",
@@ -147,6 +168,13 @@ SEAMS: tuple[Seam, ...] = (
         "train/trainer/reward_hooks.py",
         "call",
         "the reward module's diagnostics, logged as TRL's",
+        "test_private_signatures",
+    ),
+    Seam(
+        "_log_metric",
+        "train/trainer/step_credit.py",
+        "call",
+        "the step credit's fallback rate, token share and mean term, logged as TRL's",
         "test_private_signatures",
     ),
     Seam(
