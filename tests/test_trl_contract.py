@@ -22,8 +22,8 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
+from crystal_grpo.train.config.refusals import DETACHED_RATIO
 from crystal_grpo.train.config.training_section import TABLES
-from crystal_grpo.train.config.trl_fields import DETACHED_RATIO
 from crystal_grpo.train.pcgrad.trainer import TESTED_TRL
 from crystal_grpo.train.trainer.dynamic_sampling import MICRO_BATCH_TOKEN_MEAN, ROW_MEAN, TOKEN_COUNT
 
@@ -56,7 +56,7 @@ def test_the_vllm_extra_is_the_range_trl_supports():
     0.32/0.33, which TRL 1.16 does not support and whose transformers pin breaks the lock)."""
     from packaging.specifiers import SpecifierSet
 
-    from crystal_grpo.train.config.run_config import trl_vllm_range
+    from crystal_grpo.train.models.generation import trl_vllm_range
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     (vllm,) = [Requirement(r) for r in extras["vllm"] if Requirement(r).name == "vllm"]

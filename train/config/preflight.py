@@ -13,9 +13,9 @@ import os
 import sys
 from pathlib import Path
 
+from crystal_grpo.train.config.refusals import zero_stage_problem
 from crystal_grpo.train.config.run_config import RunConfig, phase_configs
 from crystal_grpo.train.config.training_section import TRL_DEFAULTS
-from crystal_grpo.train.pcgrad.memory import zero_stage_problem
 
 
 def _offline() -> bool:

@@ -62,18 +62,6 @@ TRL_DEFAULTS: dict[str, Any] = {
 }
 
 
-def remove_unused_columns_refused(value: object) -> tuple[str, str] | None:
-    """(key, why) when TRL's ``remove_unused_columns`` would hide the rows' columns from a GRPO
-    reward, else None (the config's check and a trainer built by hand share it)."""
-    if not value:
-        return None
-    return (
-        "training.remove_unused_columns",
-        "true would drop the columns the reward reads (answer, reference_steps), judging every completion "
-        "wrong; GRPO keeps them (false)",
-    )
-
-
 #: The generated tables (modules of this package), each for a lock's TRL and transformers; the first
 #: answers when no table is for the installed versions.
 TABLES = {"trl_fields_table": "requirements.lock", "trl_fields_table_vllm": "requirements-vllm.lock"}

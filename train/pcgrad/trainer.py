@@ -21,7 +21,12 @@ from typing import Any
 
 import torch
 
-from crystal_grpo.train.config.trl_fields import off_policy_mask_refused
+from crystal_grpo.train.config.refusals import (
+    aggregation_refused,
+    liger_refused,
+    off_policy_mask_refused,
+    zero_stage_problem,
+)
 from crystal_grpo.train.pcgrad.gradients import (
     AccumulationWindow,
     is_deepspeed_engine,
@@ -39,10 +44,7 @@ from crystal_grpo.train.pcgrad.memory import (
     ACCURACY,
     REASONING,
     REST,
-    aggregation_refused,
-    liger_refused,
     pcgrad_extra_partitions,  # noqa: F401 - public here
-    zero_stage_problem,
 )
 from crystal_grpo.train.trainer.dynamic_sampling import objective_inputs
 from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer

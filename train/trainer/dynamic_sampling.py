@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from crystal_grpo.rewards.base import OBJECTIVES
-from crystal_grpo.train.config.run_config import DynamicSamplingSection, dynamic_sampling_refused
-from crystal_grpo.train.pcgrad.math import group_flat, weighted_reward
+from crystal_grpo.train.config.refusals import dynamic_sampling_refused
+from crystal_grpo.train.config.run_config import DynamicSamplingSection
+from crystal_grpo.train.trainer.groups import group_flat, weighted_reward
 from crystal_grpo.train.trainer.step_credit import STEP_FIELD
 
 #: Separates the refill draws from the other random streams seeded by the run's seed.
@@ -64,7 +65,7 @@ def kept_groups(
     batch, plus one entry per objective with ``metric: objectives``, where the batch's is their union.
 
     ``rewards_per_func`` is TRL's ``[N, F]`` (NaN: not applicable); each part is the weighted sum
-    of its columns (``train/pcgrad/math.py``'s ``weighted_reward``, as TRL sums them). With
+    of its columns (train/trainer/groups.py's ``weighted_reward``, as TRL sums them). With
     ``metric: outcome`` the groups are judged on ``outcome`` (``[N]``, the answers' correctness) alone.
     """
 

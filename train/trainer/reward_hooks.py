@@ -32,7 +32,7 @@ from crystal_grpo.rewards.base import (
     Scored,
     value_problem,
 )
-from crystal_grpo.train.config.training_section import remove_unused_columns_refused
+from crystal_grpo.train.config.refusals import remove_unused_columns_refused
 
 logger = logging.getLogger(__name__)
 

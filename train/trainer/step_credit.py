@@ -31,7 +31,7 @@ from crystal_grpo.rewards.step_credit import (
     step_char_spans,
     step_terms,
 )
-from crystal_grpo.train.config.trl_fields import step_credit_refused
+from crystal_grpo.train.config.refusals import step_credit_refused
 
 #: The batch field of the per-token step term (``(B, T)``, float32).
 STEP_FIELD = "step_advantages"
