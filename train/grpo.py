@@ -274,7 +274,7 @@ def run_phase(
     if trainer.interrupt.stopped_at is not None:
         step = trainer.interrupt.stopped_at
         raise Interrupted(trainer.interrupt.signum, step, str(output_dir / checkpoint_name(step)))
-    if trainer.stopped_nonfinite:
+    if trainer.guard.stopped:
         raise SystemExit(
             f"stopped: {cfg.stability.max_consecutive_nonfinite} consecutive updates had non-finite "
             f"loss/gradients (step {trainer.state.global_step}). The last good state is saved in "
