@@ -29,7 +29,7 @@ PROGRAMS = {
             ("start-up: config and checks", "crystal_grpo.train.grpo", "limit_prompts"),
             ("start-up: config and checks", "crystal_grpo.train.grpo", "length_warnings"),
             ("start-up: data", "crystal_grpo.train.data.splits", "load_datasets"),
-            ("start-up: model", "crystal_grpo.train.models.policy", "load_policy"),
+            ("start-up: model", "crystal_grpo.train.models.loading", "load_policy"),
             ("start-up: trainer", "crystal_grpo.train.grpo", "make_trainer"),
             ("generation", "transformers", "GenerationMixin.generate"),
             ("rollout bookkeeping (TRL)", "trl", "GRPOTrainer._generate_and_score_completions"),
@@ -49,7 +49,7 @@ PROGRAMS = {
         "crystal_grpo.train.tools.evaluate",
         (
             ("start-up: data", "crystal_grpo.train.data.splits", "load_split"),
-            ("start-up: model", "crystal_grpo.train.models.policy", "load_checkpoint"),
+            ("start-up: model", "crystal_grpo.train.models.loading", "load_checkpoint"),
             ("generation", "transformers", "GenerationMixin.generate"),
             ("scoring and report", "crystal_grpo.train.tools.evaluate", "score_predictions"),
             ("scoring and report", "crystal_grpo.train.tools.eval_report", "build_report"),

@@ -4,7 +4,7 @@ A setting names one run: ``<launcher>-<weights>[-<reward>][-pcgrad][-<generation
 (docs/benchmarks.md, "What bench_train.py runs and prints"). Every run is ``python -m
 crystal_grpo.train.benchmarks.training ENTRY --config tiny.yaml <overrides>`` with the same
 overrides, and the baseline builds its GRPOConfig, dataset, model and LoRA config with the very
-functions ``train/grpo.py`` uses: only the trainer and the reward differ. :class:`StepClock`
+functions ``train/grpo.py`` uses: only the trainer and the reward differ. :func:`step_clock`
 records each step's wall time, end to end, next to TRL's ``step_time`` in ``metrics.jsonl``.
 """
 
@@ -254,7 +254,7 @@ def run_trl(argv: list[str], configured_reward: bool = False) -> None:
 
     from crystal_grpo.train.data.splits import load_datasets
     from crystal_grpo.train.grpo import setup_distributed, training_args
-    from crystal_grpo.train.models.policy import load_policy, peft_config
+    from crystal_grpo.train.models.loading import load_policy, peft_config
     from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback
 
     cfg, out = config_and_folder(argv)
@@ -402,7 +402,7 @@ def build_model(name: str) -> str:
     """Path of ``tiny`` / ``mid`` (built on first use), the organism's warm start (its data
     written on first use) or the folder given."""
     if name == "organism":
-        from crystal_grpo.train.organism.policy import DEFAULT_DIR, WARM_START_DIR
+        from crystal_grpo.train.organism.make import DEFAULT_DIR, WARM_START_DIR
         from crystal_grpo.train.organism.task import Layout, write_splits
 
         data = REPO_ROOT / DEFAULT_DIR / "data"

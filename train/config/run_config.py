@@ -1,6 +1,6 @@
 """One YAML file describes a run: model, data, reward, curriculum, validation and TRL's
 ``GRPOConfig`` fields (under ``training``). Each section is a config dataclass documented
-beside the code that reads it (``ModelSection`` in train/models/policy.py, ``CPRConfig`` in
+beside the code that reads it (``ModelSection`` in train/models/loading.py, ``CPRConfig`` in
 rewards/cpr.py, ``CurriculumSection`` in curricula/schedule.py, ...); the ones whose code
 subclasses transformers' or TRL's classes (validation, stability, dynamic sampling) are defined
 here, and ``RunConfig`` composes them all.
@@ -48,7 +48,7 @@ from crystal_grpo.train.config.refusals import (
 from crystal_grpo.train.config.training_section import newer_field_type, training_field_types
 from crystal_grpo.train.data.splits import DataSection
 from crystal_grpo.train.models.generation import vllm_problem
-from crystal_grpo.train.models.policy import LoraSection, ModelSection  # noqa: F401 - part of the run config
+from crystal_grpo.train.models.loading import LoraSection, ModelSection  # noqa: F401 - part of the run config
 from crystal_grpo.train.models.vision import VisionSection  # noqa: F401 - part of the run config
 from crystal_grpo.typed import ConfigError, Range, check_value, derived, from_dict, option, to_dict
 
@@ -216,7 +216,7 @@ class RunConfig:
     """One run: each section is the config class of the code that reads it."""
 
     trainer: TrainerKind = option("grpo", "What trains the run (each phase sets its own as phases[].trainer).")
-    model: ModelSection = option(default_factory=ModelSection, help="The policy (train/models/policy.py).")
+    model: ModelSection = option(default_factory=ModelSection, help="The policy (train/models/loading.py).")
     data: DataSection = option(default_factory=DataSection, help="Training data (train/data/splits.py).")
     reward: RewardSection = option(default_factory=RewardSection, help="The reward (rewards/).")
     curriculum: Union[CurriculumSection, None] = option(
