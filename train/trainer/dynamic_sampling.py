@@ -139,6 +139,13 @@ def merge_rows(
     return out
 
 
+def loss_scale(inputs: dict[str, Any]) -> float:
+    """By how much a micro-batch's row-mean loss scales its surrogate and KL term, so that the masked
+    groups leave its normaliser (1.0: none masked, or a loss type normalised otherwise)."""
+    scale = inputs.get("loss_scale")
+    return 1.0 if scale is None else float(scale)
+
+
 def objective_inputs(inputs: dict[str, Any], objective: str) -> dict[str, Any]:
     """The batch PCGrad's loss for ``objective`` reads: with ``metric: objectives``, that
     objective's own loss mask, normaliser and scale in place of the batch's."""

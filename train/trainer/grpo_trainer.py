@@ -56,7 +56,7 @@ from crystal_grpo.train.trainer.checkpoint_hooks import (
     schedule_warning,
     tied_keys_found,
 )
-from crystal_grpo.train.trainer.dynamic_sampling import DynamicSampler
+from crystal_grpo.train.trainer.dynamic_sampling import DynamicSampler, loss_scale
 from crystal_grpo.train.trainer.interrupt import GracefulStop
 from crystal_grpo.train.trainer.nonfinite import NonFiniteGuard
 from crystal_grpo.train.trainer.prompt_order import PromptOrder
@@ -384,12 +384,12 @@ class CrystalGRPOTrainer(CrystalTrainerMixin, GRPOTrainer):
 
     def loss(self, model: Any, inputs: dict[str, Any], terms: LossTerms = ALL_TERMS) -> torch.Tensor:
         """Where the loss is formed: TRL's ``_compute_loss`` with ``terms``, on ``advantages`` plus the
-        per-token step term; with a ``loss_scale`` (row-mean loss types, groups masked) the surrogate
-        and the KL term are scaled by it, as the advantages and ``beta`` enter both linearly."""
+        per-token step term; where dynamic sampling masked groups of a row-mean loss, the surrogate and the
+        KL term are scaled by its :func:`loss_scale`, as the advantages and ``beta`` enter both linearly."""
         advantages = with_step_term(inputs["advantages"], inputs.get(STEP_FIELD))
-        scale = inputs.get("loss_scale")
-        if scale is not None and float(scale) != 1.0:
-            advantages, terms = advantages * float(scale), replace(terms, kl=terms.kl * float(scale))
+        scale = loss_scale(inputs)
+        if scale != 1.0:
+            advantages, terms = advantages * scale, replace(terms, kl=terms.kl * scale)
         if advantages is not inputs["advantages"]:
             inputs = {**inputs, "advantages": advantages}
         self.terms = terms
