@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
+from crystal_grpo.paths import user_file, user_path
 from crystal_grpo.rewards.answer_only import AnswerOnlyReward
 from crystal_grpo.rewards.encoder import EXACT, PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError
 from crystal_grpo.rewards.match_f1 import MatchF1Scorer
@@ -126,14 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--predictions",
         required=True,
-        type=Path,
+        type=user_file,
         metavar="JSONL",
         help='prediction rows {"id", "reasoning_steps": [...], "answer"}, one JSON object a line',
     )
     p.add_argument(
         "--data",
         required=True,
-        type=Path,
+        type=user_file,
         metavar="JSONL",
         help="data rows of docs/method.md section 1 (id, question, answer, reference_steps, optional "
         "reference_sets and source), one JSON object a line",
@@ -141,13 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         required=True,
-        type=Path,
+        type=user_file,
         metavar="JSON",
         help="report to write: overall and per-source means, per-example scores and pairs",
     )
     p.add_argument(
         "--encoder",
         default=PACKAGED_MINILM,
+        type=user_path,
         help=f"sentence encoder: hub id, local folder, {PACKAGED_MINILM!r} (default; the paper used "
         f"{PAPER_ENCODER!r}), or {EXACT!r} (equal normalised strings match)",
     )

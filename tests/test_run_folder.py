@@ -566,3 +566,37 @@ def test_kill_trials_compare_finds_a_repeated_step_a_changed_value_and_other_wei
     assert compare(ref, folder("twice", [1, 1, 2], 0.1, 1.0)) == ["metrics.jsonl: steps [1, 1, 2], reference [1, 2]"]
     assert compare(ref, folder("value", [1, 2], 0.2, 1.0))[0] == "metrics.jsonl step 1: loss 0.2 vs 0.1"
     assert compare(ref, folder("weights", [1, 2], 0.1, 1.0 + 1e-7)) == ["final weights differ in 1 tensor(s), e.g. w"]
+
+
+def test_a_tilde_in_any_path_is_the_home_folder_for_every_part_of_the_program(
+    tmp_path, tiny_lm_path, capsys, monkeypatch
+):
+    """``--output_dir=~/r`` (a shell expands ``~`` only at the start of a word) or ``~`` in the YAML:
+    transformers expanded it, so checkpoints went to $HOME/r while run.json, the logs and final/ went
+    to ./~/r, and --check named ``~/r``; a resume then found no checkpoint and trained from step 0.
+    Every path given (config, model, data, output folder) is one place."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    (home / "data").mkdir(parents=True)
+    shutil.copy(REPO / "data/wordproblems/train.jsonl", home / "data" / "train.jsonl")
+    (home / "model").symlink_to(tiny_lm_path)
+    config = (REPO / "configs/tiny.yaml").read_text().replace(".cache/models/tiny-qwen2", "~/model")
+    (home / "tiny.yaml").write_text(config.replace("data/wordproblems/train.jsonl", "~/data/train.jsonl"))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    argv = ["--config=~/tiny.yaml", "--data.validation=~/data/train.jsonl", *QUICK, "--validation.at_start", "false"]
+    assert grpo.main([*argv, "--check", "--output_dir=~/r"]) == 0
+    assert f"run folder {home / 'r'}\n" in capsys.readouterr().out
+    assert grpo.main([*argv, "--training.output_dir", "~/y", "--check"]) == 0  # (quoted: as a YAML file gives it)
+    assert f"run folder {home / 'y'}\n" in capsys.readouterr().out
+    assert grpo.main([*argv, "--output_dir=~/r", "--training.max_steps", "2"]) == 0
+    assert os.listdir(cwd) == []  # no ./~ folder
+    run = home / "r"
+    assert {"run.json", "metrics.jsonl", "final", "checkpoint-2"} <= set(os.listdir(run))
+    assert json.loads((run / RECORD).read_text())["config"]["data"]["train"] == str(home / "data" / "train.jsonl")
+    assert (
+        grpo.main(
+            [*argv, "--output_dir=~/r", "--training.max_steps", "2", "--resume_from_checkpoint=~/r/checkpoint-2"]
+        )
+        == 0
+    )

@@ -31,6 +31,7 @@ from crystal_grpo.distributed import (
 )
 from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
+from crystal_grpo.paths import user_path
 from crystal_grpo.train.config.preflight import preflight
 from crystal_grpo.train.config.run_config import (
     ConfigError,
@@ -575,13 +576,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--config", required=True, help="YAML file, or a name in configs/")
+    ap.add_argument("--config", required=True, type=user_path, help="YAML file, or a name in configs/")
     ap.add_argument(
         "--resume_from_checkpoint",
         default=None,
+        type=user_path,
         help="'latest' (the newest complete checkpoint of the run folder) or a checkpoint folder",
     )
-    ap.add_argument("--output_dir", default=None, help="run folder (default: training.output_dir or runs/<config>)")
+    ap.add_argument(
+        "--output_dir", default=None, type=user_path, help="run folder (default: training.output_dir or runs/<config>)"
+    )
     ap.add_argument(
         "--overwrite_output_dir",
         action="store_true",
@@ -596,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--accelerate_config",
         default=None,
+        type=user_path,
         help="with --check: the accelerate config the run will be "
         "launched with (a path or a name in configs/accelerate/), for its GPU count and ZeRO stage",
     )

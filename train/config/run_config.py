@@ -36,6 +36,7 @@ from crystal_grpo.curricula.schedule import CurriculumSection
 from crystal_grpo.curricula.schedule import resolve as resolve_curriculum
 from crystal_grpo.metrics import Metric
 from crystal_grpo.metrics import names as metric_names
+from crystal_grpo.paths import expand_config_paths, user_path
 from crystal_grpo.rewards import REWARDS, RewardConfig, RewardModule, reward_class
 from crystal_grpo.train.config.training_section import (
     newer_field_type,
@@ -535,7 +536,7 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 def load_config(name_or_path: str, overrides: list[str] | None = None) -> tuple[RunConfig, dict]:
     """Read, merge overrides, validate. Returns the config and the merged raw mapping."""
-    path = resolve_config_path(name_or_path)
+    path = resolve_config_path(user_path(name_or_path))
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -544,7 +545,7 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> tuple[
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     cli = parse_overrides(overrides or [])
-    raw = deep_merge(raw, cli)
+    raw = expand_config_paths(deep_merge(raw, cli))
     if isinstance(raw.get("phases"), list):
         raw["phases"] = [_cli_wins(p, cli, raw.get("reward")) for p in raw["phases"]]
     cfg = validate(from_dict(RunConfig, raw))

@@ -26,6 +26,7 @@ from typing import Any
 from crystal_grpo.distributed import launch_command
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text
+from crystal_grpo.paths import user_path
 from crystal_grpo.train.run.folder import RunFolderError, RunLock, foreign_folder
 from crystal_grpo.train.run.layout import BEST, FINAL, POINT_LOG, SWEEP_LOCK, SWEEP_POINT, is_finished, run_targets
 from crystal_grpo.train.tools import launch
@@ -172,6 +173,9 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
         raise SweepError(f"{path}: a sweep needs `points` or `grid`")
     base = raw.get("base")
     common = _flat(raw.get("overrides"), "overrides")
+    for node, key in ((raw, "output_dir"), (raw, "init_from"), (raw.get("eval"), "data")):
+        if isinstance(node, dict) and key in node:
+            node[key] = user_path(node[key])
     if raw.get("init_from"):
         init = Path(raw["init_from"])
         init = init if init.exists() or init.is_absolute() else ROOT / init  # like the configs' paths
@@ -524,8 +528,10 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    ap.add_argument("sweep", help="a sweep YAML (configs/sweeps/*.yaml)")
-    ap.add_argument("--output_dir", help="the sweep folder (default: its output_dir, else runs/sweeps/<name>)")
+    ap.add_argument("sweep", type=user_path, help="a sweep YAML (configs/sweeps/*.yaml)")
+    ap.add_argument(
+        "--output_dir", type=user_path, help="the sweep folder (default: its output_dir, else runs/sweeps/<name>)"
+    )
     what = ap.add_mutually_exclusive_group()
     what.add_argument(
         "--emit",
