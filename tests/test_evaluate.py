@@ -371,6 +371,33 @@ def test_rows_that_share_an_id_are_refused_naming_both_lines(tmp_path, capsys):
     assert not (out / "report.json").exists()
 
 
+def test_a_prediction_id_given_twice_is_refused_as_the_scorer_cli_refuses_it(tmp_path, capsys):
+    """Two lines for one id were both scored and averaged: every id twice, one right and one wrong,
+    gave accuracy 0.500 [0.500, 0.500]; crystal-grpo-score refused the same file. One rule: the id
+    and both lines; a sample index that is no index is one line too."""
+    rows = read_jsonl(DATA)[:N]
+    lines = [{"id": r["id"], "reasoning_steps": r["reference_steps"], "answer": r["answer"]} for r in rows]
+    lines.insert(3, {**lines[1], "answer": "wrong"})
+    preds = tmp_path / "p.jsonl"
+    preds.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "o"
+    assert ev.main(["--predictions", str(preds), "--out", str(out), *COMMON]) == 2
+    said = f"{preds}:4: duplicate id {rows[1]['id']!r} (first on line 2)"
+    assert capsys.readouterr().err == f"error: {said}\n"
+    assert not (out / "report.json").exists()
+    assert score_cli.main(["--predictions", str(preds), "--data", DATA, "--out", str(tmp_path / "s.json")]) == 2
+    assert f"error: {said}\n" in capsys.readouterr().err
+    samples = [{**x, "sample": 0} for x in lines[:3]] + [{**lines[1], "sample": 1}, {**lines[1], "sample": 0}]
+    preds.write_text("".join(json.dumps(x) + "\n" for x in samples))
+    assert ev.main(["--predictions", str(preds), "--out", str(out), *COMMON]) == 2
+    assert capsys.readouterr().err == f"error: {preds}:5: duplicate id {rows[1]['id']!r} sample 0 (first on line 2)\n"
+    preds.write_text(json.dumps({**lines[0], "sample": "a"}) + "\n")
+    assert ev.main(["--predictions", str(preds), "--out", str(out), *COMMON]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {preds}:1: 'sample' must be an integer >= 0 (the completion's index), not 'a'\n"
+    )
+
+
 def test_a_failed_start_does_not_block_the_corrected_command(model_eval, tiny_lm_path, tmp_path, capsys):
     out = tmp_path / "o"
     assert ev.main(["--model", str(tmp_path / "nonexistent"), "--out", str(out), *COMMON]) == 2
