@@ -398,6 +398,21 @@ def test_a_prediction_id_given_twice_is_refused_as_the_scorer_cli_refuses_it(tmp
     )
 
 
+def test_predictions_longer_than_the_reward_cap_are_scored_as_given(tmp_path, capsys):
+    """A prediction identical to its 257-step reference: Match F1 0.000 beside mean steps 257 (the
+    reward's cap on predicted steps); at 256 steps 1.000. An evaluation scores what it is given."""
+    steps = [f"step {i}: x{i} = {i} + 1." for i in range(257)]
+    row = {"id": "long", "question": "q", "answer": "257", "reference_steps": steps}
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"id": "long", "reasoning_steps": steps, "answer": "257"}) + "\n")
+    args = ["--data", str(data), "--reward", "cpr", "--bootstrap", "0"]
+    assert ev.main(["--predictions", str(preds), "--out", str(tmp_path / "o"), *args]) == 0
+    report = overall(tmp_path / "o")
+    assert report["f1"] == 1.0 and report["steps_mean"] == 257 and report["accuracy"] == 1.0
+
+
 def test_a_failed_start_does_not_block_the_corrected_command(model_eval, tiny_lm_path, tmp_path, capsys):
     out = tmp_path / "o"
     assert ev.main(["--model", str(tmp_path / "nonexistent"), "--out", str(out), *COMMON]) == 2

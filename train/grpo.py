@@ -32,7 +32,7 @@ from crystal_grpo.distributed import (
 from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
 from crystal_grpo.paths import user_path
-from crystal_grpo.train.config.preflight import preflight
+from crystal_grpo.train.config.preflight import preflight, row_checks
 from crystal_grpo.train.config.run_config import (
     ConfigError,
     PaperRecipe,
@@ -188,8 +188,9 @@ def run_phase(
     """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics and
     the step it reached. ``record`` is given the training settings a resume keeps from its
     checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
+    from crystal_grpo.train.data.row_problems import INJECTION, special_token_in
     from crystal_grpo.train.data.splits import DataError, batch_problem, load_datasets
-    from crystal_grpo.train.models.policy import load_policy, model_source
+    from crystal_grpo.train.models.policy import load_policy, model_source, special_tokens
     from crystal_grpo.train.models.vision import parameter_line, resolution_line
     from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
     from crystal_grpo.train.trainer.interrupt import Interrupted
@@ -223,9 +224,15 @@ def run_phase(
                 )
     # The sentence encoder loads outside DeepSpeed's partitioning (rewards/match_f1.py).
     module = cfg.reward.build()
-    train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
+    tokens = special_tokens(cfg.model)
+    hit = special_token_in(cfg.data.system_prompt, tokens)
+    if hit:
+        raise DataError(f"data.system_prompt holds {hit!r}, {INJECTION}")
+    train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)), special_tokens=tokens)
     if train.skipped:
         say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")
+    for line in dict.fromkeys([*train.warnings, *(val.warnings if val is not None else ())]):
+        say(f"warning: {line}")
     too_few = batch_problem(train, args) if cfg.trainer == "grpo" else None
     if too_few:  # before the model loads; again below, once long prompts are dropped
         raise DataError(too_few)
@@ -642,6 +649,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         for line in check_lines(cfg, args.accelerate_config, args.gpus, args.gpu_memory):
             say(line)
+        if not missing:  # the rows, once every file they need is there
+            missing, warnings = row_checks(cfg)
+            for line in warnings:
+                say(f"warning: {line}")
     if missing:  # every missing piece at once, before any folder, lock or model
         return refuse("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing))
     run_dir = Path(where or f"runs/{Path(args.config).stem}")

@@ -263,3 +263,31 @@ def preflight(cfg: RunConfig, processes: int = 1) -> list[str]:
             problems.append(zero_stage_problem(zero_stage(ds)))
         out.extend(p for p in problems if p and p not in out)
     return out
+
+
+def row_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """``--check``'s look into the data rows and prompts, every phase's (the run looks again when it
+    loads them): (problems, warnings) of :func:`~crystal_grpo.train.data.splits.check_rows`, and a
+    system prompt holding one of the model's special tokens."""
+    from crystal_grpo.train.data.row_problems import INJECTION, special_token_in
+    from crystal_grpo.train.data.splits import check_rows
+    from crystal_grpo.train.models.policy import special_tokens
+
+    problems: list[str] = []
+    warnings: list[str] = []
+    seen = set()
+    tokens: tuple[str, ...] = ()
+    for i, c in enumerate(phase_configs(cfg)):
+        phase = cfg.phases[i] if cfg.phases else None
+        if i == 0 or (phase is not None and phase.init_from == "none"):  # later phases: the same tokenizer
+            tokens = special_tokens(c.model)
+        hit = special_token_in(c.data.system_prompt, tokens)
+        if hit and f"data.system_prompt holds {hit!r}, {INJECTION}" not in problems:
+            problems.append(f"data.system_prompt holds {hit!r}, {INJECTION}")
+        for key, source in (("data.train", c.data.train), ("data.validation", c.data.validation)):
+            if (key, source, tokens) not in seen:
+                seen.add((key, source, tokens))
+                p, w = check_rows(key, source, c.data, tokens)
+                problems += [x for x in p if x not in problems]
+                warnings += [x for x in w if x not in warnings]
+    return problems, warnings

@@ -14,11 +14,12 @@ modules are importable from here too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union
 
+from crystal_grpo.rewards.batch import MAX_SCORED_STEPS
 from crystal_grpo.train.data.images import ImageLoader, image_paths, image_problem, own_image_loader
 from crystal_grpo.train.data.prompts import (
     MAX_TRUNCATED_SHARE,
@@ -33,7 +34,13 @@ from crystal_grpo.train.data.prompts import (
     truncation_warning,
 )
 from crystal_grpo.train.data.reading import DataError, image_store, locate, read_rows
-from crystal_grpo.train.data.row_problems import name_columns, row_problems
+from crystal_grpo.train.data.row_problems import (
+    long_references_line,
+    longest_chain,
+    name_columns,
+    row_problems,
+    special_token_problem,
+)
 from crystal_grpo.typed import option
 
 if TYPE_CHECKING:
@@ -122,6 +129,7 @@ class LoadedSplit:
     dataset: Dataset
     skipped: int  # rows dropped by skip_invalid
     source: str
+    warnings: tuple[str, ...] = ()  # what the run says about these rows (long references)
 
 
 def load_split(
@@ -136,18 +144,19 @@ def load_split(
     require_references: bool = True,
     skip_option: str | None = "data.skip_invalid: true",
     unique_ids: str | None = None,
+    special_tokens: Sequence[str] = (),
 ) -> LoadedSplit:
     """Rows of one source (see :func:`locate`), each checked; ``skip_option`` is how the caller's
     user asks to drop bad ones (None: the caller has no such option). ``unique_ids`` (why the
     caller needs them) makes a row whose ``id`` an earlier row has a bad row; training needs no
-    unique ids, rows are rows there."""
+    unique ids, rows are rows there. ``special_tokens``: the model's, which no prompt may hold."""
     path = locate(source)
     columns = columns or {}
     base = path if path.is_dir() else path.parent
-    records, places, errors, bad_rows = [], [], [], 0
+    records, places, errors, bad_rows, longest = [], [], [], 0, []
     first: dict[str, int] = {}
     for no, row in read_rows(path, split, columns):
-        problems = [name_columns(p, columns) for p in row_problems(row, base, require_references)]
+        problems = [name_columns(p, columns) for p in row_problems(row, base, require_references, special_tokens)]
         if unique_ids and not problems and "id" in row:
             rid = str(row["id"])
             if rid in first:
@@ -159,6 +168,7 @@ def load_split(
             continue
         records.append(to_record(row, base, no, Path(str(source)), system_prompt))
         places.append(f"{source}:{no}")
+        longest.append((places[-1], longest_chain(row)))
     if errors and not skip_invalid:
         shown = "\n  ".join(errors[:max_errors_shown])
         more = f"\n  ... and {len(errors) - max_errors_shown} more" if len(errors) > max_errors_shown else ""
@@ -185,16 +195,20 @@ def load_split(
         for r, place in zip(records, places):
             where.setdefault(tuple(r["images"]), place)
         ds = own_image_loader(ds, where)
-    return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(source))
+    long_refs = long_references_line(str(source), longest, MAX_SCORED_STEPS)
+    return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(source), (long_refs,) if long_refs else ())
 
 
-def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, LoadedSplit | None]:
+def load_datasets(
+    data_cfg: DataSection, seed: int = 42, special_tokens: Sequence[str] = ()
+) -> tuple[LoadedSplit, LoadedSplit | None]:
     """Train and validation splits from files, or validation held out from train."""
     opts = dict(
         skip_invalid=data_cfg.skip_invalid,
         max_errors_shown=data_cfg.max_errors_shown,
         system_prompt=data_cfg.system_prompt,
         columns=data_cfg.columns,
+        special_tokens=special_tokens,
     )
     train = load_split(data_cfg.train, limit=data_cfg.max_train_samples, split=data_cfg.train_split, **opts)
     if data_cfg.validation:
@@ -203,9 +217,38 @@ def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, L
         return train, None
     split = train.dataset.train_test_split(test_size=data_cfg.validation_fraction, seed=seed)
     return (
-        LoadedSplit(own_image_loader(split["train"]), train.skipped, train.source),
+        LoadedSplit(own_image_loader(split["train"]), train.skipped, train.source, train.warnings),
         LoadedSplit(own_image_loader(split["test"]), 0, train.source + " (held out)"),
     )
+
+
+def check_rows(
+    key: str, source: str | None, data_cfg: DataSection, special_tokens: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """What ``--check`` says of the rows of a local data file (``key``: ``data.train`` or
+    ``data.validation``), read as the run reads them, without ``datasets`` (a folder or a Hub
+    dataset is checked when the run loads it): (problems, warnings). A problem is a prompt holding
+    one of the model's special tokens (``key: file:N: ...``), a warning reference chains longer
+    than a reward scores."""
+    path = Path(source) if source else None
+    if path is None or not path.is_file():
+        return [], []
+    split = data_cfg.train_split if key == "data.train" else data_cfg.validation_split
+    problems, longest = [], []
+    for no, row in read_rows(locate(path), split, data_cfg.columns):
+        if not isinstance(row, dict):
+            continue  # (the run names unreadable rows)
+        injected = special_token_problem(row, special_tokens)
+        if injected:
+            problems.append(f"{key}: {source}:{no}: {name_columns(injected, data_cfg.columns)}")
+        longest.append((f"{source}:{no}", longest_chain(row)))
+    warnings = [f"{key}: {w}"] if (w := long_references_line(source, longest, MAX_SCORED_STEPS)) else []
+    if problems and data_cfg.skip_invalid:
+        return [], [f"{problems[0]}; {len(problems)} such row(s), which the run skips (data.skip_invalid)", *warnings]
+    shown = data_cfg.max_errors_shown
+    if len(problems) > shown:
+        problems[shown:] = [f"{key}: ... and {len(problems) - shown} more"]
+    return problems, warnings
 
 
 def batch_problem(split: LoadedSplit, args: Any) -> str | None:
