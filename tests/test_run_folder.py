@@ -600,3 +600,108 @@ def test_a_tilde_in_any_path_is_the_home_folder_for_every_part_of_the_program(
         )
         == 0
     )
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed_and_nothing_is_lost_before_a_resume_can_go_on(
+    finished, tmp_path, capsys
+):
+    """Another run's checkpoint copied into a run folder was resumed by ``latest`` without a word
+    (metrics.jsonl then held steps 1-4, then the other run's); resuming on another model size ended
+    in a 40-line ``size mismatch`` traceback after the finished run's phase_done.json and
+    summary.json were deleted. A checkpoint's marker names the run that wrote it; every check of a
+    resume comes before anything of the run is changed."""
+    run = _copy(finished["single"], tmp_path / "single")
+    argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "6"]
+    theirs = shutil.copytree(finished["multi"] / "phase2-cpr" / "checkpoint-2", run / "checkpoint-6")
+    before = snapshot(run)
+    assert grpo.main([*argv, "--resume_from_checkpoint", str(theirs)]) == 2  # named explicitly
+    assert capsys.readouterr().err.startswith(f"CheckpointError: cannot resume: {theirs}: written by another run (")
+    organism = [str(REPO / "data/organism/warm_start") if a == str(finished["common"][3]) else a for a in argv]
+    assert grpo.main([*organism, "--resume_from_checkpoint", "latest"]) == 2  # another model size
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(
+            f"CheckpointError: cannot resume: {run / 'checkpoint-4'} does not fit the model "
+            f"{REPO / 'data/organism/warm_start'}: 20 of its 26 weights have another shape (e.g. "
+        )
+        and len(err.splitlines()) == 1
+    )
+    for name in (LOCK, RECORD):  # the launch record says who came; nothing else changed
+        before.pop(name)
+    assert {k: v for k, v in snapshot(run).items() if k not in (LOCK, RECORD)} == before
+    assert grpo.main([*argv, "--resume_from_checkpoint", "latest"]) == 0
+    out = capsys.readouterr().out
+    assert f"skipping {theirs}: written by another run (checkpoint_complete.json names run " in out
+    assert f"resuming from {run / 'checkpoint-4'}" in out
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6] and checkpoint_problem(run / "checkpoint-6") is None  # its own now
+    # no checkpoint of the run left to resume: refused, where the phase used to start over and remove its logs
+    other = _copy(finished["single"], tmp_path / "other")
+    shutil.rmtree(other / "checkpoint-4")
+    marker = json.loads((other / "checkpoint-2" / MARKER).read_text())
+    (other / "checkpoint-2" / MARKER).write_text(json.dumps({**marker, "run": "another-run"}))
+    before = snapshot(other)
+    assert (
+        grpo.main(
+            [
+                *finished["common"],
+                "--output_dir",
+                str(other),
+                "--training.max_steps",
+                "6",
+                "--resume_from_checkpoint",
+                "latest",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"CheckpointError: cannot resume {other}: it finished, but no checkpoint of this run there can be resumed "
+        f"({other / 'checkpoint-2'}: written by another run ("
+    ) and err.endswith(
+        "and starting it over would remove its logs; nothing was changed. Start the run again with "
+        "--overwrite_output_dir, or start a new run (--output_dir)\n"
+    )
+    assert {k: v for k, v in snapshot(other).items() if k not in (LOCK, RECORD)} == {
+        k: v for k, v in before.items() if k not in (LOCK, RECORD)
+    }
+
+
+class _Planted:
+    """What an attacker puts in a checkpoint: unpickling it runs a command."""
+
+    def __init__(self, evidence: Path) -> None:
+        self.evidence = evidence
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.evidence}",))
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch_save"])
+def test_a_checkpoint_file_that_is_not_tensors_is_one_line_naming_it(finished, tmp_path, capsys, how):
+    """rng_state.pth replaced by a pickle (its completion marker rewritten to match): a 40-line
+    UnpicklingError whose text advised re-running with weights_only=False. Now one line naming the
+    file, before anything of the run changes; the pickle never runs."""
+    import pickle
+
+    from crystal_grpo.train.run.checkpoints import write_marker
+
+    run = _copy(finished["single"], tmp_path / "single")
+    planted, evidence = run / "checkpoint-4" / "rng_state.pth", tmp_path / "ran"
+    if how == "pickle":
+        planted.write_bytes(pickle.dumps(_Planted(evidence)))
+    else:
+        torch.save(_Planted(evidence), planted)
+    write_marker(run / "checkpoint-4", 4)
+    before = snapshot(run)
+    argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "6"]
+    assert grpo.main([*argv, "--resume_from_checkpoint", "latest"]) == 2
+    reason = "not in torch.save's zip format" if how == "pickle" else "Trying to load unsupported GLOBAL posix.system"
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"CheckpointError: cannot resume: {planted}: not a file of tensors that torch loads safely ({reason}"
+    ) and err.endswith("); it is not loaded\n")
+    assert "weights_only" not in err and len(err.splitlines()) == 1 and not evidence.exists()
+    assert {k: v for k, v in snapshot(run).items() if k not in (LOCK, RECORD)} == {
+        k: v for k, v in before.items() if k not in (LOCK, RECORD)
+    }

@@ -51,6 +51,8 @@ from crystal_grpo.train.run.checkpoints import (
     resolve_resume,
     set_back,
     settings_undone,
+    shape_problem,
+    tensor_file_problem,
     truncate_logs,
     undone_line,
 )
@@ -67,6 +69,8 @@ from crystal_grpo.train.run.folder import (
     phase_state,
     plan_launch,
     record_kept,
+    reopen,
+    restart_problem,
 )
 from crystal_grpo.train.run.layout import (
     CHECKPOINT_GLOB,
@@ -190,7 +194,7 @@ def run_phase(
     checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
     from crystal_grpo.train.data.row_problems import INJECTION, special_token_in
     from crystal_grpo.train.data.splits import DataError, batch_problem, load_datasets
-    from crystal_grpo.train.models.policy import load_policy, model_source, special_tokens
+    from crystal_grpo.train.models.policy import load_policy, model_file, model_source, special_tokens
     from crystal_grpo.train.models.vision import parameter_line, resolution_line
     from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
     from crystal_grpo.train.trainer.interrupt import Interrupted
@@ -199,8 +203,15 @@ def run_phase(
     args = training_args(cfg, output_dir, extra)  # TRL's own value checks, before anything loads
     model_source(cfg.model)  # and a missing model folder
     checkpoint = resolve_resume(output_dir, resume, say)
-    if checkpoint:
+    problem = restart_problem(output_dir) if resume and not checkpoint else None
+    if checkpoint:  # everything a resume needs, checked before anything of the run is changed
         check_zero_resume(checkpoint, args.world_size)
+        base = model_file(cfg.model, "config.json")
+        problem = shape_problem(checkpoint, base and base.parent) or tensor_file_problem(checkpoint)
+        problem = problem and f"cannot resume: {problem}"
+    if problem:
+        raise CheckpointError(problem)
+    if checkpoint:
         state = Path(checkpoint) / STATE_FILE
         kept = settings_undone((read_json(state) or {}).get("settings", {}), args)
         for key, (now, then) in kept.items():
@@ -211,6 +222,7 @@ def run_phase(
             record({key: then for key, (_, then) in kept.items()})
         with args.main_process_first(desc="truncating the run's logs to the checkpoint"):
             if is_main_process():  # every rank then reads the same logs (validation record)
+                reopen(output_dir)
                 truncate_logs(output_dir, checkpoint_step(checkpoint))
                 line = set_back(output_dir, checkpoint)
                 if line:
@@ -523,6 +535,9 @@ def _run_phases(
             if problem:
                 raise CheckpointError(problem)
         started = resume is not None and latest_complete(pdir)[0] is not None
+        problem = restart_problem(pdir) if resume is not None and not started else None
+        if problem:
+            raise CheckpointError(problem)
         if prev is not None:
             start = read_config(pdir)["model"]["name_or_path"] if started else phase_start(prev, phase.init_from)
             if start:

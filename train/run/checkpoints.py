@@ -17,15 +17,17 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import struct
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.train.run.layout import LOG_FILES, MARKER, checkpoint_folders, step_of
+from crystal_grpo.train.run.layout import LOG_FILES, MARKER, RECORD, checkpoint_folders, run_folder, step_of
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +54,30 @@ def remove_marker(folder: str | Path) -> None:
 
 
 def write_marker(folder: str | Path, step: int) -> None:
-    """List every file of the finished checkpoint with its size and sha256; written atomically,
-    last. The files were just written, so they are read back from the page cache."""
+    """List every file of the finished checkpoint with its size and sha256, and the run that
+    wrote it (:func:`run_of`); written atomically, last. The files were just written, so they are
+    read back from the page cache."""
     folder = Path(folder)
     paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER]
     names = [str(p.relative_to(folder)) for p in paths]
     files = {name: p.stat().st_size for name, p in zip(names, paths)}
     sha256 = dict(zip(names, sha256_files(paths)))
-    atomic_write_text(folder / MARKER, json.dumps({"step": step, "files": files, "sha256": sha256}, indent=1))
+    run = run_of(folder.parent)
+    marker = {"step": step, "files": files, "sha256": sha256, **({"run": run} if run else {})}
+    atomic_write_text(folder / MARKER, json.dumps(marker, indent=1))
+
+
+def run_of(phase: str | Path) -> str | None:
+    """Which run a phase folder's checkpoints belong to: its run folder's ``run_id`` (``run.json``,
+    kept for the run's life, whatever folder it is moved to), and for a phase of a multi-phase run
+    the phase's folder name; None where no run record says (a trainer built by hand)."""
+    phase = Path(phase)
+    top = run_folder(phase)
+    record = read_json(top / RECORD)
+    run_id = record.get("run_id") if isinstance(record, dict) else None
+    if not isinstance(run_id, str):
+        return None
+    return run_id if top == phase else f"{run_id}/{phase.name}"
 
 
 def sha256_file(path: str | Path) -> str:
@@ -74,33 +92,120 @@ def sha256_files(paths: list[Path]) -> list[str]:
 
 
 # --- checking --------------------------------------------------------------------------
+class _Truncated(ValueError):
+    pass
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's header (each tensor's dtype, shape and offsets), read alone; raises
+    OSError or ValueError (and the like) for a file that has none."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise _Truncated(f"truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise _Truncated(f"truncated safetensors file (header of {n} bytes, file of {size})")
+        header = json.loads(fh.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise _Truncated(f"truncated or corrupt safetensors file ({size} bytes, header says {8 + n + end})")
+    return header
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why a safetensors file is unreadable (truncated, bad header), or None. Reads the header only."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return f"{path}: truncated safetensors file ({size} bytes)"
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                return f"{path}: truncated safetensors file (header of {n} bytes, file of {size})"
-            header = json.loads(fh.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        safetensors_header(path)
+    except _Truncated as err:
+        return f"{path}: {err}"
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
         return f"{path}: corrupt safetensors header ({type(err).__name__}: {err})"
-    if 8 + n + end != size:
-        return f"{path}: truncated or corrupt safetensors file ({size} bytes, header says {8 + n + end})"
     return None
 
 
-def checkpoint_problem(folder: str | Path, require_marker: bool = True, checksums: bool = False) -> str | None:
+def tensor_shapes(folder: str | Path) -> dict[str, list[int]]:
+    """Each weight's shape in a model folder's ``model*.safetensors`` (one file or its shards),
+    from their headers; {} without any (a LoRA adapter, a GGUF file) or with an unreadable one."""
+    out: dict[str, list[int]] = {}
+    for path in sorted(Path(folder).glob("model*.safetensors")):
+        try:
+            header = safetensors_header(path)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return {}
+        out.update({k: v["shape"] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+    return out
+
+
+def shape_problem(checkpoint: str | Path, model: str | Path | None) -> str | None:
+    """Why the weights of ``checkpoint`` do not fit the model a resume builds from ``model`` (its
+    folder), or None: a weight of both with another shape (another model size), or no weight in
+    common (another model). Read from the safetensors headers, before anything loads."""
+    ours, theirs = tensor_shapes(checkpoint), tensor_shapes(model) if model else {}
+    if not ours or not theirs:
+        return None  # nothing to compare: the load itself checks
+    common = sorted(ours.keys() & theirs.keys())
+    differ = [k for k in common if ours[k] != theirs[k]]
+    if common and not differ:
+        return None
+    what = (
+        f"{len(differ)} of its {len(ours)} weights have another shape (e.g. {differ[0]}: {ours[differ[0]]} in the "
+        f"checkpoint, {theirs[differ[0]]} in the model)"
+        if differ
+        else "none of its weights are the model's (another architecture)"
+    )
+    return f"{checkpoint} does not fit the model {model}: {what}"
+
+
+#: The checkpoint files a resume loads with ``torch.load(weights_only=True)``: the optimizer and
+#: scheduler states, each rank's RNG state, a gradient scaler (``training_args.bin`` is not loaded).
+TORCH_FILES = ("*.pt", "*.pth")
+
+
+def tensor_file_problem(folder: str | Path) -> str | None:
+    """Why one of the checkpoint's :data:`TORCH_FILES` is not a file torch loads as transformers
+    does on resume (``weights_only=True``, numpy's arrays allowed), or None. Only each file's
+    pickled structure is read (its tensors are memory-mapped), so this is cheap however large. The
+    reason never repeats torch's advice to load the file unsafely."""
+    import pickle
+
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
+
+    for path in sorted(p for pattern in TORCH_FILES for p in Path(folder).glob(pattern)):
+        if not zipfile.is_zipfile(path):
+            reason = "not in torch.save's zip format"
+        else:
+            try:
+                with safe_globals():
+                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                continue
+            except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError, AttributeError) as err:
+                reason = _unpickling_reason(str(err)) or type(err).__name__
+        return f"{path}: not a file of tensors that torch loads safely ({reason}); it is not loaded"
+    return None
+
+
+def _unpickling_reason(text: str) -> str:
+    """What torch's refusal says is wrong, without its paragraphs of advice (one of which is to
+    load the file with ``weights_only=False``, that is, to run whatever it holds)."""
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    said = [p for p in paragraphs if "weights_only" not in p and not p.startswith("Check the documentation")]
+    first = said[0].splitlines()[0].removeprefix("WeightsUnpickler error: ") if said else ""
+    return re.split(r"\. Please |\. Check ", first)[0].rstrip(".")[:200]
+
+
+def checkpoint_problem(
+    folder: str | Path, require_marker: bool = True, checksums: bool = False, own: bool = True
+) -> str | None:
     """Why ``folder`` cannot be resumed from, or None when it is complete.
 
     Without ``require_marker`` (a checkpoint named explicitly, possibly written by another
     tool or an older version) the files present are still checked. With ``checksums`` each
     file's sha256 is compared with the marker's (a marker that has them): this reads the
-    whole checkpoint.
+    whole checkpoint. With ``own``, a marker naming the run that wrote it must name the run of the
+    folder it is in (:func:`run_of`): a checkpoint copied in from another run is not resumed.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -112,6 +217,13 @@ def checkpoint_problem(folder: str | Path, require_marker: bool = True, checksum
             files, sha256 = saved["files"], saved.get("sha256", {}) if checksums else {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             return f"{marker}: unreadable completion marker ({err})"
+        writer, here = saved.get("run"), run_of(folder.parent) if own else None
+        if writer and here and writer != here:
+            return (
+                f"{folder}: written by another run ({MARKER} names run {writer}, the run in {folder.parent} is "
+                f"{here}): copied in from elsewhere, it is not this run's to resume; start a new run from its "
+                f"weights (--model.name_or_path {folder})"
+            )
         for rel, size in files.items():
             p = folder / rel
             if not p.is_file():

@@ -20,6 +20,7 @@ import shutil
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from crystal_grpo.train.run.layout import (
     ATTEMPT_FILES,
     FINAL,
     LOCK,
+    MARKER,
     PHASE_DONE,
     PROGRESS,
     RECORD,
@@ -44,6 +46,7 @@ from crystal_grpo.train.run.layout import (
     phase_dir,
     phase_folders,
     run_entry,
+    run_folder,
     step_of,
 )
 from crystal_grpo.train.run.model_card import is_run_card
@@ -363,10 +366,6 @@ def plan_launch(
                     f"steps there would need them retrained. Start a new run (--output_dir) instead"
                 )
             say(f"{folders[i]}: finished at step {states[i].reached}; continuing to training.max_steps {max_steps[i]}")
-            if write:
-                (folders[i] / PHASE_DONE).unlink(missing_ok=True)
-        if write:
-            (run_dir / SUMMARY).unlink(missing_ok=True)  # no longer finished until it is again
         others = [d for d in diff or [] if not d.split(":")[0].endswith("max_steps")]
         if others:
             say(f"resuming with settings that differ from the run's: {some_of(others, sep='; ')}")
@@ -383,6 +382,47 @@ def plan_launch(
         say(f"no run in {run_dir} yet: starting fresh")
     _record(run_dir, config, None, "fresh", write, data)
     return Launch("fresh")
+
+
+def marked_run(run_dir: Path) -> str | None:
+    """The run id its checkpoints' completion markers name (the most often named), for a run
+    resumed without one in ``run.json``: an unreadable record kept aside, or one of an older version
+    (whose markers name none: then a new id)."""
+    named = [
+        str((read_json(c / MARKER) or {}).get("run") or "").split("/")[0]
+        for folder in (run_dir, *(p for _, p in phase_folders(run_dir)))
+        for c in checkpoint_folders(folder)
+    ]
+    named = [n for n in named if n]
+    return max(set(named), key=named.count) if named else None
+
+
+def reopen(phase: Path) -> None:
+    """A phase resumes from a checkpoint known to fit (train/grpo.py ``run_phase``): it and its run
+    are no longer finished until they are again. Only then, so that a resume that cannot go on
+    leaves a finished run finished."""
+    (phase / PHASE_DONE).unlink(missing_ok=True)
+    (run_folder(phase) / SUMMARY).unlink(missing_ok=True)
+
+
+def restart_problem(phase: Path) -> str | None:
+    """Why a phase asked to resume that holds no complete checkpoint of its run must not start over
+    at step 0 (which removes its logs), or None: it finished (its steps are in its logs and
+    ``final/``), or it holds checkpoints that were complete once (a completion marker) and are
+    skipped now (corrupted, another run's). A phase stopped before its first complete checkpoint
+    starts over."""
+    finished = (phase / PHASE_DONE).is_file()
+    marked = [f.name for f in checkpoint_folders(phase) if (f / MARKER).is_file()]
+    if not finished and not marked:
+        return None
+    why = "it finished" if finished else f"{some_of(marked)} {'was' if len(marked) == 1 else 'were'} complete once"
+    skipped = latest_complete(phase, checksums=True)[1]
+    return (
+        f"cannot resume {phase}: {why}, but no checkpoint of this run there can be resumed"
+        + (f" ({skipped[0]}{'; ...' if len(skipped) > 1 else ''})" if skipped else "")
+        + ", and starting it over would remove its logs; nothing was changed. Start the run again with "
+        "--overwrite_output_dir, or start a new run (--output_dir)"
+    )
 
 
 def data_digests(paths: Sequence[str]) -> dict[str, str]:
@@ -449,6 +489,7 @@ def _record(
         return
     from crystal_grpo.distributed import launch_command
 
+    run_id = (record or {}).get("run_id") or (how == "resume" and marked_run(run_dir)) or uuid.uuid4().hex
     launches = (record or {}).get("launches", [])
     launches.append(
         {
@@ -460,7 +501,8 @@ def _record(
         }
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / RECORD, json.dumps({"config": config, "launches": launches}, indent=2, default=str))
+    record = {"run_id": run_id, "config": config, "launches": launches}
+    atomic_write_text(run_dir / RECORD, json.dumps(record, indent=2, default=str))
 
 
 def as_record(cfg: Any) -> dict:

@@ -102,7 +102,7 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
     if not p.is_dir():
         raise ExportError(f"{p}: no such folder; {EXPECTED}")
     if (p / MARKER).exists():
-        problem = checkpoint_problem(p, checksums=True)
+        problem = checkpoint_problem(p, checksums=True, own=False)  # (any run's weights export)
     else:
         problem = next(filter(None, map(safetensors_problem, sorted(p.rglob("*.safetensors")))), None)
     if problem:
