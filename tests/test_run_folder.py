@@ -705,3 +705,24 @@ def test_a_checkpoint_file_that_is_not_tensors_is_one_line_naming_it(finished, t
     assert {k: v for k, v in snapshot(run).items() if k not in (LOCK, RECORD)} == {
         k: v for k, v in before.items() if k not in (LOCK, RECORD)
     }
+
+
+def test_every_file_of_a_run_follows_the_umask_weights_included(finished, tmp_path):
+    """safetensors writes 0600: a group sharing the run folder could read everything but the
+    weights (checkpoints' and final/'s). Every file gets 0666 less the umask; a checkpoint saved
+    under another umask takes that one."""
+    from crystal_grpo.train.run.checkpoints import write_marker
+
+    mask = os.umask(0)
+    os.umask(mask)
+    mode = 0o666 & ~mask
+    modes = {str(p.relative_to(finished["single"])): p.stat().st_mode & 0o777 for p in finished["single"].rglob("*")}
+    assert {k: oct(m) for k, m in modes.items() if m != mode and not (finished["single"] / k).is_dir()} == {}
+    folder = shutil.copytree(finished["single"] / "checkpoint-4", tmp_path / "checkpoint-4")
+    (folder / "model.safetensors").chmod(0o600)
+    old = os.umask(0o007)
+    try:
+        write_marker(folder, 4)
+    finally:
+        os.umask(old)
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o660

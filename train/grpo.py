@@ -47,6 +47,7 @@ from crystal_grpo.train.run.checkpoints import (
     checkpoint_step,
     disk_full,
     explicit_resume_problem,
+    follow_umask,
     latest_complete,
     resolve_resume,
     set_back,
@@ -302,6 +303,8 @@ def run_phase(
             f"--resume_from_checkpoint latest."
         )
     trainer.save_model(str(output_dir / FINAL))
+    if is_main_process():
+        follow_umask(output_dir / FINAL)
     val_file = output_dir / VALIDATION_LOG
     last = (read_jsonl(val_file) or [{}])[-1]
     say(

@@ -58,6 +58,7 @@ def write_marker(folder: str | Path, step: int) -> None:
     wrote it (:func:`run_of`); written atomically, last. The files were just written, so they are
     read back from the page cache."""
     folder = Path(folder)
+    follow_umask(folder)
     paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER]
     names = [str(p.relative_to(folder)) for p in paths]
     files = {name: p.stat().st_size for name, p in zip(names, paths)}
@@ -78,6 +79,23 @@ def run_of(phase: str | Path) -> str | None:
     if not isinstance(run_id, str):
         return None
     return run_id if top == phase else f"{run_id}/{phase.name}"
+
+
+def umask() -> int:
+    """This process's umask (set and set back: no call only reads it)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: str | Path) -> None:
+    """Give every file under ``folder`` the mode a file this process creates gets (0666 less the
+    umask): safetensors writes its files 0600, so a group sharing the run folder could read every
+    file of a checkpoint but its weights."""
+    mode = 0o666 & ~umask()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
 
 
 def sha256_file(path: str | Path) -> str:

@@ -43,7 +43,7 @@ from crystal_grpo.train.models.policy import (
     recorded_model,
     torch_dtype,
 )
-from crystal_grpo.train.run.checkpoints import checkpoint_problem, safetensors_problem
+from crystal_grpo.train.run.checkpoints import checkpoint_problem, follow_umask, safetensors_problem, umask
 from crystal_grpo.train.run.layout import MARKER, step_of
 from crystal_grpo.train.run.model_card import RunRecord, export_card, framework_versions, read_run_record
 
@@ -290,12 +290,6 @@ def _size(folder: Path) -> str:
     return f"{n / 2**20:.1f} MB" if n < 2**30 else f"{n / 2**30:.2f} GB"
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _files(folder: Path) -> dict[str, int]:
     """Every file and link under ``folder`` (links not followed) with its size; folders by their files."""
     out = {}
@@ -456,7 +450,7 @@ def export(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp, held = _new_partial(out, say)
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would become --out's mode
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 would become --out's mode
         how = _write(ckpt, tmp, base, dtype, section, keep_adapter, max_shard_size, say)
         say(f"  dtype: {dtype}{dtype_note}")
         (tmp / "README.md").write_text(
@@ -477,6 +471,7 @@ def export(
         )
         say(f"         {completion!r}")
         write_manifest(tmp, ckpt, kind, dtype)
+        follow_umask(tmp)
         _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
