@@ -726,3 +726,44 @@ def test_every_file_of_a_run_follows_the_umask_weights_included(finished, tmp_pa
     finally:
         os.umask(old)
     assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o660
+
+
+def read_only(folder: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """``argv`` (train/grpo.py's arguments) with ``folder`` bound read-only over itself, in a mount
+    namespace of its own (``unshare -m``: the folder stays writable for everyone else)."""
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    cmd = ["unshare", "-m", "sh", "-c", script, str(folder), sys.executable, "train/grpo.py", *argv]
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+
+
+def test_a_read_only_run_folder_is_one_line_and_a_finished_one_has_nothing_to_do(finished, tmp_path):
+    """Resuming on a read-only file system, a finished run included: a 15-line ``OSError: [Errno 30]
+    Read-only file system: .../run.lock``, --check silent. A finished run has nothing to do (and says
+    so); any launch that would write is one line, --check included."""
+    probe = subprocess.run(["unshare", "-m", "mount", "--bind", str(tmp_path), str(tmp_path)], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace here ({probe.stderr.decode().strip()})")
+    run = _copy(finished["single"], tmp_path / "single")
+    argv = [*finished["common"], "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
+    before = snapshot(run)
+    done = read_only(run, [*argv, "--training.max_steps", "4"])
+    assert done.returncode == 0 and f"{run}: this run already finished (step 4); nothing to do" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    more = read_only(run, [*argv, "--training.max_steps", "6"])
+    assert more.returncode == 2 and more.stderr == (
+        f"RunFolderError: {run} is on a read-only file system: it holds a finished run, which this launch would "
+        "change (train it further, or start it again); copy the run folder to a writable place and launch there "
+        "(--output_dir)\n"
+    )
+    for name in ("final", "phase_done.json", "summary.json"):  # killed after its last checkpoint: not finished
+        shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+    for check in (["--check"], []):
+        stopped = read_only(run, [*argv, "--training.max_steps", "4", *check])
+        assert stopped.returncode == 2 and stopped.stderr == (
+            f"RunFolderError: {run} is on a read-only file system: a run writes its lock, logs and checkpoints "
+            "there; make it writable, or copy the run folder to a writable place and resume it there "
+            "(--output_dir)\n"
+        ), stopped.stderr[-3000:]
+    assert {k: v for k, v in snapshot(run).items()} == {
+        k: v for k, v in before.items() if k.split("/")[0] not in ("final", "phase_done.json", "summary.json")
+    }

@@ -69,9 +69,11 @@ from crystal_grpo.train.run.folder import (
     mark_phase_done,
     phase_state,
     plan_launch,
+    read_only_problem,
     record_kept,
     reopen,
     restart_problem,
+    unwritable,
 )
 from crystal_grpo.train.run.layout import (
     CHECKPOINT_GLOB,
@@ -491,9 +493,22 @@ def run(
     phases = copy.deepcopy(phase_configs(cfg))  # a phase may be given its start below
     max_steps = [p.training.get("max_steps") for p in phases]
     main, created = is_main_process(), not os.path.lexists(run_dir)
-    refused = foreign_folder(run_dir)  # before the lock: it is a file in the folder
+    refused = foreign_folder(run_dir) or read_only_problem(run_dir)  # before the lock: it is a file in the folder
     if refused:
         raise RunFolderError(refused)
+    where = unwritable(run_dir) if main else None
+    if where:  # a finished run (read_only_problem): nothing to do, or a launch that cannot write what it would
+        said: list[str] = []
+        launch = plan_launch(run_dir, as_record(cfg), max_steps, resume, overwrite, said.append, write=False)
+        if launch.action != "finished":
+            raise RunFolderError(
+                f"{run_dir} {where}: it holds a finished run, which this launch would change (train it further, "
+                "or start it again); copy the run folder to a writable place and launch there (--output_dir)"
+            )
+        for line in said:
+            say(line)
+        say_summary(cfg, run_dir, write=False)
+        return launch.summary or {}
     if resume not in (None, "latest"):
         folders = [phase_dir(run_dir, i, p.name, len(cfg.phases)) for i, p in enumerate(cfg.phases)] or [run_dir]
         problem = explicit_resume_problem(resume, run_dir, folders)
@@ -674,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:  # every missing piece at once, before any folder, lock or model
         return refuse("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing))
     run_dir = Path(where or f"runs/{Path(args.config).stem}")
-    refused = foreign_folder(run_dir)  # here before torch loads (run() checks it again, for a library caller)
+    refused = foreign_folder(run_dir) or read_only_problem(run_dir)  # before torch loads (run() checks again)
     if refused:
         return refuse(f"{RunFolderError.__name__}: {refused}")
     if args.check:

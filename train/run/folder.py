@@ -270,6 +270,29 @@ def foreign_folder(run_dir: Path) -> str | None:
     )
 
 
+def unwritable(folder: Path) -> str | None:
+    """Why this process cannot write into the existing ``folder`` (``is on a read-only file system``,
+    ``is not writable by this user``), or None."""
+    if not folder.is_dir() or os.access(folder, os.W_OK):
+        return None
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return "is on a read-only file system"
+    return f"is not writable by this user (uid {os.getuid()})"
+
+
+def read_only_problem(run_dir: Path) -> str | None:
+    """Why a launch cannot go on in a folder it may not write into, or None: a run writes its
+    lock, record, logs and checkpoints there. A finished run needs no write (its launch has
+    nothing to do, and says so)."""
+    where = None if is_finished(run_dir) else unwritable(run_dir)
+    return (
+        f"{run_dir} {where}: a run writes its lock, logs and checkpoints there; make it writable, or copy the "
+        "run folder to a writable place and resume it there (--output_dir)"
+        if where
+        else None
+    )
+
+
 def _cannot_make(run_dir: Path) -> str | None:
     """Why the folder ``run_dir`` (not there yet) cannot be made, or None: a file on its way, a
     name longer than the file system takes, or a place that takes no new folder (read-only, no
