@@ -54,6 +54,7 @@ EXTENDED = {
         "test_two_processes_stop_at_the_same_step_when_only_one_gets_the_signal",
         "test_a_signal_stops_after_the_step_saves_and_says_how_to_resume[15]",  # [2] stays
         "test_a_second_ctrl_c_aborts_at_once",
+        "test_a_closed_terminal_stops_the_run_after_a_save_as_sigterm_does",  # test_sighup_routes_... stays
     ),
     "test_fuzz.py": ("test_fuzz_runner_finds_nothing_in_the_real_rewards",),
     "test_dynamic_sampling.py": ("test_two_processes_decide_per_group_globally",),

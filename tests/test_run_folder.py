@@ -757,7 +757,7 @@ def test_a_read_only_run_folder_is_one_line_and_a_finished_one_has_nothing_to_do
     )
     for name in ("final", "phase_done.json", "summary.json"):  # killed after its last checkpoint: not finished
         shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
-    for check in (["--check"], []):
+    for check in (["--check"],):  # (a run stops at the same line, before anything loads)
         stopped = read_only(run, [*argv, "--training.max_steps", "4", *check])
         assert stopped.returncode == 2 and stopped.stderr == (
             f"RunFolderError: {run} is on a read-only file system: a run writes its lock, logs and checkpoints "
