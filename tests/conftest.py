@@ -48,6 +48,7 @@ EXTENDED = {
         "test_a_full_disk_is_one_line_and_the_run_resumes[during_the_save]",  # [before_the_save] stays
         "test_a_run_killed_before_its_first_checkpoint_logs_each_step_once",
         "test_a_second_live_run_in_the_same_folder_is_refused",
+        "test_a_run_out_of_inodes_stops_in_one_line_that_says_inodes",  # test_out_of_inodes_says_... stays
     ),
     "test_checkpoints.py": (
         "test_ctrl_c_on_a_torchrun_job_stops_gracefully",

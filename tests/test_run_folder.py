@@ -522,6 +522,62 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, tiny_lm_path, cap
     assert "missing keys" not in caplog.text  # the tied lm_head is expected to be absent: not reported
 
 
+def in_tmpfs(options: str, mount: str, program: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -c program args`` with a fresh tmpfs (mount ``options``) at ``mount``, in a mount
+    namespace of its own (``unshare -m``); skips the test where none can be made."""
+    script = 'mount -t tmpfs -o "$1" tmpfs "$2" && shift 2 && exec "$@"'
+    cmd = ["unshare", "-m", "sh", "-c", script, "sh", options, mount, sys.executable, "-c", program, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    if "mount:" in proc.stderr or "unshare:" in proc.stderr:
+        pytest.skip(f"no tmpfs in a mount namespace here: {proc.stderr.strip()[:200]}")
+    return proc
+
+
+OUT_OF_INODES = """
+import sys
+from pathlib import Path
+from crystal_grpo.train.run.checkpoints import space_report, write_marker
+run = Path(sys.argv[1], "run")
+(run / "checkpoint-1").mkdir(parents=True)
+for i in range(12):
+    (run / "checkpoint-1" / f"f{i}").write_text("x")
+write_marker(run / "checkpoint-1", 1)
+for i in range(1000):  # the file system's last entries
+    try:
+        (run / f"filler{i}").write_text("")
+    except OSError:
+        break
+print(space_report(run))
+"""
+
+
+def test_out_of_inodes_says_inodes_not_space():
+    """Out of inodes: "disk full: ... 0.20 GB free ..., a checkpoint of this run takes 7.9 MB", which
+    contradicts itself. A tmpfs with 40 inodes and 200 MB of space, filled with empty files."""
+    proc = in_tmpfs("size=200m,nr_inodes=40", "/mnt", OUT_OF_INODES, "/mnt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == (
+        "0 free inodes (file entries) on the file system of /mnt/run, a checkpoint of this run holds 13 files "
+        "(0.21 GB free: the file entries run out, not the space; delete files); newest complete checkpoint: "
+        "/mnt/run/checkpoint-1\n"
+    )
+
+
+def test_a_run_out_of_inodes_stops_in_one_line_that_says_inodes(tiny_lm_path):
+    """The same on a run: its third checkpoint finds no file entry left (a tmpfs of 45 inodes)."""
+    run = "/mnt/run"
+    args = grpo_cmd(Path(run), tiny_lm_path, "--training.max_steps", "4", "--training.save_steps", "1")[2:]
+    program = "import sys; from crystal_grpo.train import grpo; sys.exit(grpo.cli())"
+    proc = in_tmpfs("size=200m,nr_inodes=45", "/mnt", program, *args)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("disk full:")]
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "free inodes (file entries) on the file system of /mnt/run, a checkpoint of this run holds" in lines[0]
+    assert (
+        "the file entries run out, not the space; delete files); newest complete checkpoint: /mnt/run/checkpoint-"
+        in lines[0]
+    )
+
+
 # --- item 5: everything a run needs, checked first ---------------------------------------------------
 def test_the_paper_command_without_its_model_lists_every_missing_piece_once(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

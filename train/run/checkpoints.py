@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import struct
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -415,12 +414,40 @@ def checkpoint_bytes(run_dir: str | Path) -> int | None:
     return sum(marker["files"].values()) if marker else None
 
 
-def free_bytes(path: str | Path) -> int:
-    """Free space on the file system holding ``path`` (or its nearest existing parent)."""
+def checkpoint_files(run_dir: str | Path) -> int | None:
+    """How many files the newest complete checkpoint in ``run_dir`` holds, its marker too, or None."""
+    newest, _ = latest_complete(run_dir)
+    marker = read_json(newest / MARKER) if newest else None
+    return len(marker["files"]) + 1 if marker else None
+
+
+def _statvfs(path: str | Path) -> os.statvfs_result:
+    """The file system holding ``path`` (or its nearest existing parent)."""
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
-    return shutil.disk_usage(p).free
+    return os.statvfs(p)
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free space on the file system holding ``path`` (or its nearest existing parent)."""
+    st = _statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def free_inodes(path: str | Path) -> int | None:
+    """Free file entries (inodes) on that file system; None where it sets no number (btrfs, ...)."""
+    st = _statvfs(path)
+    return st.f_favail if st.f_files else None
+
+
+def has_room(run_dir: str | Path, need: int | None, files: int | None) -> bool:
+    """Whether the file system of ``run_dir`` has room for one more checkpoint of ``need`` bytes
+    and ``files`` files (the previous one's; None: not known yet), with :data:`SPACE_MARGIN`."""
+    inodes = free_inodes(run_dir)
+    return (need is None or free_bytes(run_dir) >= need * SPACE_MARGIN) and (
+        files is None or inodes is None or inodes >= files * SPACE_MARGIN
+    )
 
 
 def gb(n: int | float) -> str:
@@ -428,7 +455,8 @@ def gb(n: int | float) -> str:
 
 
 def space_report(run_dir: str | Path, need: int | None = None) -> str:
-    """``N GB free on DIR, a checkpoint takes M; newest complete checkpoint: X``."""
+    """``N GB free on DIR, a checkpoint takes M; newest complete checkpoint: X``; when the file
+    system's file entries (inodes) are what runs out, that instead."""
     run_dir = Path(run_dir)
     folders = [run_dir, *sorted(p for p in run_dir.glob("phase*-*") if p.is_dir())] if run_dir.is_dir() else []
     newest = [c for c in (latest_complete(f)[0] for f in folders) if c is not None]
@@ -437,11 +465,19 @@ def space_report(run_dir: str | Path, need: int | None = None) -> str:
         if need is not None
         else next((checkpoint_bytes(f) for f in reversed(folders) if checkpoint_bytes(f)), None)
     )
-    return (
-        f"{gb(free_bytes(run_dir))} free on the file system of {run_dir}"
-        + (f", a checkpoint of this run takes {gb(need)}" if need else "")
-        + f"; newest complete checkpoint: {newest[-1] if newest else 'none'}"
-    )
+    files = next((n for n in map(checkpoint_files, reversed(folders)) if n), None)
+    inodes = free_inodes(run_dir)
+    if inodes is not None and (inodes == 0 or (files and inodes < files * SPACE_MARGIN)):
+        room = (
+            f"{inodes} free inodes (file entries) on the file system of {run_dir}"
+            + (f", a checkpoint of this run holds {files} files" if files else "")
+            + f" ({gb(free_bytes(run_dir))} free: the file entries run out, not the space; delete files)"
+        )
+    else:
+        room = f"{gb(free_bytes(run_dir))} free on the file system of {run_dir}" + (
+            f", a checkpoint of this run takes {gb(need)}" if need else ""
+        )
+    return f"{room}; newest complete checkpoint: {newest[-1] if newest else 'none'}"
 
 
 def disk_full(err: BaseException, run_dir: str | Path) -> str | None:
