@@ -158,12 +158,15 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
 
     ``resolve_init=False`` (reporting) leaves ``init_from`` as written: a report needs no
     starting checkpoint."""
-    from crystal_grpo.train.config.run_config import parse_yaml
+    from crystal_grpo.train.config.run_config import ConfigError, parse_yaml, read_config_text
 
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"{path}: no such sweep file")
-    raw = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+    try:
+        raw = parse_yaml(read_config_text(path), str(path))
+    except ConfigError as err:
+        raise SweepError(str(err)) from None
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: the top level must be a mapping")
     unknown = sorted(set(raw) - KEYS)
