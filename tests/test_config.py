@@ -288,6 +288,18 @@ def test_an_empty_output_dir_is_an_error_not_the_default_folder(args, key, capsy
     assert "\n" not in err
 
 
+def test_two_run_folders_on_the_command_line_are_refused(capsys, tmp_path):
+    """--training.output_dir B was silently overridden by --output_dir A; the same folder twice is one."""
+    argv = ["--config", "tiny.yaml", "--check", "--output_dir", str(tmp_path / "a")]
+    assert grpo.main([*argv, "--training.output_dir", str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err == (
+        f"config error: --output_dir {tmp_path / 'a'} and --training.output_dir {tmp_path / 'b'} name two run "
+        "folders; give one\n"
+    )
+    grpo.main([*argv, "--training", f"{{output_dir: {tmp_path}/a/}}"])  # one folder, given twice
+    assert "name two run folders" not in capsys.readouterr().err
+
+
 def test_a_section_given_in_parts_on_the_command_line_is_merged():
     cfg, _ = load_config("tiny", ["--training.max_steps", "3", "--training", "{learning_rate: 0.5}"])
     assert cfg.training["max_steps"] == 3 and cfg.training["learning_rate"] == 0.5  # (max_steps was dropped)

@@ -125,6 +125,11 @@ def test_bench_sweep_modes_are_sweep_command_lines():
             "no metric 'f2'",
         ),
         ("base: tiny.yaml\npoints: [{name: a}]\ninit_from: /nonexistent/run/phase1", "init_from: /nonexistent"),
+        (
+            "base: tiny.yaml\npoints: [{name: a, overrides: {training.output_dir: /tmp/elsewhere}}]",
+            "point a: overrides training.output_dir, but a point's run folder is <sweep folder>/<point name>",
+        ),
+        ("base: tiny.yaml\npoints: [{name: a}]\nbase: cpr.yaml", "duplicate key 'base'"),
     ],
 )
 def test_invalid_sweeps_are_rejected_before_anything_runs(tmp_path, text, message):

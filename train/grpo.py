@@ -39,6 +39,7 @@ from crystal_grpo.train.config.run_config import (
     PhaseSection,
     RunConfig,
     load_config,
+    parse_overrides,
     phase_configs,
 )
 from crystal_grpo.train.run.checkpoints import (
@@ -666,6 +667,12 @@ def main(argv: list[str] | None = None) -> int:
     if environment:  # said by every process: without a launcher none is the main one
         print(f"cannot start: {environment}", file=sys.stderr)
         return 2
+    given = (parse_overrides(overrides).get("training") or {}).get("output_dir")
+    if given is not None and args.output_dir is not None and Path(user_path(str(given))) != Path(args.output_dir):
+        return refuse(
+            f"config error: --output_dir {args.output_dir} and --training.output_dir {given} name two run folders; "
+            "give one"
+        )
     where = args.output_dir if args.output_dir is not None else cfg.training.get("output_dir")
     if where is not None and not str(where).strip():  # (it fell back to the default folder)
         return refuse(

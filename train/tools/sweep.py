@@ -206,6 +206,12 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
                 name = arm if seed is None else f"{arm}_seed{seed}"
                 points.append(Point(name, arm, str(config), over, seed))
     points.sort(key=lambda p: seeds.index(p.seed))  # seed by seed: a stopped sweep leaves its arms balanced
+    for p in points:  # the sweep passes --output_dir <sweep folder>/<point>: a second folder would contradict it
+        if "training.output_dir" in p.overrides:
+            raise SweepError(
+                f"point {p.name}: overrides training.output_dir, but a point's run folder is <sweep folder>/<point "
+                "name>; remove it (the sweep's output_dir, or --output_dir, sets where the points go)"
+            )
     names = [p.name for p in points]
     for name in names:  # a point's run folder is <sweep folder>/<name>: one folder, never one elsewhere
         if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
