@@ -11,6 +11,7 @@ and a config's path fields (:data:`CONFIG_PATHS`, train/config/run_config.py).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +54,26 @@ def expand_config_paths(raw: dict) -> dict:
             if isinstance(node, dict) and key in node:
                 node[key] = user_path(node[key])
     return raw
+
+
+def name_problem(key: str, path: object) -> str | None:
+    """Why a file name (or any text given to the program) cannot be used, or None. Under
+    ``LC_ALL=C`` without Python's UTF-8 mode file names are ASCII: a UTF-8 name given on the command
+    line reaches Python as lone surrogates, which the tokenizer's writer (Rust) and every UTF-8 text
+    file refuse (a run crashed at its first save), and one given in a YAML file cannot be opened at
+    all; a name whose bytes are not UTF-8 is lone surrogates in any locale."""
+    if not isinstance(path, str):
+        return None
+    try:
+        os.fsencode(path)
+        path.encode("utf-8")
+        return None
+    except UnicodeEncodeError:
+        shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    encoding = sys.getfilesystemencoding()
+    fix = (
+        "run with a UTF-8 locale (LC_ALL=C.UTF-8) or PYTHONUTF8=1"
+        if encoding.lower().replace("-", "") != "utf8"
+        else "rename it to UTF-8"
+    )
+    return f"{key} {shown}: holds bytes that are not text in this process's file-name encoding ({encoding}); {fix}"

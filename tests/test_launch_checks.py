@@ -395,3 +395,37 @@ def test_a_chat_template_token_in_a_question_is_refused_and_long_references_name
         "  data.system_prompt holds '<|im_end|>', a special token of the model's tokenizer: the rendered prompt would "
         "read it as a chat-template control token, not as text (a prompt injection); remove it"
     ]
+
+
+def test_a_name_that_is_not_text_in_the_locale_is_one_line_before_anything_loads(tmp_path):
+    """``LC_ALL=C PYTHONUTF8=0`` (file names are ASCII) and a non-ASCII output folder: the run trained,
+    then crashed writing its first checkpoint (``UnicodeEncodeError ... surrogates not allowed``: the
+    name reached Python as lone surrogates, which the tokenizer's writer and UTF-8 files refuse); a
+    non-ASCII data path in the YAML could not be opened at all."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        (REPO / "configs/tiny.yaml")
+        .read_text(encoding="utf-8")
+        .replace("data/wordproblems/train.jsonl", "/tmp/tr\u00e4in.jsonl"),
+        encoding="utf-8",
+    )
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONPATH": str(REPO)}
+    said = (
+        "holds bytes that are not text in this process's file-name encoding (ascii); run with a UTF-8 locale "
+        "(LC_ALL=C.UTF-8) or PYTHONUTF8=1"
+    )
+    for argv, line in (
+        (
+            ["--config", "tiny.yaml", "--output_dir", f"{tmp_path}/r\u00e9sultats"],
+            f"RunFolderError: --output_dir {tmp_path}/r\\xe9sultats: {said}",
+        ),
+        (["--config", str(config)], f"  data.train /tmp/tr\\xe4in.jsonl: {said}"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "train/grpo.py", *argv, "--model.name_or_path", READY[3], "--check"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2 and proc.stderr.decode().splitlines()[-1] == line, proc.stderr.decode()[-2000:]

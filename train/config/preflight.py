@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from crystal_grpo.paths import name_problem
 from crystal_grpo.train.config.run_config import RunConfig, phase_configs
 from crystal_grpo.train.config.training_section import TRL_DEFAULTS
 from crystal_grpo.train.pcgrad.memory import zero_stage_problem
@@ -245,6 +246,12 @@ def preflight(cfg: RunConfig, processes: int = 1) -> list[str]:
     run is launched with."""
     out: list[str] = []
     for i, c in enumerate(phase_configs(cfg)):
+        names = [("model.name_or_path", c.model.name_or_path), ("data.train", c.data.train)]
+        names += [("data.validation", c.data.validation), ("training.deepspeed", c.training.get("deepspeed"))]
+        unnamed = [p for p in (name_problem(k, v) for k, v in names) if p and p not in out]
+        if unnamed:
+            out.extend(unnamed)
+            continue
         phase = cfg.phases[i] if cfg.phases else None
         # every reward loads the encoder: validation reports Match F1 whatever the reward
         problems = [

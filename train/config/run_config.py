@@ -37,7 +37,7 @@ from crystal_grpo.curricula.schedule import CurriculumSection
 from crystal_grpo.curricula.schedule import resolve as resolve_curriculum
 from crystal_grpo.metrics import Metric
 from crystal_grpo.metrics import names as metric_names
-from crystal_grpo.paths import expand_config_paths, user_path
+from crystal_grpo.paths import expand_config_paths, name_problem, user_path
 from crystal_grpo.rewards import REWARDS, RewardConfig, RewardModule, reward_class
 from crystal_grpo.train.config.training_section import (
     newer_field_type,
@@ -544,6 +544,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override --{key}: {part!r} is set to a value above, not a section")
+        unnamed = name_problem(f"override --{key}", raw)  # (YAML calls its lone surrogates unacceptable characters)
+        if unnamed:
+            raise ConfigError(unnamed)
         value = parse_yaml(raw, f"override --{key}")
         path = tuple(key.split("."))
         for sub in [path + p for p, _ in _leaves(value)] if isinstance(value, dict) and value else [path]:

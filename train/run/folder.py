@@ -28,6 +28,7 @@ from typing import Any
 
 from crystal_grpo.errors import CrystalError, some_of
 from crystal_grpo.jsonl import atomic_write_text, read_json
+from crystal_grpo.paths import name_problem
 from crystal_grpo.train.run.checkpoints import latest_complete, sha256_file
 from crystal_grpo.train.run.layout import (
     ATTEMPT_FILES,
@@ -254,7 +255,10 @@ def kept_line(kept: list[str]) -> str:
 def foreign_folder(run_dir: Path) -> str | None:
     """Why a run may not write into ``run_dir``, or None: a run writes only into a new or empty
     folder, or one holding this project's run (a :data:`~crystal_grpo.train.run.layout.RUN_MARKERS`
-    file), never among someone else's files."""
+    file), never among someone else's files, and under a name the run's writers take as text."""
+    unnamed = name_problem("--output_dir", str(run_dir))
+    if unnamed:
+        return unnamed
     if not os.path.lexists(run_dir):  # (Path.exists raises for a name too long)
         cannot = _cannot_make(run_dir)
         return f"--output_dir {run_dir} cannot be made: {cannot}; choose another --output_dir" if cannot else None
