@@ -65,6 +65,7 @@ EXTENDED = {
         "test_plain_python_entry_point_reports_data_errors",  # in-process data errors stay
     ),
     "test_sft.py": ("test_resume_inside_the_sft_phase",),
+    "test_data.py": ("test_loading_rows_takes_memory_in_proportion_to_their_size",),
     "test_score_cli.py": ("test_lone_surrogates_in_every_text_field_are_scored",),  # the in-process fuzz stays
     "test_evaluate.py": ("test_two_processes_split_rows_and_merge_in_data_order",),
     "test_gpu_check.py": ("test_the_check_on_cpu_reports_every_column_for_every_arm",),  # four ZeRO-3 runs

@@ -6,7 +6,9 @@ and, where ``data.columns`` renamed a column, names the column as the data does.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,8 +68,17 @@ INJECTION = (
 
 
 def special_token_in(text: Any, special_tokens: Sequence[str]) -> str | None:
-    """The first of ``special_tokens`` (longest first) that ``text`` holds, or None."""
-    return next((t for t in special_tokens if t in text), None) if isinstance(text, str) else None
+    """The first of ``special_tokens`` that ``text`` holds (the longest, where several start there), or None."""
+    if not isinstance(text, str) or not special_tokens:
+        return None
+    found = _any_of(tuple(special_tokens)).search(text)
+    return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=8)
+def _any_of(tokens: tuple[str, ...]) -> re.Pattern:
+    """One pattern for the tokens, longest first (a scan a row, not one a token)."""
+    return re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True))))
 
 
 def special_token_problem(row: dict, special_tokens: Sequence[str]) -> str | None:
