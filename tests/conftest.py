@@ -43,6 +43,8 @@ EXTENDED = {
         "test_a_signal_to_the_sweep_stops_its_running_point_after_a_checkpoint[SIGTERM]",  # [SIGINT] stays
         "test_a_point_stopped_while_evaluated_is_evaluated_when_the_sweep_runs_again",
         "test_a_run_is_forked_with_the_libraries_loaded_or_started_anew[True]",
+        "test_a_killed_sweep_takes_its_running_point_with_it_and_a_relaunch_resumes_it[forked]",
+        "test_a_killed_sweep_takes_its_running_point_with_it_and_a_relaunch_resumes_it[subprocess]",
     ),
     "test_run_folder.py": (
         "test_a_full_disk_is_one_line_and_the_run_resumes[during_the_save]",  # [before_the_save] stays

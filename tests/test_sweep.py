@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from crystal_grpo.train.tools import launch, sweep_report
 from crystal_grpo.train.tools import sweep as sw
 from crystal_grpo.train.tools.sweep_report import build, markdown, point_metrics
 
-from runs import REPO, wait_for
+from runs import REPO, logged_steps, wait_for
 
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
 
@@ -335,6 +336,75 @@ points: [{{name: a}}, {{name: b}}]
     saved = [p for p in (out / "a").glob("checkpoint-*") if checkpoint_problem(p) is None]
     assert len(saved) == 1 and 0 < int(saved[0].name.split("-")[1]) < 300
     assert not (out / "b").exists()
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "subprocess"])
+def test_a_killed_sweep_takes_its_running_point_with_it_and_a_relaunch_resumes_it(tiny_lm_path, tmp_path, fork):
+    """SIGKILL of the sweep (an OOM killer, a scheduler's kill -9): its running point, a child of the
+    fork server, was re-parented to PID 1 and trained on; the relaunched sweep found the point in use
+    by a live run and reported it FAILED (exit 1), while the orphan finished it. Now the point hears
+    SIGTERM from the kernel when its parent dies, saves its step and stops; a relaunch waits for a
+    point still alive, then resumes it."""
+    import fcntl
+
+    path = write(
+        tmp_path,
+        f"""
+base: {REPO / "configs" / "tiny.yaml"}
+overrides: {{training.max_steps: 40, training.save_steps: 1000, validation.eval_steps: 0,
+            model.name_or_path: {tiny_lm_path}, reward.name: answer_only}}
+points: [{{name: a}}]
+""",
+    )
+    out, run = tmp_path / "out", tmp_path / "out" / "a"
+    cmd = [sys.executable, "scripts/sweep.py", str(path), "--output_dir", str(out), *([] if fork else ["--no_fork"])]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(run / "metrics.jsonl", proc)
+    finally:
+        proc.kill()
+        proc.communicate()
+    relaunched = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)  # at once
+    assert relaunched.returncode == 0, relaunched.stdout[-3000:] + relaunched.stderr[-3000:]
+    assert "[a] resuming" in relaunched.stdout  # not "finished earlier": the orphan did not train on to the end
+    assert json.loads((out / "sweep_status.json").read_text())["a"]["status"] == "done"
+    with open(run / "run.lock") as fh:  # nothing holds the point any more
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    steps = logged_steps(run)
+    assert steps == sorted(set(steps)) and steps[-1] == 40  # each step once
+
+
+def test_a_relaunch_waits_for_a_point_a_live_run_holds(tmp_path):
+    """A point whose run outlived its sweep (saving its last step after the sweep was killed, or
+    started by hand) was reported FAILED ("in use by a live run"); a relaunch now waits for it."""
+    from crystal_grpo.train.run.folder import wait_for_holder
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline() == "holding\n"
+    said = []
+    start = time.monotonic()
+    wait_for_holder(tmp_path, said.append)
+    assert holder.wait(timeout=60) == 0 and time.monotonic() - start >= 1.0
+    assert len(said) == 1 and said[0].startswith(f"{tmp_path} is in use by a live run (pid {holder.pid} on ")
+    assert said[0].endswith(": python -c): waiting for it to stop")
+    said.clear()
+    wait_for_holder(tmp_path, said.append)  # nobody holds it: at once, without a word
+    assert said == []
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from crystal_grpo.train.run.folder import RunLock
+with RunLock(Path(sys.argv[1]), "python -c"):
+    print("holding", flush=True)
+    time.sleep(1.5)
+"""
 
 
 def test_rerun_skips_finished_points(tiny_sweep):

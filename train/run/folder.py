@@ -123,6 +123,29 @@ class RunLock:
             self.fd = None
 
 
+def wait_for_holder(run_dir: Path, say: Callable[[str], None], name: str = LOCK) -> None:
+    """Until no live process holds ``run_dir``'s lock: a run that outlived the sweep that started it
+    (a sweep killed with SIGKILL: the run, told by the kernel, is saving its last step) or one started
+    by hand. Says who it waits for; returns at once when none does."""
+    import fcntl
+
+    path = Path(run_dir) / name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no run
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            say(f"{run_dir} is in use by a live run ({_describe(_read_fd(fd))}): waiting for it to stop")
+            fcntl.flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
 def _read_fd(fd: int) -> dict | None:
     try:
         data = json.loads(os.pread(fd, 65536, 0) or b"null")

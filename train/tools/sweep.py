@@ -27,7 +27,7 @@ from crystal_grpo.distributed import launch_command
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.paths import user_path
-from crystal_grpo.train.run.folder import RunFolderError, RunLock, foreign_folder
+from crystal_grpo.train.run.folder import RunFolderError, RunLock, foreign_folder, wait_for_holder
 from crystal_grpo.train.run.layout import BEST, FINAL, POINT_LOG, SWEEP_LOCK, SWEEP_POINT, is_finished, run_targets
 from crystal_grpo.train.tools import launch
 from crystal_grpo.train.tools.launch import EVALUATE, TRAIN
@@ -388,6 +388,7 @@ def run_point(
     """Run one point unless finished, then its evaluation unless done: ``"skipped"``, ``"done"``
     or ``"failed"`` (recorded with the log's tail in the sweep folder's ``sweep_status.json``)."""
     folder = sweep.output_dir / point.name
+    wait_for_holder(folder, lambda line: say(f"[{point.name}] {line}"))  # a run that outlived an earlier sweep
     if is_finished(folder):
         say(f"[{point.name}] finished earlier: skipped")
         if sweep.eval:  # one stopped during its evaluation is evaluated now
