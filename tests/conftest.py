@@ -37,6 +37,9 @@ EXTENDED = {
     "test_distributed.py": (
         "test_zero3_resumes_from_shards_and_refuses_another_world_size",
         "test_zero3_lora_generates_through_merged_adapters_bit_identically",
+        "test_two_nodes_resume_identically_after_the_second_node_is_killed[ddp]",
+        "test_two_nodes_resume_identically_after_the_second_node_is_killed[zero3]",
+        "test_nodes_that_do_not_share_the_run_folder_are_refused_in_one_line",
     ),
     "test_sweep.py": (
         "test_a_forked_point_computes_what_a_new_interpreter_computes",

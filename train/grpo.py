@@ -74,6 +74,7 @@ from crystal_grpo.train.run.folder import (
     record_kept,
     reopen,
     restart_problem,
+    unshared_problem,
     unwritable,
 )
 from crystal_grpo.train.run.layout import (
@@ -205,6 +206,9 @@ def run_phase(
 
     extra = setup_distributed(cfg)
     args = training_args(cfg, output_dir, extra)  # TRL's own value checks, before anything loads
+    apart = unshared_problem(output_dir)  # (the processes exist now: every rank asks)
+    if apart:
+        raise RunFolderError(apart)
     model_source(cfg.model)  # and a missing model folder
     checkpoint = resolve_resume(output_dir, resume, say)
     problem = restart_problem(output_dir) if resume and not checkpoint else None

@@ -492,6 +492,33 @@ def data_digests(paths: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def unshared_problem(phase: Path) -> str | None:
+    """Why the processes of this run do not share one run folder, or None: every rank reads the
+    launch record the main process wrote into ``run.json`` (before any rank reached here) and the
+    records must agree. Nodes that each have their own disk at that path (HF's
+    ``save_on_each_node``) each hold part of every checkpoint: node 0's was marked complete without
+    the other ranks' DeepSpeed shards and RNG states, and no resume could be right. A collective:
+    every rank calls it; one process: None."""
+    from crystal_grpo.distributed import gather_objects, rank_and_world
+
+    rank, world = rank_and_world()
+    if world == 1:
+        return None
+    record = read_json(run_folder(phase) / RECORD)
+    seen = json.dumps((record or {}).get("launches", [None])[-1], sort_keys=True)
+    views, _ = gather_objects([(socket.gethostname(), seen)])
+    apart = [f"rank {r} on {host}" for r, (host, view) in enumerate(views) if view != views[0][1]]
+    if not apart:
+        return None
+    return (
+        f"the processes of this run do not share one run folder: {some_of(apart)} "
+        f"{'does' if len(apart) == 1 else 'do'} not see the run.json rank 0 "
+        f"wrote in {run_folder(phase)} (another disk at that path); every rank's part of a checkpoint must land in "
+        "one folder: put --output_dir on a file system every node shares (training.save_on_each_node, a copy on "
+        "each node's own disk, is not supported: such checkpoints cannot be resumed as one)"
+    )
+
+
 def read_record(run_dir: Path, say: Callable[[str], None], write: bool) -> dict | None:
     """``run.json``, or None without one. An unreadable one holds the run's launch history, which a
     new record would lose: it is kept aside under a name of its own, with one line, and the run
