@@ -83,6 +83,33 @@ def test_zero3_validates_fewer_rows_than_processes(zero3_run, repo_root):
         assert (zero3_run / f"validation_steps_step{step}.html").read_text().count('<section class="row') == 1
 
 
+def test_a_pickle_planted_as_a_zero_shard_is_refused_before_deepspeed_unpickles_it(zero3_run, tmp_path):
+    """DeepSpeed loads its shards with weights_only=False: a pickle put in their place (its completion
+    marker rewritten to match) ran its command on resume. The check of a resume reads every torch
+    file, the shards too, as torch's safe loader does (DeepSpeed's own classes allowed)."""
+    from crystal_grpo.train.run.checkpoints import tensor_file_problem, write_marker
+
+    assert tensor_file_problem(zero3_run / "checkpoint-2") is None  # DeepSpeed's own shards pass
+    run = shutil.copytree(zero3_run, tmp_path / "run")
+    shard = run / "checkpoint-2" / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    evidence = tmp_path / "ran"
+    torch.save(_Planted(evidence), shard)
+    write_marker(run / "checkpoint-2", 2)
+    assert tensor_file_problem(run / "checkpoint-2") == (
+        f"{shard}: not a file of tensors that torch loads safely (Trying to load unsupported GLOBAL posix.system "
+        "whose module posix is blocked); it is not loaded"
+    )
+    assert not evidence.exists()
+
+
+class _Planted:
+    def __init__(self, evidence: Path) -> None:
+        self.evidence = evidence
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.evidence}",))
+
+
 def test_even_share_gives_every_process_as_many_rows_and_drops_the_repeats():
     from crystal_grpo.distributed import even_share
 

@@ -175,27 +175,45 @@ def shape_problem(checkpoint: str | Path, model: str | Path | None) -> str | Non
     return f"{checkpoint} does not fit the model {model}: {what}"
 
 
-#: The checkpoint files a resume loads with ``torch.load(weights_only=True)``: the optimizer and
-#: scheduler states, each rank's RNG state, a gradient scaler (``training_args.bin`` is not loaded).
+#: The checkpoint files a resume loads with ``torch.load``: the optimizer and scheduler states,
+#: each rank's RNG state, a gradient scaler (``training_args.bin`` is not loaded), and DeepSpeed's
+#: shards in the folder its ``latest`` file names, which DeepSpeed unpickles with
+#: ``weights_only=False``: whatever such a file holds would run.
 TORCH_FILES = ("*.pt", "*.pth")
 
 
+def _deepspeed_globals() -> list:
+    """The classes DeepSpeed's own shards hold besides tensors (its loss scaler, its ZeRO stage)."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+    except ImportError:
+        return []
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum]
+
+
 def tensor_file_problem(folder: str | Path) -> str | None:
-    """Why one of the checkpoint's :data:`TORCH_FILES` is not a file torch loads as transformers
-    does on resume (``weights_only=True``, numpy's arrays allowed), or None. Only each file's
-    pickled structure is read (its tensors are memory-mapped), so this is cheap however large. The
-    reason never repeats torch's advice to load the file unsafely."""
+    """Why one of the checkpoint's :data:`TORCH_FILES` (its DeepSpeed shards too) is not a file
+    torch loads without running code (``weights_only=True``; numpy's arrays and DeepSpeed's own
+    classes allowed), or None. Only each file's pickled structure is read (its tensors are
+    memory-mapped), so this is cheap however large. The reason never repeats torch's advice to
+    load the file unsafely."""
     import pickle
 
     import torch
     from transformers.trainer_pt_utils import safe_globals
 
-    for path in sorted(p for pattern in TORCH_FILES for p in Path(folder).glob(pattern)):
+    folder = Path(folder)
+    tag = folder / "latest"
+    shards = folder / tag.read_text(encoding="utf-8").strip() if tag.is_file() else None
+    paths = [p for where in (folder, shards) if where for pattern in TORCH_FILES for p in where.glob(pattern)]
+    allowed = _deepspeed_globals() if shards else []
+    for path in sorted(paths):
         if not zipfile.is_zipfile(path):
             reason = "not in torch.save's zip format"
         else:
             try:
-                with safe_globals():
+                with safe_globals(), torch.serialization.safe_globals(allowed):
                     torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                 continue
             except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError, AttributeError) as err:
@@ -205,12 +223,15 @@ def tensor_file_problem(folder: str | Path) -> str | None:
 
 
 def _unpickling_reason(text: str) -> str:
-    """What torch's refusal says is wrong, without its paragraphs of advice (one of which is to
-    load the file with ``weights_only=False``, that is, to run whatever it holds)."""
-    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-    said = [p for p in paragraphs if "weights_only" not in p and not p.startswith("Check the documentation")]
-    first = said[0].splitlines()[0].removeprefix("WeightsUnpickler error: ") if said else ""
-    return re.split(r"\. Please |\. Check ", first)[0].rstrip(".")[:200]
+    """What torch's refusal says is wrong (its ``WeightsUnpickler error``, else its first line that
+    is not advice), without the advice to load the file with ``weights_only=False``, that is, to
+    run whatever it holds."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    said = [x.split("WeightsUnpickler error: ", 1)[1] for x in lines if "WeightsUnpickler error: " in x] or [
+        x for x in lines if "weights_only" not in x.lower() and not x.startswith(("Check the documentation", "("))
+    ]
+    first = said[0] if said else ""
+    return re.split(r" was not an allowed global|\. Please |\. Check ", first)[0].rstrip(".")[:200]
 
 
 def checkpoint_problem(

@@ -494,16 +494,15 @@ def data_digests(paths: Sequence[str]) -> dict[str, str]:
 
 def unshared_problem(phase: Path) -> str | None:
     """Why the processes of this run do not share one run folder, or None: every rank reads the
-    launch record the main process wrote into ``run.json`` (before any rank reached here) and the
-    records must agree. Nodes that each have their own disk at that path (HF's
-    ``save_on_each_node``) each hold part of every checkpoint: node 0's was marked complete without
-    the other ranks' DeepSpeed shards and RNG states, and no resume could be right. A collective:
-    every rank calls it; one process: None."""
-    from crystal_grpo.distributed import gather_objects, rank_and_world
+    launch record the main process wrote into ``run.json`` and the records must agree. Nodes that
+    each have their own disk at that path (HF's ``save_on_each_node``) each hold part of every
+    checkpoint: node 0's was marked complete without the other ranks' DeepSpeed shards and RNG
+    states, and no resume could be right. A collective: every rank calls it; one process: None."""
+    from crystal_grpo.distributed import barrier, gather_objects, rank_and_world
 
-    rank, world = rank_and_world()
-    if world == 1:
+    if rank_and_world()[1] == 1:
         return None
+    barrier()  # the main process has written the record (a process group made earlier is no meeting point)
     record = read_json(run_folder(phase) / RECORD)
     seen = json.dumps((record or {}).get("launches", [None])[-1], sort_keys=True)
     views, _ = gather_objects([(socket.gethostname(), seen)])
