@@ -187,7 +187,13 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
     errors: list[str] = []
     for path in (args.predictions, args.data):
         if not path.is_file():
-            errors.append(f"{path}: file not found")
+            errors.append(f"{path}: {'a folder, not a file' if path.is_dir() else 'file not found'}")
+    if args.out.is_dir():
+        errors.append(f"--out {args.out}: a folder; the report is one JSON file")
+    elif args.out.exists() and args.out.resolve() in {args.predictions.resolve(), args.data.resolve()}:
+        errors.append(
+            f"--out {args.out} is an input of this scoring, which the report would replace; choose another --out"
+        )
     if not errors:
         preds = read_jsonl(args.predictions, PRED_FIELDS, errors)
         data = read_jsonl(args.data, DATA_FIELDS, errors)

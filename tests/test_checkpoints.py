@@ -136,6 +136,20 @@ def test_a_resume_on_a_longer_schedule_trains_at_its_rate_not_the_saved_one():
     assert continue_schedule(optimizer, scheduler) is None
 
 
+def test_a_renamed_checkpoint_is_not_resumed_as_another_step(tmp_path):
+    """checkpoint-2 renamed checkpoint-3: resumed, the logs were cut at step 3 but training went on
+    from step 2, so step 3 was logged twice. Its marker holds the step it saved."""
+    run = tmp_path / "run"
+    for step in (1, 2):
+        _fake_checkpoint(run, step)
+    (run / "checkpoint-2").rename(run / "checkpoint-3")
+    chosen, skipped = latest_complete(run)
+    assert chosen == run / "checkpoint-1" and skipped == [
+        f"{run / 'checkpoint-3'}: renamed (its {MARKER} holds step 2): resuming it as step 3 would log steps twice or "
+        "skip them; rename it back to checkpoint-2"
+    ]
+
+
 def test_explicit_checkpoint_is_checked_file_by_file(tmp_path):
     folder = _fake_checkpoint(tmp_path, 5, marker=False)  # e.g. written by an older version: allowed
     assert checkpoint_problem(folder, require_marker=False) is None

@@ -4,6 +4,7 @@ repositories in the local cache, and a column mapping, all with ``file:N: proble
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -361,6 +362,18 @@ def test_a_prompt_too_long_by_its_size_alone_is_skipped_without_tokenising_it(tm
     )
     assert list(split.dataset["id"]) == [rows[i]["id"] for i in (0, 2, 3)]
     assert 0 < tok.chars < len(rows[1]["question"])  # the three short prompts only
+
+
+def test_a_row_with_more_options_than_letters_is_a_bad_row(tmp_path):
+    """A row with 27 choices ended the run in an IndexError while its prompt was built (A-Z)."""
+    rows = [json.loads(x) for x in Path("data/wordproblems/train.jsonl").read_text().splitlines()[:3]]
+    rows[1]["choices"] = [f"option {i}" for i in range(27)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(
+        DataError, match=re.escape(f"{data}:2: 'choices' has 27 options; a prompt letters them A to Z")
+    ):
+        load_split(data)
 
 
 PEAK_PER_ROW = """

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -411,6 +412,18 @@ def test_predictions_longer_than_the_reward_cap_are_scored_as_given(tmp_path, ca
     assert ev.main(["--predictions", str(preds), "--out", str(tmp_path / "o"), *args]) == 0
     report = overall(tmp_path / "o")
     assert report["f1"] == 1.0 and report["steps_mean"] == 257 and report["accuracy"] == 1.0
+
+
+def test_an_evaluation_inside_the_model_folder_it_scores_is_refused(tiny_lm_path, tmp_path, capsys):
+    """--out inside the checkpoint (runs/x/final/eval): the evaluation lived in a folder its run removes
+    whole (checkpoint rotation, --overwrite_output_dir)."""
+    model = shutil.copytree(tiny_lm_path, tmp_path / "final")
+    assert ev.main(["--model", str(model), "--out", str(model / "eval"), *COMMON]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {model / 'eval'} is inside the model folder {model}, which its run may remove whole: choose "
+        "another --out\n"
+    )
+    assert not (model / "eval").exists()
 
 
 def test_a_failed_start_does_not_block_the_corrected_command(model_eval, tiny_lm_path, tmp_path, capsys):

@@ -429,3 +429,58 @@ def test_a_name_that_is_not_text_in_the_locale_is_one_line_before_anything_loads
             timeout=120,
         )
         assert proc.returncode == 2 and proc.stderr.decode().splitlines()[-1] == line, proc.stderr.decode()[-2000:]
+
+
+# --- the fifth hostile set: what --check passed and the run then tripped over, or never said --------
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (
+            ["--resume_from_checkpoint", "/etc/hostname"],
+            "CheckpointError: cannot resume: /etc/hostname: a file, not a checkpoint folder",
+        ),
+        (
+            ["--accelerate_config", "nope.yaml"],
+            "  --accelerate_config: cannot read nope.yaml ([Errno 2] No such file or directory: 'nope.yaml')",
+        ),
+        (["--gpus", "-3"], "--gpus -3: expected an integer >= 1 (the processes the run will use)"),
+        (
+            ["--phases", "[{name: a/b}]"],
+            "config error: phases[0].name: 'a/b': a phase's name is part of its folder's name (phase<i>-<name>), so "
+            "it may not be . or .. or hold / or \\ or NUL; rename it",
+        ),
+        (
+            ["--phases", "[{name: a}, {name: a}]"],
+            "config error: phases[1].name: 'a' names two phases: the run's summary keeps each phase's result by its "
+            "name, so one would be lost; give each phase a name of its own",
+        ),
+        (
+            ["--reward.params.encoder", str(REPO / "README.md")],
+            f"  reward.params.encoder: {REPO / 'README.md'} is a file, not a sentence encoder's folder",
+        ),
+        (["--data.train", "{tmp}"], "  data.train: {tmp}: a folder without a file: no rows"),
+    ],
+    ids=[
+        "resume_a_file",
+        "accelerate_config_missing",
+        "gpus_negative",
+        "phase_name_a_path",
+        "phase_name_twice",
+        "encoder_a_file",
+        "data_an_empty_folder",
+    ],
+)
+def test_what_check_passed_and_the_run_tripped_over_is_one_line(tmp_path, capsys, argv, said):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    lines = refused(capsys, "--output_dir", str(tmp_path / "run"), *argv, "--check")
+    assert lines[-1] == said.replace("{tmp}", str(tmp_path))
+
+
+def test_validation_on_the_training_rows_is_said(capsys):
+    """data.validation naming the training file: validation and the best checkpoint scored rows the
+    run trained on, without a word."""
+    assert grpo.main([*READY, "--data.validation", "data/wordproblems/train.jsonl", "--check"]) == 0
+    assert (
+        "warning: data.validation is data.train (data/wordproblems/train.jsonl): validation, and the best checkpoint "
+        "it picks, score rows the run trains on;"
+    ) in capsys.readouterr().out

@@ -49,6 +49,22 @@ def test_a_prediction_longer_than_the_reward_cap_is_scored_as_given(tmp_path, ca
     assert example["f1"] == 1.0 and example["n_pred"] == 257 and example["n_matched"] == 257
 
 
+def test_an_out_that_is_a_folder_or_an_input_is_refused_before_scoring(tmp_path, capsys):
+    """--out naming its own predictions file replaced them with the report; --out naming a folder
+    scored, then ended in IsADirectoryError."""
+    data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA)])
+    preds = write(tmp_path / "p.jsonl", [json.dumps(GOOD_PRED)])
+    kept = preds.read_text()
+    for out, said in (
+        (preds, f"--out {preds} is an input of this scoring, which the report would replace; choose another --out"),
+        (tmp_path, f"--out {tmp_path}: a folder; the report is one JSON file"),
+    ):
+        assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out), "--encoder", "exact"]) == 2
+        out_, err = capsys.readouterr()
+        assert f"error: {said}\n" in err and out_ == ""
+    assert preds.read_text() == kept
+
+
 def test_sample_report(scorer, sample, tmp_path, capsys):
     preds, data = sample
     out = tmp_path / "sub" / "report.json"

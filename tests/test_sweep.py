@@ -142,6 +142,17 @@ def test_invalid_sweeps_are_rejected_before_anything_runs(tmp_path, text, messag
     assert sw.main([str(path), "--output_dir", str(tmp_path / "out")]) == 2
 
 
+def test_jobs_below_one_are_refused(tmp_path, capsys):
+    """--jobs 0 or -2 ran the points one after another without a word."""
+    path = write(tmp_path, "base: tiny.yaml\npoints: [{name: a}]")
+    for jobs in ("0", "-2"):
+        assert sw.main([str(path), "--output_dir", str(tmp_path / "out"), "--jobs", jobs]) == 2
+        assert (
+            capsys.readouterr().err == f"sweep error: --jobs {jobs}: expected an integer >= 1 (points run at once)\n"
+        )
+    assert not (tmp_path / "out").exists()
+
+
 def test_shipped_sweeps_expand_and_validate(tmp_path):
     sizes = {"reward_ablation": 5, "cpr_weights": 6, "tiny": 2}
     for name, n in sizes.items():

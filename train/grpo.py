@@ -198,7 +198,7 @@ def run_phase(
     the step it reached. ``record`` is given the training settings a resume keeps from its
     checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
     from crystal_grpo.train.data.row_problems import INJECTION, special_token_in
-    from crystal_grpo.train.data.splits import DataError, batch_problem, load_datasets
+    from crystal_grpo.train.data.splits import DataError, batch_problem, load_datasets, same_rows_line
     from crystal_grpo.train.models.policy import load_policy, model_file, model_source, special_tokens
     from crystal_grpo.train.models.vision import parameter_line, resolution_line
     from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
@@ -251,7 +251,8 @@ def run_phase(
     train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)), special_tokens=tokens)
     if train.skipped:
         say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")
-    for line in dict.fromkeys([*train.warnings, *(val.warnings if val is not None else ())]):
+    lines = [*train.warnings, *(val.warnings if val is not None else ()), same_rows_line(cfg.data)]
+    for line in dict.fromkeys(x for x in lines if x):
         say(f"warning: {line}")
     too_few = batch_problem(train, args) if cfg.trainer == "grpo" else None
     if too_few:  # before the model loads; again below, once long prompts are dropped
@@ -515,8 +516,7 @@ def run(
         say_summary(cfg, run_dir, write=False)
         return launch.summary or {}
     if resume not in (None, "latest"):
-        folders = [phase_dir(run_dir, i, p.name, len(cfg.phases)) for i, p in enumerate(cfg.phases)] or [run_dir]
-        problem = explicit_resume_problem(resume, run_dir, folders)
+        problem = explicit_resume_problem(resume, run_dir, phase_folders_of(cfg, run_dir))
         if problem:
             raise CheckpointError(problem)
     try:
@@ -534,6 +534,11 @@ def run(
                 if not clear_run(run_dir, keep=()):
                     run_dir.rmdir()
         raise
+
+
+def phase_folders_of(cfg: RunConfig, run_dir: Path) -> list[Path]:
+    """The folder of each phase of ``cfg``'s run in ``run_dir`` (the run folder itself for one phase)."""
+    return [phase_dir(run_dir, i, p.name, len(cfg.phases)) for i, p in enumerate(cfg.phases)] or [run_dir]
 
 
 def _run_phases(
@@ -685,11 +690,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     from crystal_grpo.train.capacity.estimate import CapacityError, check_lines, launch_from
 
+    if args.gpus is not None and args.gpus < 1:
+        return refuse(f"--gpus {args.gpus}: expected an integer >= 1 (the processes the run will use)")
     try:
-        processes = launch_from(args.accelerate_config, cfg.training.get("deepspeed"), args.gpus).gpus
-    except CapacityError:
-        processes = 1  # (--check says why in its memory line)
-    missing = preflight(cfg, processes)
+        processes, launch = launch_from(args.accelerate_config, cfg.training.get("deepspeed"), args.gpus).gpus, None
+    except CapacityError as err:  # (a GPU config's memory line says it too)
+        processes, launch = 1, str(err)
+    missing = preflight(cfg, processes) + ([launch] if launch and args.accelerate_config else [])
     if args.check:
         for line in check_lines(cfg, args.accelerate_config, args.gpus, args.gpu_memory):
             say(line)
@@ -703,6 +710,12 @@ def main(argv: list[str] | None = None) -> int:
     refused = foreign_folder(run_dir) or read_only_problem(run_dir)  # before torch loads (run() checks again)
     if refused:
         return refuse(f"{RunFolderError.__name__}: {refused}")
+    resume = args.resume_from_checkpoint or cfg.resume_from_checkpoint
+    refused = resume not in (None, "latest") and explicit_resume_problem(
+        resume, run_dir, phase_folders_of(cfg, run_dir)
+    )
+    if refused:
+        return refuse(f"{CheckpointError.__name__}: {refused}")
     if args.check:
         phases = ", ".join(f"{p.name} ({p.trainer})" for p in cfg.phases) or cfg.trainer
         say(

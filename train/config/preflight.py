@@ -112,7 +112,9 @@ def model_problem(name: str, gguf_file: str | None) -> str | None:
         if not gguf_file and not (p / "config.json").is_file():
             return f"model.name_or_path: {p} holds no config.json (not a model folder)"
         return None
-    if p.exists() or _looks_local(name):
+    if p.exists():
+        return f"model.name_or_path: {p} is a file, not a model folder"
+    if _looks_local(name):
         return f"model.name_or_path: no such folder {str(p.resolve())!r}{made_by(name)}"
     if hub_cached(name, (gguf_file or "config.json",)):
         return None
@@ -137,7 +139,9 @@ def encoder_problem(encoder: object) -> str | None:
     p = Path(os.path.expanduser(path))
     if p.is_dir():
         return None
-    if p.exists() or _looks_local(path):
+    if p.exists():
+        return f"reward.params.encoder: {p} is a file, not a sentence encoder's folder"
+    if _looks_local(path):
         return f"reward.params.encoder: no such folder {str(p.resolve())!r}"
     if hub_cached(path, ("modules.json", "config.json")):
         return None
@@ -188,11 +192,13 @@ def data_problem(key: str, source: str | None) -> str | None:
     from crystal_grpo.train.data.splits import DataError, locate
 
     try:
-        locate(source)
+        path = locate(source)
     except DataError as err:
         if str(err) == f"{Path(source)}: no such file or folder":
             return f"{key}: no such file or folder {str(Path(source).resolve())!r}{made_by(source)}"
         return f"{key}: {err}"
+    if path.is_dir() and not any(p.is_file() for p in path.rglob("*")):
+        return f"{key}: {path}: a folder without a file: no rows"
     return None
 
 
@@ -277,7 +283,7 @@ def row_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
     loads them): (problems, warnings) of :func:`~crystal_grpo.train.data.splits.check_rows`, and a
     system prompt holding one of the model's special tokens."""
     from crystal_grpo.train.data.row_problems import INJECTION, special_token_in
-    from crystal_grpo.train.data.splits import check_rows
+    from crystal_grpo.train.data.splits import check_rows, same_rows_line
     from crystal_grpo.train.models.policy import special_tokens
 
     problems: list[str] = []
@@ -288,6 +294,9 @@ def row_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
         phase = cfg.phases[i] if cfg.phases else None
         if i == 0 or (phase is not None and phase.init_from == "none"):  # later phases: the same tokenizer
             tokens = special_tokens(c.model)
+        same = same_rows_line(c.data)
+        if same and same not in warnings:
+            warnings.append(same)
         hit = special_token_in(c.data.system_prompt, tokens)
         if hit and f"data.system_prompt holds {hit!r}, {INJECTION}" not in problems:
             problems.append(f"data.system_prompt holds {hit!r}, {INJECTION}")

@@ -675,6 +675,18 @@ def validate(cfg: RunConfig) -> RunConfig:
     resume = cfg.training.pop("resume_from_checkpoint", None)
     cfg.resume_from_checkpoint = check_value("training.resume_from_checkpoint", resume, Union[str, None])
     _move_aliases(cfg, "")  # before a phase of another trainer kind takes only its part of training
+    names = [p.name for p in cfg.phases]
+    for i, name in enumerate(names):  # a name is a folder's (phase<i>-<name>) and the run summary's key
+        if name in (".", "..") or any(c in name for c in "/\\\0"):
+            raise ConfigError(
+                f"phases[{i}].name: {name!r}: a phase's name is part of its folder's name (phase<i>-<name>), so it "
+                "may not be . or .. or hold / or \\ or NUL; rename it"
+            )
+        if name in names[:i]:
+            raise ConfigError(
+                f"phases[{i}].name: {name!r} names two phases: the run's summary keeps each phase's result by its "
+                "name, so one would be lost; give each phase a name of its own"
+            )
     for phase in cfg.phases or [None]:
         if phase is None:
             c = check_dict_sections(cfg)

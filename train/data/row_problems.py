@@ -16,6 +16,9 @@ from typing import Any
 from crystal_grpo.jsonl import Unreadable
 from crystal_grpo.train.data.images import image_paths, image_problem
 
+#: Options a prompt can letter (A-Z: train/data/prompts.py build_prompt).
+MAX_CHOICES = 26
+
 
 def _is_text(x: Any) -> bool:
     return isinstance(x, str) and bool(x.strip())
@@ -52,6 +55,8 @@ def row_problems(
     choices = row.get("choices")
     if choices is not None and not (isinstance(choices, list) and all(_is_text(c) for c in choices)):
         out.append("'choices' must be a list of strings")
+    elif isinstance(choices, list) and len(choices) > MAX_CHOICES:
+        out.append(f"'choices' has {len(choices)} options; a prompt letters them A to Z, so at most {MAX_CHOICES}")
     for img in image_paths(row, base):
         out.extend(image_problem(img))
     injected = special_token_problem(row, special_tokens)

@@ -14,6 +14,7 @@ modules are importable from here too.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,6 +249,20 @@ def load_datasets(
     return (
         LoadedSplit(own_image_loader(split["train"]), train.skipped, train.source, train.warnings),
         LoadedSplit(own_image_loader(split["test"]), 0, train.source + " (held out)"),
+    )
+
+
+def same_rows_line(data_cfg: DataSection) -> str | None:
+    """A warning when the validation rows are the training rows (one file, one split): validation, and
+    the best checkpoint it picks, then measure what the run trained on, not what it learned."""
+    train, val = data_cfg.train, data_cfg.validation
+    if not train or not val or os.path.realpath(train) != os.path.realpath(val):
+        return None
+    if not os.path.isfile(train) and data_cfg.train_split != data_cfg.validation_split:
+        return None  # (a data set's two splits)
+    return (
+        f"data.validation is data.train ({val}): validation, and the best checkpoint it picks, score rows the run "
+        "trains on; give held-out rows, or leave data.validation out (data.validation_fraction holds rows out)"
     )
 
 

@@ -26,7 +26,15 @@ from typing import Any
 
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.train.run.layout import LOG_FILES, MARKER, RECORD, checkpoint_folders, run_folder, step_of
+from crystal_grpo.train.run.layout import (
+    LOG_FILES,
+    MARKER,
+    RECORD,
+    checkpoint_folders,
+    checkpoint_name,
+    run_folder,
+    step_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +255,7 @@ def checkpoint_problem(
     """
     folder = Path(folder)
     if not folder.is_dir():
-        return f"{folder}: no such checkpoint folder"
+        return f"{folder}: {'a file, not a' if folder.exists() else 'no such'} checkpoint folder"
     marker = folder / MARKER
     if marker.exists():
         try:
@@ -255,6 +263,12 @@ def checkpoint_problem(
             files, sha256 = saved["files"], saved.get("sha256", {}) if checksums else {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             return f"{marker}: unreadable completion marker ({err})"
+        step = saved.get("step")
+        if isinstance(step, int) and step_of(folder) not in (None, step):
+            return (
+                f"{folder}: renamed (its {MARKER} holds step {step}): resuming it as step {step_of(folder)} would "
+                f"log steps twice or skip them; rename it back to {checkpoint_name(step)}"
+            )
         writer, here = saved.get("run"), run_of(folder.parent) if own else None
         if writer and here and writer != here:
             return (

@@ -237,7 +237,7 @@ def evaluate(req: EvalRequest) -> dict | None:
     }
     if locate(req.data).is_dir():  # a dataset with splits: which one is part of what was evaluated
         identity["split"] = req.split
-    refused = out_problem(out, req.predictions)
+    refused = out_problem(out, req.predictions, req.model)
     if refused:
         raise EvalError(refused)
     previous = _read_identity(out)
@@ -344,10 +344,14 @@ def evaluate(req: EvalRequest) -> dict | None:
     return report
 
 
-def out_problem(out: Path, predictions: str | None) -> str | None:
+def out_problem(out: Path, predictions: str | None, model: str | None = None) -> str | None:
     """Why an evaluation may not write into ``out``, or None: it writes only into a new or empty
     folder or one holding an evaluation (its :data:`IDENTITY` marker), never over the
-    ``--predictions`` file it reads (``--force`` would delete that before reading it)."""
+    ``--predictions`` file it reads (``--force`` would delete that before reading it), and never
+    inside the model folder it scores: a run removes its checkpoints and ``final/`` whole (rotation,
+    ``--overwrite_output_dir``), and the evaluation with them."""
+    if model is not None and Path(model).is_dir() and Path(out).resolve().is_relative_to(Path(model).resolve()):
+        return f"--out {out} is inside the model folder {model}, which its run may remove whole: choose another --out"
     inputs = {(out / name).resolve() for name in WRITES}
     if predictions is not None and Path(predictions).resolve() in inputs:
         return (

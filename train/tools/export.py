@@ -575,6 +575,19 @@ def _check(folder: Path, rec: RunRecord, adapter_base: str | None, section: Mode
 
 
 # --- command line -----------------------------------------------------------------------
+def shard_size(text: str) -> str:
+    """``--max_shard_size`` as transformers takes it (``5GB``, ``500MB``, or bytes), checked before anything
+    loads: a wrong one stopped the export after loading the model, with a traceback."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        if parse_size_to_int(text) > 0:
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 5GB, 500MB or a number of bytes")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -592,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dtype", choices=DTYPES, default=None, help="weights dtype (default: the dtype in the checkpoint's config)"
     )
-    ap.add_argument("--max_shard_size", default="5GB", help="largest safetensors shard (default 5GB)")
+    ap.add_argument("--max_shard_size", default="5GB", type=shard_size, help="largest safetensors shard (default 5GB)")
     ap.add_argument(
         "--overwrite",
         action="store_true",

@@ -564,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         help="start every run in a new interpreter instead of forking it from one that imported the libraries once",
     )
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        print(f"sweep error: --jobs {args.jobs}: expected an integer >= 1 (points run at once)", file=sys.stderr)
+        return 2
     if args.emit:  # stdout carries the script alone (libraries print notes while they load: to stderr)
         try:
             with contextlib.redirect_stdout(sys.stderr):
