@@ -63,6 +63,8 @@ def test_an_out_that_is_a_folder_or_an_input_is_refused_before_scoring(tmp_path,
         out_, err = capsys.readouterr()
         assert f"error: {said}\n" in err and out_ == ""
     assert preds.read_text() == kept
+    assert main(["--predictions", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "r.json")]) == 2
+    assert f"error: {tmp_path}: a folder, not a file\n" in capsys.readouterr().err
 
 
 def test_sample_report(scorer, sample, tmp_path, capsys):
