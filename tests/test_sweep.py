@@ -313,21 +313,27 @@ def test_a_point_stopped_while_evaluated_is_evaluated_when_the_sweep_runs_again(
     assert report["rows"] == 2 and report["model"] == str(sweep.output_dir / point.name / "final")
 
 
+def slow_points(tmp_path: Path, model: Path, steps: int, *names: str) -> Path:
+    """A sweep file of answer-only points on the tiny model that train ``steps`` steps and save no
+    checkpoint before their end (unless stopped)."""
+    return write(
+        tmp_path,
+        f"""
+base: {REPO / "configs" / "tiny.yaml"}
+overrides: {{training.max_steps: {steps}, training.save_steps: 1000, validation.eval_steps: 0,
+            model.name_or_path: {model}, reward.name: answer_only}}
+points: [{", ".join(f"{{name: {n}}}" for n in names)}]
+""",
+    )
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_sweep_stops_its_running_point_after_a_checkpoint(sig, tiny_lm_path, tmp_path):
     """SIGINT (Ctrl-C, to the sweep's process alone) or SIGTERM (a scheduler's): the running point
     hears it from the sweep, saves a checkpoint at the end of its step and stops; no other point
     starts; the sweep exits 130. The sweep starts with SIGINT ignored, as a shell starts a background
     job: it must still hear it."""
-    path = write(
-        tmp_path,
-        f"""
-base: {REPO / "configs" / "tiny.yaml"}
-overrides: {{training.max_steps: 300, training.save_steps: 1000, validation.eval_steps: 0,
-            model.name_or_path: {tiny_lm_path}, reward.name: answer_only}}
-points: [{{name: a}}, {{name: b}}]
-""",
-    )
+    path = slow_points(tmp_path, tiny_lm_path, 300, "a", "b")
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "scripts/sweep.py", str(path), "--output_dir", str(out)],
@@ -353,20 +359,12 @@ points: [{{name: a}}, {{name: b}}]
 def test_a_killed_sweep_takes_its_running_point_with_it_and_a_relaunch_resumes_it(tiny_lm_path, tmp_path, fork):
     """SIGKILL of the sweep (an OOM killer, a scheduler's kill -9): its running point, a child of the
     fork server, was re-parented to PID 1 and trained on; the relaunched sweep found the point in use
-    by a live run and reported it FAILED (exit 1), while the orphan finished it. Now the point hears
-    SIGTERM from the kernel when its parent dies, saves its step and stops; a relaunch waits for a
-    point still alive, then resumes it."""
+    by a live run and reported it FAILED (exit 1), while the orphan finished it. Now the point gets
+    SIGTERM when the sweep is gone, saves its step and stops; a relaunch waits for a point still
+    alive, then resumes it."""
     import fcntl
 
-    path = write(
-        tmp_path,
-        f"""
-base: {REPO / "configs" / "tiny.yaml"}
-overrides: {{training.max_steps: 40, training.save_steps: 1000, validation.eval_steps: 0,
-            model.name_or_path: {tiny_lm_path}, reward.name: answer_only}}
-points: [{{name: a}}]
-""",
-    )
+    path = slow_points(tmp_path, tiny_lm_path, 40, "a")
     out, run = tmp_path / "out", tmp_path / "out" / "a"
     cmd = [sys.executable, "scripts/sweep.py", str(path), "--output_dir", str(out), *([] if fork else ["--no_fork"])]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -197,7 +197,7 @@ def run_phase(
     """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics and
     the step it reached. ``record`` is given the training settings a resume keeps from its
     checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
-    from crystal_grpo.train.data.row_problems import INJECTION, special_token_in
+    from crystal_grpo.train.data.row_problems import system_prompt_problem
     from crystal_grpo.train.data.splits import DataError, batch_problem, load_datasets, same_rows_line
     from crystal_grpo.train.models.policy import load_policy, model_file, model_source, special_tokens
     from crystal_grpo.train.models.vision import parameter_line, resolution_line
@@ -245,9 +245,9 @@ def run_phase(
     # The sentence encoder loads outside DeepSpeed's partitioning (rewards/match_f1.py).
     module = cfg.reward.build()
     tokens = special_tokens(cfg.model)
-    hit = special_token_in(cfg.data.system_prompt, tokens)
-    if hit:
-        raise DataError(f"data.system_prompt holds {hit!r}, {INJECTION}")
+    injected = system_prompt_problem(cfg.data.system_prompt, tokens)
+    if injected:
+        raise DataError(injected)
     train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)), special_tokens=tokens)
     if train.skipped:
         say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")

@@ -282,7 +282,7 @@ def row_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
     """``--check``'s look into the data rows and prompts, every phase's (the run looks again when it
     loads them): (problems, warnings) of :func:`~crystal_grpo.train.data.splits.check_rows`, and a
     system prompt holding one of the model's special tokens."""
-    from crystal_grpo.train.data.row_problems import INJECTION, special_token_in
+    from crystal_grpo.train.data.row_problems import system_prompt_problem
     from crystal_grpo.train.data.splits import check_rows, same_rows_line
     from crystal_grpo.train.models.policy import special_tokens
 
@@ -297,9 +297,9 @@ def row_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
         same = same_rows_line(c.data)
         if same and same not in warnings:
             warnings.append(same)
-        hit = special_token_in(c.data.system_prompt, tokens)
-        if hit and f"data.system_prompt holds {hit!r}, {INJECTION}" not in problems:
-            problems.append(f"data.system_prompt holds {hit!r}, {INJECTION}")
+        injected = system_prompt_problem(c.data.system_prompt, tokens)
+        if injected and injected not in problems:
+            problems.append(injected)
         for key, source in (("data.train", c.data.train), ("data.validation", c.data.validation)):
             if (key, source, tokens) not in seen:
                 seen.add((key, source, tokens))

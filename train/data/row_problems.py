@@ -99,6 +99,12 @@ def special_token_problem(row: dict, special_tokens: Sequence[str]) -> str | Non
     return None
 
 
+def system_prompt_problem(system_prompt: str | None, special_tokens: Sequence[str]) -> str | None:
+    """The same for ``data.system_prompt``, which every prompt starts with."""
+    hit = special_token_in(system_prompt, special_tokens)
+    return f"data.system_prompt holds {hit!r}, {INJECTION}" if hit else None
+
+
 def longest_chain(row: Any) -> int:
     """The most steps of one of the row's reference chains (``reference_steps`` or ``reference_sets``)."""
     if not isinstance(row, dict):

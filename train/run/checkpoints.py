@@ -62,8 +62,8 @@ def remove_marker(folder: str | Path) -> None:
 
 def write_marker(folder: str | Path, step: int) -> None:
     """List every file of the finished checkpoint with its size and sha256, and the run that
-    wrote it (:func:`run_of`); written atomically, last. The files were just written, so they are
-    read back from the page cache."""
+    wrote it (:func:`run_of`); written atomically, last, once every file has the umask's mode
+    (:func:`follow_umask`). The files were just written, so they are read back from the page cache."""
     folder = Path(folder)
     follow_umask(folder)
     paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER]
@@ -89,7 +89,7 @@ def run_of(phase: str | Path) -> str | None:
 
 
 def umask() -> int:
-    """This process's umask (set and set back: no call only reads it)."""
+    """This process's umask (``os.umask`` only sets it, returning the old one: it is set back at once)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -442,17 +442,20 @@ _WRITE_FAILED = ("unexpected pos", "file write failed", "No space left on device
 SPACE_MARGIN = 1.02
 
 
+def _newest_marker(run_dir: str | Path) -> dict | None:
+    newest, _ = latest_complete(run_dir)
+    return read_json(newest / MARKER) if newest else None
+
+
 def checkpoint_bytes(run_dir: str | Path) -> int | None:
     """The size of the newest complete checkpoint in ``run_dir`` (from its marker), or None."""
-    newest, _ = latest_complete(run_dir)
-    marker = read_json(newest / MARKER) if newest else None
+    marker = _newest_marker(run_dir)
     return sum(marker["files"].values()) if marker else None
 
 
 def checkpoint_files(run_dir: str | Path) -> int | None:
     """How many files the newest complete checkpoint in ``run_dir`` holds, its marker too, or None."""
-    newest, _ = latest_complete(run_dir)
-    marker = read_json(newest / MARKER) if newest else None
+    marker = _newest_marker(run_dir)
     return len(marker["files"]) + 1 if marker else None
 
 

@@ -576,10 +576,13 @@ def _check(folder: Path, rec: RunRecord, adapter_base: str | None, section: Mode
 
 # --- command line -----------------------------------------------------------------------
 def shard_size(text: str) -> str:
-    """``--max_shard_size`` as transformers takes it (``5GB``, ``500MB``, or bytes), checked before anything
-    loads: a wrong one stopped the export after loading the model, with a traceback."""
-    from huggingface_hub.serialization._base import parse_size_to_int
-
+    """``--max_shard_size`` as the weights' writer reads it (``5GB``, ``500MB``, or bytes: huggingface_hub's
+    parser, where this version has it), checked before anything loads: a wrong one stopped the export after
+    loading the model, with a traceback."""
+    try:
+        from huggingface_hub.serialization._base import parse_size_to_int
+    except ImportError:  # (a private name: another huggingface_hub may keep it elsewhere; the writer checks)
+        return text
     try:
         if parse_size_to_int(text) > 0:
             return text
