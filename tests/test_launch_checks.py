@@ -371,11 +371,11 @@ def test_a_chat_template_token_in_a_question_is_refused_and_long_references_name
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     argv = ["--output_dir", str(tmp_path / "run"), "--data.train", str(data)]
     injected = (
-        f"  data.train: {data}:4: 'question' holds '<|im_start|>', a special token of the model's tokenizer: the "
+        f"  data.train: {data}:4: 'question' holds '<|im_end|>', a special token of the model's tokenizer: the "
         "rendered prompt would read it as a chat-template control token, not as text (a prompt injection); remove it"
     )
     assert refused(capsys, *argv, "--check") == ["cannot start: 1 problem(s)", injected]
-    with pytest.raises(DataError, match=re.escape(f"{data}:4: 'question' holds '<|im_start|>'")):  # and the run
+    with pytest.raises(DataError, match=re.escape(f"{data}:4: 'question' holds '<|im_end|>'")):  # and the run
         load_split(data, special_tokens=special_tokens(ModelSection(name_or_path=READY[3])))
     assert grpo.main([*READY, *argv, "--check", "--data.skip_invalid", "true"]) == 0
     assert f"warning: {injected.strip()}; 1 such row(s), which the run skips (data.skip_invalid)\n" in (

@@ -160,7 +160,7 @@ def special_tokens(cfg: ModelSection) -> tuple[str, ...]:
     added = [*(config.get("added_tokens_decoder") or {}).values()]
     added += read("tokenizer.json").get("added_tokens") or []
     found.update(t.get("content") for t in added if isinstance(t, dict) and t.get("special"))
-    return tuple(sorted((t for t in found if isinstance(t, str) and t.strip()), key=len, reverse=True))
+    return tuple(sorted((t for t in found if isinstance(t, str) and t.strip()), key=lambda t: (-len(t), t)))
 
 
 def _load_kwargs(cfg: ModelSection, local: bool) -> dict:

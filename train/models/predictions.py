@@ -31,11 +31,12 @@ class PredictionError(CrystalError, ValueError):
     """A predictions file that cannot be used; the message names the file and line."""
 
 
-def read_predictions(path: Path) -> list[dict]:
+def read_predictions(path: Path, unique: bool = True) -> list[dict]:
     """Prediction rows of a file: each needs ``id`` and either the raw ``completion`` or the
-    scorer CLI's ``reasoning_steps`` and ``answer``; a bad line is an error naming it, and so is a
-    second line for an id (and ``sample``) already given, as ``crystal-grpo-score`` refuses it: the
-    scores of one row would be averaged over its lines without a word."""
+    scorer CLI's ``reasoning_steps`` and ``answer``; a bad line is an error naming it. With
+    ``unique`` (an evaluation's) so is a second line for an id (and ``sample``) already given, as
+    ``crystal-grpo-score`` refuses it: the scores of one row would be averaged over its lines
+    without a word; a file of solutions to build references from may hold any number an id."""
     out = []
     first: dict[tuple[str, int], int] = {}
     for no, row in iter_jsonl(path):
@@ -54,7 +55,7 @@ def read_predictions(path: Path) -> list[dict]:
                 f"{where}: 'sample' must be an integer >= 0 (the completion's index), not {sample!r}"
             )
         key = (str(row["id"]), sample)
-        if key in first:
+        if unique and key in first:
             which = f" sample {sample}" if "sample" in row else ""
             raise PredictionError(f"{where}: duplicate id {row['id']!r}{which} (first on line {first[key]})")
         first[key] = no

@@ -263,18 +263,18 @@ def checkpoint_problem(
             files, sha256 = saved["files"], saved.get("sha256", {}) if checksums else {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             return f"{marker}: unreadable completion marker ({err})"
-        step = saved.get("step")
-        if isinstance(step, int) and step_of(folder) not in (None, step):
-            return (
-                f"{folder}: renamed (its {MARKER} holds step {step}): resuming it as step {step_of(folder)} would "
-                f"log steps twice or skip them; rename it back to {checkpoint_name(step)}"
-            )
         writer, here = saved.get("run"), run_of(folder.parent) if own else None
         if writer and here and writer != here:
             return (
                 f"{folder}: written by another run ({MARKER} names run {writer}, the run in {folder.parent} is "
                 f"{here}): copied in from elsewhere, it is not this run's to resume; start a new run from its "
                 f"weights (--model.name_or_path {folder})"
+            )
+        step = saved.get("step")
+        if isinstance(step, int) and step_of(folder) not in (None, step):
+            return (
+                f"{folder}: renamed (its {MARKER} holds step {step}): resuming it as step {step_of(folder)} would "
+                f"log steps twice or skip them; rename it back to {checkpoint_name(step)}"
             )
         for rel, size in files.items():
             p = folder / rel

@@ -158,7 +158,7 @@ def read_trajectories(path: Path, ids: set[str]) -> dict[str, list[ParsedOutput]
     ``answer``) or the evaluation's (``id``, ``completion``, parsed as in training); any
     number of lines an id. Ids not in the data are left out."""
     out: dict[str, list[ParsedOutput]] = {}
-    for pred in read_predictions(path):
+    for pred in read_predictions(path, unique=False):
         if pred["id"] in ids:
             parsed = as_completion(pred)
             out.setdefault(pred["id"], []).append(parse_completion(parsed) if isinstance(parsed, str) else parsed)

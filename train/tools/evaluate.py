@@ -350,7 +350,8 @@ def out_problem(out: Path, predictions: str | None, model: str | None = None) ->
     ``--predictions`` file it reads (``--force`` would delete that before reading it), and never
     inside the model folder it scores: a run removes its checkpoints and ``final/`` whole (rotation,
     ``--overwrite_output_dir``), and the evaluation with them."""
-    if model is not None and Path(model).is_dir() and Path(out).resolve().is_relative_to(Path(model).resolve()):
+    holds = model is not None and any((Path(model) / f).is_file() for f in ("config.json", "adapter_config.json"))
+    if holds and Path(out).resolve().is_relative_to(Path(model).resolve()):
         return f"--out {out} is inside the model folder {model}, which its run may remove whole: choose another --out"
     inputs = {(out / name).resolve() for name in WRITES}
     if predictions is not None and Path(predictions).resolve() in inputs:
