@@ -201,7 +201,6 @@ FIELDS: dict[str, Row] = _one_row_each(
         "Checkpoints and the Hub",
         "save_strategy",
         "save_steps",
-        "save_on_each_node",
         "save_total_limit",
         "save_only_model",
         "enable_jit_checkpoint",
@@ -340,6 +339,12 @@ FIELDS: dict[str, Row] = _one_row_each(
             "With beta 0 (no reference model to sync) or model.lora (the reference is the base model under the "
             "adapter): TRL refuses both only after the model loads.",
         ),
+        "save_on_each_node": Row(
+            "refused",
+            "True: a copy of each checkpoint on every node's own disk is no checkpoint a run resumes from (its "
+            "completion marker is written where the main process saved); put the run folder on a file system "
+            "every node shares (a folder the nodes do not share is refused when the run starts).",
+        ),
         "shuffle_dataset": Row(
             "refused",
             "False with a curriculum, which orders the prompts itself; without one, TRL's order is kept and made "
@@ -418,6 +423,12 @@ def training_refused(
             else "with model.lora the reference is the base model under the adapter, which TRL cannot sync"
         )
         return "training.sync_ref_model", f"true, but {why} (TRL refuses it once the model has loaded)"
+    if training.get("save_on_each_node"):
+        return (
+            "training.save_on_each_node",
+            "true, but a checkpoint is one folder that every node's processes save into: put the run folder on a "
+            "file system every node shares",
+        )
     if training.get("shuffle_dataset") is False and curriculum:
         return "training.shuffle_dataset", "false, but the curriculum orders the prompts; remove it"
     if pcgrad and training.get("fsdp"):

@@ -25,11 +25,11 @@ from transformers import TrainerCallback
 
 from crystal_grpo.distributed import all_ranks
 from crystal_grpo.train.run.checkpoints import (
-    SPACE_MARGIN,
     DiskFull,
     checkpoint_bytes,
+    checkpoint_files,
     disk_full,
-    free_bytes,
+    has_room,
     optimizer_settings,
     remove_marker,
     resolve_resume,
@@ -88,7 +88,7 @@ class CheckpointMixin:
         run_dir = self._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, checkpoint_name(self.state.global_step))
         need = checkpoint_bytes(run_dir)  # the previous checkpoint's size: this one's, to the byte or so
-        if not all_ranks(need is None or free_bytes(run_dir) >= need * SPACE_MARGIN, self.accelerator.device):
+        if not all_ranks(has_room(run_dir, need, checkpoint_files(run_dir)), self.accelerator.device):
             raise DiskFull(f"not saving {folder}: {space_report(run_dir, need)}")
         if self.args.should_save:
             remove_marker(folder)  # a folder being (re)written is incomplete until the end
