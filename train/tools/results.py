@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from crystal_grpo.errors import CrystalError
 from crystal_grpo.train.organism.step_diagnosis import (
     BINARY,
     LABELS,
@@ -36,7 +37,7 @@ COLUMNS = ("arm", "seed", "eval", "variant", *SUMMARY)
 BLOCK = re.compile(r"(<!-- results (\S+) (\S+) -->\n)(.*?)(<!-- /results -->)", re.S)
 
 
-class ResultsError(ValueError):
+class ResultsError(CrystalError, ValueError):
     """An experiment file or results file that cannot be read; the message names it."""
 
 
@@ -339,10 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="Per-seed results beside the docs, and the tables made from them.")
     sub = ap.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("collect", help="write docs/results/NAME.csv from the experiment's sweeps' run folders")
-    c.add_argument("experiment", help="docs/results/NAME.yaml")
+    c = sub.add_parser("collect", help="write the per-seed CSV beside the experiment file from its run folders")
+    c.add_argument("experiment", help="an experiment file, e.g. docs/results/when_steps_hold.yaml")
     f = sub.add_parser("figure", help="the hold rates and each run's hint copying, from the committed CSV")
-    f.add_argument("experiment", help="docs/results/NAME.yaml")
+    f.add_argument("experiment", help="an experiment file, e.g. docs/results/when_steps_hold.yaml")
     f.add_argument("--out", required=True, help="the PNG to write")
     w = sub.add_parser("tables", help="regenerate every results block of the docs from the committed CSVs")
     w.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block differs")
