@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from crystal_grpo.paths import user_path
 from crystal_grpo.typed import ConfigError
 
 #: What an import path looks like, for error messages.
@@ -39,7 +40,7 @@ def load_object(spec: str, what: str = "reward") -> Any:
         raise ImportPathError(f"{what} {spec!r}: expected {FORMS}")
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name).resolve()
+            path = Path(user_path(module_name)).resolve()
             if not path.is_file():
                 raise FileNotFoundError(f"no such file {str(path)!r}")
             name = f"crystal_grpo_user_{path.stem}_{abs(hash(str(path)))}"

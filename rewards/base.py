@@ -241,11 +241,18 @@ class RewardModule:
         completion with the data columns (``answer``, ``reference_steps``, optional
         ``reference_sets`` and ``choices``). Steps are scored when the reward or its step credit
         uses them (:attr:`scores_steps`), or when ``with_steps`` asks (validation reports Match F1
-        for every reward).
+        for every reward). A reward computed for training (``with_steps`` None) scores at most
+        :data:`MAX_SCORED_STEPS` steps a completion; a report (``with_steps=True``: validation,
+        evaluation, the scorer CLI) scores every step it is given.
         """
         scorer = self._scorer() if (self.scores_steps if with_steps is None else with_steps) else None
         return evaluate(
-            completions, rows, scorer=scorer, step_metric=self.step_metric, answer_options=self.answer_options
+            completions,
+            rows,
+            scorer=scorer,
+            step_metric=self.step_metric,
+            answer_options=self.answer_options,
+            max_steps=MAX_SCORED_STEPS if with_steps is None else None,
         )
 
     def pin_references(self, rows: Any) -> int:

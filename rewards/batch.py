@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 
     from crystal_grpo.rewards.match_f1 import MatchF1Scorer, StepScores
 
-#: A completion with more predicted steps than this scores step metrics 0 (F1, precision
-#: and recall) without embedding any of its steps (thousands of distinct steps would keep a
-#: reward call in the encoder for tens of seconds: docs/rewards.md, "Hostile model output"). References
-#: have at most 42 steps in CRYSTAL (mean 11.6), so past this cap precision is below
-#: 42/256 = 0.16 and F1 below 0.28 anyway: scoring 0 means the cap can never raise a
-#: reward. The guard still sees the real step count.
+#: In a reward computed for training, a completion with more predicted steps than this scores
+#: step metrics 0 (F1, precision and recall) without embedding any of its steps (thousands of
+#: distinct steps would keep a reward call in the encoder for tens of seconds: docs/rewards.md,
+#: "Hostile model output"). References have at most 42 steps in CRYSTAL (mean 11.6), so past this
+#: cap precision is below 42/256 = 0.16 and F1 below 0.28 anyway: scoring 0 means the cap can never
+#: raise a reward. The guard still sees the real step count, each step logs how many rows the cap
+#: hit (``steps_capped``), and ``--check`` names data whose references are longer. A report
+#: (validation, scripts/evaluate.py, crystal-grpo-score) scores every step it is given.
 MAX_SCORED_STEPS = 256
 StepMetric = Literal["f1", "ordered_f1"]
 STEP_METRICS: tuple[str, ...] = typing.get_args(StepMetric)
@@ -134,12 +136,14 @@ def evaluate(
     scorer: MatchF1Scorer | None,
     step_metric: str,
     answer_options: Mapping[str, Any],
+    max_steps: int | None = MAX_SCORED_STEPS,
 ) -> Scored:
     """Parse, check answers and (with a ``scorer``) match steps for these rows; no guard, no state.
 
     ``completions``: model output (text, TRL's message lists, anything: it never raises) or
     already parsed :class:`ParsedOutput`. ``rows``: one mapping per completion with the data
     columns (:data:`COLUMNS`). ``answer_options``: keyword arguments of ``answers_match``.
+    ``max_steps``: a completion with more steps scores step metrics 0 (None: no cap).
     """
     import torch
 
@@ -173,7 +177,7 @@ def evaluate(
     step_rows = [i for i, r in enumerate(refs) if r is not None]
     scores = None
     if step_rows:
-        steps = [parsed[i].steps if len(parsed[i].steps) <= MAX_SCORED_STEPS else [] for i in step_rows]
+        steps = [parsed[i].steps if max_steps is None or len(parsed[i].steps) <= max_steps else [] for i in step_rows]
         scores = scorer.score(steps, [refs[i] for i in step_rows])
         for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1"):
             getattr(batch, f)[step_rows] = getattr(scores, f).double()

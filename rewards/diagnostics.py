@@ -1,12 +1,14 @@
 """What a reward's numbers say about a batch (docs/method.md section 6): the reward as the sum of
 its components, and the diagnostics logged every training step (accuracy, format rate, step
-counts, the guard's rate, the discrimination gap, the reward's correlation with Match F1, the
-spread of the step scores)."""
+counts, the guard's rate, the rows whose steps the cap left unscored, the discrimination gap, the
+reward's correlation with Match F1, the spread of the step scores)."""
 
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING
+
+from crystal_grpo.rewards.batch import MAX_SCORED_STEPS
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +51,8 @@ def diagnostics(batch: Batch, comps: dict[str, torch.Tensor], flagged: torch.Ten
         "guard_rate": mean(flagged.double()),
         "discrimination_gap": mean(reward[c]) - mean(reward[~c]),
     }
+    scored = ~batch.f1.isnan()  # the rows whose steps were scored (a reward that scores none caps none)
+    out["steps_capped"] = float((batch.n_pred[scored] > MAX_SCORED_STEPS).sum())
     if bool(refs.any()):
         for f in ("precision", "recall", "f1", "lis_ratio", "ordered_f1"):
             out[f] = mean(getattr(batch, f)[refs])

@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from crystal_grpo.jsonl import Unreadable, iter_jsonl
+from crystal_grpo.paths import user_file, user_path
 from crystal_grpo.rewards.answer_only import AnswerOnlyReward
 from crystal_grpo.rewards.encoder import EXACT, PACKAGED_MINILM, PAPER_ENCODER, EncoderLoadError
 from crystal_grpo.rewards.match_f1 import MatchF1Scorer
@@ -126,14 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--predictions",
         required=True,
-        type=Path,
+        type=user_file,
         metavar="JSONL",
         help='prediction rows {"id", "reasoning_steps": [...], "answer"}, one JSON object a line',
     )
     p.add_argument(
         "--data",
         required=True,
-        type=Path,
+        type=user_file,
         metavar="JSONL",
         help="data rows of docs/method.md section 1 (id, question, answer, reference_steps, optional "
         "reference_sets and source), one JSON object a line",
@@ -141,13 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         required=True,
-        type=Path,
+        type=user_file,
         metavar="JSON",
         help="report to write: overall and per-source means, per-example scores and pairs",
     )
     p.add_argument(
         "--encoder",
         default=PACKAGED_MINILM,
+        type=user_path,
         help=f"sentence encoder: hub id, local folder, {PACKAGED_MINILM!r} (default; the paper used "
         f"{PAPER_ENCODER!r}), or {EXACT!r} (equal normalised strings match)",
     )
@@ -185,7 +187,13 @@ def main(argv=None, *, scorer: MatchF1Scorer | None = None) -> int:
     errors: list[str] = []
     for path in (args.predictions, args.data):
         if not path.is_file():
-            errors.append(f"{path}: file not found")
+            errors.append(f"{path}: {'a folder, not a file' if path.is_dir() else 'file not found'}")
+    if args.out.is_dir():
+        errors.append(f"--out {args.out}: a folder; the report is one JSON file")
+    elif args.out.exists() and args.out.resolve() in {args.predictions.resolve(), args.data.resolve()}:
+        errors.append(
+            f"--out {args.out} is an input of this scoring, which the report would replace; choose another --out"
+        )
     if not errors:
         preds = read_jsonl(args.predictions, PRED_FIELDS, errors)
         data = read_jsonl(args.data, DATA_FIELDS, errors)

@@ -41,23 +41,30 @@ EXTENDED = {
     "test_distributed.py": (
         "test_zero3_resumes_from_shards_and_refuses_another_world_size",
         "test_zero3_lora_generates_through_merged_adapters_bit_identically",
+        "test_two_nodes_resume_identically_after_the_second_node_is_killed[ddp]",
+        "test_two_nodes_resume_identically_after_the_second_node_is_killed[zero3]",
+        "test_nodes_that_do_not_share_the_run_folder_are_refused_in_one_line",
     ),
     "test_sweep.py": (
         "test_a_forked_point_computes_what_a_new_interpreter_computes",
         "test_a_signal_to_the_sweep_stops_its_running_point_after_a_checkpoint[SIGTERM]",  # [SIGINT] stays
         "test_a_point_stopped_while_evaluated_is_evaluated_when_the_sweep_runs_again",
         "test_a_run_is_forked_with_the_libraries_loaded_or_started_anew[True]",
+        "test_a_killed_sweep_takes_its_running_point_with_it_and_a_relaunch_resumes_it[forked]",
+        "test_a_killed_sweep_takes_its_running_point_with_it_and_a_relaunch_resumes_it[subprocess]",
     ),
     "test_run_folder.py": (
         "test_a_full_disk_is_one_line_and_the_run_resumes[during_the_save]",  # [before_the_save] stays
         "test_a_run_killed_before_its_first_checkpoint_logs_each_step_once",
         "test_a_second_live_run_in_the_same_folder_is_refused",
+        "test_a_run_out_of_inodes_stops_in_one_line_that_says_inodes",  # test_out_of_inodes_says_... stays
     ),
     "test_checkpoints.py": (
         "test_ctrl_c_on_a_torchrun_job_stops_gracefully",
         "test_two_processes_stop_at_the_same_step_when_only_one_gets_the_signal",
         "test_a_signal_stops_after_the_step_saves_and_says_how_to_resume[15]",  # [2] stays
         "test_a_second_ctrl_c_aborts_at_once",
+        "test_a_closed_terminal_stops_the_run_after_a_save_as_sigterm_does",  # test_sighup_routes_... stays
     ),
     "test_fuzz.py": ("test_fuzz_runner_finds_nothing_in_the_real_rewards",),
     "test_dynamic_sampling.py": ("test_two_processes_decide_per_group_globally",),
@@ -67,6 +74,7 @@ EXTENDED = {
         "test_plain_python_entry_point_reports_data_errors",  # in-process data errors stay
     ),
     "test_sft.py": ("test_resume_inside_the_sft_phase",),
+    "test_data.py": ("test_loading_rows_takes_memory_in_proportion_to_their_size",),
     "test_score_cli.py": ("test_lone_surrogates_in_every_text_field_are_scored",),  # the in-process fuzz stays
     "test_evaluate.py": ("test_two_processes_split_rows_and_merge_in_data_order",),
     "test_gpu_check.py": ("test_the_check_on_cpu_reports_every_column_for_every_arm",),  # four ZeRO-3 runs

@@ -119,3 +119,40 @@ def torchrun(out: Path, model: Path, *extra: str, nproc: int = 2) -> subprocess.
     return torchrun_script(
         *grpo_cmd(out, model, "--cpu_backend", "gloo", "--validation.eval_steps", "0", *extra)[1:], nproc=nproc
     )
+
+
+def two_nodes(
+    out: Path, model: Path, port: int, *extra: str, node1: list[str] | None = None
+) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """train/grpo.py on tiny.yaml as two nodes of one process each on this machine (torchrun
+    ``--nnodes 2``, rendezvous on localhost), gloo, no mid-run validation; ``node1``: what node 1's
+    torchrun is started through (e.g. ``unshare -m ...``: another disk at the run folder's path).
+    Their stdout and stderr go to files beside ``out`` (node0.log, node1.log)."""
+    argv = grpo_cmd(out, model, "--cpu_backend", "gloo", "--validation.eval_steps", "0", *extra)[1:]
+    procs = []
+    for rank, prefix in enumerate(([], node1 or [])):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+        torchrun += ["--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        log = open(out.parent / f"{out.name}.node{rank}.log", "a")
+        procs.append(
+            subprocess.Popen(
+                [*prefix, *torchrun, *argv],
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env(TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions")),
+            )
+        )
+        log.close()
+    return procs[0], procs[1]
+
+
+def worker_of(launcher: subprocess.Popen) -> int:
+    """The pid of the one worker a torchrun started (its child running train/grpo.py)."""
+    for _ in range(600):
+        for task in Path(f"/proc/{launcher.pid}/task").iterdir():
+            children = (task / "children").read_text().split()
+            if children:
+                return int(children[0])
+        time.sleep(0.1)
+    raise AssertionError("torchrun started no worker")

@@ -5,6 +5,7 @@ overrides the restored optimizer state undoes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -135,6 +136,20 @@ def test_a_resume_on_a_longer_schedule_trains_at_its_rate_not_the_saved_one():
     assert continue_schedule(optimizer, scheduler) is None
 
 
+def test_a_renamed_checkpoint_is_not_resumed_as_another_step(tmp_path):
+    """checkpoint-2 renamed checkpoint-3: resumed, the logs were cut at step 3 but training went on
+    from step 2, so step 3 was logged twice. Its marker holds the step it saved."""
+    run = tmp_path / "run"
+    for step in (1, 2):
+        _fake_checkpoint(run, step)
+    (run / "checkpoint-2").rename(run / "checkpoint-3")
+    chosen, skipped = latest_complete(run)
+    assert chosen == run / "checkpoint-1" and skipped == [
+        f"{run / 'checkpoint-3'}: renamed (its {MARKER} holds step 2): resuming it as step 3 would log steps twice or "
+        "skip them; rename it back to checkpoint-2"
+    ]
+
+
 def test_explicit_checkpoint_is_checked_file_by_file(tmp_path):
     folder = _fake_checkpoint(tmp_path, 5, marker=False)  # e.g. written by an older version: allowed
     assert checkpoint_problem(folder, require_marker=False) is None
@@ -257,6 +272,71 @@ def test_a_signal_stops_after_the_step_saves_and_says_how_to_resume(tmp_path, ti
         resumed[resumed.index("40")] = str(step + 1)
         assert grpo.main(resumed[1:]) == 0
         assert logged_steps(run) == list(range(1, step + 2))
+
+
+def test_a_closed_terminal_stops_the_run_after_a_save_as_sigterm_does(tmp_path, tiny_lm_path):
+    """A terminal closed (an ssh connection dropped) under a run: SIGHUP killed it at once, no
+    checkpoint and no line. Here the run's terminal is a pseudo-terminal whose other end is closed:
+    the kernel sends the SIGHUP, and every later write to that terminal fails."""
+    import fcntl
+    import pty
+    import termios
+    import threading
+
+    run = tmp_path / "run"
+    cmd = grpo_cmd(
+        run, tiny_lm_path, "--training.max_steps", "40", "--training.save_steps", "100", "--validation.eval_steps", "0"
+    )
+    master, slave = pty.openpty()
+
+    def own_terminal():  # a session of its own whose controlling terminal is the pty, as a login shell's
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env(),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=own_terminal,
+    )
+    os.close(slave)
+    said = bytearray()
+    reader = threading.Thread(target=lambda: _drain(master, said), daemon=True)  # a full pty would block the run
+    reader.start()
+    wait_for(run / "metrics.jsonl", proc)
+    os.close(master)  # the terminal closes: SIGHUP to its session
+    assert proc.wait(timeout=300) == 128 + signal.SIGHUP
+    step = max(logged_steps(run))
+    assert step < 40 and checkpoint_problem(run / f"checkpoint-{step}") is None and not (run / "final").exists()
+    resumed = [str(step + 1) if a == "40" else a for a in cmd[2:]]
+    assert grpo.main([*resumed, "--resume_from_checkpoint", "latest"]) == 0
+    assert logged_steps(run) == list(range(1, step + 2))
+
+
+def _drain(fd: int, into: bytearray) -> None:
+    with contextlib.suppress(OSError):
+        while chunk := os.read(fd, 4096):
+            into += chunk
+
+
+def test_sighup_routes_to_the_stop_unless_it_is_ignored():
+    """``nohup`` leaves SIGHUP ignored: the run goes on when the terminal closes, as it asked."""
+    from crystal_grpo.signals import routed
+
+    got = []
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with routed(lambda signum, frame: got.append(signum)):
+            os.kill(os.getpid(), signal.SIGHUP)
+        signal.signal(signal.SIGHUP, lambda signum, frame: got.append("not routed"))
+        with routed(lambda signum, frame: got.append(signum)):
+            os.kill(os.getpid(), signal.SIGHUP)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert got == [signal.SIGHUP]
 
 
 def test_one_interrupt_delivered_twice_is_one_and_a_later_one_aborts(monkeypatch):

@@ -9,6 +9,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -287,6 +288,18 @@ def test_an_empty_output_dir_is_an_error_not_the_default_folder(args, key, capsy
     assert "\n" not in err
 
 
+def test_two_run_folders_on_the_command_line_are_refused(capsys, tmp_path):
+    """--training.output_dir B was silently overridden by --output_dir A; the same folder twice is one."""
+    argv = ["--config", "tiny.yaml", "--check", "--output_dir", str(tmp_path / "a")]
+    assert grpo.main([*argv, "--training.output_dir", str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err == (
+        f"config error: --output_dir {tmp_path / 'a'} and --training.output_dir {tmp_path / 'b'} name two run "
+        "folders; give one\n"
+    )
+    grpo.main([*argv, "--training", f"{{output_dir: {tmp_path}/a/}}"])  # one folder, given twice
+    assert "name two run folders" not in capsys.readouterr().err
+
+
 def test_a_section_given_in_parts_on_the_command_line_is_merged():
     cfg, _ = load_config("tiny", ["--training.max_steps", "3", "--training", "{learning_rate: 0.5}"])
     assert cfg.training["max_steps"] == 3 and cfg.training["learning_rate"] == 0.5  # (max_steps was dropped)
@@ -528,6 +541,27 @@ def test_yaml_aliases_that_explode_or_loop_are_one_line(tmp_path, text, said):
     small = tmp_path / "small.yaml"
     small.write_text(_laughs(3) + "data: {train: data/wordproblems/train.jsonl}\n")
     assert load_config(str(small))[0].model.init_kwargs["l1"][0] == ["lol"] * 9  # aliases as such are fine
+
+
+@pytest.mark.parametrize(
+    "items, said",
+    [
+        (5_000_000, "{path}: 10.0 MB, more than a config holds (at most 1.0 MB is read; a config is a few KB)"),
+        (400_000, "{path}: holds more than 100,000 values: a config holds a few hundred"),
+    ],
+    ids=["10_MB", "400k_values"],
+)
+def test_a_huge_yaml_is_refused_early_naming_its_size(tmp_path, items, said):
+    """A 10 MB YAML holding a plain 5-million-item list: 120 s and 3.3 GB, then an error blaming
+    aliases (*name), of which it had none. Its size is read first; a file under the bound is
+    counted as it is parsed, and stops at the bound (within seconds)."""
+    path = tmp_path / "x.yaml"
+    path.write_text("model:\n  init_kwargs:\n    x: [" + ",".join(["1"] * items) + "]\n")
+    start = time.process_time()
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert str(err.value) == said.format(path=path)
+    assert time.process_time() - start < 10  # (CPU time: a busy machine does not inflate it)
 
 
 def test_reward_name_help_names_every_registered_reward():

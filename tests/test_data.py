@@ -4,6 +4,7 @@ repositories in the local cache, and a column mapping, all with ``file:N: proble
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -361,3 +362,52 @@ def test_a_prompt_too_long_by_its_size_alone_is_skipped_without_tokenising_it(tm
     )
     assert list(split.dataset["id"]) == [rows[i]["id"] for i in (0, 2, 3)]
     assert 0 < tok.chars < len(rows[1]["question"])  # the three short prompts only
+
+
+def test_a_row_with_more_options_than_letters_is_a_bad_row(tmp_path):
+    """A row with 27 choices ended the run in an IndexError while its prompt was built (A-Z)."""
+    rows = [json.loads(x) for x in Path("data/wordproblems/train.jsonl").read_text().splitlines()[:3]]
+    rows[1]["choices"] = [f"option {i}" for i in range(27)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(
+        DataError, match=re.escape(f"{data}:2: 'choices' has 27 options; a prompt letters them A to Z")
+    ):
+        load_split(data)
+
+
+PEAK_PER_ROW = """
+import json, sys
+from pathlib import Path
+from crystal_grpo.train.data.splits import limit_prompt_lengths, load_split
+from transformers import AutoTokenizer
+
+def peak():
+    return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM")) * 1024
+
+rows = [json.loads(x) for x in open(sys.argv[1])]
+data, n = Path(sys.argv[2]), int(sys.argv[3])
+data.write_text("".join(json.dumps({**rows[i % len(rows)], "id": f"r{i}"}) + "\\n" for i in range(n)))
+tok = AutoTokenizer.from_pretrained(sys.argv[4])
+limit_prompt_lengths(load_split(sys.argv[1]), tok, 2000, "skip", "x")  # everything imported and made once
+before = peak()
+split = load_split(data)
+limit_prompt_lengths(split, tok, 2000, "skip", "x")
+print((peak() - before) / n)
+"""
+
+
+def test_loading_rows_takes_memory_in_proportion_to_their_size(tmp_path, repo_root):
+    """A 200k-row JSONL took 5.2 GB before training (25 KB a row of 400 bytes): every row held as
+    Python objects, twice, and the tokenizer's output for every prompt. Loading and measuring the
+    prompts of 30,000 rows now takes about 2 KB a row more than loading 320."""
+    import subprocess
+    import sys
+
+    model = repo_root / "data/organism/warm_start"
+    args = [str(repo_root / "data/wordproblems/train.jsonl"), str(tmp_path / "big.jsonl"), "30000", str(model)]
+    proc = subprocess.run(
+        [sys.executable, "-c", PEAK_PER_ROW, *args], capture_output=True, text=True, timeout=600, cwd=repo_root
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout) < 4096, f"{float(proc.stdout):.0f} bytes a row"

@@ -9,14 +9,19 @@ model next to its shards, and resume from them.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from runs import ONE_VALIDATION_ROW, ZERO3, grpo_cmd, torchrun, torchrun_runs
+from runs import ONE_VALIDATION_ROW, ZERO3, grpo_cmd, torchrun, torchrun_runs, two_nodes, worker_of
 
 
 def rows(run: Path) -> list[dict]:
@@ -82,6 +87,33 @@ def test_zero3_validates_fewer_rows_than_processes(zero3_run, repo_root):
         (line,) = (zero3_run / f"validation_samples_step{step}.jsonl").read_text().splitlines()
         assert json.loads(line)["id"] == first
         assert (zero3_run / f"validation_steps_step{step}.html").read_text().count('<section class="row') == 1
+
+
+def test_a_pickle_planted_as_a_zero_shard_is_refused_before_deepspeed_unpickles_it(zero3_run, tmp_path):
+    """DeepSpeed loads its shards with weights_only=False: a pickle put in their place (its completion
+    marker rewritten to match) ran its command on resume. The check of a resume reads every torch
+    file, the shards too, as torch's safe loader does (DeepSpeed's own classes allowed)."""
+    from crystal_grpo.train.run.checkpoints import tensor_file_problem, write_marker
+
+    assert tensor_file_problem(zero3_run / "checkpoint-2") is None  # DeepSpeed's own shards pass
+    run = shutil.copytree(zero3_run, tmp_path / "run")
+    shard = run / "checkpoint-2" / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    evidence = tmp_path / "ran"
+    torch.save(_Planted(evidence), shard)
+    write_marker(run / "checkpoint-2", 2)
+    assert tensor_file_problem(run / "checkpoint-2") == (
+        f"{shard}: not a file of tensors that torch loads safely (Trying to load unsupported GLOBAL posix.system "
+        "whose module posix is blocked); it is not loaded"
+    )
+    assert not evidence.exists()
+
+
+class _Planted:
+    def __init__(self, evidence: Path) -> None:
+        self.evidence = evidence
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.evidence}",))
 
 
 def test_even_share_gives_every_process_as_many_rows_and_drops_the_repeats():
@@ -183,3 +215,55 @@ def test_the_command_releases_the_process_group_before_the_process_exits(tmp_pat
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# --- two nodes, simulated on this machine: one process a node (torchrun --nnodes 2 on localhost) ----------
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "zero3"])
+def test_two_nodes_resume_identically_after_the_second_node_is_killed(kind, tiny_lm_path, tmp_path, free_port):
+    """Two nodes train (DDP, or DeepSpeed ZeRO-3 sharded across them); node 1's process is killed
+    (SIGKILL) once checkpoint-2 is complete; node 0 stops too; both nodes resumed from latest end
+    with the uninterrupted run's every logged value and final weights, bit for bit."""
+    from crystal_grpo.train.tools.kill_trials import compare
+
+    extra = ["--training.max_steps", "4", "--training.save_steps", "1", *(ZERO3 if kind == "zero3" else [])]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    for node in two_nodes(ref, tiny_lm_path, free_port, *extra):
+        assert node.wait(timeout=900) == 0, (tmp_path / "ref.node0.log").read_text()[-3000:]
+    node0, node1 = two_nodes(run, tiny_lm_path, free_port, *extra)
+    worker = worker_of(node1)
+    while not (run / "checkpoint-2" / "checkpoint_complete.json").exists():
+        assert node0.poll() is None and node1.poll() is None, (tmp_path / "run.node0.log").read_text()[-3000:]
+        time.sleep(0.1)
+    os.kill(worker, signal.SIGKILL)
+    assert node1.wait(timeout=300) != 0 and node0.wait(timeout=300) != 0  # (gloo: node 0 sees its peer gone)
+    assert (run / "checkpoint-2" / "checkpoint_complete.json").exists() and not (run / "final").exists()
+    for node in two_nodes(run, tiny_lm_path, free_port, *extra, "--resume_from_checkpoint", "latest"):
+        assert node.wait(timeout=900) == 0, (tmp_path / "run.node0.log").read_text()[-3000:]
+    assert compare(ref, run) == []
+
+
+@pytest.mark.slow
+def test_nodes_that_do_not_share_the_run_folder_are_refused_in_one_line(tiny_lm_path, tmp_path, free_port):
+    """Node 1 with another disk at the run folder's path (its own mount namespace, another folder
+    bound over the path): both nodes trained and node 0 marked checkpoints complete that lacked
+    rank 1's shards and RNG state, which sat on node 1's disk. Now one line, before anything is
+    written, on both disks."""
+    shared, elsewhere = tmp_path / "shared", tmp_path / "node1_disk"
+    shared.mkdir(), elsewhere.mkdir()
+    probe = subprocess.run(["unshare", "-m", "mount", "--bind", str(elsewhere), str(shared)], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace here ({probe.stderr.decode().strip()})")
+    mount = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"', str(elsewhere), str(shared)]
+    run = shared / "run"
+    nodes = two_nodes(run, tiny_lm_path, free_port, *ZERO3, "--training.max_steps", "2", node1=mount)
+    assert [node.wait(timeout=900) for node in nodes] == [1, 1]  # torchrun: a worker exited 2
+    said = [x for x in (shared / "run.node0.log").read_text().splitlines() if x.startswith("RunFolderError")]
+    assert said == [
+        f"RunFolderError: the processes of this run do not share one run folder: rank 1 on {socket.gethostname()} "
+        f"does not see the run.json rank 0 wrote in {run} (another disk at that path); every rank's part of a "
+        "checkpoint must land in one folder: put --output_dir on a file system every node shares "
+        "(training.save_on_each_node, a copy on each node's own disk, is not supported: such checkpoints cannot "
+        "be resumed as one)"
+    ]
+    assert sorted(os.listdir(shared)) == ["run.node0.log", "run.node1.log"] and os.listdir(elsewhere) == []

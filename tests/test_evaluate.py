@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -369,6 +370,60 @@ def test_rows_that_share_an_id_are_refused_naming_both_lines(tmp_path, capsys):
         f"{data}:3: duplicate id {rows[0]['id']!r} (first at {data}:1): completions are matched to their rows by id"
     ) in err
     assert not (out / "report.json").exists()
+
+
+def test_a_prediction_id_given_twice_is_refused_as_the_scorer_cli_refuses_it(tmp_path, capsys):
+    """Two lines for one id were both scored and averaged: every id twice, one right and one wrong,
+    gave accuracy 0.500 [0.500, 0.500]; crystal-grpo-score refused the same file. One rule: the id
+    and both lines; a sample index that is no index is one line too."""
+    rows = read_jsonl(DATA)[:N]
+    lines = [{"id": r["id"], "reasoning_steps": r["reference_steps"], "answer": r["answer"]} for r in rows]
+    lines.insert(3, {**lines[1], "answer": "wrong"})
+    preds = tmp_path / "p.jsonl"
+    preds.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "o"
+    assert ev.main(["--predictions", str(preds), "--out", str(out), *COMMON]) == 2
+    said = f"{preds}:4: duplicate id {rows[1]['id']!r} (first on line 2)"
+    assert capsys.readouterr().err == f"error: {said}\n"
+    assert not (out / "report.json").exists()
+    assert score_cli.main(["--predictions", str(preds), "--data", DATA, "--out", str(tmp_path / "s.json")]) == 2
+    assert f"error: {said}\n" in capsys.readouterr().err
+    samples = [{**x, "sample": 0} for x in lines[:3]] + [{**lines[1], "sample": 1}, {**lines[1], "sample": 0}]
+    preds.write_text("".join(json.dumps(x) + "\n" for x in samples))
+    assert ev.main(["--predictions", str(preds), "--out", str(out), *COMMON]) == 2
+    assert capsys.readouterr().err == f"error: {preds}:5: duplicate id {rows[1]['id']!r} sample 0 (first on line 2)\n"
+    preds.write_text(json.dumps({**lines[0], "sample": "a"}) + "\n")
+    assert ev.main(["--predictions", str(preds), "--out", str(out), *COMMON]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {preds}:1: 'sample' must be an integer >= 0 (the completion's index), not 'a'\n"
+    )
+
+
+def test_predictions_longer_than_the_reward_cap_are_scored_as_given(tmp_path, capsys):
+    """A prediction identical to its 257-step reference: Match F1 0.000 beside mean steps 257 (the
+    reward's cap on predicted steps); at 256 steps 1.000. An evaluation scores what it is given."""
+    steps = [f"step {i}: x{i} = {i} + 1." for i in range(257)]
+    row = {"id": "long", "question": "q", "answer": "257", "reference_steps": steps}
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"id": "long", "reasoning_steps": steps, "answer": "257"}) + "\n")
+    args = ["--data", str(data), "--reward", "cpr", "--bootstrap", "0"]
+    assert ev.main(["--predictions", str(preds), "--out", str(tmp_path / "o"), *args]) == 0
+    report = overall(tmp_path / "o")
+    assert report["f1"] == 1.0 and report["steps_mean"] == 257 and report["accuracy"] == 1.0
+
+
+def test_an_evaluation_inside_the_model_folder_it_scores_is_refused(tiny_lm_path, tmp_path, capsys):
+    """--out inside the checkpoint (runs/x/final/eval): the evaluation lived in a folder its run removes
+    whole (checkpoint rotation, --overwrite_output_dir)."""
+    model = shutil.copytree(tiny_lm_path, tmp_path / "final")
+    assert ev.main(["--model", str(model), "--out", str(model / "eval"), *COMMON]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {model / 'eval'} is inside the model folder {model}, which its run may remove whole: choose "
+        "another --out\n"
+    )
+    assert not (model / "eval").exists()
 
 
 def test_a_failed_start_does_not_block_the_corrected_command(model_eval, tiny_lm_path, tmp_path, capsys):

@@ -360,3 +360,16 @@ def test_the_removed_merge_lora_flag_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --merge_lora is gone") and "--keep_adapter" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_shard_size_that_is_no_size_is_one_line_before_anything_loads(tmp_path, capsys):
+    """--max_shard_size abc: the model loaded, then a traceback and "export failed"."""
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path), "--out", str(tmp_path / "e"), "--max_shard_size", "abc"])
+    assert stop.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("argument --max_shard_size: 'abc': expected a size such as 5GB, 500MB or a number of bytes")
+    )
+    assert not (tmp_path / "e").exists()

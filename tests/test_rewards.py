@@ -570,6 +570,9 @@ def test_step_cap_never_raises_a_reward():
     assert out["cpr_reasoning"][1] == 0.0 and out["cpr_accuracy"][1] == pytest.approx(0.65)
     metrics = MODULES["cpr"].last_metrics
     assert metrics["steps_mean"] == MAX_SCORED_STEPS + 0.5  # the guard and logs see the real count
+    assert metrics["steps_capped"] == 1  # logged: the cap hit one completion
+    call_module(MODULES["answer_only"], [over_cap], ["9"])
+    assert MODULES["answer_only"].last_metrics["steps_capped"] == 0  # (a reward that scores no steps caps none)
 
 
 def test_shuffled_answer_control_has_answer_onlys_rewards_in_an_order_unrelated_to_the_completions():

@@ -522,6 +522,62 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(tmp_path, tiny_lm_path, cap
     assert "missing keys" not in caplog.text  # the tied lm_head is expected to be absent: not reported
 
 
+def in_tmpfs(options: str, mount: str, program: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -c program args`` with a fresh tmpfs (mount ``options``) at ``mount``, in a mount
+    namespace of its own (``unshare -m``); skips the test where none can be made."""
+    script = 'mount -t tmpfs -o "$1" tmpfs "$2" && shift 2 && exec "$@"'
+    cmd = ["unshare", "-m", "sh", "-c", script, "sh", options, mount, sys.executable, "-c", program, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    if "mount:" in proc.stderr or "unshare:" in proc.stderr:
+        pytest.skip(f"no tmpfs in a mount namespace here: {proc.stderr.strip()[:200]}")
+    return proc
+
+
+OUT_OF_INODES = """
+import sys
+from pathlib import Path
+from crystal_grpo.train.run.checkpoints import space_report, write_marker
+run = Path(sys.argv[1], "run")
+(run / "checkpoint-1").mkdir(parents=True)
+for i in range(12):
+    (run / "checkpoint-1" / f"f{i}").write_text("x")
+write_marker(run / "checkpoint-1", 1)
+for i in range(1000):  # the file system's last entries
+    try:
+        (run / f"filler{i}").write_text("")
+    except OSError:
+        break
+print(space_report(run))
+"""
+
+
+def test_out_of_inodes_says_inodes_not_space():
+    """Out of inodes: "disk full: ... 0.20 GB free ..., a checkpoint of this run takes 7.9 MB", which
+    contradicts itself. A tmpfs with 40 inodes and 200 MB of space, filled with empty files."""
+    proc = in_tmpfs("size=200m,nr_inodes=40", "/mnt", OUT_OF_INODES, "/mnt")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == (
+        "0 free inodes (file entries) on the file system of /mnt/run, a checkpoint of this run holds 13 files "
+        "(0.21 GB free: the file entries run out, not the space; delete files); newest complete checkpoint: "
+        "/mnt/run/checkpoint-1\n"
+    )
+
+
+def test_a_run_out_of_inodes_stops_in_one_line_that_says_inodes(tiny_lm_path):
+    """The same on a run: its third checkpoint finds no file entry left (a tmpfs of 45 inodes)."""
+    run = "/mnt/run"
+    args = grpo_cmd(Path(run), tiny_lm_path, "--training.max_steps", "4", "--training.save_steps", "1")[2:]
+    program = "import sys; from crystal_grpo.train import grpo; sys.exit(grpo.cli())"
+    proc = in_tmpfs("size=200m,nr_inodes=45", "/mnt", program, *args)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("disk full:")]
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "free inodes (file entries) on the file system of /mnt/run, a checkpoint of this run holds" in lines[0]
+    assert (
+        "the file entries run out, not the space; delete files); newest complete checkpoint: /mnt/run/checkpoint-"
+        in lines[0]
+    )
+
+
 # --- everything a run needs, checked first ---------------------------------------------------
 def test_the_paper_command_without_its_model_lists_every_missing_piece_once(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -566,3 +622,204 @@ def test_kill_trials_compare_finds_a_repeated_step_a_changed_value_and_other_wei
     assert compare(ref, folder("twice", [1, 1, 2], 0.1, 1.0)) == ["metrics.jsonl: steps [1, 1, 2], reference [1, 2]"]
     assert compare(ref, folder("value", [1, 2], 0.2, 1.0))[0] == "metrics.jsonl step 1: loss 0.2 vs 0.1"
     assert compare(ref, folder("weights", [1, 2], 0.1, 1.0 + 1e-7)) == ["final weights differ in 1 tensor(s), e.g. w"]
+
+
+def test_a_tilde_in_any_path_is_the_home_folder_for_every_part_of_the_program(
+    tmp_path, tiny_lm_path, capsys, monkeypatch
+):
+    """``--output_dir=~/r`` (a shell expands ``~`` only at the start of a word) or ``~`` in the YAML:
+    transformers expanded it, so checkpoints went to $HOME/r while run.json, the logs and final/ went
+    to ./~/r, and --check named ``~/r``; a resume then found no checkpoint and trained from step 0.
+    Every path given (config, model, data, output folder) is one place."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    (home / "data").mkdir(parents=True)
+    shutil.copy(REPO / "data/wordproblems/train.jsonl", home / "data" / "train.jsonl")
+    (home / "model").symlink_to(tiny_lm_path)
+    config = (REPO / "configs/tiny.yaml").read_text().replace(".cache/models/tiny-qwen2", "~/model")
+    (home / "tiny.yaml").write_text(config.replace("data/wordproblems/train.jsonl", "~/data/train.jsonl"))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    argv = ["--config=~/tiny.yaml", "--data.validation=~/data/train.jsonl", *QUICK, "--validation.at_start", "false"]
+    assert grpo.main([*argv, "--check", "--output_dir=~/r"]) == 0
+    assert f"run folder {home / 'r'}\n" in capsys.readouterr().out
+    assert grpo.main([*argv, "--training.output_dir", "~/y", "--check"]) == 0  # (quoted: as a YAML file gives it)
+    assert f"run folder {home / 'y'}\n" in capsys.readouterr().out
+    assert grpo.main([*argv, "--output_dir=~/r", "--training.max_steps", "2"]) == 0
+    assert os.listdir(cwd) == []  # no ./~ folder
+    run = home / "r"
+    assert {"run.json", "metrics.jsonl", "final", "checkpoint-2"} <= set(os.listdir(run))
+    assert json.loads((run / RECORD).read_text())["config"]["data"]["train"] == str(home / "data" / "train.jsonl")
+    assert (
+        grpo.main(
+            [*argv, "--output_dir=~/r", "--training.max_steps", "2", "--resume_from_checkpoint=~/r/checkpoint-2"]
+        )
+        == 0
+    )
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed_and_nothing_is_lost_before_a_resume_can_go_on(
+    finished, tmp_path, capsys
+):
+    """Another run's checkpoint copied into a run folder was resumed by ``latest`` without a word
+    (metrics.jsonl then held steps 1-4, then the other run's); resuming on another model size ended
+    in a 40-line ``size mismatch`` traceback after the finished run's phase_done.json and
+    summary.json were deleted. A checkpoint's marker names the run that wrote it; every check of a
+    resume comes before anything of the run is changed."""
+    run = _copy(finished["single"], tmp_path / "single")
+    argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "6"]
+    theirs = shutil.copytree(finished["multi"] / "phase2-cpr" / "checkpoint-2", run / "checkpoint-6")
+    before = snapshot(run)
+    assert grpo.main([*argv, "--resume_from_checkpoint", str(theirs)]) == 2  # named explicitly
+    assert capsys.readouterr().err.startswith(f"CheckpointError: cannot resume: {theirs}: written by another run (")
+    organism = [str(REPO / "data/organism/warm_start") if a == str(finished["common"][3]) else a for a in argv]
+    assert grpo.main([*organism, "--resume_from_checkpoint", "latest"]) == 2  # another model size
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(
+            f"CheckpointError: cannot resume: {run / 'checkpoint-4'} does not fit the model "
+            f"{REPO / 'data/organism/warm_start'}: 20 of its 26 weights have another shape (e.g. "
+        )
+        and len(err.splitlines()) == 1
+    )
+    for name in (LOCK, RECORD):  # the launch record says who came; nothing else changed
+        before.pop(name)
+    assert {k: v for k, v in snapshot(run).items() if k not in (LOCK, RECORD)} == before
+    assert grpo.main([*argv, "--resume_from_checkpoint", "latest"]) == 0
+    out = capsys.readouterr().out
+    assert f"skipping {theirs}: written by another run (checkpoint_complete.json names run " in out
+    assert f"resuming from {run / 'checkpoint-4'}" in out
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6] and checkpoint_problem(run / "checkpoint-6") is None  # its own now
+    # no checkpoint of the run left to resume: refused, where the phase used to start over and remove its logs
+    other = _copy(finished["single"], tmp_path / "other")
+    shutil.rmtree(other / "checkpoint-4")
+    marker = json.loads((other / "checkpoint-2" / MARKER).read_text())
+    (other / "checkpoint-2" / MARKER).write_text(json.dumps({**marker, "run": "another-run"}))
+    before = snapshot(other)
+    assert (
+        grpo.main(
+            [
+                *finished["common"],
+                "--output_dir",
+                str(other),
+                "--training.max_steps",
+                "6",
+                "--resume_from_checkpoint",
+                "latest",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"CheckpointError: cannot resume {other}: it finished, but no checkpoint of this run there can be resumed "
+        f"({other / 'checkpoint-2'}: written by another run ("
+    ) and err.endswith(
+        "and starting it over would remove its logs; nothing was changed. Start the run again with "
+        "--overwrite_output_dir, or start a new run (--output_dir)\n"
+    )
+    assert {k: v for k, v in snapshot(other).items() if k not in (LOCK, RECORD)} == {
+        k: v for k, v in before.items() if k not in (LOCK, RECORD)
+    }
+
+
+class _Planted:
+    """What an attacker puts in a checkpoint: unpickling it runs a command."""
+
+    def __init__(self, evidence: Path) -> None:
+        self.evidence = evidence
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.evidence}",))
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch_save"])
+def test_a_checkpoint_file_that_is_not_tensors_is_one_line_naming_it(finished, tmp_path, capsys, how):
+    """rng_state.pth replaced by a pickle (its completion marker rewritten to match): a 40-line
+    UnpicklingError whose text advised re-running with weights_only=False. Now one line naming the
+    file, before anything of the run changes; the pickle never runs."""
+    import pickle
+
+    from crystal_grpo.train.run.checkpoints import write_marker
+
+    run = _copy(finished["single"], tmp_path / "single")
+    planted, evidence = run / "checkpoint-4" / "rng_state.pth", tmp_path / "ran"
+    if how == "pickle":
+        planted.write_bytes(pickle.dumps(_Planted(evidence)))
+    else:
+        torch.save(_Planted(evidence), planted)
+    write_marker(run / "checkpoint-4", 4)
+    before = snapshot(run)
+    argv = [*finished["common"], "--output_dir", str(run), "--training.max_steps", "6"]
+    assert grpo.main([*argv, "--resume_from_checkpoint", "latest"]) == 2
+    reason = "not in torch.save's zip format" if how == "pickle" else "Trying to load unsupported GLOBAL posix.system"
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"CheckpointError: cannot resume: {planted}: not a file of tensors that torch loads safely ({reason}"
+    ) and err.endswith("); it is not loaded\n")
+    assert "weights_only" not in err and len(err.splitlines()) == 1 and not evidence.exists()
+    assert {k: v for k, v in snapshot(run).items() if k not in (LOCK, RECORD)} == {
+        k: v for k, v in before.items() if k not in (LOCK, RECORD)
+    }
+
+
+def test_every_file_of_a_run_follows_the_umask_weights_included(finished, tmp_path):
+    """safetensors writes 0600: a group sharing the run folder could read everything but the
+    weights (checkpoints' and final/'s). Every file gets 0666 less the umask; a checkpoint saved
+    under another umask takes that one."""
+    from crystal_grpo.train.run.checkpoints import write_marker
+
+    mask = os.umask(0)
+    os.umask(mask)
+    mode = 0o666 & ~mask
+    modes = {str(p.relative_to(finished["single"])): p.stat().st_mode & 0o777 for p in finished["single"].rglob("*")}
+    assert {k: oct(m) for k, m in modes.items() if m != mode and not (finished["single"] / k).is_dir()} == {}
+    folder = shutil.copytree(finished["single"] / "checkpoint-4", tmp_path / "checkpoint-4")
+    (folder / "model.safetensors").chmod(0o600)
+    old = os.umask(0o007)
+    try:
+        write_marker(folder, 4)
+    finally:
+        os.umask(old)
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o660
+
+
+def read_only(folder: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """``argv`` (train/grpo.py's arguments) with ``folder`` bound read-only over itself, in a mount
+    namespace of its own (``unshare -m``: the folder stays writable for everyone else)."""
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
+    cmd = ["unshare", "-m", "sh", "-c", script, str(folder), sys.executable, "train/grpo.py", *argv]
+    return subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+
+
+def test_a_read_only_run_folder_is_one_line_and_a_finished_one_has_nothing_to_do(finished, tmp_path):
+    """Resuming on a read-only file system, a finished run included: a 15-line ``OSError: [Errno 30]
+    Read-only file system: .../run.lock``, --check silent. A finished run has nothing to do (and says
+    so); any launch that would write is one line, --check included."""
+    probe = subprocess.run(["unshare", "-m", "mount", "--bind", str(tmp_path), str(tmp_path)], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount namespace here ({probe.stderr.decode().strip()})")
+    run = _copy(finished["single"], tmp_path / "single")
+    argv = [*finished["common"], "--output_dir", str(run), "--resume_from_checkpoint", "latest"]
+    before = snapshot(run)
+    done = read_only(run, [*argv, "--training.max_steps", "4"])
+    assert done.returncode == 0 and f"{run}: this run already finished (step 4); nothing to do" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    more = read_only(run, [*argv, "--training.max_steps", "6"])
+    assert more.returncode == 2 and more.stderr == (
+        f"RunFolderError: {run} is on a read-only file system: it holds a finished run, which this launch would "
+        "change (train it further, or start it again); copy the run folder to a writable place and launch there "
+        "(--output_dir)\n"
+    )
+    for name in ("final", "phase_done.json", "summary.json"):  # killed after its last checkpoint: not finished
+        shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
+    for check in (["--check"],):  # (a run stops at the same line, before anything loads)
+        stopped = read_only(run, [*argv, "--training.max_steps", "4", *check])
+        assert stopped.returncode == 2 and stopped.stderr == (
+            f"RunFolderError: {run} is on a read-only file system: a run writes its lock, logs and checkpoints "
+            "there; make it writable, or copy the run folder to a writable place and resume it there "
+            "(--output_dir)\n"
+        ), stopped.stderr[-3000:]
+    assert {k: v for k, v in snapshot(run).items()} == {
+        k: v for k, v in before.items() if k.split("/")[0] not in ("final", "phase_done.json", "summary.json")
+    }

@@ -37,6 +37,36 @@ GOOD_DATA = {"id": "q1", "question": "2 + 3?", "answer": "5", "reference_steps":
 GOOD_PRED = {"id": "q1", "reasoning_steps": ["2 + 3 = 5."], "answer": "5"}
 
 
+def test_a_prediction_longer_than_the_reward_cap_is_scored_as_given(tmp_path, capsys):
+    """A prediction identical to its 257-step reference scored F1 0.000 and n_pred 0 (the reward's
+    cap on predicted steps); at 256 steps 1.000. An evaluation scores what it is given."""
+    steps = [f"step {i}: x{i} = {i} + 1." for i in range(257)]
+    data = write(tmp_path / "d.jsonl", [json.dumps({**GOOD_DATA, "reference_steps": steps})])
+    preds = write(tmp_path / "p.jsonl", [json.dumps({**GOOD_PRED, "reasoning_steps": steps})])
+    out = tmp_path / "r.json"
+    assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out), "--encoder", "exact"]) == 0
+    (example,) = json.loads(out.read_text())["examples"]
+    assert example["f1"] == 1.0 and example["n_pred"] == 257 and example["n_matched"] == 257
+
+
+def test_an_out_that_is_a_folder_or_an_input_is_refused_before_scoring(tmp_path, capsys):
+    """--out naming its own predictions file replaced them with the report; --out naming a folder
+    scored, then ended in IsADirectoryError."""
+    data = write(tmp_path / "d.jsonl", [json.dumps(GOOD_DATA)])
+    preds = write(tmp_path / "p.jsonl", [json.dumps(GOOD_PRED)])
+    kept = preds.read_text()
+    for out, said in (
+        (preds, f"--out {preds} is an input of this scoring, which the report would replace; choose another --out"),
+        (tmp_path, f"--out {tmp_path}: a folder; the report is one JSON file"),
+    ):
+        assert main(["--predictions", str(preds), "--data", str(data), "--out", str(out), "--encoder", "exact"]) == 2
+        out_, err = capsys.readouterr()
+        assert f"error: {said}\n" in err and out_ == ""
+    assert preds.read_text() == kept
+    assert main(["--predictions", str(tmp_path), "--data", str(data), "--out", str(tmp_path / "r.json")]) == 2
+    assert f"error: {tmp_path}: a folder, not a file\n" in capsys.readouterr().err
+
+
 def test_sample_report(scorer, sample, tmp_path, capsys):
     preds, data = sample
     out = tmp_path / "sub" / "report.json"

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from crystal_grpo.train.tools import launch, sweep_report
 from crystal_grpo.train.tools import sweep as sw
 from crystal_grpo.train.tools.sweep_report import build, markdown, point_metrics
 
-from runs import REPO, wait_for
+from runs import REPO, logged_steps, wait_for
 
 TINY_SWEEP = REPO / "configs" / "sweeps" / "tiny.yaml"
 
@@ -146,6 +147,11 @@ def test_bench_sweep_modes_are_sweep_command_lines():
             "no metric 'f2'",
         ),
         ("base: tiny.yaml\npoints: [{name: a}]\ninit_from: /nonexistent/run/phase1", "init_from: /nonexistent"),
+        (
+            "base: tiny.yaml\npoints: [{name: a, overrides: {training.output_dir: /tmp/elsewhere}}]",
+            "point a: overrides training.output_dir, but a point's run folder is <sweep folder>/<point name>",
+        ),
+        ("base: tiny.yaml\npoints: [{name: a}]\nbase: cpr.yaml", "duplicate key 'base'"),
     ],
 )
 def test_invalid_sweeps_are_rejected_before_anything_runs(tmp_path, text, message):
@@ -155,6 +161,17 @@ def test_invalid_sweeps_are_rejected_before_anything_runs(tmp_path, text, messag
     assert message in str(err.value)
     assert not (tmp_path / "out").exists()
     assert sw.main([str(path), "--output_dir", str(tmp_path / "out")]) == 2
+
+
+def test_jobs_below_one_are_refused(tmp_path, capsys):
+    """--jobs 0 or -2 ran the points one after another without a word."""
+    path = write(tmp_path, "base: tiny.yaml\npoints: [{name: a}]")
+    for jobs in ("0", "-2"):
+        assert sw.main([str(path), "--output_dir", str(tmp_path / "out"), "--jobs", jobs]) == 2
+        assert (
+            capsys.readouterr().err == f"sweep error: --jobs {jobs}: expected an integer >= 1 (points run at once)\n"
+        )
+    assert not (tmp_path / "out").exists()
 
 
 def test_shipped_sweeps_expand_and_validate(tmp_path):
@@ -317,21 +334,27 @@ def test_a_point_stopped_while_evaluated_is_evaluated_when_the_sweep_runs_again(
     assert report["rows"] == 2 and report["model"] == str(sweep.output_dir / point.name / "final")
 
 
+def slow_points(tmp_path: Path, model: Path, steps: int, *names: str) -> Path:
+    """A sweep file of answer-only points on the tiny model that train ``steps`` steps and save no
+    checkpoint before their end (unless stopped)."""
+    return write(
+        tmp_path,
+        f"""
+base: {REPO / "configs" / "tiny.yaml"}
+overrides: {{training.max_steps: {steps}, training.save_steps: 1000, validation.eval_steps: 0,
+            model.name_or_path: {model}, reward.name: answer_only}}
+points: [{", ".join(f"{{name: {n}}}" for n in names)}]
+""",
+    )
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_the_sweep_stops_its_running_point_after_a_checkpoint(sig, tiny_lm_path, tmp_path):
     """SIGINT (Ctrl-C, to the sweep's process alone) or SIGTERM (a scheduler's): the running point
     hears it from the sweep, saves a checkpoint at the end of its step and stops; no other point
     starts; the sweep exits 130. The sweep starts with SIGINT ignored, as a shell starts a background
     job: it must still hear it."""
-    path = write(
-        tmp_path,
-        f"""
-base: {REPO / "configs" / "tiny.yaml"}
-overrides: {{training.max_steps: 300, training.save_steps: 1000, validation.eval_steps: 0,
-            model.name_or_path: {tiny_lm_path}, reward.name: answer_only}}
-points: [{{name: a}}, {{name: b}}]
-""",
-    )
+    path = slow_points(tmp_path, tiny_lm_path, 300, "a", "b")
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "scripts/sweep.py", str(path), "--output_dir", str(out)],
@@ -351,6 +374,67 @@ points: [{{name: a}}, {{name: b}}]
     saved = [p for p in (out / "a").glob("checkpoint-*") if checkpoint_problem(p) is None]
     assert len(saved) == 1 and 0 < int(saved[0].name.split("-")[1]) < 300
     assert not (out / "b").exists()
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "subprocess"])
+def test_a_killed_sweep_takes_its_running_point_with_it_and_a_relaunch_resumes_it(tiny_lm_path, tmp_path, fork):
+    """SIGKILL of the sweep (an OOM killer, a scheduler's kill -9): its running point, a child of the
+    fork server, was re-parented to PID 1 and trained on; the relaunched sweep found the point in use
+    by a live run and reported it FAILED (exit 1), while the orphan finished it. Now the point gets
+    SIGTERM when the sweep is gone, saves its step and stops; a relaunch waits for a point still
+    alive, then resumes it."""
+    import fcntl
+
+    path = slow_points(tmp_path, tiny_lm_path, 40, "a")
+    out, run = tmp_path / "out", tmp_path / "out" / "a"
+    cmd = [sys.executable, "scripts/sweep.py", str(path), "--output_dir", str(out), *([] if fork else ["--no_fork"])]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(run / "metrics.jsonl", proc)
+    finally:
+        proc.kill()
+        proc.communicate()
+    relaunched = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)  # at once
+    assert relaunched.returncode == 0, relaunched.stdout[-3000:] + relaunched.stderr[-3000:]
+    assert "[a] resuming" in relaunched.stdout  # not "finished earlier": the orphan did not train on to the end
+    assert json.loads((out / "sweep_status.json").read_text())["a"]["status"] == "done"
+    with open(run / "run.lock") as fh:  # nothing holds the point any more
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    steps = logged_steps(run)
+    assert steps == sorted(set(steps)) and steps[-1] == 40  # each step once
+
+
+def test_a_relaunch_waits_for_a_point_a_live_run_holds(tmp_path):
+    """A point whose run outlived its sweep (saving its last step after the sweep was killed, or
+    started by hand) was reported FAILED ("in use by a live run"); a relaunch now waits for it."""
+    from crystal_grpo.train.run.folder import wait_for_holder
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline() == "holding\n"
+    said = []
+    start = time.monotonic()
+    wait_for_holder(tmp_path, said.append)
+    assert holder.wait(timeout=60) == 0 and time.monotonic() - start >= 1.0
+    assert len(said) == 1 and said[0].startswith(f"{tmp_path} is in use by a live run (pid {holder.pid} on ")
+    assert said[0].endswith(": python -c): waiting for it to stop")
+    said.clear()
+    wait_for_holder(tmp_path, said.append)  # nobody holds it: at once, without a word
+    assert said == []
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from crystal_grpo.train.run.folder import RunLock
+with RunLock(Path(sys.argv[1]), "python -c"):
+    print("holding", flush=True)
+    time.sleep(1.5)
+"""
 
 
 def test_rerun_skips_finished_points(tiny_sweep):

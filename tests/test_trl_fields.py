@@ -48,6 +48,7 @@ REFUSALS = [
         "training.sync_ref_model: true, but with model.lora",
     ),
     ("shuffle_dataset", [*CURRICULUM, "--training.shuffle_dataset", "false"], "training.shuffle_dataset: false"),
+    ("save_on_each_node", ["--training.save_on_each_node", "true"], "training.save_on_each_node: true, but"),
     (
         "eval_strategy",
         ["--training.eval_strategy", "steps", "--data.validation", "null", "--data.validation_fraction", "0"],

@@ -31,13 +31,15 @@ from crystal_grpo.distributed import (
 )
 from crystal_grpo.errors import CrystalError, traceback_if_asked
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.train.config.preflight import preflight
+from crystal_grpo.paths import user_path
+from crystal_grpo.train.config.preflight import preflight, row_checks
 from crystal_grpo.train.config.run_config import (
     ConfigError,
     PaperRecipe,
     PhaseSection,
     RunConfig,
     load_config,
+    parse_overrides,
     phase_configs,
 )
 from crystal_grpo.train.run.checkpoints import (
@@ -46,10 +48,13 @@ from crystal_grpo.train.run.checkpoints import (
     checkpoint_step,
     disk_full,
     explicit_resume_problem,
+    follow_umask,
     latest_complete,
     resolve_resume,
     set_back,
     settings_undone,
+    shape_problem,
+    tensor_file_problem,
     truncate_logs,
     undone_line,
 )
@@ -65,7 +70,12 @@ from crystal_grpo.train.run.folder import (
     mark_phase_done,
     phase_state,
     plan_launch,
+    read_only_problem,
     record_kept,
+    reopen,
+    restart_problem,
+    unshared_problem,
+    unwritable,
 )
 from crystal_grpo.train.run.layout import (
     CHECKPOINT_GLOB,
@@ -187,18 +197,29 @@ def run_phase(
     """One phase (GRPO, or SFT for ``trainer: sft``); returns its final validation metrics and
     the step it reached. ``record`` is given the training settings a resume keeps from its
     checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
-    from crystal_grpo.train.data.splits import DataError, batch_problem, load_datasets
-    from crystal_grpo.train.models.loading import load_policy, model_source
+    from crystal_grpo.train.data.row_problems import system_prompt_problem
+    from crystal_grpo.train.data.splits import DataError, batch_problem, load_datasets, same_rows_line
+    from crystal_grpo.train.models.loading import load_policy, model_file, model_source, special_tokens
     from crystal_grpo.train.models.vision import parameter_line, resolution_line
     from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
     from crystal_grpo.train.trainer.interrupt import Interrupted
 
     extra = setup_distributed(cfg)
     args = training_args(cfg, output_dir, extra)  # TRL's own value checks, before anything loads
+    apart = unshared_problem(output_dir)  # (the processes exist now: every rank asks)
+    if apart:
+        raise RunFolderError(apart)
     model_source(cfg.model)  # and a missing model folder
     checkpoint = resolve_resume(output_dir, resume, say)
-    if checkpoint:
+    problem = restart_problem(output_dir) if resume and not checkpoint else None
+    if checkpoint:  # everything a resume needs, checked before anything of the run is changed
         check_zero_resume(checkpoint, args.world_size)
+        base = model_file(cfg.model, "config.json")
+        problem = shape_problem(checkpoint, base and base.parent) or tensor_file_problem(checkpoint)
+        problem = problem and f"cannot resume: {problem}"
+    if problem:
+        raise CheckpointError(problem)
+    if checkpoint:
         state = Path(checkpoint) / STATE_FILE
         kept = settings_undone((read_json(state) or {}).get("settings", {}), args)
         for key, (now, then) in kept.items():
@@ -209,6 +230,7 @@ def run_phase(
             record({key: then for key, (_, then) in kept.items()})
         with args.main_process_first(desc="truncating the run's logs to the checkpoint"):
             if is_main_process():  # every rank then reads the same logs (validation record)
+                reopen(output_dir)
                 truncate_logs(output_dir, checkpoint_step(checkpoint))
                 line = set_back(output_dir, checkpoint)
                 if line:
@@ -222,9 +244,16 @@ def run_phase(
                 )
     # The sentence encoder loads outside DeepSpeed's partitioning (rewards/match_f1.py).
     module = cfg.reward.build()
-    train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)))
+    tokens = special_tokens(cfg.model)
+    injected = system_prompt_problem(cfg.data.system_prompt, tokens)
+    if injected:
+        raise DataError(injected)
+    train, val = load_datasets(cfg.data, seed=int(cfg.training.get("seed", 42)), special_tokens=tokens)
     if train.skipped:
         say(f"skipped {train.skipped} invalid training row(s) (data.skip_invalid)")
+    lines = [*train.warnings, *(val.warnings if val is not None else ()), same_rows_line(cfg.data)]
+    for line in dict.fromkeys(x for x in lines if x):
+        say(f"warning: {line}")
     too_few = batch_problem(train, args) if cfg.trainer == "grpo" else None
     if too_few:  # before the model loads; again below, once long prompts are dropped
         raise DataError(too_few)
@@ -282,6 +311,8 @@ def run_phase(
             f"--resume_from_checkpoint latest."
         )
     trainer.save_model(str(output_dir / FINAL))
+    if is_main_process():
+        follow_umask(output_dir / FINAL)
     val_file = output_dir / VALIDATION_LOG
     last = (read_jsonl(val_file) or [{}])[-1]
     say(
@@ -468,12 +499,24 @@ def run(
     phases = copy.deepcopy(phase_configs(cfg))  # a phase may be given its start below
     max_steps = [p.training.get("max_steps") for p in phases]
     main, created = is_main_process(), not os.path.lexists(run_dir)
-    refused = foreign_folder(run_dir)  # before the lock: it is a file in the folder
+    refused = foreign_folder(run_dir) or read_only_problem(run_dir)  # before the lock: it is a file in the folder
     if refused:
         raise RunFolderError(refused)
+    where = unwritable(run_dir) if main else None
+    if where:  # a finished run (read_only_problem): nothing to do, or a launch that cannot write what it would
+        said: list[str] = []
+        launch = plan_launch(run_dir, as_record(cfg), max_steps, resume, overwrite, said.append, write=False)
+        if launch.action != "finished":
+            raise RunFolderError(
+                f"{run_dir} {where}: it holds a finished run, which this launch would change (train it further, "
+                "or start it again); copy the run folder to a writable place and launch there (--output_dir)"
+            )
+        for line in said:
+            say(line)
+        say_summary(cfg, run_dir, write=False)
+        return launch.summary or {}
     if resume not in (None, "latest"):
-        folders = [phase_dir(run_dir, i, p.name, len(cfg.phases)) for i, p in enumerate(cfg.phases)] or [run_dir]
-        problem = explicit_resume_problem(resume, run_dir, folders)
+        problem = explicit_resume_problem(resume, run_dir, phase_folders_of(cfg, run_dir))
         if problem:
             raise CheckpointError(problem)
     try:
@@ -491,6 +534,11 @@ def run(
                 if not clear_run(run_dir, keep=()):
                     run_dir.rmdir()
         raise
+
+
+def phase_folders_of(cfg: RunConfig, run_dir: Path) -> list[Path]:
+    """The folder of each phase of ``cfg``'s run in ``run_dir`` (the run folder itself for one phase)."""
+    return [phase_dir(run_dir, i, p.name, len(cfg.phases)) for i, p in enumerate(cfg.phases)] or [run_dir]
 
 
 def _run_phases(
@@ -515,6 +563,9 @@ def _run_phases(
             if problem:
                 raise CheckpointError(problem)
         started = resume is not None and latest_complete(pdir)[0] is not None
+        problem = restart_problem(pdir) if resume is not None and not started else None
+        if problem:
+            raise CheckpointError(problem)
         if prev is not None:
             start = read_config(pdir)["model"]["name_or_path"] if started else phase_start(prev, phase.init_from)
             if start:
@@ -575,13 +626,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--config", required=True, help="YAML file, or a name in configs/")
+    ap.add_argument("--config", required=True, type=user_path, help="YAML file, or a name in configs/")
     ap.add_argument(
         "--resume_from_checkpoint",
         default=None,
+        type=user_path,
         help="'latest' (the newest complete checkpoint of the run folder) or a checkpoint folder",
     )
-    ap.add_argument("--output_dir", default=None, help="run folder (default: training.output_dir or runs/<config>)")
+    ap.add_argument(
+        "--output_dir", default=None, type=user_path, help="run folder (default: training.output_dir or runs/<config>)"
+    )
     ap.add_argument(
         "--overwrite_output_dir",
         action="store_true",
@@ -596,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--accelerate_config",
         default=None,
+        type=user_path,
         help="with --check: the accelerate config the run will be "
         "launched with (a path or a name in configs/accelerate/), for its GPU count and ZeRO stage",
     )
@@ -621,6 +676,12 @@ def main(argv: list[str] | None = None) -> int:
     if environment:  # said by every process: without a launcher none is the main one
         print(f"cannot start: {environment}", file=sys.stderr)
         return 2
+    given = (parse_overrides(overrides).get("training") or {}).get("output_dir")
+    if given is not None and args.output_dir is not None and Path(user_path(str(given))) != Path(args.output_dir):
+        return refuse(
+            f"config error: --output_dir {args.output_dir} and --training.output_dir {given} name two run folders; "
+            "give one"
+        )
     where = args.output_dir if args.output_dir is not None else cfg.training.get("output_dir")
     if where is not None and not str(where).strip():  # (it fell back to the default folder)
         return refuse(
@@ -629,20 +690,32 @@ def main(argv: list[str] | None = None) -> int:
         )
     from crystal_grpo.train.capacity.estimate import CapacityError, check_lines, launch_from
 
+    if args.gpus is not None and args.gpus < 1:
+        return refuse(f"--gpus {args.gpus}: expected an integer >= 1 (the processes the run will use)")
     try:
-        processes = launch_from(args.accelerate_config, cfg.training.get("deepspeed"), args.gpus).gpus
-    except CapacityError:
-        processes = 1  # (--check says why in its memory line)
-    missing = preflight(cfg, processes)
+        processes, launch = launch_from(args.accelerate_config, cfg.training.get("deepspeed"), args.gpus).gpus, None
+    except CapacityError as err:  # (a GPU config's memory line says it too)
+        processes, launch = 1, str(err)
+    missing = preflight(cfg, processes) + ([launch] if launch and args.accelerate_config else [])
     if args.check:
         for line in check_lines(cfg, args.accelerate_config, args.gpus, args.gpu_memory):
             say(line)
+        if not missing:  # the rows, once every file they need is there
+            missing, warnings = row_checks(cfg)
+            for line in warnings:
+                say(f"warning: {line}")
     if missing:  # every missing piece at once, before any folder, lock or model
         return refuse("cannot start: " + f"{len(missing)} problem(s)\n  " + "\n  ".join(missing))
     run_dir = Path(where or f"runs/{Path(args.config).stem}")
-    refused = foreign_folder(run_dir)  # here before torch loads (run() checks it again, for a library caller)
+    refused = foreign_folder(run_dir) or read_only_problem(run_dir)  # before torch loads (run() checks again)
     if refused:
         return refuse(f"{RunFolderError.__name__}: {refused}")
+    resume = args.resume_from_checkpoint or cfg.resume_from_checkpoint
+    refused = resume not in (None, "latest") and explicit_resume_problem(
+        resume, run_dir, phase_folders_of(cfg, run_dir)
+    )
+    if refused:
+        return refuse(f"{CheckpointError.__name__}: {refused}")
     if args.check:
         phases = ", ".join(f"{p.name} ({p.trainer})" for p in cfg.phases) or cfg.trainer
         say(

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from crystal_grpo.paths import name_problem
 from crystal_grpo.train.config.refusals import zero_stage_problem
 from crystal_grpo.train.config.run_config import RunConfig, phase_configs
 from crystal_grpo.train.config.training_section import TRL_DEFAULTS
@@ -111,7 +112,9 @@ def model_problem(name: str, gguf_file: str | None) -> str | None:
         if not gguf_file and not (p / "config.json").is_file():
             return f"model.name_or_path: {p} holds no config.json (not a model folder)"
         return None
-    if p.exists() or _looks_local(name):
+    if p.exists():
+        return f"model.name_or_path: {p} is a file, not a model folder"
+    if _looks_local(name):
         return f"model.name_or_path: no such folder {str(p.resolve())!r}{made_by(name)}"
     if hub_cached(name, (gguf_file or "config.json",)):
         return None
@@ -136,7 +139,9 @@ def encoder_problem(encoder: object) -> str | None:
     p = Path(os.path.expanduser(path))
     if p.is_dir():
         return None
-    if p.exists() or _looks_local(path):
+    if p.exists():
+        return f"reward.params.encoder: {p} is a file, not a sentence encoder's folder"
+    if _looks_local(path):
         return f"reward.params.encoder: no such folder {str(p.resolve())!r}"
     if hub_cached(path, ("modules.json", "config.json")):
         return None
@@ -187,11 +192,13 @@ def data_problem(key: str, source: str | None) -> str | None:
     from crystal_grpo.train.data.splits import DataError, locate
 
     try:
-        locate(source)
+        path = locate(source)
     except DataError as err:
         if str(err) == f"{Path(source)}: no such file or folder":
             return f"{key}: no such file or folder {str(Path(source).resolve())!r}{made_by(source)}"
         return f"{key}: {err}"
+    if path.is_dir() and not any(p.is_file() for p in path.rglob("*")):
+        return f"{key}: {path}: a folder without a file: no rows"
     return None
 
 
@@ -245,6 +252,12 @@ def preflight(cfg: RunConfig, processes: int = 1) -> list[str]:
     run is launched with."""
     out: list[str] = []
     for i, c in enumerate(phase_configs(cfg)):
+        names = [("model.name_or_path", c.model.name_or_path), ("data.train", c.data.train)]
+        names += [("data.validation", c.data.validation), ("training.deepspeed", c.training.get("deepspeed"))]
+        unnamed = [p for p in (name_problem(k, v) for k, v in names) if p and p not in out]
+        if unnamed:
+            out.extend(unnamed)
+            continue
         phase = cfg.phases[i] if cfg.phases else None
         # every reward loads the encoder: validation reports Match F1 whatever the reward
         problems = [
@@ -263,3 +276,34 @@ def preflight(cfg: RunConfig, processes: int = 1) -> list[str]:
             problems.append(zero_stage_problem(zero_stage(ds)))
         out.extend(p for p in problems if p and p not in out)
     return out
+
+
+def row_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """``--check``'s look into the data rows and prompts, every phase's (the run looks again when it
+    loads them): (problems, warnings) of :func:`~crystal_grpo.train.data.splits.check_rows`, and a
+    system prompt holding one of the model's special tokens."""
+    from crystal_grpo.train.data.row_problems import system_prompt_problem
+    from crystal_grpo.train.data.splits import check_rows, same_rows_line
+    from crystal_grpo.train.models.loading import special_tokens
+
+    problems: list[str] = []
+    warnings: list[str] = []
+    seen = set()
+    tokens: tuple[str, ...] = ()
+    for i, c in enumerate(phase_configs(cfg)):
+        phase = cfg.phases[i] if cfg.phases else None
+        if i == 0 or (phase is not None and phase.init_from == "none"):  # later phases: the same tokenizer
+            tokens = special_tokens(c.model)
+        same = same_rows_line(c.data)
+        if same and same not in warnings:
+            warnings.append(same)
+        injected = system_prompt_problem(c.data.system_prompt, tokens)
+        if injected and injected not in problems:
+            problems.append(injected)
+        for key, source in (("data.train", c.data.train), ("data.validation", c.data.validation)):
+            if (key, source, tokens) not in seen:
+                seen.add((key, source, tokens))
+                p, w = check_rows(key, source, c.data, tokens)
+                problems += [x for x in p if x not in problems]
+                warnings += [x for x in w if x not in warnings]
+    return problems, warnings

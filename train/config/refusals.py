@@ -173,6 +173,12 @@ def training_refused(
             else "with model.lora the reference is the base model under the adapter, which TRL cannot sync"
         )
         return "training.sync_ref_model", f"true, but {why} (TRL refuses it once the model has loaded)"
+    if training.get("save_on_each_node"):
+        return (
+            "training.save_on_each_node",
+            "true, but a checkpoint is one folder that every node's processes save into: put the run folder on a "
+            "file system every node shares",
+        )
     if training.get("shuffle_dataset") is False and curriculum:
         return "training.shuffle_dataset", "false, but the curriculum orders the prompts; remove it"
     if pcgrad and training.get("fsdp"):

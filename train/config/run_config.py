@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
 import re
 import typing
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from crystal_grpo.curricula.schedule import CurriculumSection
 from crystal_grpo.curricula.schedule import resolve as resolve_curriculum
 from crystal_grpo.metrics import Metric
 from crystal_grpo.metrics import names as metric_names
+from crystal_grpo.paths import expand_config_paths, name_problem, user_path
 from crystal_grpo.rewards import REWARDS, RewardConfig, RewardModule, reward_class
 from crystal_grpo.rewards.step_credit import StepCreditConfig
 from crystal_grpo.train.config.refusals import (
@@ -367,8 +369,11 @@ def _yaml_error(where: str, err: yaml.YAMLError) -> ConfigError:
     return ConfigError(f"{where}{pos}: invalid YAML: {problem}" + (f" ({context})" if context else ""))
 
 
-#: The most values a config may expand to through YAML aliases (a shipped config has a few hundred).
+#: The most values a config may hold, or expand to through YAML aliases (a shipped config has a few hundred).
 MAX_YAML_VALUES = 100_000
+#: The largest config file read (a shipped one is a few KB): PyYAML reads about 1 MB of plain values
+#: in 12 s and holds them in 330 MB.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def _expanded_size(value: Any, sizes: dict[int, int], inside: set[int], where: str) -> int:
@@ -390,10 +395,39 @@ def _expanded_size(value: Any, sizes: dict[int, int], inside: set[int], where: s
     return sizes[key]
 
 
-def parse_yaml(text: str, where: str) -> Any:
-    """Safe YAML with floats in scientific notation and no duplicate keys, whose aliases neither
-    loop nor expand past :data:`MAX_YAML_VALUES` values (every later step copies it out in full)."""
+def read_config_text(path: Path) -> str:
+    """A config file's text, read only up to :data:`MAX_CONFIG_BYTES` (a larger one is an error)."""
     try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path}: {os.stat(path).st_size / 1e6:.1f} MB, more than a config holds (at most "
+                f"{MAX_CONFIG_BYTES / 1e6:.1f} MB is read; a config is a few KB)"
+            )
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read the config ({err})") from None
+
+
+def _node_count(text: str, where: str) -> None:
+    """Refuse YAML holding more than :data:`MAX_YAML_VALUES` values, counted as the parser reads them,
+    so that a huge one stops early (before it is built, which takes seconds and memory per MB)."""
+    count = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        count += isinstance(event, (yaml.ScalarEvent, yaml.SequenceStartEvent, yaml.MappingStartEvent))
+        if count > MAX_YAML_VALUES:
+            raise ConfigError(f"{where}: holds more than {MAX_YAML_VALUES:,} values: a config holds a few hundred")
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """Safe YAML with floats in scientific notation and no duplicate keys, that holds at most
+    :data:`MAX_CONFIG_BYTES` and :data:`MAX_YAML_VALUES` values, and whose aliases neither loop nor
+    expand past that many (every later step copies it out in full)."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{where}: {len(text) / 1e6:.1f} MB of YAML, more than a config holds (a few KB)")
+    try:
+        _node_count(text, where)
         value = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
     except yaml.YAMLError as err:
         raise _yaml_error(where, err) from None
@@ -447,6 +481,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override --{key}: {part!r} is set to a value above, not a section")
+        unnamed = name_problem(f"override --{key}", raw)  # (YAML calls its lone surrogates unacceptable characters)
+        if unnamed:
+            raise ConfigError(unnamed)
         value = parse_yaml(raw, f"override --{key}")
         path = tuple(key.split("."))
         for sub in [path + p for p, _ in _leaves(value)] if isinstance(value, dict) and value else [path]:
@@ -472,16 +509,12 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 def load_config(name_or_path: str, overrides: list[str] | None = None) -> tuple[RunConfig, dict]:
     """Read, merge overrides, validate. Returns the config and the merged raw mapping."""
-    path = resolve_config_path(name_or_path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: cannot read the config ({err})") from None
-    raw = parse_yaml(text, str(path)) or {}
+    path = resolve_config_path(user_path(name_or_path))
+    raw = parse_yaml(read_config_text(path), str(path)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     cli = parse_overrides(overrides or [])
-    raw = deep_merge(raw, cli)
+    raw = expand_config_paths(deep_merge(raw, cli))
     if isinstance(raw.get("phases"), list):
         raw["phases"] = [_cli_wins(p, cli, raw.get("reward")) for p in raw["phases"]]
     cfg = validate(from_dict(RunConfig, raw))
@@ -579,6 +612,18 @@ def validate(cfg: RunConfig) -> RunConfig:
     resume = cfg.training.pop("resume_from_checkpoint", None)
     cfg.resume_from_checkpoint = check_value("training.resume_from_checkpoint", resume, Union[str, None])
     _move_aliases(cfg, "")  # before a phase of another trainer kind takes only its part of training
+    names = [p.name for p in cfg.phases]
+    for i, name in enumerate(names):  # a name is a folder's (phase<i>-<name>) and the run summary's key
+        if name in (".", "..") or any(c in name for c in "/\\\0"):
+            raise ConfigError(
+                f"phases[{i}].name: {name!r}: a phase's name is part of its folder's name (phase<i>-<name>), so it "
+                "may not be . or .. or hold / or \\ or NUL; rename it"
+            )
+        if name in names[:i]:
+            raise ConfigError(
+                f"phases[{i}].name: {name!r} names two phases: the run's summary keeps each phase's result by its "
+                "name, so one would be lost; give each phase a name of its own"
+            )
     for phase in cfg.phases or [None]:
         if phase is None:
             c = check_dict_sections(cfg)

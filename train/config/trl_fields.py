@@ -201,7 +201,6 @@ FIELDS: dict[str, Row] = _one_row_each(
         "Checkpoints and the Hub",
         "save_strategy",
         "save_steps",
-        "save_on_each_node",
         "save_total_limit",
         "save_only_model",
         "enable_jit_checkpoint",
@@ -339,6 +338,12 @@ FIELDS: dict[str, Row] = _one_row_each(
             "refused",
             "With beta 0 (no reference model to sync) or model.lora (the reference is the base model under the "
             "adapter): TRL refuses both only after the model loads.",
+        ),
+        "save_on_each_node": Row(
+            "refused",
+            "True: a copy of each checkpoint on every node's own disk is no checkpoint a run resumes from (its "
+            "completion marker is written where the main process saved); put the run folder on a file system "
+            "every node shares (a folder the nodes do not share is refused when the run starts).",
         ),
         "shuffle_dataset": Row(
             "refused",

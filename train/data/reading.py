@@ -15,7 +15,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -96,8 +96,15 @@ _WIDE_TEXT = (
 
 def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | None = None) -> list[tuple[int, Any]]:
     """(line or row number, the row or why it is unreadable) for each row, renamed by ``columns``."""
+    return list(iter_rows(path, split, columns))
+
+
+def iter_rows(path: Path, split: str = "train", columns: Mapping[str, str] | None = None) -> Iterator[tuple[int, Any]]:
+    """:func:`read_rows` one row at a time: a JSONL file is never held whole (a folder, a Parquet
+    file or a JSON array is read whole first). A ``data.columns`` name no row has is an error once
+    every row is read, before the caller's own verdict on them."""
     if path.is_dir():
-        rows = _dataset_rows(path, split)
+        rows: Iterable[tuple[int, Any]] = _dataset_rows(path, split)
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -108,17 +115,19 @@ def read_rows(path: Path, split: str = "train", columns: Mapping[str, str] | Non
     elif ".json" in path.suffixes[-2:] and _first_char(path) == "[":
         rows = _json_array(path)
     else:
-        rows = list(iter_jsonl(path))
-    if columns:
-        have = {k for _, row in rows if isinstance(row, dict) for k in row}
-        lacking = {ours: theirs for ours, theirs in columns.items() if theirs not in have}
-        if lacking and have:  # (a file without rows says so in its own words)
-            ours, theirs = next(iter(lacking.items()))
-            raise DataError(
-                f"{path}: data.columns maps {ours} to {theirs!r}, a column no row of it has (its columns: "
-                f"{', '.join(sorted(have))})"
-            )
-    return [(no, _with_image_files(_rename(row, columns) if columns else row)) for no, row in rows]
+        rows = iter_jsonl(path)
+    have: set[str] = set()
+    for no, row in rows:
+        if columns and isinstance(row, dict):
+            have.update(row)
+        yield no, _with_image_files(_rename(row, columns) if columns else row)
+    lacking = {ours: theirs for ours, theirs in (columns or {}).items() if theirs not in have}
+    if lacking and have:  # (a file without rows says so in its own words)
+        ours, theirs = next(iter(lacking.items()))
+        raise DataError(
+            f"{path}: data.columns maps {ours} to {theirs!r}, a column no row of it has (its columns: "
+            f"{', '.join(sorted(have))})"
+        )
 
 
 def _first_char(path: Path) -> str:

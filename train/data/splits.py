@@ -14,11 +14,13 @@ modules are importable from here too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union
 
+from crystal_grpo.rewards.batch import MAX_SCORED_STEPS
 from crystal_grpo.train.data.images import ImageLoader, image_paths, image_problem, own_image_loader
 from crystal_grpo.train.data.prompts import (
     MAX_TRUNCATED_SHARE,
@@ -32,8 +34,14 @@ from crystal_grpo.train.data.prompts import (
     to_record,
     truncation_warning,
 )
-from crystal_grpo.train.data.reading import DataError, image_store, locate, read_rows
-from crystal_grpo.train.data.row_problems import name_columns, row_problems
+from crystal_grpo.train.data.reading import DataError, image_store, iter_rows, locate, read_rows
+from crystal_grpo.train.data.row_problems import (
+    long_references_line,
+    longest_chain,
+    name_columns,
+    row_problems,
+    special_token_problem,
+)
 from crystal_grpo.typed import option
 
 if TYPE_CHECKING:
@@ -117,11 +125,37 @@ class DataSection:
     )
 
 
+#: Records turned into Arrow at a time while a split loads: only the table and one chunk of Python
+#: objects are held at once (a list of every row's dicts, and its conversion, took several KB a row).
+RECORD_CHUNK = 8192
+
+
+def _record_features() -> Any:
+    """The columns of a split's records (prompts/to_record), typed once: every chunk the same schema."""
+    from datasets import Features, List, Value
+
+    text = Value("string")
+    return Features(
+        {
+            "id": text,
+            "prompt": List({"role": text, "content": text}),
+            "answer": text,
+            "reference_steps": List(text),
+            "reference_sets": List(List(text)),
+            "choices": List(text),
+            "source": text,
+            "difficulty": text,
+            "images": List(text),
+        }
+    )
+
+
 @dataclass
 class LoadedSplit:
     dataset: Dataset
     skipped: int  # rows dropped by skip_invalid
     source: str
+    warnings: tuple[str, ...] = ()  # what the run says about these rows (long references)
 
 
 def load_split(
@@ -136,65 +170,75 @@ def load_split(
     require_references: bool = True,
     skip_option: str | None = "data.skip_invalid: true",
     unique_ids: str | None = None,
+    special_tokens: Sequence[str] = (),
 ) -> LoadedSplit:
     """Rows of one source (see :func:`locate`), each checked; ``skip_option`` is how the caller's
     user asks to drop bad ones (None: the caller has no such option). ``unique_ids`` (why the
     caller needs them) makes a row whose ``id`` an earlier row has a bad row; training needs no
-    unique ids, rows are rows there."""
+    unique ids, rows are rows there. ``special_tokens``: the model's, which no prompt may hold."""
+    from datasets import Dataset, concatenate_datasets
+
+    features = _record_features()
     path = locate(source)
     columns = columns or {}
     base = path if path.is_dir() else path.parent
-    records, places, errors, bad_rows = [], [], [], 0
+    parts, records, errors, problem_count, bad_rows, longest = [], [], [], 0, 0, []
+    where: dict[tuple, str] = {}  # each image list's first row
     first: dict[str, int] = {}
-    for no, row in read_rows(path, split, columns):
-        problems = [name_columns(p, columns) for p in row_problems(row, base, require_references)]
+    kept, has_sets = 0, False
+    for no, row in iter_rows(path, split, columns):  # one row at a time, its record joining a chunk
+        problems = [name_columns(p, columns) for p in row_problems(row, base, require_references, special_tokens)]
         if unique_ids and not problems and "id" in row:
             rid = str(row["id"])
             if rid in first:
                 problems.append(f"duplicate id {rid!r} (first at {source}:{first[rid]}): {unique_ids}")
             first.setdefault(rid, no)
         if problems:
-            errors.extend(f"{source}:{no}: {p}" for p in problems)
+            errors.extend(f"{source}:{no}: {p}" for p in problems[: max(0, max_errors_shown - len(errors))])
+            problem_count += len(problems)
             bad_rows += 1
             continue
-        records.append(to_record(row, base, no, Path(str(source)), system_prompt))
-        places.append(f"{source}:{no}")
-    if errors and not skip_invalid:
-        shown = "\n  ".join(errors[:max_errors_shown])
-        more = f"\n  ... and {len(errors) - max_errors_shown} more" if len(errors) > max_errors_shown else ""
+        if limit is not None and kept >= limit:
+            continue  # (every row is still checked)
+        record = to_record(row, base, no, Path(str(source)), system_prompt)
+        record["choices"] = record["choices"] or []
+        kept += 1
+        has_sets = has_sets or bool(record["reference_sets"])
+        if record["images"]:
+            where.setdefault(tuple(record["images"]), f"{source}:{no}")
+        if (steps := longest_chain(row)) > MAX_SCORED_STEPS:
+            longest.append((f"{source}:{no}", steps))
+        records.append(record)
+        if len(records) == RECORD_CHUNK:
+            parts.append(Dataset.from_list(records, features=features))
+            records = []
+    if bad_rows and not skip_invalid:
+        shown = "\n  ".join(errors)
+        more = f"\n  ... and {problem_count - len(errors)} more" if problem_count > len(errors) else ""
         hint = f"set {skip_option} to drop them" if skip_option else "fix or remove them"
         raise DataError(f"{bad_rows} invalid row(s) in {source} ({hint}):\n  {shown}{more}")
-    if not records:
+    if not kept:
         raise DataError(f"{source}: no valid rows")
-    if limit is not None:
-        records = records[:limit]
-    # Optional columns exist for every row or for none (Arrow needs one schema).
-    has_images = any(r["images"] for r in records)
-    has_sets = any(r["reference_sets"] for r in records)
-    for r in records:
-        if not has_images:
-            del r["images"]
-        if not has_sets:
-            del r["reference_sets"]
-        r["choices"] = r["choices"] or []
-    from datasets import Dataset
-
-    ds = Dataset.from_list(records)
-    if has_images:
-        where: dict[tuple, str] = {}
-        for r, place in zip(records, places):
-            where.setdefault(tuple(r["images"]), place)
+    parts += [Dataset.from_list(records, features=features)] if records else []
+    ds = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    # Optional columns exist for every row or for none (one schema); absent from every row, they go.
+    ds = ds.remove_columns([c for c, used in (("images", where), ("reference_sets", has_sets)) if not used])
+    if where:
         ds = own_image_loader(ds, where)
-    return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(source))
+    long_refs = long_references_line(str(source), longest, MAX_SCORED_STEPS)
+    return LoadedSplit(ds, bad_rows if skip_invalid else 0, str(source), (long_refs,) if long_refs else ())
 
 
-def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, LoadedSplit | None]:
+def load_datasets(
+    data_cfg: DataSection, seed: int = 42, special_tokens: Sequence[str] = ()
+) -> tuple[LoadedSplit, LoadedSplit | None]:
     """Train and validation splits from files, or validation held out from train."""
     opts = dict(
         skip_invalid=data_cfg.skip_invalid,
         max_errors_shown=data_cfg.max_errors_shown,
         system_prompt=data_cfg.system_prompt,
         columns=data_cfg.columns,
+        special_tokens=special_tokens,
     )
     train = load_split(data_cfg.train, limit=data_cfg.max_train_samples, split=data_cfg.train_split, **opts)
     if data_cfg.validation:
@@ -203,9 +247,52 @@ def load_datasets(data_cfg: DataSection, seed: int = 42) -> tuple[LoadedSplit, L
         return train, None
     split = train.dataset.train_test_split(test_size=data_cfg.validation_fraction, seed=seed)
     return (
-        LoadedSplit(own_image_loader(split["train"]), train.skipped, train.source),
+        LoadedSplit(own_image_loader(split["train"]), train.skipped, train.source, train.warnings),
         LoadedSplit(own_image_loader(split["test"]), 0, train.source + " (held out)"),
     )
+
+
+def same_rows_line(data_cfg: DataSection) -> str | None:
+    """A warning when the validation rows are the training rows (one file, one split): validation, and
+    the best checkpoint it picks, then measure what the run trained on, not what it learned."""
+    train, val = data_cfg.train, data_cfg.validation
+    if not train or not val or os.path.realpath(train) != os.path.realpath(val):
+        return None
+    if not os.path.isfile(train) and data_cfg.train_split != data_cfg.validation_split:
+        return None  # (a data set's two splits)
+    return (
+        f"data.validation is data.train ({val}): validation, and the best checkpoint it picks, score rows the run "
+        "trains on; give held-out rows, or leave data.validation out (data.validation_fraction holds rows out)"
+    )
+
+
+def check_rows(
+    key: str, source: str | None, data_cfg: DataSection, special_tokens: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """What ``--check`` says of the rows of a local data file (``key``: ``data.train`` or
+    ``data.validation``), read as the run reads them, without ``datasets`` (a folder or a Hub
+    dataset is checked when the run loads it): (problems, warnings). A problem is a prompt holding
+    one of the model's special tokens (``key: file:N: ...``), a warning reference chains longer
+    than a reward scores."""
+    path = Path(source) if source else None
+    if path is None or not path.is_file():
+        return [], []
+    split = data_cfg.train_split if key == "data.train" else data_cfg.validation_split
+    problems, longest = [], []
+    for no, row in read_rows(locate(path), split, data_cfg.columns):
+        if not isinstance(row, dict):
+            continue  # (the run names unreadable rows)
+        injected = special_token_problem(row, special_tokens)
+        if injected:
+            problems.append(f"{key}: {source}:{no}: {name_columns(injected, data_cfg.columns)}")
+        longest.append((f"{source}:{no}", longest_chain(row)))
+    warnings = [f"{key}: {w}"] if (w := long_references_line(source, longest, MAX_SCORED_STEPS)) else []
+    if problems and data_cfg.skip_invalid:
+        return [], [f"{problems[0]}; {len(problems)} such row(s), which the run skips (data.skip_invalid)", *warnings]
+    shown = data_cfg.max_errors_shown
+    if len(problems) > shown:
+        problems[shown:] = [f"{key}: ... and {len(problems) - shown} more"]
+    return problems, warnings
 
 
 def batch_problem(split: LoadedSplit, args: Any) -> str | None:
@@ -246,6 +333,11 @@ def max_token_chars(tok: Any) -> int:
     return MAX_MERGED_CHARS * max(map(len, tok.get_vocab()), default=1)
 
 
+#: Prompts rendered and tokenized at a time when their lengths are measured: a tokenizer's output
+#: for a whole data set (its encodings, about 10 KB a prompt) held gigabytes.
+LENGTH_CHUNK = 1024
+
+
 def limit_prompt_lengths(
     split: LoadedSplit,
     tokenizer: Any,
@@ -259,19 +351,19 @@ def limit_prompt_lengths(
     Image tokens are not counted (their number depends on the processor's resizing)."""
     tok = getattr(tokenizer, "tokenizer", tokenizer)
     raw = split.dataset.with_format(None)
-    prompts = raw["prompt"]
-    texts = [prompt_text(tok, p, chat_template_kwargs) for p in prompts]
     bound = room * max_token_chars(tok)
-    fit = [i for i, text in enumerate(texts) if len(text) <= bound]  # the rest cannot fit: never tokenised
-    lengths = [room + 1] * len(texts)
-    for i, ids in zip(fit, tok([texts[i] for i in fit], add_special_tokens=False)["input_ids"] if fit else []):
-        lengths[i] = len(ids)
-    long = [i for i, n in enumerate(lengths) if n > room]
+    long = []
+    for start in range(0, len(raw), LENGTH_CHUNK):  # a chunk at a time: only the lengths stay
+        texts = [prompt_text(tok, p, chat_template_kwargs) for p in raw[start : start + LENGTH_CHUNK]["prompt"]]
+        fit = [i for i, text in enumerate(texts) if len(text) <= bound]  # the rest cannot fit: never tokenised
+        ids = tok([texts[i] for i in fit], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        lengths = dict(zip(fit, map(len, ids))) if fit else {}
+        long += [start + i for i in range(len(texts)) if lengths.get(i, room + 1) > room]
     if not long:
         return split, None
     ids = ", ".join(str(raw[i]["id"]) for i in long[:5]) + (" ..." if len(long) > 5 else "")
     what = (
-        f"{len(long)} of {len(prompts)} prompt(s) of {split.source} leave no room for {key}: longer than "
+        f"{len(long)} of {len(raw)} prompt(s) of {split.source} leave no room for {key}: longer than "
         f"{room} tokens (e.g. {ids})"
     )
     if mode == "error":
@@ -279,7 +371,7 @@ def limit_prompt_lengths(
     if mode == "keep":
         return split, f"{what}; kept (data.long_prompts: keep): their completions run past the model's context"
     dropped = set(long)
-    keep = [i for i in range(len(prompts)) if i not in dropped]
+    keep = [i for i in range(len(raw)) if i not in dropped]
     if not keep:
         raise DataError(f"{what}: none is left")
     return (

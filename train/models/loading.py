@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from crystal_grpo.errors import CrystalError
+from crystal_grpo.jsonl import read_json
 from crystal_grpo.train.models.vision import (
     VisionSection,
     freeze_parts,
@@ -119,6 +120,47 @@ def model_source(cfg: ModelSection) -> tuple[str, bool]:
             f"together with model.gguf_file."
         )
     return raw, False
+
+
+def model_file(cfg: ModelSection, name: str) -> Path | None:
+    """The file ``name`` of the model's folder (a local folder, or a hub id in the local Hugging
+    Face cache), or None; nothing is loaded or downloaded."""
+    raw = str(cfg.name_or_path or "").strip()
+    if not raw:
+        return None
+    if Path(raw).exists():
+        return Path(raw, name) if Path(raw, name).is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(raw, name, revision=cfg.revision)
+    except ValueError:  # not a hub id
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+#: The named special tokens a tokenizer_config.json may give (a string, or an AddedToken's dict).
+_NAMED_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
+
+
+def special_tokens(cfg: ModelSection) -> tuple[str, ...]:
+    """The special tokens of the model's tokenizer (its chat template's control tokens among them,
+    e.g. ``<|im_end|>``), longest first, read from its files without loading it: a question holding
+    one would end its turn in the rendered prompt and write the next (a prompt injection). Empty
+    when the files are not found (a GGUF file's tokenizer lives inside it)."""
+    read = lambda name: (read_json(path) if (path := model_file(cfg, name)) else None) or {}
+    found: set[str] = set()
+    config = read("tokenizer_config.json")
+    for key in _NAMED_TOKENS:
+        token = config.get(key)
+        found.add(token.get("content") if isinstance(token, dict) else token)
+    for key in ("extra_special_tokens", "additional_special_tokens"):
+        extra = config.get(key)
+        found.update(extra if isinstance(extra, list) else extra.values() if isinstance(extra, dict) else ())
+    added = [*(config.get("added_tokens_decoder") or {}).values()]
+    added += read("tokenizer.json").get("added_tokens") or []
+    found.update(t.get("content") for t in added if isinstance(t, dict) and t.get("special"))
+    return tuple(sorted((t for t in found if isinstance(t, str) and t.strip()), key=lambda t: (-len(t), t)))
 
 
 def _load_kwargs(cfg: ModelSection, local: bool) -> dict:

@@ -31,10 +31,14 @@ class PredictionError(CrystalError, ValueError):
     """A predictions file that cannot be used; the message names the file and line."""
 
 
-def read_predictions(path: Path) -> list[dict]:
+def read_predictions(path: Path, unique: bool = True) -> list[dict]:
     """Prediction rows of a file: each needs ``id`` and either the raw ``completion`` or the
-    scorer CLI's ``reasoning_steps`` and ``answer``; a bad line is an error naming it."""
+    scorer CLI's ``reasoning_steps`` and ``answer``; a bad line is an error naming it. With
+    ``unique`` (an evaluation's) so is a second line for an id (and ``sample``) already given, as
+    ``crystal-grpo-score`` refuses it: the scores of one row would be averaged over its lines
+    without a word; a file of solutions to build references from may hold any number an id."""
     out = []
+    first: dict[tuple[str, int], int] = {}
     for no, row in iter_jsonl(path):
         where = f"{path}:{no}"
         if isinstance(row, Unreadable):
@@ -45,7 +49,17 @@ def read_predictions(path: Path) -> list[dict]:
             raise PredictionError(
                 f"{where}: expected 'completion' (the model's text) or 'reasoning_steps' and 'answer'"
             )
-        out.append({**row, "id": str(row["id"]), "sample": int(row.get("sample", 0))})
+        sample = row.get("sample", 0)
+        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 0:
+            raise PredictionError(
+                f"{where}: 'sample' must be an integer >= 0 (the completion's index), not {sample!r}"
+            )
+        key = (str(row["id"]), sample)
+        if unique and key in first:
+            which = f" sample {sample}" if "sample" in row else ""
+            raise PredictionError(f"{where}: duplicate id {row['id']!r}{which} (first on line {first[key]})")
+        first[key] = no
+        out.append({**row, "id": key[0], "sample": key[1]})
     return out
 
 

@@ -17,15 +17,24 @@ import json
 import logging
 import math
 import os
-import shutil
+import re
 import struct
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text, read_json, read_jsonl
-from crystal_grpo.train.run.layout import LOG_FILES, MARKER, checkpoint_folders, step_of
+from crystal_grpo.train.run.layout import (
+    LOG_FILES,
+    MARKER,
+    RECORD,
+    checkpoint_folders,
+    checkpoint_name,
+    run_folder,
+    step_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +61,48 @@ def remove_marker(folder: str | Path) -> None:
 
 
 def write_marker(folder: str | Path, step: int) -> None:
-    """List every file of the finished checkpoint with its size and sha256; written atomically,
-    last. The files were just written, so they are read back from the page cache."""
+    """List every file of the finished checkpoint with its size and sha256, and the run that
+    wrote it (:func:`run_of`); written atomically, last, once every file has the umask's mode
+    (:func:`follow_umask`). The files were just written, so they are read back from the page cache."""
     folder = Path(folder)
+    follow_umask(folder)
     paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER]
     names = [str(p.relative_to(folder)) for p in paths]
     files = {name: p.stat().st_size for name, p in zip(names, paths)}
     sha256 = dict(zip(names, sha256_files(paths)))
-    atomic_write_text(folder / MARKER, json.dumps({"step": step, "files": files, "sha256": sha256}, indent=1))
+    run = run_of(folder.parent)
+    marker = {"step": step, "files": files, "sha256": sha256, **({"run": run} if run else {})}
+    atomic_write_text(folder / MARKER, json.dumps(marker, indent=1))
+
+
+def run_of(phase: str | Path) -> str | None:
+    """Which run a phase folder's checkpoints belong to: its run folder's ``run_id`` (``run.json``,
+    kept for the run's life, whatever folder it is moved to), and for a phase of a multi-phase run
+    the phase's folder name; None where no run record says (a trainer built by hand)."""
+    phase = Path(phase)
+    top = run_folder(phase)
+    record = read_json(top / RECORD)
+    run_id = record.get("run_id") if isinstance(record, dict) else None
+    if not isinstance(run_id, str):
+        return None
+    return run_id if top == phase else f"{run_id}/{phase.name}"
+
+
+def umask() -> int:
+    """This process's umask (``os.umask`` only sets it, returning the old one: it is set back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: str | Path) -> None:
+    """Give every file under ``folder`` the mode a file this process creates gets (0666 less the
+    umask): safetensors writes its files 0600, so a group sharing the run folder could read every
+    file of a checkpoint but its weights."""
+    mode = 0o666 & ~umask()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -74,37 +117,145 @@ def sha256_files(paths: list[Path]) -> list[str]:
 
 
 # --- checking --------------------------------------------------------------------------
+class _Truncated(ValueError):
+    pass
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's header (each tensor's dtype, shape and offsets), read alone; raises
+    OSError or ValueError (and the like) for a file that has none."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise _Truncated(f"truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise _Truncated(f"truncated safetensors file (header of {n} bytes, file of {size})")
+        header = json.loads(fh.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise _Truncated(f"truncated or corrupt safetensors file ({size} bytes, header says {8 + n + end})")
+    return header
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why a safetensors file is unreadable (truncated, bad header), or None. Reads the header only."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return f"{path}: truncated safetensors file ({size} bytes)"
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                return f"{path}: truncated safetensors file (header of {n} bytes, file of {size})"
-            header = json.loads(fh.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        safetensors_header(path)
+    except _Truncated as err:
+        return f"{path}: {err}"
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
         return f"{path}: corrupt safetensors header ({type(err).__name__}: {err})"
-    if 8 + n + end != size:
-        return f"{path}: truncated or corrupt safetensors file ({size} bytes, header says {8 + n + end})"
     return None
 
 
-def checkpoint_problem(folder: str | Path, require_marker: bool = True, checksums: bool = False) -> str | None:
+def tensor_shapes(folder: str | Path) -> dict[str, list[int]]:
+    """Each weight's shape in a model folder's ``model*.safetensors`` (one file or its shards),
+    from their headers; {} without any (a LoRA adapter, a GGUF file) or with an unreadable one."""
+    out: dict[str, list[int]] = {}
+    for path in sorted(Path(folder).glob("model*.safetensors")):
+        try:
+            header = safetensors_header(path)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return {}
+        out.update({k: v["shape"] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+    return out
+
+
+def shape_problem(checkpoint: str | Path, model: str | Path | None) -> str | None:
+    """Why the weights of ``checkpoint`` do not fit the model a resume builds from ``model`` (its
+    folder), or None: a weight of both with another shape (another model size), or no weight in
+    common (another model). Read from the safetensors headers, before anything loads."""
+    ours, theirs = tensor_shapes(checkpoint), tensor_shapes(model) if model else {}
+    if not ours or not theirs:
+        return None  # nothing to compare: the load itself checks
+    common = sorted(ours.keys() & theirs.keys())
+    differ = [k for k in common if ours[k] != theirs[k]]
+    if common and not differ:
+        return None
+    what = (
+        f"{len(differ)} of its {len(ours)} weights have another shape (e.g. {differ[0]}: {ours[differ[0]]} in the "
+        f"checkpoint, {theirs[differ[0]]} in the model)"
+        if differ
+        else "none of its weights are the model's (another architecture)"
+    )
+    return f"{checkpoint} does not fit the model {model}: {what}"
+
+
+#: The checkpoint files a resume loads with ``torch.load``: the optimizer and scheduler states,
+#: each rank's RNG state, a gradient scaler (``training_args.bin`` is not loaded), and DeepSpeed's
+#: shards in the folder its ``latest`` file names, which DeepSpeed unpickles with
+#: ``weights_only=False``: whatever such a file holds would run.
+TORCH_FILES = ("*.pt", "*.pth")
+
+
+def _deepspeed_globals() -> list:
+    """The classes DeepSpeed's own shards hold besides tensors (its loss scaler, its ZeRO stage)."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+    except ImportError:
+        return []
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum]
+
+
+def tensor_file_problem(folder: str | Path) -> str | None:
+    """Why one of the checkpoint's :data:`TORCH_FILES` (its DeepSpeed shards too) is not a file
+    torch loads without running code (``weights_only=True``; numpy's arrays and DeepSpeed's own
+    classes allowed), or None. Only each file's pickled structure is read (its tensors are
+    memory-mapped), so this is cheap however large. The reason never repeats torch's advice to
+    load the file unsafely."""
+    import pickle
+
+    import torch
+    from transformers.trainer_pt_utils import safe_globals
+
+    folder = Path(folder)
+    tag = folder / "latest"
+    shards = folder / tag.read_text(encoding="utf-8").strip() if tag.is_file() else None
+    paths = [p for where in (folder, shards) if where for pattern in TORCH_FILES for p in where.glob(pattern)]
+    allowed = _deepspeed_globals() if shards else []
+    for path in sorted(paths):
+        if not zipfile.is_zipfile(path):
+            reason = "not in torch.save's zip format"
+        else:
+            try:
+                with safe_globals(), torch.serialization.safe_globals(allowed):
+                    torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                continue
+            except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError, AttributeError) as err:
+                reason = _unpickling_reason(str(err)) or type(err).__name__
+        return f"{path}: not a file of tensors that torch loads safely ({reason}); it is not loaded"
+    return None
+
+
+def _unpickling_reason(text: str) -> str:
+    """What torch's refusal says is wrong (its ``WeightsUnpickler error``, else its first line that
+    is not advice), without the advice to load the file with ``weights_only=False``, that is, to
+    run whatever it holds."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    said = [x.split("WeightsUnpickler error: ", 1)[1] for x in lines if "WeightsUnpickler error: " in x] or [
+        x for x in lines if "weights_only" not in x.lower() and not x.startswith(("Check the documentation", "("))
+    ]
+    first = said[0] if said else ""
+    return re.split(r" was not an allowed global|\. Please |\. Check ", first)[0].rstrip(".")[:200]
+
+
+def checkpoint_problem(
+    folder: str | Path, require_marker: bool = True, checksums: bool = False, own: bool = True
+) -> str | None:
     """Why ``folder`` cannot be resumed from, or None when it is complete.
 
     Without ``require_marker`` (a checkpoint named explicitly, possibly written by another
     tool or an older version) the files present are still checked. With ``checksums`` each
     file's sha256 is compared with the marker's (a marker that has them): this reads the
-    whole checkpoint.
+    whole checkpoint. With ``own``, a marker naming the run that wrote it must name the run of the
+    folder it is in (:func:`run_of`): a checkpoint copied in from another run is not resumed.
     """
     folder = Path(folder)
     if not folder.is_dir():
-        return f"{folder}: no such checkpoint folder"
+        return f"{folder}: {'a file, not a' if folder.exists() else 'no such'} checkpoint folder"
     marker = folder / MARKER
     if marker.exists():
         try:
@@ -112,6 +263,19 @@ def checkpoint_problem(folder: str | Path, require_marker: bool = True, checksum
             files, sha256 = saved["files"], saved.get("sha256", {}) if checksums else {}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             return f"{marker}: unreadable completion marker ({err})"
+        writer, here = saved.get("run"), run_of(folder.parent) if own else None
+        if writer and here and writer != here:
+            return (
+                f"{folder}: written by another run ({MARKER} names run {writer}, the run in {folder.parent} is "
+                f"{here}): copied in from elsewhere, it is not this run's to resume; start a new run from its "
+                f"weights (--model.name_or_path {folder})"
+            )
+        step = saved.get("step")
+        if isinstance(step, int) and step_of(folder) not in (None, step):
+            return (
+                f"{folder}: renamed (its {MARKER} holds step {step}): resuming it as step {step_of(folder)} would "
+                f"log steps twice or skip them; rename it back to {checkpoint_name(step)}"
+            )
         for rel, size in files.items():
             p = folder / rel
             if not p.is_file():
@@ -278,19 +442,50 @@ _WRITE_FAILED = ("unexpected pos", "file write failed", "No space left on device
 SPACE_MARGIN = 1.02
 
 
+def _newest_marker(run_dir: str | Path) -> dict | None:
+    newest, _ = latest_complete(run_dir)
+    return read_json(newest / MARKER) if newest else None
+
+
 def checkpoint_bytes(run_dir: str | Path) -> int | None:
     """The size of the newest complete checkpoint in ``run_dir`` (from its marker), or None."""
-    newest, _ = latest_complete(run_dir)
-    marker = read_json(newest / MARKER) if newest else None
+    marker = _newest_marker(run_dir)
     return sum(marker["files"].values()) if marker else None
+
+
+def checkpoint_files(run_dir: str | Path) -> int | None:
+    """How many files the newest complete checkpoint in ``run_dir`` holds, its marker too, or None."""
+    marker = _newest_marker(run_dir)
+    return len(marker["files"]) + 1 if marker else None
+
+
+def _statvfs(path: str | Path) -> os.statvfs_result:
+    """The file system holding ``path`` (or its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return os.statvfs(p)
 
 
 def free_bytes(path: str | Path) -> int:
     """Free space on the file system holding ``path`` (or its nearest existing parent)."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return shutil.disk_usage(p).free
+    st = _statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def free_inodes(path: str | Path) -> int | None:
+    """Free file entries (inodes) on that file system; None where it sets no number (btrfs, ...)."""
+    st = _statvfs(path)
+    return st.f_favail if st.f_files else None
+
+
+def has_room(run_dir: str | Path, need: int | None, files: int | None) -> bool:
+    """Whether the file system of ``run_dir`` has room for one more checkpoint of ``need`` bytes
+    and ``files`` files (the previous one's; None: not known yet), with :data:`SPACE_MARGIN`."""
+    inodes = free_inodes(run_dir)
+    return (need is None or free_bytes(run_dir) >= need * SPACE_MARGIN) and (
+        files is None or inodes is None or inodes >= files * SPACE_MARGIN
+    )
 
 
 def gb(n: int | float) -> str:
@@ -298,7 +493,8 @@ def gb(n: int | float) -> str:
 
 
 def space_report(run_dir: str | Path, need: int | None = None) -> str:
-    """``N GB free on DIR, a checkpoint takes M; newest complete checkpoint: X``."""
+    """``N GB free on DIR, a checkpoint takes M; newest complete checkpoint: X``; when the file
+    system's file entries (inodes) are what runs out, that instead."""
     run_dir = Path(run_dir)
     folders = [run_dir, *sorted(p for p in run_dir.glob("phase*-*") if p.is_dir())] if run_dir.is_dir() else []
     newest = [c for c in (latest_complete(f)[0] for f in folders) if c is not None]
@@ -307,11 +503,19 @@ def space_report(run_dir: str | Path, need: int | None = None) -> str:
         if need is not None
         else next((checkpoint_bytes(f) for f in reversed(folders) if checkpoint_bytes(f)), None)
     )
-    return (
-        f"{gb(free_bytes(run_dir))} free on the file system of {run_dir}"
-        + (f", a checkpoint of this run takes {gb(need)}" if need else "")
-        + f"; newest complete checkpoint: {newest[-1] if newest else 'none'}"
-    )
+    files = next((n for n in map(checkpoint_files, reversed(folders)) if n), None)
+    inodes = free_inodes(run_dir)
+    if inodes is not None and (inodes == 0 or (files and inodes < files * SPACE_MARGIN)):
+        room = (
+            f"{inodes} free inodes (file entries) on the file system of {run_dir}"
+            + (f", a checkpoint of this run holds {files} files" if files else "")
+            + f" ({gb(free_bytes(run_dir))} free: the file entries run out, not the space; delete files)"
+        )
+    else:
+        room = f"{gb(free_bytes(run_dir))} free on the file system of {run_dir}" + (
+            f", a checkpoint of this run takes {gb(need)}" if need else ""
+        )
+    return f"{room}; newest complete checkpoint: {newest[-1] if newest else 'none'}"
 
 
 def disk_full(err: BaseException, run_dir: str | Path) -> str | None:

@@ -20,6 +20,7 @@ import shutil
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +28,13 @@ from typing import Any
 
 from crystal_grpo.errors import CrystalError, some_of
 from crystal_grpo.jsonl import atomic_write_text, read_json
+from crystal_grpo.paths import name_problem
 from crystal_grpo.train.run.checkpoints import latest_complete, sha256_file
 from crystal_grpo.train.run.layout import (
     ATTEMPT_FILES,
     FINAL,
     LOCK,
+    MARKER,
     PHASE_DONE,
     PROGRESS,
     RECORD,
@@ -44,6 +47,7 @@ from crystal_grpo.train.run.layout import (
     phase_dir,
     phase_folders,
     run_entry,
+    run_folder,
     step_of,
 )
 from crystal_grpo.train.run.model_card import is_run_card
@@ -117,6 +121,29 @@ class RunLock:
             os.ftruncate(self.fd, 0)  # released cleanly: an empty lock file is nobody's
             os.close(self.fd)  # (kept, not unlinked: unlinking races with a waiting opener)
             self.fd = None
+
+
+def wait_for_holder(run_dir: Path, say: Callable[[str], None], name: str = LOCK) -> None:
+    """Until no live process holds ``run_dir``'s lock: a run that outlived the sweep that started it
+    (a sweep killed with SIGKILL: the run, told by the kernel, is saving its last step) or one started
+    by hand. Says who it waits for; returns at once when none does."""
+    import fcntl
+
+    path = Path(run_dir) / name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no run
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            say(f"{run_dir} is in use by a live run ({_describe(_read_fd(fd))}): waiting for it to stop")
+            fcntl.flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 def _read_fd(fd: int) -> dict | None:
@@ -251,7 +278,10 @@ def kept_line(kept: list[str]) -> str:
 def foreign_folder(run_dir: Path) -> str | None:
     """Why a run may not write into ``run_dir``, or None: a run writes only into a new or empty
     folder, or one holding this project's run (a :data:`~crystal_grpo.train.run.layout.RUN_MARKERS`
-    file), never among someone else's files."""
+    file), never among someone else's files, and under a name the run's writers take as text."""
+    unnamed = name_problem("--output_dir", str(run_dir))
+    if unnamed:
+        return unnamed
     if not os.path.lexists(run_dir):  # (Path.exists raises for a name too long)
         cannot = _cannot_make(run_dir)
         return f"--output_dir {run_dir} cannot be made: {cannot}; choose another --output_dir" if cannot else None
@@ -264,6 +294,29 @@ def foreign_folder(run_dir: Path) -> str | None:
         f"--output_dir {run_dir} holds {some_of(held)} but no run of this project (no {RECORD}): a run writes "
         "only into a new or empty folder or its own run folder, so nothing here is touched; choose another "
         "--output_dir"
+    )
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why this process cannot write into the existing ``folder`` (``is on a read-only file system``,
+    ``is not writable by this user``), or None."""
+    if not folder.is_dir() or os.access(folder, os.W_OK):
+        return None
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return "is on a read-only file system"
+    return f"is not writable by this user (uid {os.getuid()})"
+
+
+def read_only_problem(run_dir: Path) -> str | None:
+    """Why a launch cannot go on in a folder it may not write into, or None: a run writes its
+    lock, record, logs and checkpoints there. A finished run needs no write (its launch has
+    nothing to do, and says so)."""
+    where = None if is_finished(run_dir) else unwritable(run_dir)
+    return (
+        f"{run_dir} {where}: a run writes its lock, logs and checkpoints there; make it writable, or copy the "
+        "run folder to a writable place and resume it there (--output_dir)"
+        if where
+        else None
     )
 
 
@@ -363,10 +416,6 @@ def plan_launch(
                     f"steps there would need them retrained. Start a new run (--output_dir) instead"
                 )
             say(f"{folders[i]}: finished at step {states[i].reached}; continuing to training.max_steps {max_steps[i]}")
-            if write:
-                (folders[i] / PHASE_DONE).unlink(missing_ok=True)
-        if write:
-            (run_dir / SUMMARY).unlink(missing_ok=True)  # no longer finished until it is again
         others = [d for d in diff or [] if not d.split(":")[0].endswith("max_steps")]
         if others:
             say(f"resuming with settings that differ from the run's: {some_of(others, sep='; ')}")
@@ -385,6 +434,47 @@ def plan_launch(
     return Launch("fresh")
 
 
+def marked_run(run_dir: Path) -> str | None:
+    """The run id its checkpoints' completion markers name (the most often named), for a run
+    resumed without one in ``run.json``: an unreadable record kept aside, or one of an older version
+    (whose markers name none: then a new id)."""
+    named = [
+        str((read_json(c / MARKER) or {}).get("run") or "").split("/")[0]
+        for folder in (run_dir, *(p for _, p in phase_folders(run_dir)))
+        for c in checkpoint_folders(folder)
+    ]
+    named = [n for n in named if n]
+    return max(set(named), key=named.count) if named else None
+
+
+def reopen(phase: Path) -> None:
+    """A phase resumes from a checkpoint known to fit (train/grpo.py ``run_phase``): it and its run
+    are no longer finished until they are again. Only then, so that a resume that cannot go on
+    leaves a finished run finished."""
+    (phase / PHASE_DONE).unlink(missing_ok=True)
+    (run_folder(phase) / SUMMARY).unlink(missing_ok=True)
+
+
+def restart_problem(phase: Path) -> str | None:
+    """Why a phase asked to resume that holds no complete checkpoint of its run must not start over
+    at step 0 (which removes its logs), or None: it finished (its steps are in its logs and
+    ``final/``), or it holds checkpoints that were complete once (a completion marker) and are
+    skipped now (corrupted, another run's). A phase stopped before its first complete checkpoint
+    starts over."""
+    finished = (phase / PHASE_DONE).is_file()
+    marked = [f.name for f in checkpoint_folders(phase) if (f / MARKER).is_file()]
+    if not finished and not marked:
+        return None
+    why = "it finished" if finished else f"{some_of(marked)} {'was' if len(marked) == 1 else 'were'} complete once"
+    skipped = latest_complete(phase, checksums=True)[1]
+    return (
+        f"cannot resume {phase}: {why}, but no checkpoint of this run there can be resumed"
+        + (f" ({skipped[0]}{'; ...' if len(skipped) > 1 else ''})" if skipped else "")
+        + ", and starting it over would remove its logs; nothing was changed. Start the run again with "
+        "--overwrite_output_dir, or start a new run (--output_dir)"
+    )
+
+
 def data_digests(paths: Sequence[str]) -> dict[str, str]:
     """``{path: digest}`` of each local data file or folder: a file's sha256 (read once, about
     a second per GB), a folder's over its files' names and sizes (its contents are not read);
@@ -400,6 +490,32 @@ def data_digests(paths: Sequence[str]) -> dict[str, str]:
             )
             out[name] = "names+sizes:" + hashlib.sha256(listing.encode()).hexdigest()[:16]
     return out
+
+
+def unshared_problem(phase: Path) -> str | None:
+    """Why the processes of this run do not share one run folder, or None: every rank reads the
+    launch record the main process wrote into ``run.json`` and the records must agree. Nodes that
+    each have their own disk at that path (HF's ``save_on_each_node``) each hold part of every
+    checkpoint: node 0's was marked complete without the other ranks' DeepSpeed shards and RNG
+    states, and no resume could be right. A collective: every rank calls it; one process: None."""
+    from crystal_grpo.distributed import barrier, gather_objects, rank_and_world
+
+    if rank_and_world()[1] == 1:
+        return None
+    barrier()  # the main process has written the record (a process group made earlier is no meeting point)
+    record = read_json(run_folder(phase) / RECORD)
+    seen = json.dumps((record or {}).get("launches", [None])[-1], sort_keys=True)
+    views, _ = gather_objects([(socket.gethostname(), seen)])
+    apart = [f"rank {r} on {host}" for r, (host, view) in enumerate(views) if view != views[0][1]]
+    if not apart:
+        return None
+    return (
+        f"the processes of this run do not share one run folder: {some_of(apart)} "
+        f"{'does' if len(apart) == 1 else 'do'} not see the run.json rank 0 "
+        f"wrote in {run_folder(phase)} (another disk at that path); every rank's part of a checkpoint must land in "
+        "one folder: put --output_dir on a file system every node shares (training.save_on_each_node, a copy on "
+        "each node's own disk, is not supported: such checkpoints cannot be resumed as one)"
+    )
 
 
 def read_record(run_dir: Path, say: Callable[[str], None], write: bool) -> dict | None:
@@ -449,6 +565,7 @@ def _record(
         return
     from crystal_grpo.distributed import launch_command
 
+    run_id = (record or {}).get("run_id") or (how == "resume" and marked_run(run_dir)) or uuid.uuid4().hex
     launches = (record or {}).get("launches", [])
     launches.append(
         {
@@ -460,7 +577,8 @@ def _record(
         }
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / RECORD, json.dumps({"config": config, "launches": launches}, indent=2, default=str))
+    record = {"run_id": run_id, "config": config, "launches": launches}
+    atomic_write_text(run_dir / RECORD, json.dumps(record, indent=2, default=str))
 
 
 def as_record(cfg: Any) -> dict:

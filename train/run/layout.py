@@ -118,6 +118,13 @@ def phase_dir(run_dir: Path, index: int, name: str, phases: int) -> Path:
     return run_dir if phases == 0 else run_dir / f"phase{index + 1}-{name or index + 1}"
 
 
+def run_folder(phase: Path) -> Path:
+    """The run folder a phase folder belongs to: its parent for a ``phase<i>-<name>`` folder of a
+    run, else the folder itself (a single-phase run is its own phase folder)."""
+    phase = Path(phase)
+    return phase.parent if _PHASE_DIR.fullmatch(phase.name) and (phase.parent / RECORD).is_file() else phase
+
+
 def phase_folders(run_dir: Path) -> list[tuple[str, Path]]:
     """(name, folder) of each ``phase<i>-<name>`` folder, in phase order (phase10 after phase9)."""
     found = [

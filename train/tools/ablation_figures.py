@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from crystal_grpo.jsonl import atomic_write_text, read_jsonl
+from crystal_grpo.paths import user_path
 from crystal_grpo.train.run.layout import samples_file
 from crystal_grpo.train.run.summary import read_phases
 from crystal_grpo.train.tools.sweep import Sweep, load_sweep
@@ -492,9 +493,9 @@ def step_diagnosis_main(argv: list[str] | None = None) -> int:
         metavar="DIR[,DIR...]",
         help="evaluation folders (scripts/evaluate.py --out); comma-separated folders are one arm's seeds",
     )
-    what.add_argument("--sweep", help="a sweep YAML: every arm's evaluated points")
-    ap.add_argument("--data", help="the evaluated data (JSONL; default with --sweep: its eval.data)")
-    ap.add_argument("--output_dir", help="the sweep folder (default: the sweep's)")
+    what.add_argument("--sweep", type=user_path, help="a sweep YAML: every arm's evaluated points")
+    ap.add_argument("--data", type=user_path, help="the evaluated data (JSONL; default with --sweep: its eval.data)")
+    ap.add_argument("--output_dir", type=user_path, help="the sweep folder (default: the sweep's)")
     ap.add_argument("--folder", default="eval", help="with --sweep: each point's evaluation subfolder (default eval)")
     a = ap.parse_args(argv)
     if a.sweep:
@@ -518,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         description="The report of a reward ablation: the sweep's table, collapse, PCGrad, "
         "curriculum, the control, steps by variant, pre-registered contrasts."
     )
-    ap.add_argument("sweep", help="the sweep YAML (e.g. configs/sweeps/organism_ablation.yaml)")
-    ap.add_argument("--output_dir", help="the sweep folder (default: the sweep's)")
+    ap.add_argument("sweep", type=user_path, help="the sweep YAML (e.g. configs/sweeps/organism_ablation.yaml)")
+    ap.add_argument("--output_dir", type=user_path, help="the sweep folder (default: the sweep's)")
     a = ap.parse_args(argv)
     sweep = load_sweep(a.sweep, a.output_dir, resolve_init=False)
     report, _ = write_report(sweep)  # the sweep's own report.md (scripts/sweep.py --report)

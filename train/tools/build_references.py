@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import Unreadable, atomic_write_text, iter_jsonl, read_json
+from crystal_grpo.paths import user_file, user_path
 from crystal_grpo.rewards.answers import answers_match
 from crystal_grpo.rewards.encoder import PACKAGED_MINILM
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
@@ -157,7 +158,7 @@ def read_trajectories(path: Path, ids: set[str]) -> dict[str, list[ParsedOutput]
     ``answer``) or the evaluation's (``id``, ``completion``, parsed as in training); any
     number of lines an id. Ids not in the data are left out."""
     out: dict[str, list[ParsedOutput]] = {}
-    for pred in read_predictions(path):
+    for pred in read_predictions(path, unique=False):
         if pred["id"] in ids:
             parsed = as_completion(pred)
             out.setdefault(pred["id"], []).append(parse_completion(parsed) if isinstance(parsed, str) else parsed)
@@ -499,13 +500,16 @@ def build_parser():
         "  python scripts/build_references.py --data my.jsonl --out my_refs.jsonl --trajectories a.jsonl b.jsonl\n"
         "  python scripts/build_references.py --data with_refs.jsonl --measure_threshold",
     )
-    ap.add_argument("--data", required=True, help="JSONL rows with question (image/choices) and answer")
-    ap.add_argument("--out", type=Path, help="JSONL to write (appended to: a rerun resumes)")
+    ap.add_argument(
+        "--data", required=True, type=user_path, help="JSONL rows with question (image/choices) and answer"
+    )
+    ap.add_argument("--out", type=user_file, help="JSONL to write (appended to: a rerun resumes)")
     ap.add_argument(
         "--generator",
         action="append",
         default=[],
         dest="generators",
+        type=user_path,
         metavar="MODEL",
         help="a model folder or cached hub id that writes --samples solutions a row (repeatable)",
     )
@@ -513,6 +517,7 @@ def build_parser():
         "--trajectories",
         nargs="+",
         default=[],
+        type=user_path,
         metavar="JSONL",
         help="solutions written elsewhere, one generator a file: {id, reasoning_steps, answer} "
         "(or {id, completion}) lines, any number an id",
@@ -530,7 +535,9 @@ def build_parser():
     )
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--system_prompt", help="the run's data.system_prompt, if it sets one")
-    ap.add_argument("--encoder", default=PACKAGED_MINILM, help=f"sentence encoder (default {PACKAGED_MINILM})")
+    ap.add_argument(
+        "--encoder", default=PACKAGED_MINILM, type=user_path, help=f"sentence encoder (default {PACKAGED_MINILM})"
+    )
     ap.add_argument(
         "--cluster_threshold",
         type=float,
@@ -549,7 +556,7 @@ def build_parser():
     ap.add_argument("--rebuild", action="store_true", help="build rows that already have reference_steps too")
     ap.add_argument("--keep_collapsed", action="store_true", help="write chains that look collapsed")
     ap.add_argument("--max_rows", type=int, help="only the first N rows")
-    ap.add_argument("--work_dir", type=Path, help="trajectories and settings (default: OUT.work/ beside --out)")
+    ap.add_argument("--work_dir", type=user_file, help="trajectories and settings (default: OUT.work/ beside --out)")
     ap.add_argument("--device", help="encoder device (default: cuda when available)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

@@ -24,6 +24,7 @@ from crystal_grpo.distributed import barrier, rank_and_world
 from crystal_grpo.errors import CrystalError, some_of, traceback_if_asked
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.metrics import per_completion
+from crystal_grpo.paths import user_file, user_path
 from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.alignment_view import ViewRow, alignment_rows, question_text, thumbnail, write_page
 from crystal_grpo.rewards.base import RewardModule
@@ -239,7 +240,7 @@ def evaluate(req: EvalRequest) -> dict | None:
     }
     if locate(req.data).is_dir():  # a dataset with splits: which one is part of what was evaluated
         identity["split"] = req.split
-    refused = out_problem(out, req.predictions)
+    refused = out_problem(out, req.predictions, req.model)
     if refused:
         raise EvalError(refused)
     previous = _read_identity(out)
@@ -347,10 +348,15 @@ def evaluate(req: EvalRequest) -> dict | None:
     return report
 
 
-def out_problem(out: Path, predictions: str | None) -> str | None:
+def out_problem(out: Path, predictions: str | None, model: str | None = None) -> str | None:
     """Why an evaluation may not write into ``out``, or None: it writes only into a new or empty
     folder or one holding an evaluation (its :data:`IDENTITY` marker), never over the
-    ``--predictions`` file it reads (``--force`` would delete that before reading it)."""
+    ``--predictions`` file it reads (``--force`` would delete that before reading it), and never
+    inside the model folder it scores: a run removes its checkpoints and ``final/`` whole (rotation,
+    ``--overwrite_output_dir``), and the evaluation with them."""
+    holds = model is not None and any((Path(model) / f).is_file() for f in ("config.json", "adapter_config.json"))
+    if holds and Path(out).resolve().is_relative_to(Path(model).resolve()):
+        return f"--out {out} is inside the model folder {model}, which its run may remove whole: choose another --out"
     inputs = {(out / name).resolve() for name in WRITES}
     if predictions is not None and Path(predictions).resolve() in inputs:
         return (
@@ -400,10 +406,13 @@ def build_parser():
         "  accelerate launch scripts/evaluate.py --model ... --data ... --out ...   # rows split over processes",
     )
     what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", help="a model folder: a run's checkpoint-N/ or final/, or any HF model folder")
-    what.add_argument("--run", help="a run folder: evaluates every phase's best checkpoint")
+    what.add_argument(
+        "--model", type=user_path, help="a model folder: a run's checkpoint-N/ or final/, or any HF model folder"
+    )
+    what.add_argument("--run", type=user_path, help="a run folder: evaluates every phase's best checkpoint")
     what.add_argument(
         "--predictions",
+        type=user_path,
         help="score these completions instead of generating (JSONL: id and "
         "completion, or id, reasoning_steps and answer)",
     )
@@ -417,6 +426,7 @@ def build_parser():
     )
     ap.add_argument(
         "--data",
+        type=user_path,
         help="JSONL data (docs/method.md section 1), e.g. a held-out test set; default: the "
         "run's validation data, which chose its best checkpoint",
     )
@@ -425,9 +435,10 @@ def build_parser():
         help="split of a dataset folder or Hub dataset given as --data (default: test; "
         "with the run's own validation data, its data.validation_split)",
     )
-    ap.add_argument("--out", help="output folder (default with --run: RUN/eval/PHASE)")
+    ap.add_argument("--out", type=user_path, help="output folder (default with --run: RUN/eval/PHASE)")
     ap.add_argument(
         "--config",
+        type=user_path,
         help="a run config (name or path) whose reward and system prompt to use; default: "
         "the run config next to the checkpoint, else the cpr reward",
     )
@@ -498,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_numbers(args)
         if args.compare:
-            arms = [[Path(f) for f in arm.split(",")] for arm in args.compare]  # a,b,c: one arm's seeds
+            arms = [[user_file(f) for f in arm.split(",")] for arm in args.compare]  # a,b,c: one arm's seeds
             print(compare_markdown(compare(arms, args.bootstrap, args.seed)), end="")
             return 0
         _init_distributed()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.paths import user_file
 from crystal_grpo.train.run.layout import FINAL, LOCK, MARKER, METRICS_LOG, RECORD, VALIDATION_LOG, checkpoint_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         default=str(ROOT / ".cache" / "models" / "tiny-qwen2"),
         help="the tiny model (scripts/make_tiny_models.py builds it)",
     )
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "kill_trials")
+    ap.add_argument("--out", type=user_file, default=ROOT / "runs" / "kill_trials")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)

@@ -103,14 +103,15 @@ def run(
     KeyboardInterrupt is raised once it has stopped."""
     threads = settings.threads
     if launcher is None and settings.fork and can_fork():
-        proc = _context().Process(target=_child, args=(entry, args, str(log), str(root), threads))
+        proc = _context().Process(target=_child, args=(entry, args, str(log), str(root), threads, os.getpid()))
         proc.start()  # the first one waits for the server's imports
         pid, wait = proc.pid, lambda: proc.join() or proc.exitcode
     else:
         env = {**os.environ, **({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {})}
+        command = [*(launcher or [sys.executable]), *entry.argv(root), *args]
         with open(log, "ab") as out:
             popen = subprocess.Popen(
-                [*(launcher or [sys.executable]), *entry.argv(root), *args],
+                [sys.executable, "-c", DIE_WITH_PARENT, str(os.getpid()), *command],
                 cwd=root,
                 env=env,
                 stdout=out,
@@ -176,8 +177,67 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _child(entry: Entry, args: list[str], log: str, root: str, threads: int | None) -> None:
-    """The forked run: as ``python SCRIPT ARGS`` would start it, its output into ``log``."""
+#: ``prctl(PR_SET_PDEATHSIG)``'s option number (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent(parent: int) -> None:
+    """Have the kernel send this process SIGTERM when its parent dies (a sweep killed with SIGKILL
+    runs no handler of its own): the run saves at the end of its step and stops, instead of training
+    on as an orphan that a relaunched sweep finds holding its point. Linux only; elsewhere a no-op.
+    ``parent``: the pid it must still have (it may have died already)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # gone before the request: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_with(sweep: int) -> None:
+    """SIGTERM to this process once the process ``sweep`` has ended, from a thread that waits on it
+    (a pidfd). A forked run's parent is the fork server, which every run it forked keeps alive (each
+    holds the server's "alive" pipe), so the kernel's parent-death signal never comes when the
+    sweep is killed; the sweep's own end is what counts. Where pidfds are missing: a no-op."""
+    import select
+
+    try:
+        fd = os.pidfd_open(sweep)
+    except (AttributeError, OSError):  # no pidfd here, or the sweep is gone already
+        if not _alive(sweep):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+    def wait() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="stop-with-the-sweep", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+#: What a run started as a subprocess is started by: :func:`stop_with_parent`, then the run's own
+#: command in its place (exec keeps the request): ``python -c DIE_WITH_PARENT PARENT_PID COMMAND...``.
+DIE_WITH_PARENT = (
+    "import os, sys; from crystal_grpo.train.tools.launch import stop_with_parent; "
+    "stop_with_parent(int(sys.argv[1])); os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
+def _child(entry: Entry, args: list[str], log: str, root: str, threads: int | None, sweep: int) -> None:
+    """The forked run: as ``python SCRIPT ARGS`` would start it, its output into ``log``; it stops
+    (SIGTERM: after a save) when the sweep, process ``sweep``, is gone."""
+    stop_with(sweep)
     os.chdir(root)
     sys.stdout.flush()
     sys.stderr.flush()

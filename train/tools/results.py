@@ -339,10 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="Per-seed results beside the docs, and the tables made from them.")
     sub = ap.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("collect", help="write docs/results/NAME.csv from the experiment's sweeps' run folders")
-    c.add_argument("experiment", help="an experiment file: docs/results/<name>.yaml")
+    c = sub.add_parser("collect", help="write the per-seed CSV beside the experiment file from its run folders")
+    c.add_argument("experiment", help="an experiment file, e.g. docs/results/when_steps_hold.yaml")
     f = sub.add_parser("figure", help="the hold rates and each run's hint copying, from the committed CSV")
-    f.add_argument("experiment", help="an experiment file: docs/results/<name>.yaml")
+    f.add_argument("experiment", help="an experiment file, e.g. docs/results/when_steps_hold.yaml")
     f.add_argument("--out", required=True, help="the PNG to write")
     w = sub.add_parser("tables", help="regenerate every results block of the docs from the committed CSVs")
     w.add_argument("--check", action="store_true", help="change nothing; exit 1 when a block differs")

@@ -26,7 +26,8 @@ from typing import Any
 from crystal_grpo.distributed import launch_command
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import atomic_write_text
-from crystal_grpo.train.run.folder import RunFolderError, RunLock, foreign_folder
+from crystal_grpo.paths import user_path
+from crystal_grpo.train.run.folder import RunFolderError, RunLock, foreign_folder, wait_for_holder
 from crystal_grpo.train.run.layout import BEST, FINAL, POINT_LOG, SWEEP_LOCK, SWEEP_POINT, is_finished, run_targets
 from crystal_grpo.train.tools import launch
 from crystal_grpo.train.tools.launch import EVALUATE, TRAIN
@@ -164,12 +165,15 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
 
     ``resolve_init=False`` (reporting) leaves ``init_from`` as written: a report needs no
     starting checkpoint."""
-    from crystal_grpo.train.config.run_config import parse_yaml
+    from crystal_grpo.train.config.run_config import ConfigError, parse_yaml, read_config_text
 
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"{path}: no such sweep file")
-    raw = parse_yaml(path.read_text(encoding="utf-8"), str(path))
+    try:
+        raw = parse_yaml(read_config_text(path), str(path))
+    except ConfigError as err:
+        raise SweepError(str(err)) from None
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: the top level must be a mapping")
     unknown = sorted(set(raw) - KEYS)
@@ -179,6 +183,9 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
         raise SweepError(f"{path}: a sweep needs `points` or `grid`")
     base = raw.get("base")
     common = _flat(raw.get("overrides"), "overrides")
+    for node, key in ((raw, "output_dir"), (raw, "init_from"), (raw.get("eval"), "data")):
+        if isinstance(node, dict) and key in node:
+            node[key] = user_path(node[key])
     if raw.get("init_from"):
         init = Path(raw["init_from"])
         init = init if init.exists() or init.is_absolute() else ROOT / init  # like the configs' paths
@@ -219,6 +226,12 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None, resolve_i
                 points.append(Point(name, arm, str(config), over, seed, eval=dict(own_eval)))
     order = list(dict.fromkeys([*seeds, *(x for p in named if isinstance(p, dict) for x in p.get("seeds") or [])]))
     points.sort(key=lambda p: order.index(p.seed))  # seed by seed: a stopped sweep leaves its arms balanced
+    for p in points:  # the sweep passes --output_dir <sweep folder>/<point>: a second folder would contradict it
+        if "training.output_dir" in p.overrides:
+            raise SweepError(
+                f"point {p.name}: overrides training.output_dir, but a point's run folder is <sweep folder>/<point "
+                "name>; remove it (the sweep's output_dir, or --output_dir, sets where the points go)"
+            )
     names = [p.name for p in points]
     for name in names:  # a point's run folder is <sweep folder>/<name>: one folder, never one elsewhere
         if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
@@ -411,6 +424,7 @@ def run_point(
     """Run one point unless finished, then its evaluation unless done: ``"skipped"``, ``"done"``
     or ``"failed"`` (recorded with the log's tail in the sweep folder's ``sweep_status.json``)."""
     folder = sweep.output_dir / point.name
+    wait_for_holder(folder, lambda line: say(f"[{point.name}] {line}"))  # a run that outlived an earlier sweep
     if is_finished(folder):
         say(f"[{point.name}] finished earlier: skipped")
         if sweep.eval:  # one stopped during its evaluation is evaluated now
@@ -561,8 +575,10 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    ap.add_argument("sweep", help="a sweep YAML (configs/sweeps/*.yaml)")
-    ap.add_argument("--output_dir", help="the sweep folder (default: its output_dir, else runs/sweeps/<name>)")
+    ap.add_argument("sweep", type=user_path, help="a sweep YAML (configs/sweeps/*.yaml)")
+    ap.add_argument(
+        "--output_dir", type=user_path, help="the sweep folder (default: its output_dir, else runs/sweeps/<name>)"
+    )
     what = ap.add_mutually_exclusive_group()
     what.add_argument(
         "--emit",
@@ -585,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
         help="start every run in a new interpreter instead of forking it from one that imported the libraries once",
     )
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        print(f"sweep error: --jobs {args.jobs}: expected an integer >= 1 (points run at once)", file=sys.stderr)
+        return 2
     if args.emit:  # stdout carries the script alone (libraries print notes while they load: to stderr)
         try:
             with contextlib.redirect_stdout(sys.stderr):

@@ -25,11 +25,11 @@ import torch
 
 from crystal_grpo.distributed import all_ranks
 from crystal_grpo.train.run.checkpoints import (
-    SPACE_MARGIN,
     DiskFull,
     checkpoint_bytes,
+    checkpoint_files,
     disk_full,
-    free_bytes,
+    has_room,
     remove_marker,
     space_report,
     write_marker,
@@ -107,7 +107,7 @@ def complete_checkpoint(run_dir: str, step: int, accelerator: Any, should_save: 
     a save that fills the disk removes its partial folder and says so."""
     folder = os.path.join(run_dir, checkpoint_name(step))
     need = checkpoint_bytes(run_dir)  # the previous checkpoint's size: this one's, to the byte or so
-    if not all_ranks(need is None or free_bytes(run_dir) >= need * SPACE_MARGIN, accelerator.device):
+    if not all_ranks(has_room(run_dir, need, checkpoint_files(run_dir)), accelerator.device):
         raise DiskFull(f"not saving {folder}: {space_report(run_dir, need)}")
     if should_save:
         remove_marker(folder)  # a folder being (re)written is incomplete until the end
