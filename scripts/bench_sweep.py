@@ -6,13 +6,13 @@ the same run).
     python scripts/bench_sweep.py configs/sweeps/organism_ablation.yaml --point answer_only_seed1 \\
         --point cpr_seed1 --point answer_only_seed2 --point cpr_seed2 [--modes jobs1-spawn,jobs2-spawn,jobs2-fork]
 
-The logic lives in crystal_grpo.train.benchmarks.sweep.
+The logic lives in crystal_grpo.train.benchmarks.launch_modes.
 """
 
 import sys
 from pathlib import Path
 
-from crystal_grpo.train.benchmarks.sweep import main
+from crystal_grpo.train.benchmarks.launch_modes import main
 
 if __name__ == "__main__":
     sys.exit(main(root=Path(__file__).resolve().parents[1]))

@@ -6,12 +6,12 @@
     python scripts/make_organism.py --help                   # every knob
 
 The logic lives in crystal_grpo.train.organism.task (the task) and
-crystal_grpo.train.organism.policy (tokenizer and policy).
+crystal_grpo.train.organism.make (tokenizer and policy).
 """
 
 import sys
 
-from crystal_grpo.train.organism.policy import main
+from crystal_grpo.train.organism.make import main
 
 if __name__ == "__main__":
     sys.exit(main())

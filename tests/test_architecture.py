@@ -1,12 +1,14 @@
-"""The package's layering, checked on the source: the core a training run needs never imports
-the tools built on it, lower layers never import higher ones, no private name crosses a module
+"""The package's layering, checked on the source: each package (a folder of modules) imports only
+the packages below it, so no folder imports one above it and no two folders import each other; the
+core a training run needs never imports the tools built on it; no private name crosses a module
 boundary, and no two modules import each other (at module level or inside a function).
 
-Layers, lowest first: ``crystal_grpo`` (shared helpers, the metric table) < ``rewards``,
-``curricula`` < the core of ``train`` (``grpo.py`` and its subpackages: config, data, models, run,
-trainer, pcgrad, capacity) < what is built on a run (``train.tools``: evaluation, export, sweeps,
-reference building; ``train.benchmarks``; ``train.organism``; ``train.fixtures``, the test and demo
-builders). ``if TYPE_CHECKING:`` imports are annotations only and are not counted.
+The layers, lowest first (:data:`LAYERS`): ``crystal_grpo`` (shared helpers, statistics, the metric
+table) < ``rewards`` < ``curricula`` < the core of ``train``, each folder a layer of its own: ``data``
+(rows read and checked) < ``run`` (the run folder) < ``models`` (loading, generation) < ``config``
+(the run config's sections and refusals) < ``trainer`` < ``pcgrad`` < ``capacity`` < ``grpo.py`` (the
+entry point) < what is built on a run: ``fixtures`` (the test and demo builders) < ``organism`` <
+``tools`` < ``benchmarks``. ``if TYPE_CHECKING:`` imports are annotations only and are not counted.
 """
 
 from __future__ import annotations
@@ -18,18 +20,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-#: Package -> its layer; each package's folder is its name under the repository, as pyproject.toml maps them.
-LAYER = {
-    "crystal_grpo": 0,
-    "crystal_grpo.rewards": 1,
-    "crystal_grpo.curricula": 1,
-    **dict.fromkeys(
-        ["crystal_grpo.train"]
-        + [f"crystal_grpo.train.{p}" for p in ("config", "data", "models", "run", "trainer", "pcgrad", "capacity")],
-        2,
-    ),
-    **dict.fromkeys([f"crystal_grpo.train.{p}" for p in ("tools", "benchmarks", "organism", "fixtures")], 3),
-}
+#: The packages, lowest layer first; each package's folder is its name under the repository, as
+#: pyproject.toml maps them.
+LAYERS = [
+    "crystal_grpo",
+    "crystal_grpo.rewards",
+    "crystal_grpo.curricula",
+    *(f"crystal_grpo.train.{p}" for p in ("data", "run", "models", "config", "trainer", "pcgrad", "capacity")),
+    "crystal_grpo.train",
+    *(f"crystal_grpo.train.{p}" for p in ("fixtures", "organism", "tools", "benchmarks")),
+]
+LAYER = {pkg: i for i, pkg in enumerate(LAYERS)}
 PACKAGES = {
     pkg: pkg.removeprefix("crystal_grpo.").replace(".", "/") if pkg != "crystal_grpo" else pkg for pkg in LAYER
 }
@@ -135,17 +136,38 @@ def test_the_capacity_planner_is_off_the_run_path():
 
 
 def test_test_and_demo_builders_stay_out_of_the_library():
-    """``train.fixtures`` (tiny models, the shapes and word-problem sets) serves tests, scripts and
-    the benchmark scripts; no module of the library imports them."""
-    assert importers("crystal_grpo.train.fixtures") == set()
+    """``train.fixtures`` (tiny models, the shapes and word-problem sets, the SmolLM2 conversion) serves
+    tests, scripts and the benchmarks; no module of the library imports them."""
+    assert {
+        m for m in importers("crystal_grpo.train.fixtures") if not m.startswith("crystal_grpo.train.benchmarks.")
+    } == set()
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_import_from_a_higher_layer(module):
-    """Tools import the core, never the reverse; rewards and curricula never import train."""
+    """A module imports its own package and the packages below it (tools import the core, never the
+    reverse; rewards and curricula never import train): so no two packages import each other."""
     mine = LAYER[package_of(module)]
     above = sorted({target for target, _ in imports(module) if target in MODULES and LAYER[package_of(target)] > mine})
-    assert not above, f"{module} (layer {mine}) imports {above}"
+    assert not above, f"{module} ({LAYERS[mine]}) imports {above}"
+
+
+def package_imports() -> dict[tuple[str, str], list[str]]:
+    """(package, package it imports) -> the modules that make the arrow, over the whole source."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for module in MODULES:
+        for target, _ in imports(module):
+            if target in MODULES and package_of(target) != package_of(module):
+                out.setdefault((package_of(module), package_of(target)), []).append(module)
+    return out
+
+
+def test_the_packages_import_downward_only_and_never_each_other():
+    """The drawing's arrows (README.md, "Architecture"): 0 upward, 0 mutual."""
+    arrows = package_imports()
+    assert sorted((a, b) for a, b in arrows if LAYER[b] > LAYER[a]) == []
+    assert sorted((a, b) for a, b in arrows if (b, a) in arrows) == []
+    assert ("crystal_grpo.train.pcgrad", "crystal_grpo.train.trainer") in arrows  # the check sees arrows
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -177,7 +199,8 @@ def test_no_import_cycles():
 
 
 def test_a_planted_cycle_and_private_import_are_found(tmp_path, monkeypatch):
-    """The checks above can fail: a two-module package importing each other's private names."""
+    """The checks above can fail: a two-module package importing each other's private names; the
+    trainer's folder importing PCGrad's, above it, which imports the trainer's."""
     (tmp_path / "a.py").write_text("from crystal_grpo.x.b import _helper\n")
     (tmp_path / "b.py").write_text("def f():\n    from crystal_grpo.x.a import thing\n")
     monkeypatch.setitem(MODULES, "crystal_grpo.x.a", tmp_path / "a.py")
@@ -187,6 +210,12 @@ def test_a_planted_cycle_and_private_import_are_found(tmp_path, monkeypatch):
         test_no_private_name_crosses_modules("crystal_grpo.x.a")
     with pytest.raises(AssertionError, match="crystal_grpo.x.a -> crystal_grpo.x.b -> crystal_grpo.x.a"):
         test_no_import_cycles()
+    (tmp_path / "up.py").write_text("def f():\n    from crystal_grpo.train.pcgrad.math import group_flat\n")
+    monkeypatch.setitem(MODULES, "crystal_grpo.train.trainer.up", tmp_path / "up.py")
+    with pytest.raises(AssertionError, match="crystal_grpo.train.pcgrad.math"):
+        test_no_import_from_a_higher_layer("crystal_grpo.train.trainer.up")
+    with pytest.raises(AssertionError, match="crystal_grpo.train.trainer', 'crystal_grpo.train.pcgrad"):
+        test_the_packages_import_downward_only_and_never_each_other()
 
 
 def test_every_error_of_the_library_is_a_crystal_error():

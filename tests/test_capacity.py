@@ -161,7 +161,7 @@ def test_lora_targets_of_the_plan_are_the_trainers(tiny_vlm_path):
 def test_resized_image_tokens_are_the_processors(tiny_vlm_path, bounds):
     """resized_image_tokens (what the plan counts without transformers) equals the Qwen2-VL
     processor's own count for images inside, above and below the bounds, odd aspect ratios too."""
-    from crystal_grpo.train.models.policy import ModelSection, load_processing, open_source
+    from crystal_grpo.train.models.loading import ModelSection, load_processing, open_source
     from crystal_grpo.train.models.vision import VisionSection, image_tokens, resized_image_tokens
 
     low, high = bounds

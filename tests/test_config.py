@@ -150,7 +150,7 @@ def test_use_vllm_with_a_vllm_release_trl_does_not_support_is_refused_at_check(
 ):
     """vLLM 0.33 (what an unbounded pip install takes) or 0.21 against TRL 1.16's vllm extra
     (>=0.22.0,<=0.31.0, read from TRL's metadata): one line pointing at make setup-vllm."""
-    from crystal_grpo.train.config.run_config import trl_vllm_range, vllm_problem
+    from crystal_grpo.train.models.generation import trl_vllm_range, vllm_problem
 
     _installed_vllm(tmp_path, version)
     monkeypatch.syspath_prepend(str(tmp_path))

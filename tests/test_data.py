@@ -196,7 +196,7 @@ def test_training_data_smaller_than_one_batch_is_refused_before_the_model_loads(
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("crystal_grpo.train.models.policy.load_policy", loaded)
+    monkeypatch.setattr("crystal_grpo.train.models.loading.load_policy", loaded)
     run = tmp_path / "run"
     assert (
         grpo.main(

@@ -526,7 +526,7 @@ def test_lora_checkpoint_loads_merged_onto_its_base(tiny_lm_path, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from crystal_grpo.train.models.policy import load_checkpoint
+    from crystal_grpo.train.models.loading import load_checkpoint
 
     adapter = tmp_path / "adapter"
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)  # B != 0

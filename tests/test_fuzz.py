@@ -21,9 +21,9 @@ from crystal_grpo.rewards import build_reward
 from crystal_grpo.rewards.answer_only import FormatReward
 from crystal_grpo.rewards.answers import answers_match
 from crystal_grpo.rewards.base import Batch
-from crystal_grpo.rewards.fuzz import MIXED, SHAPES, format_table, fuzz, hostile_batches
 from crystal_grpo.rewards.parsing import ParsedOutput, parse_completion
 from crystal_grpo.train.data.splits import row_problems
+from crystal_grpo.train.tools.fuzz_rewards import MIXED, SHAPES, format_table, fuzz, hostile_batches
 
 from conftest import encodable
 

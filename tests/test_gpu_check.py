@@ -53,7 +53,7 @@ def test_a_random_vlm_from_a_config_loads_and_reads_an_image(tmp_path):
     from PIL import Image
 
     from crystal_grpo.train.fixtures.tiny_models import build_random_vlm
-    from crystal_grpo.train.models.policy import ModelSection, load_policy
+    from crystal_grpo.train.models.loading import ModelSection, load_policy
 
     def shrunk(ids, eos, pad):
         small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
@@ -103,9 +103,9 @@ def test_the_step_clock_says_whether_the_parameters_are_zero3_partitions(tmp_pat
     """A model outside DeepSpeed is recorded as such (the CPU check below sees the other side)."""
     from types import SimpleNamespace
 
-    from crystal_grpo.train.benchmarks.training import CLOCK_FILE, StepClock
+    from crystal_grpo.train.benchmarks.training import CLOCK_FILE, step_clock
 
-    clock, state = StepClock(tmp_path), SimpleNamespace(is_world_process_zero=True)
+    clock, state = step_clock(tmp_path), SimpleNamespace(is_world_process_zero=True)
     clock.on_train_begin(None, state, None, model=torch.nn.Linear(2, 2))
     clock.on_step_end(None, state, None)
     clock.on_train_end(None, state, None)

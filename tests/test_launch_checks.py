@@ -19,7 +19,7 @@ import pytest
 
 from crystal_grpo.train import grpo
 from crystal_grpo.train.data.splits import DataError, load_split
-from crystal_grpo.train.models.policy import ModelSection, special_tokens
+from crystal_grpo.train.models.loading import ModelSection, special_tokens
 
 from runs import REPO, torchrun_script
 
@@ -340,14 +340,14 @@ def test_the_made_by_table_names_where_each_command_writes():
 
     from crystal_grpo.train.config.preflight import MADE_BY
     from crystal_grpo.train.fixtures import tiny_models
-    from crystal_grpo.train.organism import policy as organism_policy
+    from crystal_grpo.train.organism import make as organism
 
     smollm2 = runpy.run_path(str(REPO / "scripts/prepare_smollm2.py"))["DEFAULT_OUT"].relative_to(REPO)
     written = {
         (tiny_models.DEFAULT_OUT / tiny_models.LM_NAME).as_posix(): "scripts/make_tiny_models.py",
         (tiny_models.DEFAULT_OUT / tiny_models.VLM_NAME).as_posix(): "scripts/make_tiny_models.py",
         smollm2.as_posix(): "scripts/prepare_smollm2.py",
-        organism_policy.DEFAULT_DIR.as_posix(): "scripts/make_organism.py",
+        organism.DEFAULT_DIR.as_posix(): "scripts/make_organism.py",
     }
     assert set(MADE_BY) == set(written)
     assert all(script in MADE_BY[path] for path, script in written.items())

@@ -33,7 +33,7 @@ def test_the_vllm_set_is_trls_vllm_range_with_the_tested_trl_resolved_for_a_gpu_
     (whose dependencies differ: the CUDA build pins triton and the CUDA wheels)."""
     from packaging.specifiers import SpecifierSet
 
-    from crystal_grpo.train.config.run_config import trl_vllm_range
+    from crystal_grpo.train.models.generation import trl_vllm_range
 
     pins, main = lock.read(REPO / "requirements-vllm.lock"), lock.read(REPO / "requirements.lock")
     assert pins["vllm"] in SpecifierSet(trl_vllm_range())

@@ -1,4 +1,4 @@
-"""Model loading (train/models/policy.py), the tiny test models and the generated data sets."""
+"""Model loading (train/models/loading.py), the tiny test models and the generated data sets."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_tiny_lm_token_ids_survive_save_and_reload(tiny_lm_path):
 def test_tiny_lm_loads_via_load_policy_and_generates(tiny_lm_path):
     import torch
 
-    from crystal_grpo.train.models.policy import ModelSection, load_policy
+    from crystal_grpo.train.models.loading import ModelSection, load_policy
 
     model, tok = load_policy(ModelSection(str(tiny_lm_path)))
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.float32
@@ -89,7 +89,7 @@ def test_tiny_vlm_has_a_real_processor_and_generates_from_an_image(tiny_vlm_path
     from transformers import AutoTokenizer, PreTrainedTokenizerBase
     from transformers.processing_utils import ProcessorMixin
 
-    from crystal_grpo.train.models.policy import ModelSection, is_vision_language, load_policy
+    from crystal_grpo.train.models.loading import ModelSection, is_vision_language, load_policy
 
     model, proc = load_policy(ModelSection(str(tiny_vlm_path)))
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration" and is_vision_language(model.config)
@@ -152,7 +152,7 @@ def test_max_pixels_sets_the_image_tokens_everywhere_a_processor_loads(tiny_vlm_
     import torch
     from PIL import Image
 
-    from crystal_grpo.train.models.policy import ModelSection, load_checkpoint, load_policy
+    from crystal_grpo.train.models.loading import ModelSection, load_checkpoint, load_policy
     from crystal_grpo.train.models.vision import VisionSection, image_tokens
     from crystal_grpo.train.tools.evaluate import EvalSetup
     from crystal_grpo.train.tools.export import export
@@ -229,7 +229,7 @@ def test_freezing_and_lora_targets_split_the_tiny_vlm_into_its_parts(tiny_vlm_pa
     import torch
     from peft import get_peft_model
 
-    from crystal_grpo.train.models.policy import LoraSection, ModelSection, load_policy, peft_config
+    from crystal_grpo.train.models.loading import LoraSection, ModelSection, load_policy, peft_config
     from crystal_grpo.train.models.vision import VisionError, VisionSection, freeze_parts, parameter_line
 
     frozen = ModelSection(str(tiny_vlm_path), vision=VisionSection(freeze_vision_tower=True, freeze_projector=True))
@@ -277,7 +277,7 @@ def test_freezing_and_lora_targets_split_the_tiny_vlm_into_its_parts(tiny_vlm_pa
 def test_peft_config_mapping():
     from peft import LoraConfig
 
-    from crystal_grpo.train.models.policy import LoraSection, ModelSection, peft_config
+    from crystal_grpo.train.models.loading import LoraSection, ModelSection, peft_config
 
     assert peft_config(ModelSection("x")) is None
     cfg = peft_config(
@@ -291,7 +291,7 @@ def test_peft_config_mapping():
 
 def test_peft_config_accepts_the_yaml_sections():
     from crystal_grpo.train.config.run_config import LoraSection, ModelSection
-    from crystal_grpo.train.models.policy import peft_config
+    from crystal_grpo.train.models.loading import peft_config
 
     cfg = peft_config(ModelSection(name_or_path="x", lora=LoraSection(r=4, alpha=8)))
     assert (cfg.r, cfg.lora_alpha, cfg.lora_dropout, cfg.target_modules) == (4, 8, 0.05, "all-linear")
@@ -300,7 +300,7 @@ def test_peft_config_accepts_the_yaml_sections():
 def test_lora_wraps_the_tiny_lm(tiny_lm_path):
     from peft import get_peft_model
 
-    from crystal_grpo.train.models.policy import LoraSection, ModelSection, load_policy, peft_config
+    from crystal_grpo.train.models.loading import LoraSection, ModelSection, load_policy, peft_config
 
     cfg = ModelSection(str(tiny_lm_path), lora=LoraSection(r=4, alpha=8))
     model, _ = load_policy(cfg)
@@ -311,7 +311,7 @@ def test_lora_wraps_the_tiny_lm(tiny_lm_path):
 
 
 def test_internvl_needs_trust_remote_code(tmp_path):
-    from crystal_grpo.train.models.policy import ModelLoadError, ModelSection, load_policy
+    from crystal_grpo.train.models.loading import ModelLoadError, ModelSection, load_policy
 
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -331,7 +331,7 @@ def test_internvl_needs_trust_remote_code(tmp_path):
 
 
 def test_missing_local_path_says_what_was_tried(tmp_path):
-    from crystal_grpo.train.models.policy import ModelLoadError, ModelSection, load_policy
+    from crystal_grpo.train.models.loading import ModelLoadError, ModelSection, load_policy
 
     missing = tmp_path / "no" / "such-model"
     with pytest.raises(ModelLoadError) as err:
@@ -340,7 +340,7 @@ def test_missing_local_path_says_what_was_tried(tmp_path):
 
 
 def test_uncached_hub_id_says_how_to_use_a_local_folder(monkeypatch):
-    from crystal_grpo.train.models.policy import ModelLoadError, ModelSection, load_policy
+    from crystal_grpo.train.models.loading import ModelLoadError, ModelSection, load_policy
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError) as err:
@@ -350,7 +350,7 @@ def test_uncached_hub_id_says_how_to_use_a_local_folder(monkeypatch):
 
 
 def test_empty_folder_and_missing_gguf_file(tmp_path):
-    from crystal_grpo.train.models.policy import ModelLoadError, ModelSection, load_policy
+    from crystal_grpo.train.models.loading import ModelLoadError, ModelSection, load_policy
 
     with pytest.raises(ModelLoadError, match=re.escape(str(tmp_path))):
         load_policy(ModelSection(str(tmp_path)))
@@ -368,7 +368,7 @@ def test_gguf_loads_as_a_plain_trainable_model_with_its_tokenizer(tmp_path, tiny
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from crystal_grpo.train.models.policy import ModelSection, load_gguf_plain, load_policy
+    from crystal_grpo.train.models.loading import ModelSection, load_gguf_plain, load_policy
 
     gguf_file = tiny_models.build_tiny_gguf(tiny_lm_path, tmp_path)
     model = load_gguf_plain(str(tmp_path), gguf_file.name, "float32")
@@ -394,7 +394,7 @@ SMOLLM2 = REPO_ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 def test_converted_smollm2_is_trainable_and_answers():
     from transformers.trainer_utils import validate_quantization_for_training
 
-    from crystal_grpo.train.models.policy import ModelSection, load_policy
+    from crystal_grpo.train.models.loading import ModelSection, load_policy
 
     model, tok = load_policy(ModelSection(str(SMOLLM2)))
     validate_quantization_for_training(model)  # not "purely quantized"

@@ -197,7 +197,7 @@ def test_bad_knobs_are_refused():
 
 @pytest.fixture(scope="module")
 def organism_model(tmp_path_factory):
-    from crystal_grpo.train.organism.policy import build_policy
+    from crystal_grpo.train.organism.make import build_policy
 
     return build_policy(tmp_path_factory.mktemp("organism") / "model")
 
@@ -206,7 +206,7 @@ def test_policy_folder_loads_on_the_project_path(organism_model):
     """An ordinary HF folder: train.models.load_policy loads it, ids survive the save and reload,
     digits are single tokens, and the SFT encoding (prompt and target apart) round-trips."""
     from crystal_grpo.train.data.splits import build_prompt, encode_example
-    from crystal_grpo.train.models.policy import ModelSection, load_policy
+    from crystal_grpo.train.models.loading import ModelSection, load_policy
 
     model, tok = load_policy(ModelSection(name_or_path=str(organism_model)))
     assert sum(p.numel() for p in model.parameters()) < 2_000_000
@@ -226,7 +226,7 @@ def test_policy_folder_loads_on_the_project_path(organism_model):
 def test_policy_build_is_deterministic(organism_model, tmp_path):
     from safetensors.torch import load_file
 
-    from crystal_grpo.train.organism.policy import build_policy
+    from crystal_grpo.train.organism.make import build_policy
 
     again = build_policy(tmp_path / "again")
     assert (again / "tokenizer.json").read_bytes() == (organism_model / "tokenizer.json").read_bytes()
@@ -244,7 +244,7 @@ def test_both_wordings_state_the_same_chain():
 
 
 def test_a_policy_folder_built_from_other_knobs_is_rebuilt(organism_model, tmp_path):
-    from crystal_grpo.train.organism.policy import PolicySpec, build_policy, built_from
+    from crystal_grpo.train.organism.make import PolicySpec, build_policy, built_from
 
     path = tmp_path / "model"
     build_policy(path)
@@ -259,8 +259,8 @@ def test_the_committed_warm_start_loads_and_the_configs_name_it():
     everything AutoModelForCausalLM and AutoTokenizer load, made for the task the defaults write,
     with the short system prompt both configs use."""
     from crystal_grpo.train.config.run_config import load_config
-    from crystal_grpo.train.models.policy import ModelSection, load_policy
-    from crystal_grpo.train.organism.policy import POLICY_FILES, SYSTEM_PROMPT_SHORT, WARM_START_DIR
+    from crystal_grpo.train.models.loading import ModelSection, load_policy
+    from crystal_grpo.train.organism.make import POLICY_FILES, SYSTEM_PROMPT_SHORT, WARM_START_DIR
 
     repo = Path(__file__).resolve().parents[1]
     folder = repo / WARM_START_DIR

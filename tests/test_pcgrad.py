@@ -670,10 +670,10 @@ def test_only_pcgrad_runs_get_the_pcgrad_trainer_and_liger_is_refused(pcg_model,
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer, PCGradMixin, trainer_class
+    from crystal_grpo.train.pcgrad.trainer import PCGradGRPOTrainer, trainer_class
     from crystal_grpo.train.trainer.grpo_trainer import CrystalGRPOTrainer
 
-    assert trainer_class(False) is CrystalGRPOTrainer and PCGradMixin not in CrystalGRPOTrainer.__mro__
+    assert trainer_class(False) is CrystalGRPOTrainer and not CrystalGRPOTrainer.pcgrad
     assert trainer_class(True) is PCGradGRPOTrainer and issubclass(PCGradGRPOTrainer, CrystalGRPOTrainer)
     args = GRPOConfig(
         output_dir=str(tmp_path),

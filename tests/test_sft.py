@@ -79,7 +79,7 @@ def test_sft_loss_is_on_the_target_only_and_the_prompt_is_grpos(tmp_path, tiny_l
     from trl import SFTConfig
 
     from crystal_grpo.train.data.splits import sft_dataset
-    from crystal_grpo.train.models.policy import ModelSection, load_policy
+    from crystal_grpo.train.models.loading import ModelSection, load_policy
     from crystal_grpo.train.trainer.sft import CrystalSFTTrainer
 
     model, tok = load_policy(ModelSection(str(tiny_lm_path)))

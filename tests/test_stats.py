@@ -1,4 +1,4 @@
-"""Seed-aware statistics (train/tools/stats.py): the two-level bootstrap covers a true difference
+"""Seed-aware statistics (crystal_grpo/stats.py): the two-level bootstrap covers a true difference
 of zero at about its nominal rate when seeds scatter, where a bootstrap over rows alone does
 not; the per-seed Welch test and the seeds a difference would need."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from crystal_grpo.train.tools.stats import (
+from crystal_grpo.stats import (
     bootstrap_ci,
     detectable_difference,
     fisher_power,
@@ -83,7 +83,7 @@ def test_the_welch_t_interval_on_seed_means_covers_at_about_its_nominal_rate_wit
 
 
 def test_holm_adjusts_step_down_and_keeps_missing_tests_missing():
-    from crystal_grpo.train.tools.stats import holm
+    from crystal_grpo.stats import holm
 
     assert holm([0.01, 0.04, None, 0.03, 0.5]) == pytest.approx([0.04, 0.09, None, 0.09, 0.5])
     assert holm([0.2, 0.2]) == [0.4, 0.4] and holm([]) == [] and holm([0.9, 0.8]) == [1.0, 1.0]

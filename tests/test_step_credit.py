@@ -344,16 +344,14 @@ def test_a_steps_sign_reaches_its_own_tokens_gradient_and_no_others(tmp_path, ti
 def test_completions_whose_steps_are_not_found_keep_the_sequence_advantage_and_are_counted(tmp_path, tiny_lm_path):
     trainer = trainer_for(tiny_lm_path, tmp_path, ["mixed"])
     trainer.model.train()
-    logged = {}
-    trainer._log_metric = lambda name, value: logged.setdefault(name, value)
     texts = COMPLETIONS["mixed"]
     scored = trainer.reward.score(texts, [{"reference_steps": REF, "answer": "5"}] * G)
     tok = trainer.processing_class
     ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
     ids[1] = tok(say(["We are told"], "5"), add_special_tokens=False).input_ids  # not the text that was scored
-    credit = trainer._credit_rows(scored, [QUESTION] * G, ids)
+    credit, logged = trainer.step_credit.rows(scored, [QUESTION] * G, ids, G)
     assert credit[1] is None and all(credit[i] for i in (0, 2, 3))
-    assert logged["step_credit/fallback_rate"] == 0.25
+    assert logged["fallback_rate"] == 0.25  # logged as step_credit/fallback_rate
 
 
 def test_reused_generation_batches_keep_their_step_term(tmp_path, tiny_lm_path, one_thread, trl_advantages):
@@ -374,7 +372,7 @@ def test_a_masked_groups_step_term_is_zero(tmp_path, tiny_lm_path, one_thread):
     trainer = trainer_for(tiny_lm_path, tmp_path, ["right", "mixed"], dynamic_sampling=section)
     trainer.model.train()
     inputs = [dict(r) for r in rows(["right", "mixed"]) for _ in range(G)]
-    unmasked = trainer._generate_and_score_completions(inputs)[STEP_FIELD]
+    unmasked = trainer.generation_round(inputs)[0][STEP_FIELD]  # one round, not yet weighed
     assert bool((unmasked[:G] != 0).any()) and bool((unmasked[G:] != 0).any())
     batch = trainer._prepare_inputs(inputs)  # TRL's shuffled generation batch, weighed
     masked = batch["tool_mask"][:, 0] == 0

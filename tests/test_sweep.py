@@ -105,7 +105,7 @@ def test_a_point_with_its_own_seeds_and_data_joins_the_seed_order(tmp_path):
 
 
 def test_bench_sweep_modes_are_sweep_command_lines():
-    from crystal_grpo.train.benchmarks.sweep import sweep_argv
+    from crystal_grpo.train.benchmarks.launch_modes import sweep_argv
 
     assert sweep_argv("jobs2-fork") == ["--jobs", "2"]
     assert sweep_argv("jobs1-spawn") == ["--jobs", "1", "--no_fork"]

@@ -181,7 +181,7 @@ def test_trl_options_reach_every_phase_and_every_load(tmp_path, tiny_lm_path, mo
 
 def test_trl_reference_model_is_built_with_model_init_kwargs(tmp_path, tiny_lm_path):
     """TRL builds the reference model (beta > 0) from model_init_kwargs: the run passes the model section's."""
-    from crystal_grpo.train.models.policy import load_policy
+    from crystal_grpo.train.models.loading import load_policy
 
     cfg, _ = load_config(
         "tiny",

@@ -168,7 +168,7 @@ def trl_model_settings(cfg: RunConfig) -> dict:
     """The config's model and prompt settings under TRL's names (train/config/run_config.py moves TRL's
     names into the sections): TRL builds the reference model from ``model_init_kwargs`` and
     ``trust_remote_code``, and renders rollout prompts with ``chat_template_kwargs`` (GRPO)."""
-    from crystal_grpo.train.models.policy import from_pretrained_kwargs
+    from crystal_grpo.train.models.loading import from_pretrained_kwargs
 
     out: dict = {"trust_remote_code": cfg.model.trust_remote_code}
     init = from_pretrained_kwargs(cfg.model)
@@ -199,7 +199,7 @@ def run_phase(
     checkpoint instead of the config's (``checkpoints.RESTORED_SETTINGS``), for run.json."""
     from crystal_grpo.train.data.row_problems import system_prompt_problem
     from crystal_grpo.train.data.splits import DataError, batch_problem, load_datasets, same_rows_line
-    from crystal_grpo.train.models.policy import load_policy, model_file, model_source, special_tokens
+    from crystal_grpo.train.models.loading import load_policy, model_file, model_source, special_tokens
     from crystal_grpo.train.models.vision import parameter_line, resolution_line
     from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback, PlotCallback, ValidationCallback
     from crystal_grpo.train.trainer.interrupt import Interrupted
@@ -303,7 +303,7 @@ def run_phase(
     if trainer.interrupt.stopped_at is not None:
         step = trainer.interrupt.stopped_at
         raise Interrupted(trainer.interrupt.signum, step, str(output_dir / checkpoint_name(step)))
-    if trainer.stopped_nonfinite:
+    if trainer.guard.stopped:
         raise SystemExit(
             f"stopped: {cfg.stability.max_consecutive_nonfinite} consecutive updates had non-finite "
             f"loss/gradients (step {trainer.state.global_step}). The last good state is saved in "
@@ -327,7 +327,7 @@ def make_trainer(cfg: RunConfig, args, model, processing_class, module, dataset,
     """The phase's trainer: GRPO (with PCGrad when asked for) or the SFT warm start.
     ``eval_dataset`` (the validation split, when ``training.eval_strategy`` asks for TRL's
     evaluation) is what TRL's own evaluation loop reads."""
-    from crystal_grpo.train.models.policy import peft_config
+    from crystal_grpo.train.models.loading import peft_config
 
     common = dict(
         model=model,

@@ -4,7 +4,7 @@ A setting names one run: ``<launcher>-<weights>[-<reward>][-pcgrad][-<generation
 (docs/benchmarks.md, "What bench_train.py runs and prints"). Every run is ``python -m
 crystal_grpo.train.benchmarks.training ENTRY --config tiny.yaml <overrides>`` with the same
 overrides, and the baseline builds its GRPOConfig, dataset, model and LoRA config with the very
-functions ``train/grpo.py`` uses: only the trainer and the reward differ. :class:`StepClock`
+functions ``train/grpo.py`` uses: only the trainer and the reward differ. :func:`step_clock`
 records each step's wall time, end to end, next to TRL's ``step_time`` in ``metrics.jsonl``.
 """
 
@@ -13,14 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import platform
 import resource
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from transformers import TrainerCallback
+from typing import Any
 
 from crystal_grpo.jsonl import read_jsonl
 from crystal_grpo.train.run.layout import METRICS_LOG
@@ -182,54 +185,61 @@ def command(name: str, model: str, out: Path, a: argparse.Namespace, cuda: bool)
     return launch + entry + args + extra
 
 
-class StepClock(TrainerCallback):
-    """Wall and process CPU time between consecutive step ends, and the time in generation
-    (``step_clock.json``). CPU time (all threads) is the work done, which on a loaded machine
-    varies less than wall time. Generation is timed by TRL's own profiling contexts
-    (``transformers.generate``, ``vLLM.generate``, ...), which TRL hands only to experiment
-    trackers: their ``_log_metrics`` is wrapped for the run. On CUDA it also records the
-    process's peak allocated GPU memory (``peak_gib``, for any trainer; null on CPU), and
-    whether the model's parameters are ZeRO-3 partitions (``zero3``); and the process's peak resident set
-    (``rss_gib``), the memory a CPU run has."""
+def step_clock(run_dir: str | Path) -> Any:
+    """The callback that times a run's steps (transformers loads with it, not with this module)."""
+    from transformers import TrainerCallback
 
-    def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / CLOCK_FILE
-        self.ends: list[tuple[float, float]] = []
-        self.gen: list[float] = []
-        self._pending = 0.0
+    class StepClock(TrainerCallback):
+        """Wall and process CPU time between consecutive step ends, and the time in generation
+        (``step_clock.json``). CPU time (all threads) is the work done, which on a loaded machine
+        varies less than wall time. Generation is timed by TRL's own profiling contexts
+        (``transformers.generate``, ``vLLM.generate``, ...), which TRL hands only to experiment
+        trackers: their ``_log_metrics`` is wrapped for the run. On CUDA it also records the
+        process's peak allocated GPU memory (``peak_gib``, for any trainer; null on CPU), and
+        whether the model's parameters are ZeRO-3 partitions (``zero3``); and the process's peak resident set
+        (``rss_gib``), the memory a CPU run has."""
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from trl.extras.profiling import ProfilingContext
+        def __init__(self, run_dir: str | Path) -> None:
+            self.path = Path(run_dir) / CLOCK_FILE
+            self.ends: list[tuple[float, float]] = []
+            self.gen: list[float] = []
+            self._pending = 0.0
 
-        self.zero3 = model is not None and any(hasattr(p, "ds_id") for p in model.parameters())
-        self.ends, self.gen, self._pending = [(time.perf_counter(), time.process_time())], [], 0.0
-        original = self._original = ProfilingContext._log_metrics
-        clock = self
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            from trl.extras.profiling import ProfilingContext
 
-        def log_metrics(ctx, duration: float) -> None:
-            if ctx.name.split(".", 1)[-1] in GENERATION_BLOCKS:
-                clock._pending += duration
-            original(ctx, duration)
+            self.zero3 = model is not None and any(hasattr(p, "ds_id") for p in model.parameters())
+            self.ends, self.gen, self._pending = [(time.perf_counter(), time.process_time())], [], 0.0
+            original = self._original = ProfilingContext._log_metrics
+            clock = self
 
-        ProfilingContext._log_metrics = log_metrics
+            def log_metrics(ctx, duration: float) -> None:
+                if ctx.name.split(".", 1)[-1] in GENERATION_BLOCKS:
+                    clock._pending += duration
+                original(ctx, duration)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append((time.perf_counter(), time.process_time()))
-        self.gen.append(self._pending)
-        self._pending = 0.0
+            ProfilingContext._log_metrics = log_metrics
 
-    def on_train_end(self, args, state, control, **kwargs):
-        from trl.extras.profiling import ProfilingContext
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append((time.perf_counter(), time.process_time()))
+            self.gen.append(self._pending)
+            self._pending = 0.0
 
-        ProfilingContext._log_metrics = self._original
-        if state.is_world_process_zero:
-            import torch
+        def on_train_end(self, args, state, control, **kwargs):
+            from trl.extras.profiling import ProfilingContext
 
-            pairs = list(zip(self.ends, self.ends[1:]))
-            peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-            times = {"wall": [b[0] - a[0] for a, b in pairs], "cpu": [b[1] - a[1] for a, b in pairs], "gen": self.gen}
-            self.path.write_text(json.dumps({**times, "peak_gib": peak, "rss_gib": rss, "zero3": self.zero3}))
+            ProfilingContext._log_metrics = self._original
+            if state.is_world_process_zero:
+                import torch
+
+                pairs = list(zip(self.ends, self.ends[1:]))
+                peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+                wall, cpu = [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
+                times = {"wall": wall, "cpu": cpu, "gen": self.gen}
+                self.path.write_text(json.dumps({**times, "peak_gib": peak, "rss_gib": rss, "zero3": self.zero3}))
+
+    return StepClock(run_dir)
 
 
 def trivial_reward(completions, **kwargs) -> list[float]:
@@ -244,7 +254,7 @@ def run_trl(argv: list[str], configured_reward: bool = False) -> None:
 
     from crystal_grpo.train.data.splits import load_datasets
     from crystal_grpo.train.grpo import setup_distributed, training_args
-    from crystal_grpo.train.models.policy import load_policy, peft_config
+    from crystal_grpo.train.models.loading import load_policy, peft_config
     from crystal_grpo.train.trainer.callbacks import MetricsJsonlCallback
 
     cfg, out = config_and_folder(argv)
@@ -262,16 +272,16 @@ def run_trl(argv: list[str], configured_reward: bool = False) -> None:
         peft_config=peft_config(cfg.model, model),
     )
     trainer.add_callback(MetricsJsonlCallback(out))
-    trainer.add_callback(StepClock(out))
+    trainer.add_callback(step_clock(out))
     trainer.train()
 
 
 def run_grpo(argv: list[str]) -> int:
-    """``train/grpo.py`` with the :class:`StepClock`."""
+    """``train/grpo.py`` with the :func:`step_clock`."""
     from crystal_grpo.train import grpo
 
     cfg, out = config_and_folder(argv)
-    grpo.run(cfg, out, callbacks=[StepClock(out)])
+    grpo.run(cfg, out, callbacks=[step_clock(out)])
     return 0
 
 
@@ -370,8 +380,113 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- the command
+DESCRIPTION = """Benchmark GRPO training: this framework against plain TRL, LoRA against full fine-tuning,
+DeepSpeed ZeRO-3 against one process (one table, every ratio measured in the same run).
+
+    python scripts/bench_train.py [--model tiny|organism|mid|PATH] [--device cpu|cuda]
+        [--settings trl-full,plain-full-answer,plain-full,plain-full-pcgrad,...] [--rounds 2]
+        [--steps 5] [--warmup 2] [--batch 8] [--completion_length 128] [--threads N]
+
+Settings are ``trl-(full|lora)`` (the baseline) or ``(plain|zero3)-(full|lora[-unmerged])
+[-cpr|-answer][-pcgrad][-static|-cb]``; every setting runs the same model, data, batch, seed and
+GRPOConfig. The settings, the models and the columns: docs/benchmarks.md, "What
+bench_train.py runs and prints".
+"""
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODELS = REPO_ROOT / ".cache" / "models"
+DEFAULT_SETTINGS = "trl-full,plain-full-answer,plain-full,plain-full-pcgrad,trl-lora,plain-lora"
+
+
+def build_model(name: str) -> str:
+    """Path of ``tiny`` / ``mid`` (built on first use), the organism's warm start (its data
+    written on first use) or the folder given."""
+    if name == "organism":
+        from crystal_grpo.train.organism.make import DEFAULT_DIR, WARM_START_DIR
+        from crystal_grpo.train.organism.task import Layout, write_splits
+
+        data = REPO_ROOT / DEFAULT_DIR / "data"
+        if not (data / "train.jsonl").exists():
+            write_splits(Layout(), data)
+        return str(REPO_ROOT / WARM_START_DIR)
+    if name not in ("tiny", "mid"):
+        return name
+    from crystal_grpo.train.fixtures import tiny_models as mk
+
+    build = mk.build_tiny_lm if name == "tiny" else mk.build_mid_lm
+    return str(build(MODELS / ("tiny-qwen2" if name == "tiny" else "mid-qwen2")))
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    ap.add_argument("--settings", default=DEFAULT_SETTINGS)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8, help="completions per step (a multiple of 8)")
+    ap.add_argument("--completion_length", type=int, default=128)
+    ap.add_argument("--learning_rate", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--encoder", default="packaged:all-MiniLM-L6-v2")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads per run (OMP_NUM_THREADS)")
+    ap.add_argument("--out", default=str(REPO_ROOT / "runs" / "bench_train"))
+    a = ap.parse_args(argv)
+    import torch  # after the arguments: --help answers at once
+
+    cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    a.dtype = a.dtype or ("bfloat16" if cuda else "float32")
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    if a.threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(a.threads)
+    model = build_model(a.model)
+    # the organism runs its own config (data, prompt, validation off) and matches steps exactly
+    a.config = "organism.yaml" if a.model == "organism" else "tiny.yaml"
+    if a.model == "organism" and a.encoder == ap.get_default("encoder"):
+        a.encoder = "exact"
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {platform.machine()})"
+    settings = a.settings.split(",")
+    print(
+        f"GRPO steps on {device}, {time.strftime('%Y-%m-%d')}: model {Path(model).name}, {a.dtype}, "
+        f"{a.batch} completions x <= {a.completion_length} tokens, lr {a.learning_rate}, seed {a.seed}, "
+        f"encoder {a.encoder}, threads {a.threads or 'default'}; median of {a.steps} steps after {a.warmup}, "
+        f"{a.rounds} round(s) of "
+        f"{len(settings)} settings",
+        flush=True,
+    )
+    results: dict[str, list[dict]] = {s: [] for s in settings}
+    for rnd in range(a.rounds):
+        for setting in settings[rnd % len(settings) :] + settings[: rnd % len(settings)]:  # no setting always first
+            out = Path(a.out) / f"{Path(model).name}-{setting}"
+            shutil.rmtree(out, ignore_errors=True)
+            proc = subprocess.run(
+                command(setting, model, out, a, cuda), cwd=REPO_ROOT, env=env, capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                print(proc.stdout[-3000:] + proc.stderr[-6000:], file=sys.stderr)
+                raise SystemExit(f"{setting}: exit {proc.returncode}")
+            r = summarise(out, a.warmup)
+            results[setting].append(r)
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+            print(
+                f"  round {rnd + 1} {setting:<22} step {r['step']:.3f} s  wall {r['wall']:.3f} s  "
+                f"tokens {r['tokens']:.1f}  (load {load:.2f})",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(table(results))
+    return 0
+
+
+def run(argv: list[str]) -> int:
+    """One benchmarked run (a subprocess of :func:`main`): ENTRY and train/grpo.py's arguments."""
     entry, rest = argv[0], argv[1:]
     if entry in TRL_ENTRIES.values():
         run_trl(rest, configured_reward=entry != TRL_ENTRIES["trivial"])
@@ -384,4 +499,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(sys.argv[1:]))

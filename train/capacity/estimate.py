@@ -924,7 +924,7 @@ def describe(memory: Memory, usable: float) -> str:
 
 def remedies(sizes: ModelSizes, launch: Launch, work: Workload, gpu_bytes: float) -> list[str]:
     """Changes that make a phase that does not fit, fit (the first of each kind that does)."""
-    from crystal_grpo.train.models.policy import LoraSection
+    from crystal_grpo.train.models.loading import LoraSection
 
     out = []
     ok = lambda ln, wk: fits(plan(sizes, ln, wk, gpu_bytes=gpu_bytes), gpu_bytes)

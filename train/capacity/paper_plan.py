@@ -34,7 +34,7 @@ from crystal_grpo.train.capacity.estimate import (
     workload,
 )
 from crystal_grpo.train.config.run_config import load_config, phase_configs
-from crystal_grpo.train.models.policy import LoraSection, ModelSection, peft_config
+from crystal_grpo.train.models.loading import LoraSection, ModelSection, peft_config
 from crystal_grpo.train.models.vision import VisionSection, resized_image_tokens
 from crystal_grpo.train.pcgrad.memory import pcgrad_extra_partitions
 
@@ -80,7 +80,7 @@ def meta_counts(model) -> dict[str, int]:
 
 
 def meta_lora_params(model, r: int, target_modules: Targets = None) -> int:
-    """Trainable parameters of peft's LoRA as the trainer configures it (``train/models/policy.py``
+    """Trainable parameters of peft's LoRA as the trainer configures it (``train/models/loading.py``
     ``peft_config``) for this ``model.lora.target_modules`` (unset: the language model's linear
     layers), r as given. Wraps a deep copy: PEFT injects its layers into the model it is given."""
     import copy

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from crystal_grpo.paths import name_problem
+from crystal_grpo.train.config.refusals import zero_stage_problem
 from crystal_grpo.train.config.run_config import RunConfig, phase_configs
 from crystal_grpo.train.config.training_section import TRL_DEFAULTS
-from crystal_grpo.train.pcgrad.memory import zero_stage_problem
 
 
 def _offline() -> bool:
@@ -284,7 +284,7 @@ def row_checks(cfg: RunConfig) -> tuple[list[str], list[str]]:
     system prompt holding one of the model's special tokens."""
     from crystal_grpo.train.data.row_problems import system_prompt_problem
     from crystal_grpo.train.data.splits import check_rows, same_rows_line
-    from crystal_grpo.train.models.policy import special_tokens
+    from crystal_grpo.train.models.loading import special_tokens
 
     problems: list[str] = []
     warnings: list[str] = []

@@ -1,6 +1,6 @@
 """One YAML file describes a run: model, data, reward, curriculum, validation and TRL's
 ``GRPOConfig`` fields (under ``training``). Each section is a config dataclass documented
-beside the code that reads it (``ModelSection`` in train/models/policy.py, ``CPRConfig`` in
+beside the code that reads it (``ModelSection`` in train/models/loading.py, ``CPRConfig`` in
 rewards/cpr.py, ``CurriculumSection`` in curricula/schedule.py, ...); the ones whose code
 subclasses transformers' or TRL's classes (validation, stability, dynamic sampling) are defined
 here, and ``RunConfig`` composes them all.
@@ -40,21 +40,21 @@ from crystal_grpo.metrics import names as metric_names
 from crystal_grpo.paths import expand_config_paths, name_problem, user_path
 from crystal_grpo.rewards import REWARDS, RewardConfig, RewardModule, reward_class
 from crystal_grpo.rewards.step_credit import StepCreditConfig
-from crystal_grpo.train.config.training_section import (
-    newer_field_type,
+from crystal_grpo.train.config.refusals import (
+    aggregation_refused,
+    dynamic_sampling_refused,
+    liger_refused,
     remove_unused_columns_refused,
-    training_field_types,
+    training_refused,
 )
-from crystal_grpo.train.config.trl_fields import training_refused
+from crystal_grpo.train.config.training_section import newer_field_type, training_field_types
 from crystal_grpo.train.data.splits import DataSection
-from crystal_grpo.train.models.policy import LoraSection, ModelSection  # noqa: F401 - part of the run config
+from crystal_grpo.train.models.generation import vllm_problem
+from crystal_grpo.train.models.loading import LoraSection, ModelSection  # noqa: F401 - part of the run config
 from crystal_grpo.train.models.vision import VisionSection  # noqa: F401 - part of the run config
-from crystal_grpo.train.pcgrad.memory import aggregation_refused, liger_refused
 from crystal_grpo.typed import ConfigError, Range, check_value, derived, from_dict, option, to_dict
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-#: Where a user gets vLLM: the tested set (requirements-vllm.lock; docs/training.md, "Generation in vLLM").
-VLLM_SETUP = "on a CUDA GPU machine, make setup-vllm installs the tested vLLM set into .venv-vllm (docs/training.md)"
 #: What trains a phase: TRL's GRPOTrainer, or its SFTTrainer for a supervised warm start.
 TrainerKind = Literal["grpo", "sft"]
 
@@ -124,91 +124,6 @@ class DynamicSamplingSection:
     max_num_gen_batches: int = option(
         3, "refill: generation batches a step at most, the first included (verl's name); 1 is mask.", ge=1
     )
-
-
-def trl_vllm_range() -> str | None:
-    """The vLLM releases the installed TRL supports: its ``vllm`` extra's specifier (None: it has none)."""
-    import importlib.metadata
-
-    from packaging.requirements import Requirement
-
-    for line in importlib.metadata.requires("trl") or []:
-        req = Requirement(line)
-        if req.name == "vllm" and req.marker is not None and req.marker.evaluate({"extra": "vllm"}):
-            return str(req.specifier)
-    return None
-
-
-def vllm_problem() -> str | None:
-    """Why ``training.use_vllm: true`` cannot run with what is installed (metadata only, nothing
-    imported): vLLM missing, or a release outside the installed TRL's supported range."""
-    import importlib.metadata
-    import importlib.util
-
-    from packaging.specifiers import SpecifierSet
-
-    if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed; {VLLM_SETUP}, or set it false to generate with transformers"
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:  # a source checkout on the path: nothing to compare
-        return None
-    supported = trl_vllm_range()
-    if supported and not SpecifierSet(supported).contains(version, prereleases=True):
-        return (
-            f"vLLM {version} is installed and TRL {importlib.metadata.version('trl')} supports vllm{supported}; "
-            f"{VLLM_SETUP}"
-        )
-    return None
-
-
-def dynamic_sampling_refused(
-    section: DynamicSamplingSection,
-    *,
-    pcgrad: bool,
-    scale_rewards: Any,
-    aggregation: str,
-    outcome: str | None,
-    step_credit: bool = False,
-) -> tuple[str, str] | None:
-    """(key, why) when ``section`` cannot work with these settings, else None (the config's
-    check and a trainer built by hand share it). ``outcome``: the reward's outcome component;
-    ``step_credit``: reward.step_credit is on."""
-    if section.mode == "none":
-        return None
-    if section.metric == "outcome" and outcome is None:
-        return (
-            "dynamic_sampling.metric",
-            "'outcome' gates on the reward's accuracy component (the answer's "
-            "correctness), and this reward has none (format, or reward.components without crystal:accuracy); "
-            "use metric: reward",
-        )
-    if section.metric == "objectives" and not pcgrad:
-        return (
-            "dynamic_sampling.metric",
-            "'objectives' filters each of PCGrad's two losses on its own objective and "
-            "needs pcgrad: true; without PCGrad there is one loss, on the total reward (metric: reward)",
-        )
-    if section.metric == "objectives" and step_credit:
-        return (
-            "dynamic_sampling.metric",
-            "'objectives' cannot be combined with reward.step_credit: it judges the reasoning objective's "
-            "groups on its reward components alone, so the groups whose steps vary where those do not (every "
-            "group, with answer-only) would lose the step term; use metric: reward or outcome",
-        )
-    if scale_rewards == "batch" or aggregation == "normalize_then_sum":
-        key, value = (
-            ("training.scale_rewards", "'batch'")
-            if scale_rewards == "batch"
-            else ("training.multi_objective_aggregation", "'normalize_then_sum'")
-        )
-        return (
-            key,
-            f"{value} cannot be combined with dynamic_sampling.mode: {section.mode}: the advantages would be "
-            "scaled by a std over the whole batch, flat groups included, so dropping or replacing those would "
-            "change every other group's advantage; use scale_rewards: group or none (sum_then_normalize)",
-        )
-    return None
 
 
 @dataclass
@@ -303,7 +218,7 @@ class RunConfig:
     """One run: each section is the config class of the code that reads it."""
 
     trainer: TrainerKind = option("grpo", "What trains the run (each phase sets its own as phases[].trainer).")
-    model: ModelSection = option(default_factory=ModelSection, help="The policy (train/models/policy.py).")
+    model: ModelSection = option(default_factory=ModelSection, help="The policy (train/models/loading.py).")
     data: DataSection = option(default_factory=DataSection, help="Training data (train/data/splits.py).")
     reward: RewardSection = option(default_factory=RewardSection, help="The reward (rewards/).")
     curriculum: Union[CurriculumSection, None] = option(

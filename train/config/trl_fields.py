@@ -16,7 +16,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 Kind = Literal["passes", "adapted", "refused"]
 
@@ -365,75 +365,6 @@ FIELDS: dict[str, Row] = _one_row_each(
         ),
     },
 )
-
-
-def off_policy_mask_refused(threshold: object) -> tuple[str, str] | None:
-    """(key, why) when PCGrad cannot honour TRL's off-policy sequence mask, else None (the config's check and
-    the PCGrad trainer share it)."""
-    if threshold is None:
-        return None
-    return (
-        "training.off_policy_mask_threshold",
-        f"{threshold!r} cannot be combined with pcgrad: true: TRL drops a sequence by its advantage's sign, and "
-        "PCGrad's objective parts of one advantage can differ in sign, so each objective would drop other sequences; "
-        "unset it or set pcgrad: false",
-    )
-
-
-#: TRL loss types whose gradient is each token's advantage times its log-probability's gradient with the
-#: importance ratio detached, so that a sequence-level ratio still leaves each token its own advantage.
-DETACHED_RATIO = frozenset({"cispo", "vespo"})
-
-
-def step_credit_refused(importance_sampling_level: object, loss_type: object) -> tuple[str, str] | None:
-    """(key, why) when TRL's loss cannot give each token its own advantage (``reward.step_credit``),
-    else None (the config's check and the trainer share it)."""
-    if importance_sampling_level != "sequence" or loss_type in DETACHED_RATIO:
-        return None
-    return (
-        "training.importance_sampling_level",
-        f"'sequence' cannot be combined with reward.step_credit and loss_type {loss_type!r}: the loss's gradient "
-        "then flows through one importance ratio a sequence, which weighs every token by the mean of the "
-        "sequence's advantages, so a step's credit would reach every token of its completion alike; use 'token', "
-        f"a loss_type of {sorted(DETACHED_RATIO)}, or set reward.step_credit.weight: 0",
-    )
-
-
-def training_refused(
-    training: dict[str, Any],
-    *,
-    pcgrad: bool,
-    beta: float,
-    loss_type: str,
-    lora: bool,
-    curriculum: bool,
-    step_credit: bool = False,
-) -> tuple[str, str] | None:
-    """(key, why) for a ``training`` value of a GRPO phase that this trainer cannot honour with the
-    run's other settings (the table's refused rows that have no older home), else None."""
-    refused = (pcgrad and off_policy_mask_refused(training.get("off_policy_mask_threshold"))) or (
-        step_credit and step_credit_refused(training.get("importance_sampling_level"), loss_type)
-    )
-    if refused:
-        return refused
-    if training.get("sync_ref_model") and (beta == 0 or lora):
-        why = (
-            "beta is 0, so there is no reference model to sync"
-            if beta == 0
-            else "with model.lora the reference is the base model under the adapter, which TRL cannot sync"
-        )
-        return "training.sync_ref_model", f"true, but {why} (TRL refuses it once the model has loaded)"
-    if training.get("save_on_each_node"):
-        return (
-            "training.save_on_each_node",
-            "true, but a checkpoint is one folder that every node's processes save into: put the run folder on a "
-            "file system every node shares",
-        )
-    if training.get("shuffle_dataset") is False and curriculum:
-        return "training.shuffle_dataset", "false, but the curriculum orders the prompts; remove it"
-    if pcgrad and training.get("fsdp"):
-        return "training.fsdp", f"{training['fsdp']!r}: pcgrad runs on one process, DDP and DeepSpeed ZeRO-3, not FSDP"
-    return None
 
 
 # --------------------------------------------------------------------------- docs/training.md

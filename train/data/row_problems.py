@@ -29,7 +29,7 @@ def row_problems(
 ) -> list[str]:
     """What is wrong with one row (empty when it is fine). Without ``require_references`` a row
     may lack reference steps (what ``build_references`` fills in); given ones are still checked.
-    ``special_tokens``: the model's (train/models/policy.py), which the prompt's text must not hold."""
+    ``special_tokens``: the model's (train/models/loading.py), which the prompt's text must not hold."""
     if isinstance(row, Unreadable):
         return [row.problem]
     if not isinstance(row, dict):

@@ -2,7 +2,8 @@
 
 The prompt is exactly what GRPO generates from (the row's conversational ``prompt`` through
 the chat template, images through TRL's multimodal message preparation), so a validation
-or evaluation score measures the policy that was trained, not a different prompt.
+or evaluation score measures the policy that was trained, not a different prompt. Whether TRL's vLLM
+path can run with what is installed: :func:`vllm_problem`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,45 @@ if TYPE_CHECKING:  # torch loads with the first generation: a command's --help n
     import torch
 
 from crystal_grpo.typed import ConfigError
+
+#: Where a user gets vLLM: the tested set (requirements-vllm.lock; docs/training.md, "Generation in vLLM").
+VLLM_SETUP = "on a CUDA GPU machine, make setup-vllm installs the tested vLLM set into .venv-vllm (docs/training.md)"
+
+
+def trl_vllm_range() -> str | None:
+    """The vLLM releases the installed TRL supports: its ``vllm`` extra's specifier (None: it has none)."""
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    for line in importlib.metadata.requires("trl") or []:
+        req = Requirement(line)
+        if req.name == "vllm" and req.marker is not None and req.marker.evaluate({"extra": "vllm"}):
+            return str(req.specifier)
+    return None
+
+
+def vllm_problem() -> str | None:
+    """Why ``training.use_vllm: true`` cannot run with what is installed (metadata only, nothing
+    imported): vLLM missing, or a release outside the installed TRL's supported range."""
+    import importlib.metadata
+    import importlib.util
+
+    from packaging.specifiers import SpecifierSet
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed; {VLLM_SETUP}, or set it false to generate with transformers"
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout on the path: nothing to compare
+        return None
+    supported = trl_vllm_range()
+    if supported and not SpecifierSet(supported).contains(version, prereleases=True):
+        return (
+            f"vLLM {version} is installed and TRL {importlib.metadata.version('trl')} supports vllm{supported}; "
+            f"{VLLM_SETUP}"
+        )
+    return None
 
 
 @dataclass

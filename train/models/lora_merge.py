@@ -107,16 +107,3 @@ def _merging(model, method):
             return method(*args, **kwargs)
 
     return merged
-
-
-class MergedGenerationMixin:
-    """``GRPOTrainer._generate_single_turn`` with TRL's ``generate`` call through merged LoRA adapters
-    (``self.merge_lora_for_generation``, the trainer's ``merge_lora_for_generation=``, which
-    validation reads too): the merge has to happen inside TRL's context, where ZeRO-3 weights
-    are gathered (:func:`merged_generate`)."""
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        with merged_generate(self.accelerator.unwrap_model(self.model_wrapped), self.merge_lora_for_generation):
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )

@@ -21,7 +21,7 @@ from crystal_grpo.distributed import accelerate_state, barrier, even_share, gath
 from crystal_grpo.errors import CrystalError
 from crystal_grpo.jsonl import Unreadable, atomic_write_text, iter_jsonl
 from crystal_grpo.rewards.parsing import ParsedOutput
-from crystal_grpo.train.models.generation import Engine, Sampling
+from crystal_grpo.train.models.generation import VLLM_SETUP, Engine, Sampling
 
 PREDICTIONS = "predictions.jsonl"
 Backend = Literal["auto", "hf", "vllm"]
@@ -203,8 +203,6 @@ def generate_with_vllm(
 
         from crystal_grpo.train.data.splits import prompt_text
     except ImportError as err:
-        from crystal_grpo.train.config.run_config import VLLM_SETUP
-
         raise PredictionError(f"--backend vllm: vLLM is not installed; {VLLM_SETUP}") from err
     if (Path(model_path) / "adapter_config.json").is_file():
         raise PredictionError(

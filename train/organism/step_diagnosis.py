@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from crystal_grpo.jsonl import read_jsonl
+from crystal_grpo.stats import contrast_rows, finite_mean
 from crystal_grpo.train.organism.task import stated_result
 from crystal_grpo.train.run.layout import samples_file
 
@@ -115,29 +116,24 @@ def score(texts: Sequence[str], rows: Sequence[Mapping]) -> list[dict]:
     return out
 
 
-def _mean(xs: Iterable[float | None]) -> float:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
 def summarize(scored: Sequence[dict]) -> dict[str, float]:
     """One group of :func:`score`'s completions: the :data:`SUMMARY` numbers."""
     right, wrong = [s for s in scored if s["correct"] > 0], [s for s in scored if s["correct"] <= 0]
-    acc = _mean(s["correct"] for s in scored)
+    acc = finite_mean(s["correct"] for s in scored)
     model = slip_model_f1(acc, [s["k"] for s in scored])
-    f1 = _mean(s["f1"] for s in scored)
-    copies = _mean(s["copies_hint"] for s in scored)
+    f1 = finite_mean(s["f1"] for s in scored)
+    copies = finite_mean(s["copies_hint"] for s in scored)
     return {
         "n": len(scored),
         "accuracy": acc,
         "f1": f1,
-        "f1_correct": _mean(s["f1"] for s in right),
-        "f1_wrong": _mean(s["f1"] for s in wrong),
-        "precision": _mean(s["precision"] for s in scored),
-        "recall": _mean(s["recall"] for s in scored),
-        "steps": _mean(s["steps"] for s in scored),
-        "steps_per_ref": _mean(s["steps"] / s["k"] for s in scored),
-        "answer_is_last": _mean(s["answer_is_last"] for s in scored),
+        "f1_correct": finite_mean(s["f1"] for s in right),
+        "f1_wrong": finite_mean(s["f1"] for s in wrong),
+        "precision": finite_mean(s["precision"] for s in scored),
+        "recall": finite_mean(s["recall"] for s in scored),
+        "steps": finite_mean(s["steps"] for s in scored),
+        "steps_per_ref": finite_mean(s["steps"] / s["k"] for s in scored),
+        "answer_is_last": finite_mean(s["answer_is_last"] for s in scored),
         "copies_hint": copies,
         "holds": float(copies < HOLD_BELOW) if math.isfinite(copies) else math.nan,
         "slip_f1": model,
@@ -247,65 +243,9 @@ def sweep_table(sweep, folder: str = "eval") -> dict[str, dict[str, dict[str, tu
 
 
 def contrast_table(sweep, alpha: float = 0.05) -> list[dict]:
-    """The sweep's pre-registered ``contrasts`` read from its points' evaluations (:func:`contrast_rows`)."""
+    """The sweep's pre-registered ``contrasts`` read from its points' evaluations (crystal_grpo/stats.py's
+    ``contrast_rows``)."""
     return contrast_rows(sweep.contrasts, lambda folder: per_seed(sweep, folder), alpha)
-
-
-def contrast_rows(
-    contrasts: Sequence[Mapping[str, str]], seeds_of: Callable[[str], Mapping[str, list]], alpha: float = 0.05
-) -> list[dict]:
-    """Pre-registered contrasts (b minus a over the per-seed values; ``seeds_of(eval)`` gives each arm's
-    runs by variant, as :func:`per_seed`), Holm-corrected within each ``family``. A Welch contrast has its
-    t-interval at 95% and at 1 - alpha/m (Bonferroni over the family's m contrasts: simultaneous, so it
-    covers what Holm rejects), the exact permutation p beside Welch's, and the seeds per arm a
-    difference of its size needs at alpha/m (Holm's first threshold). A Fisher contrast reads a yes/no
-    number per seed (:data:`BINARY`): the counts, each rate's exact interval at 1 - alpha/m, and
-    Fisher's exact p."""
-    from crystal_grpo.train.tools.stats import fisher_test, holm, permutation_test, seed_test
-
-    cache: dict[str, Mapping[str, list]] = {}
-    sizes = {f: sum(c.get("family", "primary") == f for c in contrasts) for f in _families(contrasts)}
-    rows = []
-    for c in contrasts:
-        family = c.get("family", "primary")
-        level = alpha / sizes[family]
-        seeds = cache.setdefault(c["eval"], seeds_of(c["eval"]))
-        a, b = (
-            [run[c["variant"]][c["metric"]] for run in seeds.get(arm, []) if c["variant"] in run]
-            for arm in (c["a"], c["b"])
-        )
-        row = {**c, "family": family, "test": c.get("test", "welch"), "seeds": (len(a), len(b))}
-        row.update({"mean_a": _mean(a), "mean_b": _mean(b), "m": sizes[family], "alpha_adjusted": level})
-        if row["test"] == "fisher":
-            test = fisher_test(a, b, level)
-            row.update(
-                diff=test.diff, p=test.p, yes=(test.yes_a, test.yes_b), rate_a=test.interval_a, rate_b=test.interval_b
-            )
-            row["seeds_needed"] = _rate_seeds_needed(row["mean_a"], row["mean_b"], level)
-        else:
-            test, wide = seed_test(a, b), seed_test(a, b, level)
-            row.update(diff=test.diff, low=test.low, high=test.high, p=test.p, p_perm=permutation_test(a, b))
-            row.update(low_adjusted=wide.low, high_adjusted=wide.high, seeds_needed=wide.seeds_needed)
-        rows.append(row)
-    for family in sizes:
-        members = [r for r in rows if r["family"] == family]
-        for row, adjusted in zip(members, holm([r["p"] for r in members])):
-            row["p_holm"] = adjusted
-    return rows
-
-
-def _families(contrasts: Sequence[Mapping]) -> list[str]:
-    return list(dict.fromkeys(c.get("family", "primary") for c in contrasts))
-
-
-def _rate_seeds_needed(rate_a: float, rate_b: float, alpha: float, power: float = 0.8) -> int | None:
-    """Seeds per arm to tell two rates apart (the arcsine approximation; with 0 or 1 it is rough)."""
-    from scipy.stats import norm
-
-    if not (math.isfinite(rate_a) and math.isfinite(rate_b)) or rate_a == rate_b:
-        return None
-    h = abs(2 * math.asin(math.sqrt(rate_b)) - 2 * math.asin(math.sqrt(rate_a)))
-    return max(2, math.ceil(((norm.ppf(1 - alpha / 2) + norm.ppf(power)) / h) ** 2))
 
 
 def contrasts_markdown(rows: Sequence[Mapping]) -> str:

@@ -8,15 +8,11 @@ the TRL hooks train/pcgrad/trainer.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
 from crystal_grpo.rewards.base import OBJECTIVES
-
-#: A group whose total reward's std is at most this is flat for the objective split: float32
-#: rounding of rewards of order 1 (what TRL holds them in) leaves a few 1e-8, far below it.
-FLAT_TOTAL_STD = 1e-6
+from crystal_grpo.train.trainer.groups import group_flat, nanstd, weighted_reward
 
 
 def pcgrad_coefficients(dot: float, sq_acc: float, sq_reason: float, eps: float = 1e-12) -> tuple[float, float]:
@@ -62,32 +58,6 @@ def project_conflicting(g_acc: torch.Tensor, g_reason: torch.Tensor, eps: float 
     return acc + reason, cos
 
 
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """TRL's ``nanstd`` (Bessel-corrected, NaN-aware); NaN with fewer than two values."""
-    from trl.trainer.utils import nanstd
-
-    return nanstd(x, dim=dim) if dim is not None else nanstd(x)
-
-
-def weighted_reward(rewards_per_func: torch.Tensor, weights: torch.Tensor, columns: Sequence[bool]) -> torch.Tensor:
-    """``[N]`` float64: the weighted sum of the chosen columns of TRL's ``[N, F]`` rewards, NaN
-    (not applicable) counting 0 as in TRL's ``nansum``; NaN on rows no function scored. The
-    total reward with every column, an objective's part with its own."""
-    r = rewards_per_func.double() * weights.double().to(rewards_per_func.device).unsqueeze(0)
-    mask = torch.tensor(list(columns), dtype=torch.bool, device=r.device)
-    s = r[:, mask].nansum(dim=1) if bool(mask.any()) else torch.zeros(len(r), dtype=r.dtype, device=r.device)
-    s[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
-    return s
-
-
-def group_flat(values: torch.Tensor, num_generations: int, min_std: float = 0.0) -> torch.Tensor:
-    """``[N]`` rewards in groups of ``num_generations`` -> ``[N / G]`` bool: the group's std is at
-    most ``min_std`` or :data:`FLAT_TOTAL_STD` (NaN, a group with fewer than two scored rows: flat).
-    The one rule for PCGrad's objective split and for dynamic sampling."""
-    std = _nanstd(values.view(-1, num_generations), dim=1)
-    return ~(std > max(min_std, FLAT_TOTAL_STD))
-
-
 def objective_advantages(
     rewards_per_func: torch.Tensor,
     objectives: list[str],
@@ -104,7 +74,7 @@ def objective_advantages(
     advantage recomputed; each part is its objective's weighted component sum (NaN as 0, like
     TRL's ``nansum``) minus its group mean, over the total reward's ``std + 1e-4`` as TRL
     scales (per ``scale_rewards``), so ``adv_acc + adv_reason == adv_total``. Unscorable rows
-    get 0, as in TRL. A group with a flat total (std at most :data:`FLAT_TOTAL_STD`) gets half
+    get 0, as in TRL. A group with a flat total (``group_flat``, train/trainer/groups.py) gets half
     its total advantage in each part, not parts of ~1e4 times their deviations
     (docs/training.md, "PCGrad"). With ``objective_std`` each part is divided by its own std
     instead; the parts then no longer add up to TRL's.
@@ -121,9 +91,9 @@ def objective_advantages(
 
     def std_of(x: torch.Tensor) -> torch.Tensor:
         if scale_rewards == "batch":
-            return _nanstd(x).expand_as(x) if x.numel() > 1 else torch.zeros_like(x)
+            return nanstd(x).expand_as(x) if x.numel() > 1 else torch.zeros_like(x)
         if G > 1:
-            return _nanstd(x.view(-1, G), dim=1).repeat_interleave(G)
+            return nanstd(x.view(-1, G), dim=1).repeat_interleave(G)
         return torch.zeros_like(x)
 
     def centred(x: torch.Tensor) -> torch.Tensor:

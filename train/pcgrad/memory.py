@@ -1,4 +1,5 @@
-"""How much memory PCGrad adds, and where it cannot run: answers for a config, without torch.
+"""How much memory PCGrad adds: answers for a config, without torch (where it cannot run:
+train/config/refusals.py).
 
 At the optimizer step PCGrad needs the accuracy and the reasoning gradient summed over the
 accumulation window and kept apart, plus the unprojected rest (KL penalty, entropy bonus, aux
@@ -16,14 +17,6 @@ from dataclasses import dataclass
 ACCURACY, REASONING, REST = "accuracy", "reasoning", "rest"
 #: Elements per chunk where PCGrad converts between a bf16 storage and an fp32 row: 64 MiB in fp32.
 CHUNK_ELEMENTS = 1 << 24
-
-#: Why PCGrad refuses DeepSpeed ZeRO-1/2 (printed by ``train/grpo.py --check``; the trainer says the same).
-ZERO12_REFUSED = (
-    "pcgrad: true cannot run under DeepSpeed ZeRO-{stage}: ZeRO-1/2 expose a rank's reduced gradient partition "
-    "only at the accumulation boundary (DeepSpeed's averaged_gradients), not after each of PCGrad's backward "
-    "passes, so the accuracy and reasoning gradients cannot be kept apart; use ZeRO-3 "
-    "(configs/accelerate/zero3.json, on one or two GPUs too), DDP, or pcgrad: false"
-)
 
 
 @dataclass(frozen=True)
@@ -67,33 +60,3 @@ def pcgrad_extra_partitions(
     """
     rest = beta != 0 or entropy_bonus or aux_loss
     return pcgrad_plan(gradient_accumulation_steps, rest, fp32_gradients).extra_partitions
-
-
-#: Why PCGrad refuses ``use_liger_kernel`` (the config's check, and the trainer's before TRL patches the model).
-LIGER_REFUSED = (
-    "pcgrad: true cannot be combined with use_liger_kernel: PCGrad runs several backward passes "
-    "through one retained graph, and Liger's fused Triton kernels are neither verified for that nor "
-    "testable without a GPU here. Set one of them off."
-)
-
-
-def liger_refused(use_liger_kernel: object) -> tuple[str, str] | None:
-    """(key, why) when PCGrad cannot run with ``use_liger_kernel``, else None (the config's check
-    and a trainer built by hand share it)."""
-    return ("training.use_liger_kernel", LIGER_REFUSED) if use_liger_kernel else None
-
-
-def aggregation_refused(aggregation: str) -> tuple[str, str] | None:
-    """(key, why) when PCGrad cannot run with this ``multi_objective_aggregation``, else None."""
-    if aggregation == "sum_then_normalize":
-        return None
-    return (
-        "training.multi_objective_aggregation",
-        f"{aggregation!r} cannot be combined with pcgrad: true (the objective advantages are the parts of TRL's "
-        "summed advantage, sum_then_normalize)",
-    )
-
-
-def zero_stage_problem(stage: object) -> str | None:
-    """Why PCGrad cannot run under this DeepSpeed ZeRO stage, or None."""
-    return ZERO12_REFUSED.format(stage=stage) if stage in (1, 2, "1", "2") else None

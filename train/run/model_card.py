@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 CARD_TAG = "crystal-grpo"
 
 
-def _base_model(trainer) -> str:
-    config = getattr(trainer.model, "config", None)
+def base_model_of(model) -> str:
+    """The model's origin as transformers recorded it (a hub id or a folder; empty when unknown)."""
+    config = getattr(model, "config", None)
     return str(getattr(config, "_name_or_path", "") or "")
 
 
@@ -120,40 +121,29 @@ def is_run_card(path: Path) -> bool:
     return isinstance(tags, list) and CARD_TAG in tags
 
 
-def write_model_card(trainer, model_name: str | None = None) -> Path | None:
-    """The run's card in its (phase) folder, unless a README.md there is someone else's (None)."""
-    out = Path(trainer.args.output_dir) / MODEL_CARD
-    ours = out.is_file() and not out.is_symlink() and is_run_card(out)
-    if (out.exists() or out.is_symlink()) and not ours:
-        if not getattr(trainer, "_card_kept", False):
-            logger.warning(
-                "%s: not the run's model card (no %r tag), so it is left as it is and no card is written",
-                out,
-                CARD_TAG,
-            )
-            trainer._card_kept = True
-        return None
-    out.write_text(
-        model_card(
-            _base_model(trainer),
-            model_name or Path(trainer.args.output_dir).name,
-            list(getattr(trainer, "reward_func_names", [])),
-            framework_versions(),
-            getattr(trainer, "_name", "GRPO"),
-        ),
-        encoding="utf-8",
-    )
-    return out
+class RunCard:
+    """The run's card in its (phase) folder ``output_dir``, unless a README.md there is someone else's."""
 
+    def __init__(self, output_dir: str | Path) -> None:
+        self.path = Path(output_dir) / MODEL_CARD
+        self.warned = False  # a README.md that is not ours: said once
 
-class ModelCardMixin:
-    """The trainer's ``create_model_card``: this card (main process) instead of TRL's."""
-
-    def create_model_card(
-        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
-    ) -> None:
-        if self.is_world_process_zero():
-            write_model_card(self, model_name)
+    def write(self, base_model: str, model_name: str, reward_names: list[str], method: str) -> Path | None:
+        """The card (None: the README.md there is someone else's, left as it is)."""
+        out = self.path
+        ours = out.is_file() and not out.is_symlink() and is_run_card(out)
+        if (out.exists() or out.is_symlink()) and not ours:
+            if not self.warned:
+                logger.warning(
+                    "%s: not the run's model card (no %r tag), so it is left as it is and no card is written",
+                    out,
+                    CARD_TAG,
+                )
+                self.warned = True
+            return None
+        text = model_card(base_model, model_name, reward_names, framework_versions(), method)
+        out.write_text(text, encoding="utf-8")
+        return out
 
 
 # --- the card of an exported checkpoint -------------------------------------------------

@@ -142,7 +142,7 @@ def generate_trajectories(req: BuildRequest, name: str, ds, folder: Path) -> Non
         return
     from transformers import set_seed
 
-    from crystal_grpo.train.models.policy import ModelSection, load_checkpoint, load_policy
+    from crystal_grpo.train.models.loading import ModelSection, load_checkpoint, load_policy
 
     set_seed(req.seed)
     if Path(name).is_dir():

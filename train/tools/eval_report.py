@@ -20,8 +20,8 @@ from crystal_grpo.curricula.complexity import complexity_tier, step_count
 from crystal_grpo.jsonl import atomic_write_text
 from crystal_grpo.metrics import per_completion as row_metrics
 from crystal_grpo.metrics import spec
-from crystal_grpo.train.tools.stats import bootstrap_ci, seed_test, two_level_ci
-from crystal_grpo.train.tools.stats import nanmean as _nanmean
+from crystal_grpo.stats import bootstrap_ci, seed_test, two_level_ci
+from crystal_grpo.stats import nanmean as _nanmean
 
 #: Reference-step-count buckets (CRYSTAL's references have 3-42 steps, mean 11.6).
 STEP_BUCKETS = ((1, 2), (3, 5), (6, 10), (11, 20), (21, None))

@@ -30,7 +30,7 @@ from crystal_grpo.rewards.alignment_view import ViewRow, alignment_rows, questio
 from crystal_grpo.rewards.base import RewardModule
 from crystal_grpo.rewards.step_credit import StepCreditConfig
 from crystal_grpo.train.models.generation import Sampling
-from crystal_grpo.train.models.policy import from_pretrained_kwargs, recorded_model
+from crystal_grpo.train.models.loading import from_pretrained_kwargs, recorded_model
 from crystal_grpo.train.models.predictions import (
     PREDICTIONS,
     Backend,
@@ -303,7 +303,7 @@ def evaluate(req: EvalRequest) -> dict | None:
         else:
             from transformers import set_seed
 
-            from crystal_grpo.train.models.policy import load_checkpoint
+            from crystal_grpo.train.models.loading import load_checkpoint
 
             set_seed(req.seed + rank)  # sampled completions are reproducible
             from crystal_grpo.train.models.generation import Engine

@@ -32,7 +32,7 @@ from typing import Literal
 from crystal_grpo.errors import CrystalError, some_of
 from crystal_grpo.jsonl import iter_jsonl, read_json
 from crystal_grpo.paths import user_path
-from crystal_grpo.train.models.policy import (
+from crystal_grpo.train.models.loading import (
     ModelSection,
     Source,
     from_pretrained_kwargs,
@@ -144,7 +144,7 @@ def inspect_checkpoint(path: str | Path) -> Checkpoint:
 
 def resolve_base(ckpt: Checkpoint, override: str | None = None) -> str:
     """The LoRA base (``--base_model`` or the adapter config's path, resolved from here)."""
-    from crystal_grpo.train.models.policy import ModelLoadError, adapter_base
+    from crystal_grpo.train.models.loading import ModelLoadError, adapter_base
 
     try:
         return adapter_base(ckpt.path, override)
@@ -170,7 +170,7 @@ def default_dtype(raw: dict) -> str:
     return "float32"
 
 
-# --- loading (through train/models/policy.py, as training and evaluation load) ----------------------
+# --- loading (through train/models/loading.py, as training and evaluation load) ----------------------
 def open_model(source: str, section: ModelSection) -> Source:
     """``source`` (the checkpoint, its LoRA base, the exported folder) with the run's load settings:
     remote code, revision, attention, ``from_pretrained`` extras, image resolution."""

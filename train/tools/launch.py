@@ -36,7 +36,7 @@ PRELOAD = (
     "crystal_grpo.train.pcgrad.trainer",
     "crystal_grpo.train.trainer.callbacks",
     "crystal_grpo.train.trainer.interrupt",
-    "crystal_grpo.train.models.policy",
+    "crystal_grpo.train.models.loading",
     "crystal_grpo.train.data.splits",
     "crystal_grpo.train.run.plot",
     "crystal_grpo.train.tools.evaluate",

@@ -22,15 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crystal_grpo.errors import CrystalError
+from crystal_grpo.stats import contrast_rows, rate_interval
 from crystal_grpo.train.organism.step_diagnosis import (
     BINARY,
     LABELS,
     SUMMARY,
-    contrast_rows,
     contrasts_markdown,
     per_seed_named,
 )
-from crystal_grpo.train.tools.stats import rate_interval
 
 COLUMNS = ("arm", "seed", "eval", "variant", *SUMMARY)
 #: ``<!-- results NAME TABLE -->`` ... ``<!-- /results -->`` in a markdown file.

@@ -5,7 +5,7 @@ can be made at any time from whatever has finished: the best checkpoint's valida
 the reward-weight diagnostics the trainer logs, the grad-norm trend and whether a run diverged,
 and with ``eval.data`` the evaluation scores of the final weights (the primary result), every
 arm against the first, paired by row, with intervals that resample seeds and rows
-(train/tools/stats.py). The columns: docs/experiments.md.
+(crystal_grpo/stats.py). The columns: docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -152,10 +152,10 @@ PAIRED = ("accuracy", "f1", "ordered_f1", "format_rate", "steps_mean")
 
 def paired_on_eval(sweep: Sweep, arms: list[str], bootstrap: int = 1000, seed: int = 0) -> dict[str, Any] | None:
     """Every arm against the first on the evaluation rows, paired by row: the difference of the
-    means with a 95% interval that resamples each arm's seeds, then rows (train/tools/stats.py), a
+    means with a 95% interval that resamples each arm's seeds, then rows (crystal_grpo/stats.py), a
     Welch test on the per-seed means, and the seeds a difference of that size would need."""
+    from crystal_grpo.stats import seed_test, two_level_ci
     from crystal_grpo.train.tools.eval_report import load_scored
-    from crystal_grpo.train.tools.stats import seed_test, two_level_ci
 
     per_arm = {}
     for arm in arms:

@@ -1,4 +1,4 @@
-"""CrystalGRPOTrainer: TRL's GRPOTrainer with this project's hooks, one mixin a concern."""
+"""CrystalGRPOTrainer: TRL's GRPOTrainer with this project's hooks, each a call on an object of its own."""
 
 
 def __getattr__(name: str):

@@ -9,12 +9,13 @@ metrics: docs/training.md, "Groups whose rewards do not vary".
 
 How a group leaves the loss: TRL 1.16's ``_compute_loss`` weighs every token by
 ``completion_mask * tool_mask``; a dropped group's rows get ``tool_mask`` 0 (attention, so the
-forward pass, stays as it was: PCGrad's losses share one forward).
+forward pass, stays as it was: PCGrad's losses share one forward), and a row-mean loss type gets the
+``loss_scale`` by which the trainer scales its surrogate and KL term. :class:`DynamicSampler` is all
+of it; the trainer calls :meth:`DynamicSampler.batch` for each generation batch of a training step.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,8 +23,9 @@ import numpy as np
 import torch
 
 from crystal_grpo.rewards.base import OBJECTIVES
-from crystal_grpo.train.config.run_config import DynamicSamplingSection, dynamic_sampling_refused
-from crystal_grpo.train.pcgrad.math import group_flat, weighted_reward
+from crystal_grpo.train.config.run_config import DynamicSamplingSection
+from crystal_grpo.train.trainer.groups import group_flat, weighted_reward
+from crystal_grpo.train.trainer.reward_evaluation import Evaluation
 from crystal_grpo.train.trainer.step_credit import STEP_FIELD
 
 #: Separates the refill draws from the other random streams seeded by the run's seed.
@@ -64,7 +66,7 @@ def kept_groups(
     batch, plus one entry per objective with ``metric: objectives``, where the batch's is their union.
 
     ``rewards_per_func`` is TRL's ``[N, F]`` (NaN: not applicable); each part is the weighted sum
-    of its columns (``train/pcgrad/math.py``'s ``weighted_reward``, as TRL sums them). With
+    of its columns (:func:`weighted_reward`, as TRL sums them). With
     ``metric: outcome`` the groups are judged on ``outcome`` (``[N]``, the answers' correctness) alone.
     """
 
@@ -137,6 +139,13 @@ def merge_rows(
     return out
 
 
+def loss_scale(inputs: dict[str, Any]) -> float:
+    """By how much a micro-batch's row-mean loss scales its surrogate and KL term, so that the masked
+    groups leave its normaliser (1.0: none masked, or a loss type normalised otherwise)."""
+    scale = inputs.get("loss_scale")
+    return 1.0 if scale is None else float(scale)
+
+
 def objective_inputs(inputs: dict[str, Any], objective: str) -> dict[str, Any]:
     """The batch PCGrad's loss for ``objective`` reads: with ``metric: objectives``, that
     objective's own loss mask, normaliser and scale in place of the batch's."""
@@ -144,183 +153,116 @@ def objective_inputs(inputs: dict[str, Any], objective: str) -> dict[str, Any]:
     return {**inputs, **own} if own else inputs
 
 
-class _Discard:
-    """Takes what TRL logs into ``_metrics`` / ``_logs`` (any key, nested) and keeps nothing."""
-
-    def __getitem__(self, key: Any) -> _Discard:
-        return self
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
+#: What one generation round gives the sampler: the round's batch (this process's rows) and its rewards.
+Round = Callable[[list[dict], bool], tuple[dict[str, Any], Evaluation]]
 
 
-@contextlib.contextmanager
-def _instance_patch(obj: Any, name: str, fn: Callable) -> Any:
-    """``obj.name`` is ``fn`` inside (an instance attribute over the class's method)."""
-    had, old = name in vars(obj), vars(obj).get(name)
-    setattr(obj, name, fn)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(obj, name, old)
-        else:
-            delattr(obj, name)
+class DynamicSampler:
+    """Flat groups of a training step's generation batch, masked or refilled (module docstring).
 
+    ``reward_weights``, ``objectives`` and ``num_generations`` are the trainer's (TRL's columns and
+    their objectives); ``pool(step)`` the rows a refill may draw at optimizer step ``step`` (the
+    curriculum's pool, or every row of ``dataset``); ``pad_token_id`` pads refilled rows."""
 
-# --------------------------------------------------------------------------- trainer hooks
-class DynamicSamplingMixin:
-    """The hooks of ``dynamic_sampling`` for ``GRPOTrainer`` (module docstring). Between TRL and
-    the batch: the generation of a step (``_prepare_inputs``, every round through the trainer's
-    own ``_generate_and_score_completions``, PCGrad's split included) and the loss's scale
-    (``_compute_loss``)."""
-
-    dynamic_sampling: DynamicSamplingSection | None = None
-
-    def setup_dynamic_sampling(self, section: DynamicSamplingSection | None) -> None:
-        """Check ``section`` against the trainer (after TRL's ``__init__``) and switch it on."""
-        if section is None or section.mode == "none":
-            self.dynamic_sampling = None
-            return
-        refused = dynamic_sampling_refused(
-            section,
-            pcgrad=bool(getattr(self, "pcgrad", False)),
-            scale_rewards=self.scale_rewards,
-            aggregation=self.multi_objective_aggregation,
-            outcome=self.reward_outcome,
-            step_credit=bool(getattr(self, "step_credit_weight", 0.0)),
-        )
-        if refused:
-            raise ValueError(f"{refused[0]}: {refused[1]}")
-        if self.loss_type not in ROW_MEAN | TOKEN_COUNT | MICRO_BATCH_TOKEN_MEAN:
+    def __init__(
+        self,
+        section: DynamicSamplingSection,
+        *,
+        num_generations: int,
+        reward_weights: torch.Tensor,
+        objectives: Sequence[str | None],
+        loss_type: str,
+        accelerator: Any,
+        dataset: Any,
+        local_batch: int,
+        seed: int,
+        pool: Callable[[int], Sequence[int]],
+        pad_token_id: int | None,
+    ) -> None:
+        if loss_type not in ROW_MEAN | TOKEN_COUNT | MICRO_BATCH_TOKEN_MEAN:
             raise ValueError(
-                f"dynamic_sampling: loss_type {self.loss_type!r} is not one whose normaliser this "
+                f"dynamic_sampling: loss_type {loss_type!r} is not one whose normaliser this "
                 "project knows (train/trainer/dynamic_sampling.py); use mode: none"
             )
         if section.mode == "refill":
-            local = self.args.per_device_train_batch_size * self.args.steps_per_generation
-            if local % self.num_generations:
+            if local_batch % num_generations:
                 raise ValueError(
                     f"dynamic_sampling.mode: refill keeps each group on the process that generated it, so each "
-                    f"process's generation batch (per_device_train_batch_size x steps_per_generation = {local}) "
-                    f"must hold whole groups of num_generations={self.num_generations}; use mode: mask"
+                    f"process's generation batch (per_device_train_batch_size x steps_per_generation = {local_batch}) "
+                    f"must hold whole groups of num_generations={num_generations}; use mode: mask"
                 )
-            columns = set(getattr(self.train_dataset, "column_names", None) or [])
-            if not hasattr(self.train_dataset, "__getitem__") or not hasattr(self.train_dataset, "__len__"):
+            if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
                 raise ValueError("dynamic_sampling.mode: refill draws rows by index: give a map-style train_dataset")
-            if columns & {"image", "images"}:
+            if set(getattr(dataset, "column_names", None) or []) & {"image", "images"}:
                 raise ValueError(
                     "dynamic_sampling.mode: refill does not support image inputs (their batch fields "
                     "cannot be merged across generation rounds); use mode: mask"
                 )
-        self.dynamic_sampling = section
+        self.section, self.num_generations, self.reward_weights = section, num_generations, reward_weights
+        self.objectives, self.loss_type, self.accelerator = list(objectives), loss_type, accelerator
+        self.dataset, self.seed, self.pool, self.pad_token_id = dataset, seed, pool, pad_token_id
 
-    # -- the generation batch -------------------------------------------------------------
-    def _prepare_inputs(self, generation_batch):
-        if self.dynamic_sampling is None or not self.model.training:
-            return super()._prepare_inputs(generation_batch)
-        generate = self._generate_and_score_completions  # the whole chain (PCGrad's split too)
-        with _instance_patch(self, "_generate_and_score_completions", lambda batch: self._sampled(batch, generate)):
-            return super()._prepare_inputs(generation_batch)
-
-    def _scored(self, batch: list[dict], generate: Callable, quiet: bool) -> tuple[dict, torch.Tensor]:
-        """One generation round: TRL's output and what judges its groups, global: the ``[N, F]``
-        rewards, with the outcome (``[N]``) as one more column under ``metric: outcome``. ``quiet``:
-        the round's metrics and completions are not logged (TRL's describe the first round only)."""
-        seen = {}
-        calculate = self._calculate_rewards
-
-        def record(*args: Any, **kwargs: Any) -> torch.Tensor:
-            seen["rewards"] = calculate(*args, **kwargs)
-            return seen["rewards"]
-
-        logs = self._metrics, self._logs
-        if quiet:
-            self._metrics = self._logs = _Discard()
-        try:
-            with _instance_patch(self, "_calculate_rewards", record):
-                out = generate(batch)
-        finally:
-            self._metrics, self._logs = logs
-        scores = seen["rewards"]
-        if self.dynamic_sampling.metric == "outcome":
-            scores = torch.cat([scores, self.last_outcome.to(scores).unsqueeze(1)], dim=1)
-        return out, scores
-
-    def _kept(self, scores: torch.Tensor) -> dict[str, torch.Tensor]:
-        cfg = self.dynamic_sampling
-        if cfg.metric == "outcome":
-            scores, outcome = scores[:, :-1], scores[:, -1]
-        else:
-            outcome = None
-        return kept_groups(
-            scores, self.reward_weights, self.reward_objectives, self.num_generations, cfg.min_std, cfg.metric, outcome
-        )
-
-    def _sampled(self, batch: list[dict], generate: Callable) -> dict:
-        """The step's generation batch: the first round, refilled (``refill``), then weighed."""
-        cfg, G = self.dynamic_sampling, self.num_generations
-        out, scores = self._scored(batch, generate, quiet=False)
-        kept = self._kept(scores)
+    def batch(self, rows: list[dict], generate: Round, step: int) -> tuple[dict[str, Any], dict[str, float]]:
+        """The generation batch of optimizer step ``step`` from this process's ``rows``: the first round,
+        refilled (``refill``; the later rounds ``generate(rows, quiet=True)``: they log nothing), then
+        weighed; and what the step logs (``dynamic_sampling/*``)."""
+        cfg, G = self.section, self.num_generations
+        out, scores = self._judged(*generate(rows, False))
+        kept = self.kept(scores)
         first = {k: float((~v).double().mean()) for k, v in kept.items()}
         rounds = 1
         if cfg.mode == "refill":
-            n, rank = len(batch), self.accelerator.process_index
+            n, rank = len(rows), self.accelerator.process_index
             while not bool(kept[""].all()) and rounds < cfg.max_num_gen_batches:
-                new, new_scores = self._scored(self._refill_rows(n, rounds), generate, quiet=True)
-                pairs = refill_pairs(~kept[""], self._kept(new_scores)[""], n // G)
-                rows = [(g * G + j, h * G + j) for g, h in pairs for j in range(G)]  # global rows
-                mine = [(a - rank * n, b - rank * n) for a, b in rows if rank * n <= a < (rank + 1) * n]
+                new, new_scores = self._judged(*generate(self.refill_rows(n, rounds, step), True))
+                pairs = refill_pairs(~kept[""], self.kept(new_scores)[""], n // G)
+                moved = [(g * G + j, h * G + j) for g, h in pairs for j in range(G)]  # global rows
+                mine = [(a - rank * n, b - rank * n) for a, b in moved if rank * n <= a < (rank + 1) * n]
                 if mine:
-                    out = merge_rows(
-                        out, new, [a for a, _ in mine], [b for _, b in mine], self._tokenizer.pad_token_id
-                    )
-                if rows:
+                    out = merge_rows(out, new, [a for a, _ in mine], [b for _, b in mine], self.pad_token_id)
+                if moved:
                     scores = scores.clone()
-                    scores[[a for a, _ in rows]] = new_scores[[b for _, b in rows]]
-                    kept = self._kept(scores)
+                    scores[[a for a, _ in moved]] = new_scores[[b for _, b in moved]]
+                    kept = self.kept(scores)
                 rounds += 1
-        self._weigh(out, kept)
-        m = self._metrics["train"]
-        m["dynamic_sampling/frac_flat"].append(first[""])
-        for objective in OBJECTIVES:
-            if objective in first:
-                m[f"dynamic_sampling/frac_flat_{objective}"].append(first[objective])
-        m["dynamic_sampling/frac_masked"].append(float((~kept[""]).double().mean()))
-        m["dynamic_sampling/extra_rounds"].append(float(rounds - 1))
-        m["dynamic_sampling/effective_batch"].append(float(kept[""].sum() * G))
-        return out
+        self.weigh(out, kept)
+        metrics = {"dynamic_sampling/frac_flat": first[""]}
+        metrics.update({f"dynamic_sampling/frac_flat_{o}": first[o] for o in OBJECTIVES if o in first})
+        metrics["dynamic_sampling/frac_masked"] = float((~kept[""]).double().mean())
+        metrics["dynamic_sampling/extra_rounds"] = float(rounds - 1)
+        metrics["dynamic_sampling/effective_batch"] = float(kept[""].sum() * G)
+        return out, metrics
 
-    def _refill_rows(self, n: int, round_: int) -> list[dict]:
+    def _judged(self, out: dict[str, Any], evaluation: Evaluation) -> tuple[dict[str, Any], torch.Tensor]:
+        """A round's batch and what judges its groups, global: the ``[N, F]`` rewards, with the outcome
+        (``[N]``) as one more column under ``metric: outcome``."""
+        scores = evaluation.rewards
+        if self.section.metric == "outcome":
+            scores = torch.cat([scores, evaluation.outcome.to(scores).unsqueeze(1)], dim=1)
+        return out, scores
+
+    def kept(self, scores: torch.Tensor) -> dict[str, torch.Tensor]:
+        cfg = self.section
+        scores, outcome = (scores[:, :-1], scores[:, -1]) if cfg.metric == "outcome" else (scores, None)
+        return kept_groups(
+            scores, self.reward_weights, self.objectives, self.num_generations, cfg.min_std, cfg.metric, outcome
+        )
+
+    def refill_rows(self, n: int, round_: int, step: int) -> list[dict]:
         """This process's ``n`` rows of refill round ``round_``: whole groups of fresh prompts."""
         G, world, rank = self.num_generations, self.accelerator.num_processes, self.accelerator.process_index
         per_process = n // G
-        step = self.state.global_step
-        drawn = refill_draw(self.args.seed, step, round_, self._refill_pool(step), per_process * world)
+        drawn = refill_draw(self.seed, step, round_, self.pool(step), per_process * world)
         rows = []
         for index in drawn[rank * per_process : (rank + 1) * per_process]:
-            row = self.train_dataset[index]
+            row = self.dataset[index]
             rows += [dict(row) for _ in range(G)]  # one dict a completion, as the dataloader gives them
         return rows
 
-    def _refill_pool(self, step: int) -> Sequence[int]:
-        """The rows a refill may draw: the curriculum's pool at ``step`` when there is one, else all."""
-        factory = getattr(self, "sampler_factory", None)
-        sampler = getattr(factory, "sampler", None)
-        if sampler is not None and hasattr(sampler, "available") and hasattr(factory, "chunk_at_step"):
-            return sampler.available(factory.chunk_at_step(step))
-        return range(len(self.train_dataset))
-
-    def _weigh(self, out: dict, kept: dict[str, torch.Tensor]) -> None:
+    def weigh(self, out: dict, kept: dict[str, torch.Tensor]) -> None:
         """Zero weight for the rows of the groups not kept (``tool_mask``, and no step term), the
-        normaliser recounted and the row-mean losses' scale (docs/training.md, the normaliser), for the batch and, with
-        ``metric: objectives``, for each objective (``<field>_<objective>``)."""
+        normaliser recounted and the row-mean losses' scale (docs/training.md, the normaliser), for the batch
+        and, with ``metric: objectives``, for each objective (``<field>_<objective>``)."""
         mask = out["completion_mask"]
         n, rank = mask.shape[0], self.accelerator.process_index
         base = out.get("tool_mask")
@@ -337,17 +279,3 @@ class DynamicSamplingMixin:
         if out.get(STEP_FIELD) is not None:  # a masked group's step term is zero too (reward.step_credit)
             rows = kept[""].repeat_interleave(self.num_generations)[rank * n : (rank + 1) * n]
             out[STEP_FIELD] = out[STEP_FIELD] * rows.to(out[STEP_FIELD]).unsqueeze(1)
-
-    # -- the loss -----------------------------------------------------------------------------
-    def _compute_loss(self, model, inputs):
-        """TRL's loss; with a ``loss_scale`` (row-mean loss types, groups masked) the surrogate
-        and the KL term are scaled by it: the advantages and ``beta`` enter both linearly."""
-        scale = inputs.get("loss_scale")
-        if scale is None or float(scale) == 1.0:
-            return super()._compute_loss(model, inputs)
-        s, beta = float(scale), self.beta
-        self.beta = beta * s
-        try:
-            return super()._compute_loss(model, {**inputs, "advantages": inputs["advantages"] * s})
-        finally:
-            self.beta = beta

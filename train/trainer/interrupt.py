@@ -87,13 +87,3 @@ class GracefulStop(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
-
-
-class GracefulStopMixin:
-    """A trainer that stops, after saving, at the end of the step in which SIGINT/SIGTERM arrived
-    inside ``with trainer.interrupt.handling():`` (``trainer.interrupt``, a :class:`GracefulStop`)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.interrupt = GracefulStop()
-        self.add_callback(self.interrupt)

@@ -14,74 +14,68 @@ import logging
 from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 from crystal_grpo.distributed import all_ranks
 
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteGuardMixin:
-    """``create_optimizer`` with the guard (module docstring); ``log`` adds ``nonfinite_skipped_total``.
-    Before :class:`~crystal_grpo.train.trainer.checkpoint_hooks.CheckpointMixin` in the bases (its count
-    joins the checkpoint state; tests/test_trl_contract.py checks the order)."""
+class NonFiniteGuard(TrainerCallback):
+    """Wraps the optimizer (:meth:`wrap`); as a callback, it asks the trainer to save and stop once
+    ``max_consecutive`` updates in a row were skipped."""
 
-    def __init__(self, *args: Any, max_consecutive_nonfinite: int = 5, **kwargs: Any) -> None:
-        self.max_consecutive_nonfinite = max_consecutive_nonfinite
-        self.nonfinite_skipped = 0
-        self.consecutive_nonfinite = 0
-        self.stopped_nonfinite = False
-        super().__init__(*args, **kwargs)
+    def __init__(self, max_consecutive: int = 5) -> None:
+        self.max_consecutive = max_consecutive
+        self.skipped = 0  #: updates skipped in the whole run (a checkpoint's part)
+        self.consecutive = 0
+        self.stopped = False
+        self._optimizer: Any = None
 
-    def create_optimizer(self, model=None):
-        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
-        if not getattr(optimizer, "_crystal_guarded", False):
-            step = optimizer.step
+    def wrap(self, optimizer: Any, device: Any) -> None:
+        """Guard ``optimizer.step`` (once per optimizer, however often the trainer asks)."""
+        if optimizer is self._optimizer:
+            return
+        self._optimizer, step = optimizer, optimizer.step
 
-            def guarded_step(*args: Any, **kwargs: Any):
-                if self._grads_finite(optimizer):
-                    self.consecutive_nonfinite = 0
-                    return step(*args, **kwargs)
-                self._skip_update(optimizer)
-                return None
+        def guarded_step(*args: Any, **kwargs: Any):
+            if self.finite(optimizer, device):
+                self.consecutive = 0
+                return step(*args, **kwargs)
+            optimizer.zero_grad(set_to_none=True)
+            self.skipped += 1
+            self.consecutive += 1
+            self.stopped = self.stopped or self.consecutive >= self.max_consecutive
+            return None
 
-            optimizer.step = guarded_step
-            optimizer._crystal_guarded = True
-        return optimizer
+        optimizer.step = guarded_step
 
-    def _grads_finite(self, optimizer) -> bool:
+    @staticmethod
+    def finite(optimizer: Any, device: Any) -> bool:
         """All ranks agree: under ZeRO each rank only sees its own gradient partition."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
-            ok = torch.ones((), device=self.accelerator.device)
+            ok = torch.ones((), device=device)
         else:  # reduced on the device: one host sync a step (``.item()`` in all_ranks), not one per parameter
-            device = grads[0].device
-            ok = torch.stack([torch.isfinite(g).all().to(device) for g in grads]).all().float()
+            at = grads[0].device
+            ok = torch.stack([torch.isfinite(g).all().to(at) for g in grads]).all().float()
         return all_ranks(ok)
 
-    def _skip_update(self, optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_skipped += 1
-        self.consecutive_nonfinite += 1
-        self._metrics["train"]["nonfinite_skipped"].append(1.0)
-        logger.warning(
-            "non-finite gradients at step %d: update skipped (%d in a row)",
-            self.state.global_step,
-            self.consecutive_nonfinite,
-        )
-        if self.consecutive_nonfinite >= self.max_consecutive_nonfinite:
-            self.stopped_nonfinite = True
-            self.control.should_save = True
-            self.control.should_training_stop = True
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.consecutive:  # this step's update was skipped
+            logger.warning(
+                "non-finite gradients at step %d: update skipped (%d in a row)", state.global_step, self.consecutive
+            )
+        if self.stopped:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
 
-    def crystal_state(self) -> dict:
-        return {"nonfinite_skipped": self.nonfinite_skipped, **super().crystal_state()}
+    def logs(self) -> dict[str, float]:
+        return {"nonfinite_skipped_total": float(self.skipped)}
 
-    def load_crystal_state(self, state: dict) -> None:
-        super().load_crystal_state(state)
-        self.nonfinite_skipped = state.get("nonfinite_skipped", 0)
+    def state_dict(self) -> int:
+        return self.skipped
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training:
-            logs["nonfinite_skipped_total"] = float(self.nonfinite_skipped)
-            self._metrics["train"].pop("nonfinite_skipped", None)
-        super().log(logs, start_time)
+    def load_state_dict(self, skipped: int) -> None:
+        self.skipped = skipped

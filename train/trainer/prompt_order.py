@@ -1,7 +1,7 @@
 """Which prompts each step trains on: the curriculum's order or TRL's, a pure function of the
 seed and the step either way, so a run resumes anywhere (docs/reliability.md).
 
-:class:`PromptOrderMixin` is the trainer's ``_get_train_sampler``: the curriculum sampler
+:class:`PromptOrder` is what the trainer's ``_get_train_sampler`` returns: the curriculum sampler
 (``sampler_factory=``, curricula/sampler.py) when one is configured, else
 :class:`EpochRepeatSampler`, TRL's ``RepeatSampler`` with the ``set_epoch`` transformers 5
 calls on resume (without it a run resumed in a later epoch replays epoch 0's order).
@@ -13,12 +13,14 @@ transformers' own call from reaching the sampler.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 from trl.trainer.utils import RepeatSampler
+
+from crystal_grpo.curricula.sampler import CurriculumSamplerFactory
 
 
 class EpochRepeatSampler(RepeatSampler):
@@ -74,37 +76,46 @@ class SamplerEpoch(TrainerCallback):
             self.sampler.set_epoch(math.floor(float(state.epoch or 0.0) + 1e-9))
 
 
-class PromptOrderMixin:
-    """``GRPOTrainer._get_train_sampler``: the curriculum (``sampler_factory=``, a
-    ``CurriculumSamplerFactory`` or any callable with its arguments) or TRL's order, with the
-    epoch a resumed run is in (:class:`SamplerEpoch`)."""
+class PromptOrder:
+    """What the trainer's ``_get_train_sampler`` returns: the curriculum (``sampler_factory=``, a
+    ``CurriculumSamplerFactory`` or any callable with its arguments) or TRL's order, with the epoch a
+    resumed run is in (:attr:`epoch`, a callback the trainer adds); and what a curriculum says of a
+    step (its pool, which dynamic sampling's refill draws from, and its record, which the log shows)."""
 
-    def __init__(self, *args: Any, sampler_factory: Callable | None = None, **kwargs: Any) -> None:
-        self.sampler_factory = sampler_factory
-        super().__init__(*args, **kwargs)
-        self.sampler_epoch = SamplerEpoch()
-        self.add_callback(self.sampler_epoch)
+    def __init__(self, factory: Callable | None) -> None:
+        self.factory = factory
+        self.epoch = SamplerEpoch()
+        #: The factory when it is a curriculum that keeps a pool and a record (None otherwise).
+        self.curriculum = factory if isinstance(factory, CurriculumSamplerFactory) else None
 
-    def _get_train_sampler(self, dataset=None):
-        if self.sampler_factory is None:  # TRL's order, with the epoch a resumed run is in
-            return self.sampler_epoch.track(EpochRepeatSampler.like(super()._get_train_sampler(dataset)))
-        return self.sampler_epoch.track(
-            self.sampler_factory(
-                dataset if dataset is not None else self.train_dataset,
-                mini_repeat_count=self.num_generations,
-                batch_size=self.args.generation_batch_size // self.num_generations,
-                repeat_count=self.num_iterations * self.args.steps_per_generation,
-                seed=self.args.seed,
-                steps_per_chunk=self.num_iterations
-                * self.args.steps_per_generation
-                / self.args.gradient_accumulation_steps,
+    def resumable(self, trl_sampler: RepeatSampler) -> EpochRepeatSampler:
+        """TRL's training sampler, made resumable mid-epoch."""
+        return self.epoch.track(EpochRepeatSampler.like(trl_sampler))
+
+    def curriculum_sampler(self, dataset: Any, args: Any, num_generations: int) -> Any:
+        """The curriculum's sampler over ``dataset`` with TRL's batch layout (``args``: the GRPOConfig)."""
+        repeat = args.num_iterations * args.steps_per_generation
+        return self.epoch.track(
+            self.factory(
+                dataset,
+                mini_repeat_count=num_generations,
+                batch_size=args.generation_batch_size // num_generations,
+                repeat_count=repeat,
+                seed=args.seed,
+                steps_per_chunk=repeat / args.gradient_accumulation_steps,
             )
         )
 
-    def curriculum_logs(self) -> dict[str, float]:
-        """``curriculum/*``: the curriculum's record of the chunk the last step trained on
-        (pacing, pool, what it held); empty without a curriculum that keeps one."""
-        if not hasattr(self.sampler_factory, "stats"):
+    def pool(self, step: int, size: int) -> Sequence[int]:
+        """The rows a refill may draw at optimizer step ``step``: the curriculum's pool then, or all ``size``."""
+        if self.curriculum is None or self.curriculum.sampler is None:
+            return range(size)
+        return self.curriculum.sampler.available(self.curriculum.chunk_at_step(step))
+
+    def logs(self, step: int) -> dict[str, float]:
+        """``curriculum/*``: the curriculum's record of the chunk optimizer step ``step`` trained on (pacing,
+        pool, what it held); empty without a curriculum."""
+        if self.curriculum is None:
             return {}
-        chunk = self.sampler_factory.chunk_at_step(self.state.global_step - 1)
-        return {f"curriculum/{k}": v for k, v in self.sampler_factory.stats(chunk).items()}
+        chunk = self.curriculum.chunk_at_step(step)
+        return {f"curriculum/{k}": v for k, v in self.curriculum.stats(chunk).items()}

@@ -19,8 +19,8 @@ from crystal_grpo.train.trainer.grpo_trainer import CrystalTrainerMixin
 
 
 class CrystalSFTTrainer(CrystalTrainerMixin, SFTTrainer):
-    """``SFTTrainer`` with the hooks every phase's trainer has: the non-finite guard,
-    checkpoint state and completion marker, Ctrl-C / SIGTERM, the model card."""
+    """``SFTTrainer`` with the pieces every phase's trainer has (train/trainer/grpo_trainer.py): the
+    non-finite guard, checkpoint state and completion marker, Ctrl-C / SIGTERM, the model card."""
 
     def __init__(self, *args, chat_template_kwargs: dict | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -1,13 +1,13 @@
-"""Step credit in the trainer: per-token advantages from the matched steps (``reward.step_credit``;
-docs/method.md section 6, "Step credit"; the steps' scores and places: rewards/step_credit.py).
+"""Step credit: per-token advantages from the matched steps (``reward.step_credit``; docs/method.md
+section 6, "Step credit"; the steps' scores and places: rewards/step_credit.py).
 
 TRL 1.16's ``_compute_loss`` takes ``(B, T)`` advantages. After the reward module's one evaluation,
-``_calculate_rewards`` scores each step, normalises the scores within groups over all processes and
-finds each step's tokens in ``completion_ids``; ``_generate_and_score_completions`` puts the batch
-field ``step_advantages`` (``(B, T)``: W x the step's term on its tokens, 0 elsewhere) beside TRL's
-``advantages``; ``_compute_loss`` adds the two. Kept apart until the loss because the term is the
-reasoning objective's alone (PCGrad, train/pcgrad/trainer.py) and dynamic sampling zeroes and pads it
-(train/trainer/dynamic_sampling.py). A completion whose steps cannot be found keeps its sequence
+:meth:`StepCredit.rows` scores each step, normalises the scores within groups over all processes and
+finds each step's tokens in ``completion_ids``; :func:`credit_tensor` makes the batch field
+``step_advantages`` (``(B, T)``: W x the step's term on its tokens, 0 elsewhere) that the trainer puts
+beside TRL's ``advantages`` and adds to them in the loss. Kept apart until the loss because the term is
+the reasoning objective's alone (PCGrad, train/pcgrad/trainer.py) and dynamic sampling zeroes and pads
+it (train/trainer/dynamic_sampling.py). A completion whose steps cannot be found keeps its sequence
 advantage and is counted (``step_credit/fallback_rate``).
 """
 
@@ -17,6 +17,7 @@ import os
 import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +32,6 @@ from crystal_grpo.rewards.step_credit import (
     step_char_spans,
     step_terms,
 )
-from crystal_grpo.train.config.trl_fields import step_credit_refused
 
 #: The batch field of the per-token step term (``(B, T)``, float32).
 STEP_FIELD = "step_advantages"
@@ -107,66 +107,38 @@ def credit_tensor(rows: Sequence[RowCredit | None], width: int) -> torch.Tensor:
     return out
 
 
-class StepCreditMixin:
-    """The hooks of ``reward.step_credit`` for ``GRPOTrainer`` (module docstring). Before
-    :class:`~crystal_grpo.train.trainer.reward_hooks.RewardModuleMixin` (it reads the evaluation
-    that leaves) and dynamic sampling (whose loss scale then applies to the whole per-token advantage)."""
+def with_step_term(advantages: torch.Tensor, step: torch.Tensor | None) -> torch.Tensor:
+    """``advantages`` (``(B,)`` or ``(B, T)``) plus the per-token step term (``(B, T)``), or as they are."""
+    if step is None:
+        return advantages
+    return (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages) + step
 
-    _step_credit_rows: list[RowCredit | None] | None = None
 
-    def setup_step_credit(self) -> None:
-        """Check step credit against TRL's settings (after TRL's ``__init__``)."""
-        if self.step_credit_weight:
-            refused = step_credit_refused(self.importance_sampling_level, self.loss_type)
-            if refused:
-                raise ValueError(f"{refused[0]}: {refused[1]}")
+@dataclass
+class StepCredit:
+    """The credit of one generation round's steps (module docstring). ``weight``: W; ``tokenizer``
+    reads each completion's ids; ``accelerator`` gathers the step statistics of every process."""
 
-    @property
-    def step_credit_weight(self) -> float:
-        """W of the reward module's step credit; 0: off (or no reward module)."""
-        reward = getattr(self, "reward", None)
-        return reward.step_credit.weight if reward is not None else 0.0
+    weight: float
+    tokenizer: Any
+    accelerator: Any
+    scale_rewards: Any
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.step_credit_weight:
-            self._step_credit_rows = self._credit_rows(self.last_scored, prompts, completion_ids_list)
-        return rewards
-
-    def _credit_rows(self, scored: Scored, prompts: list, completion_ids: list) -> list[RowCredit | None]:
-        """This process's completions' credit (W included); the group statistics over all processes' steps."""
+    def rows(
+        self, scored: Scored, prompts: list, completion_ids: list, group_size: int
+    ) -> tuple[list[RowCredit | None], dict[str, float]]:
+        """This process's completions' credit (W included; the group statistics over all processes'
+        steps, in groups of ``group_size``), and what it logs (``step_credit/<name>``)."""
         start = time.perf_counter()
         scores = scored_step_scores(scored, [prompt_text(p) for p in prompts])
-        n, rank, weight = len(scores), self.accelerator.process_index, self.step_credit_weight
+        n, rank = len(scores), self.accelerator.process_index
         everyone = self.accelerator.gather(moments(scores).to(self.accelerator.device)).cpu()
-        size = self.num_generations if self.model.training else self.num_generations_eval
-        mean, factor = credit_scale(everyone, torch.arange(len(everyone)) // size, self.scale_rewards)
-        terms = step_terms(scores, mean[rank * n : (rank + 1) * n], weight * factor[rank * n : (rank + 1) * n])
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        mean, factor = credit_scale(everyone, torch.arange(len(everyone)) // group_size, self.scale_rewards)
+        terms = step_terms(scores, mean[rank * n : (rank + 1) * n], self.weight * factor[rank * n : (rank + 1) * n])
         rows = [
-            row_credit(tokenizer, ids, parsed.steps, t) if t else []
+            row_credit(self.tokenizer, ids, parsed.steps, t) if t else []
             for parsed, ids, t in zip(scored.parsed, completion_ids, terms)
         ]
         metrics = credit_metrics(rows, sum(map(len, completion_ids)))
         metrics["seconds"] = time.perf_counter() - start
-        for name, value in metrics.items():
-            self._log_metric(f"step_credit/{name}", value)
-        return rows
-
-    def _generate_and_score_completions(self, inputs):
-        out = super()._generate_and_score_completions(inputs)
-        rows, self._step_credit_rows = self._step_credit_rows, None
-        if rows is not None:
-            ids = out["completion_ids"]
-            out[STEP_FIELD] = credit_tensor(rows, ids.shape[1]).to(ids.device)
-        return out
-
-    def _compute_loss(self, model, inputs):
-        """TRL's loss on ``advantages + step_advantages`` (``(B, T)``) when the batch has a step term."""
-        step = inputs.get(STEP_FIELD)
-        if step is None:
-            return super()._compute_loss(model, inputs)
-        adv = inputs["advantages"]
-        return super()._compute_loss(
-            model, {**inputs, "advantages": (adv.unsqueeze(1) if adv.dim() == 1 else adv) + step}
-        )
+        return rows, metrics

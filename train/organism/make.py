@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from crystal_grpo.train.data.splits import SYSTEM_PROMPT, build_prompt, render_target
+from crystal_grpo.train.models.tokenizer import train_byte_level_bpe
 from crystal_grpo.train.organism.task import Layout, SplitSizes, TaskSpec, make_split, write_splits, wrong_share
 
 PAD, BOS_TURN, EOS = "<|pad|>", "<|im_start|>", "<|im_end|>"
@@ -77,25 +78,7 @@ def corpus(spec: TaskSpec) -> Iterable[str]:
 
 def train_tokenizer(spec: TaskSpec, vocab_size: int):
     """A ``tokenizers.Tokenizer``: byte-level BPE (every string encodes), single-digit tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=[PAD, BOS_TURN, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus(spec), trainer=trainer)
-    return tok
+    return train_byte_level_bpe(corpus(spec), PRETOKENIZE_REGEX, [PAD, BOS_TURN, EOS], vocab_size)
 
 
 def hf_tokenizer(tok):

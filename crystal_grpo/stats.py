@@ -11,14 +11,15 @@ how many seeds a difference of the observed size would need, and :func:`detectab
 the smallest difference a planned number of seeds can find (a power analysis before a sweep).
 With 5-10 seeds an arm the normal theory behind Welch is a hope: :func:`permutation_test` is exact
 on the per-seed values, and :func:`fisher_test` / :func:`fisher_power` read a per-seed yes/no outcome
-(does this run hold the chain?) by Fisher's exact test.
+(does this run hold the chain?) by Fisher's exact test. :func:`contrast_rows` reads a sweep's
+pre-registered contrasts with them, Holm-corrected within each family.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -225,3 +226,64 @@ def holm(pvalues: Sequence[float | None]) -> list[float | None]:
         running = max(running, min(1.0, (len(known) - rank) * p))
         out[i] = running
     return out
+
+
+def finite_mean(xs: Iterable[float | None]) -> float:
+    """The mean of the finite values of ``xs`` (NaN when there is none)."""
+    ys = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(ys) / len(ys) if ys else math.nan
+
+
+def contrast_rows(
+    contrasts: Sequence[Mapping[str, str]], seeds_of: Callable[[str], Mapping[str, list]], alpha: float = 0.05
+) -> list[dict]:
+    """Pre-registered contrasts (b minus a over the per-seed values; ``seeds_of(eval)`` gives each arm's
+    runs by variant, as train/organism/step_diagnosis.py's ``per_seed``), Holm-corrected within each
+    ``family``. A Welch contrast has its t-interval at 95% and at 1 - alpha/m (Bonferroni over the
+    family's m contrasts: simultaneous, so it covers what Holm rejects), the exact permutation p beside
+    Welch's, and the seeds per arm a difference of its size needs at alpha/m (Holm's first threshold). A
+    Fisher contrast reads a yes/no number per seed (a run holds the chain or not): the counts, each
+    rate's exact interval at 1 - alpha/m, and Fisher's exact p."""
+    cache: dict[str, Mapping[str, list]] = {}
+    sizes = {f: sum(c.get("family", "primary") == f for c in contrasts) for f in _families(contrasts)}
+    rows = []
+    for c in contrasts:
+        family = c.get("family", "primary")
+        level = alpha / sizes[family]
+        seeds = cache.setdefault(c["eval"], seeds_of(c["eval"]))
+        a, b = (
+            [run[c["variant"]][c["metric"]] for run in seeds.get(arm, []) if c["variant"] in run]
+            for arm in (c["a"], c["b"])
+        )
+        row = {**c, "family": family, "test": c.get("test", "welch"), "seeds": (len(a), len(b))}
+        row.update({"mean_a": finite_mean(a), "mean_b": finite_mean(b), "m": sizes[family], "alpha_adjusted": level})
+        if row["test"] == "fisher":
+            test = fisher_test(a, b, level)
+            row.update(
+                diff=test.diff, p=test.p, yes=(test.yes_a, test.yes_b), rate_a=test.interval_a, rate_b=test.interval_b
+            )
+            row["seeds_needed"] = _rate_seeds_needed(row["mean_a"], row["mean_b"], level)
+        else:
+            test, wide = seed_test(a, b), seed_test(a, b, level)
+            row.update(diff=test.diff, low=test.low, high=test.high, p=test.p, p_perm=permutation_test(a, b))
+            row.update(low_adjusted=wide.low, high_adjusted=wide.high, seeds_needed=wide.seeds_needed)
+        rows.append(row)
+    for family in sizes:
+        members = [r for r in rows if r["family"] == family]
+        for row, adjusted in zip(members, holm([r["p"] for r in members])):
+            row["p_holm"] = adjusted
+    return rows
+
+
+def _families(contrasts: Sequence[Mapping]) -> list[str]:
+    return list(dict.fromkeys(c.get("family", "primary") for c in contrasts))
+
+
+def _rate_seeds_needed(rate_a: float, rate_b: float, alpha: float, power: float = 0.8) -> int | None:
+    """Seeds per arm to tell two rates apart (the arcsine approximation; with 0 or 1 it is rough)."""
+    from scipy.stats import norm
+
+    if not (math.isfinite(rate_a) and math.isfinite(rate_b)) or rate_a == rate_b:
+        return None
+    h = abs(2 * math.asin(math.sqrt(rate_b)) - 2 * math.asin(math.sqrt(rate_a)))
+    return max(2, math.ceil(((norm.ppf(1 - alpha / 2) + norm.ppf(power)) / h) ** 2))
