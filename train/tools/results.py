@@ -27,6 +27,7 @@ from crystal_grpo.train.organism.step_diagnosis import (
     BINARY,
     LABELS,
     SUMMARY,
+    across_seeds,
     contrasts_markdown,
     per_seed_named,
 )
@@ -144,8 +145,9 @@ def _num(x: float, f: str = ".3f") -> str:
     return "-" if x is None or not math.isfinite(x) else format(x, f)
 
 
-def _values(rows, folder: str, arm: str, variant: str, key: str) -> list[float]:
-    runs = seeds_by_arm(rows, folder).get(arm, [])
+def _values(runs_by_arm: Mapping[str, list], arm: str, variant: str, key: str) -> list[float]:
+    """One number of each seed of ``arm`` (from :func:`seeds_by_arm`), the non-finite left out."""
+    runs = runs_by_arm.get(arm, [])
     return [run[variant][key] for run in runs if variant in run and math.isfinite(run[variant][key])]
 
 
@@ -154,10 +156,11 @@ def hold_table(experiment: Experiment, rows: Sequence[Mapping]) -> str:
     exact 95% interval."""
     head = [f"{experiment.axis} = {v}" for v in experiment.values]
     lines = ["| reward | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    greedy = seeds_by_arm(rows, "eval_greedy")
     for method, label in experiment.methods.items():
         cells = []
         for v in experiment.values:
-            xs = _values(rows, "eval_greedy", experiment.arm(method, v), "hinted", "holds")
+            xs = _values(greedy, experiment.arm(method, v), "hinted", "holds")
             if not xs:
                 cells.append("-")
                 continue
@@ -185,14 +188,14 @@ def metrics_table(experiment: Experiment, rows: Sequence[Mapping], value: str) -
         for e, v, k in METRICS
     ]
     lines = ["| reward | seeds | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
+    runs_by_arm = {e: seeds_by_arm(rows, e) for e in dict.fromkeys(e for e, _, _ in METRICS)}
     for method, label in experiment.methods.items():
         arm = experiment.arm(method, value)
-        cells, seeds = [], 0
+        summary = {e: across_seeds(runs.get(arm, [])) for e, runs in runs_by_arm.items()}
+        seeds = max(len(_values(runs_by_arm[e], arm, v, k)) for e, v, k in METRICS)
+        cells = []
         for e, v, k in METRICS:
-            xs = _values(rows, e, arm, v, k)
-            seeds = max(seeds, len(xs))
-            mu = sum(xs) / len(xs) if xs else math.nan
-            sd = math.sqrt(sum((x - mu) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else math.nan
+            mu, sd = summary[e].get(v, {}).get(k, (math.nan, math.nan))
             cells.append(_num(mu) + (f" ± {sd:.3f}" if math.isfinite(sd) else ""))
         if seeds:
             lines.append(f"| {label} | {seeds} | " + " | ".join(cells) + " |")
@@ -267,11 +270,12 @@ def figure(experiment: Experiment, rows: Sequence[Mapping], path: Path) -> Path:
     methods = [m for m in experiment.methods if any(r["arm"].startswith(m + "_") for r in rows)]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.55 * len(methods) + 1.6), sharey=True)
     width = 0.8 / len(experiment.values)
+    greedy = seeds_by_arm(rows, "eval_greedy")
     for k, v in enumerate(experiment.values):
         ys, rates, lows, highs, dots_x, dots_y = [], [], [], [], [], []
         for i, m in enumerate(methods):
-            xs = _values(rows, "eval_greedy", experiment.arm(m, v), "hinted", "holds")
-            copies = _values(rows, "eval_greedy", experiment.arm(m, v), "hinted", "copies_hint")
+            xs = _values(greedy, experiment.arm(m, v), "hinted", "holds")
+            copies = _values(greedy, experiment.arm(m, v), "hinted", "copies_hint")
             y = i + (k - (len(experiment.values) - 1) / 2) * width
             dots_x += copies
             dots_y += [y] * len(copies)
