@@ -23,6 +23,7 @@ import torch
 
 from crystal_grpo.train.benchmarks.pcgrad import (
     COMP_LEN,
+    MEASURING,
     N_GLOBAL,
     AllocationPeak,
     HashReward,
@@ -299,17 +300,8 @@ def run_cases(mode: str, model_path: str, out_file: str, cases: list[str], workd
             lr_scheduler_type="constant",
             max_grad_norm=0.0,
             beta=beta,
-            loss_type="grpo",
-            scale_rewards="group",
-            bf16=False,
-            gradient_checkpointing=False,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=1,
-            disable_tqdm=True,
-            seed=0,
             max_completion_length=COMP_LEN,
-            remove_unused_columns=False,
+            **MEASURING,
             **extra,
         )
         trainer = FixedBatchTrainer(

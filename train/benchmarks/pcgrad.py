@@ -35,6 +35,20 @@ if TYPE_CHECKING:  # torch loads with the first measurement: --help answers at o
 
 N_GLOBAL, PROMPT_LEN, COMP_LEN = 8, 6, 5
 LENGTHS = [5, 3, 4, 5, 2, 5, 4, 1]
+#: The GRPOConfig settings every PCGrad measurement shares: TRL's plain loss, no logging or saving
+#: beyond each step's numbers, one seed, fp32 without recomputation.
+MEASURING = dict(
+    loss_type="grpo",
+    scale_rewards="group",
+    bf16=False,
+    gradient_checkpointing=False,
+    report_to="none",
+    save_strategy="no",
+    logging_steps=1,
+    disable_tqdm=True,
+    seed=0,
+    remove_unused_columns=False,
+)
 
 
 class HashReward(RewardModule):
@@ -226,17 +240,8 @@ def memory_case(
         lr_scheduler_type="constant",
         max_grad_norm=1.0,
         beta=beta,
-        loss_type="grpo",
-        scale_rewards="group",
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
         max_completion_length=COMP_LEN,
-        remove_unused_columns=False,
+        **MEASURING,
         **extra,
     )
     trainer = fixed_batch_trainer(load_trainer_class(pcgrad, module_file), batch)(
@@ -393,18 +398,9 @@ def run_one(setting: str, mode: str, a: argparse.Namespace) -> dict:
         max_steps=steps,
         learning_rate=1e-5,
         beta=a.beta,
-        loss_type="grpo",
-        scale_rewards="group",
         temperature=0.9,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-        remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(),
+        **MEASURING,
     )
     peft = None
     if setting == "lora":
